@@ -113,7 +113,8 @@ def write_checkpoint(folder: Path, tensors: list[OutputTensor], max_shard_size: 
                 os.close(fd)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise Mha2GqaError(f"disk full while writing {folder.parent}: free {total / 2**30:.2f} GiB or choose another DST") from None
+            need = tqdm.format_sizeof(total, "B", 1024)
+            raise Mha2GqaError(f"disk full while writing {folder.parent}: the output needs {need}; free space or choose another DST") from None
         raise
     finally:
         bar.close()

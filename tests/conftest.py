@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random checkpoints of every supported family, built offline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+
+#: family -> (model_type, extra config) for a tiny model; 4 query heads unless given.
+FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {"attention_bias": True}),
+    "mistral": ("mistral", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 8}),
+    "gemma": ("gemma", {"head_dim": 16}),
+    "phi": ("phi", {"partial_rotary_factor": 0.5}),
+    "phi3": ("phi3", {}),
+    "stablelm": ("stablelm", {"qk_layernorm": True, "use_qkv_bias": True}),
+    "olmo": ("olmo", {"clip_qkv": 8.0}),
+    "olmo2": ("olmo2", {}),
+    "starcoder2": ("starcoder2", {"use_bias": True}),
+}
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import AutoConfig
+
+    model_type, extra = FAMILY_CONFIGS[family]
+    kwargs = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def random_model(config, seed: int = 0):
+    """A model from ``config`` with every parameter random (biases and norms too), in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    return model
+
+
+def save(model, folder: Path, shard: str | None = None) -> Path:
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(family, sharded=False, **config)`` -> folder, built once per session."""
+    cache: dict[tuple, Path] = {}
+
+    def build(family: str, sharded: bool = False, **overrides) -> Path:
+        key = (family, sharded, tuple(sorted(overrides.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"{family}-src")
+            save(random_model(tiny_config(family, **overrides)), folder, "20KB" if sharded else None)
+            cache[key] = folder
+        return cache[key]
+
+    return build
+
+
+def load(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def requires_fixtures(*names: str):
+    missing = [n for n in names if not (FIXTURES / n).exists()]
+    return pytest.mark.skipif(bool(missing), reason=f"shared fixtures absent: {missing}")

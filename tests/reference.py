@@ -1,0 +1,50 @@
+"""A deliberately simple in-memory MHA -> GQA conversion, written independently of the library,
+for differential tests: load the whole state dict, loop over layers and groups, stack, pool."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_convert(state: dict[str, torch.Tensor], config: dict, layout: dict, groups: int, method: str) -> dict[str, torch.Tensor]:
+    """``layout``: ``k``/``v`` (or ``qkv``) module templates, ``k_norm`` and its ``k_norm_layout``."""
+    h = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or h
+    d = config.get("head_dim") or config["hidden_size"] // h
+    per = kv // groups
+    out = dict(state)
+
+    def pool(heads: list[torch.Tensor]) -> torch.Tensor:
+        if method == "first":
+            return heads[0]
+        return torch.stack([x.to(torch.float32) for x in heads]).mean(dim=0).to(heads[0].dtype)
+
+    def pool_rows(t: torch.Tensor) -> torch.Tensor:
+        heads = [t[i * d : (i + 1) * d] for i in range(kv)]
+        return torch.cat([pool(heads[j * per : (j + 1) * per]) for j in range(groups)])
+
+    for layer in range(config["num_hidden_layers"]):
+        for key in ("k", "v", "qkv"):
+            if key not in layout:
+                continue
+            for suffix in (".weight", ".bias"):
+                name = layout[key].format(layer=layer) + suffix
+                if name not in state:
+                    continue
+                if key == "qkv":
+                    t = state[name]
+                    q, k, v = t[: h * d], t[h * d : (h + kv) * d], t[(h + kv) * d :]
+                    out[name] = torch.cat([q, pool_rows(k), pool_rows(v)])
+                else:
+                    out[name] = pool_rows(state[name])
+        norm = layout.get("k_norm")
+        if norm and layout["k_norm_layout"] == "rows":
+            name = norm.format(layer=layer)
+            out[name] = pool_rows(state[name])
+        elif norm and layout["k_norm_layout"] == "indexed":
+            names = [norm.format(layer=layer, head=i) for i in range(kv)]
+            for j in range(kv):
+                del out[names[j]]
+            for j in range(groups):
+                out[names[j]] = pool([state[n] for n in names[j * per : (j + 1) * per]])
+    return out

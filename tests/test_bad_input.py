@@ -1,0 +1,211 @@
+"""Every bad input: one clear line, a non-zero exit, and nothing left behind."""
+
+import errno
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import random_model, tiny_config
+
+from mha2gqa.cli import main
+
+
+@pytest.fixture
+def src(tiny_checkpoint, tmp_path):
+    """A private copy of a tiny Llama (4 heads, 2 layers) that a test may damage."""
+    folder = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("llama"), folder)
+    return folder
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_refused(result, pattern, parent):
+    assert result.exit_code == 1, result.output
+    lines = [ln for ln in result.output.strip().splitlines() if not ln.startswith("writing:")]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    assert "Traceback" not in result.output
+    import re
+
+    assert re.search(pattern, lines[0]), lines[0]
+    leftovers = [p.name for p in parent.iterdir() if p.name.startswith(".")]
+    assert not leftovers, leftovers
+
+
+def rewrite_header(path, edit):
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    ("g", "pattern"),
+    [(3, r"--num-kv-heads 3 is not valid .* 4 KV heads: choose a divisor of 4 \(1, 2, 4\)"),
+     (8, r"--num-kv-heads 8 is not valid"), (0, r"--num-kv-heads 0 is not valid")],
+)  # fmt: skip
+def test_bad_group_count(src, tmp_path, g, pattern):
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", g), pattern, tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_family(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"unsupported model family \(GPT2LMHeadModel\); supported: .*Qwen2ForCausalLM", tmp_path)
+
+
+def test_missing_tensor(src, tmp_path):
+    rewrite_header(src / "model.safetensors", lambda h: h.pop("model.layers.1.self_attn.v_proj.weight"))
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"1 tensors the config needs are missing: model.layers.1.self_attn.v_proj.weight", tmp_path)
+
+
+def test_extra_tensor(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"tensors the config does not describe: model.layers.1\.", tmp_path)
+
+
+def test_shape_mismatch(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["head_dim"] = 4
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"tensors have the wrong shape, e.g. model.layers.0.self_attn.k_proj.bias is \[32\], the config says \[16\]", tmp_path)
+
+
+def test_truncated_safetensors(src, tmp_path):
+    path = src / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"model.safetensors: data ends at byte \d+ but the file has \d+ bytes \(truncated\)", tmp_path)
+
+
+def test_corrupt_safetensors(src, tmp_path):
+    path = src / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[8:20] = b"not json!!!!"
+    path.write_bytes(bytes(raw))
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"model.safetensors: header is not valid JSON", tmp_path)
+
+
+def test_missing_config(src, tmp_path):
+    (src / "config.json").unlink()
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"no config.json \(is this a Hugging Face model folder\?\)", tmp_path)
+
+
+def test_missing_weights(src, tmp_path):
+    (src / "model.safetensors").unlink()
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"no model.safetensors or model.safetensors.index.json", tmp_path)
+
+
+def test_no_such_source(tmp_path):
+    assert_refused(run_cli("convert", tmp_path / "nope", tmp_path / "out", "-g", 2), r"nope: no such folder", tmp_path)
+
+
+def test_hub_id_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    result = run_cli("convert", "meta-llama/Llama-2-7b-hf", tmp_path / "out", "-g", 8)
+    assert result.exit_code == 1 and "the Hugging Face hub cannot be reached" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_dst(src, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_refused(run_cli("convert", src, blocker / "out", "-g", 2), r"cannot write next to DST .*file/out", tmp_path)
+
+
+def test_dst_is_a_file(src, tmp_path):
+    (tmp_path / "out").write_text("x")
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"exists and is not a folder", tmp_path)
+
+
+def test_dst_is_src(src, tmp_path):
+    assert_refused(run_cli("convert", src, src, "-g", 2, "--overwrite"), r"is \(or contains\) the source model", tmp_path)
+    assert_refused(run_cli("convert", src, tmp_path, "-g", 2, "--overwrite"), r"is \(or contains\) the source model", tmp_path)
+    assert (src / "model.safetensors").is_file()
+
+
+def test_existing_output_needs_overwrite(src, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    assert_refused(run_cli("convert", src, out, "-g", 2), r"exists and is not empty: pass --overwrite", tmp_path)
+    assert (out / "keep.txt").read_text() == "precious"
+    result = run_cli("convert", src, out, "-g", 2, "--overwrite", "-q")
+    assert result.exit_code == 0, result.output
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_empty_existing_output_is_fine(src, tmp_path):
+    (tmp_path / "out").mkdir()
+    assert run_cli("convert", src, tmp_path / "out", "-g", 2, "-q").exit_code == 0
+
+
+def test_disk_full_mid_write_removes_the_temp_folder(src, tmp_path, monkeypatch):
+    import mha2gqa.convert.writer as writer
+
+    real = writer._write_tensor
+    calls = []
+
+    def failing(fd, t):
+        calls.append(t.name)
+        if len(calls) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, t)
+
+    monkeypatch.setattr(writer, "_write_tensor", failing)
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"disk full while writing .*: the output needs \d+(\.\d+)?kB; free space or choose another DST", tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pickle_needs_allow_pickle(tmp_path):
+    model = random_model(tiny_config("llama"))
+    src = tmp_path / "src"
+    model.save_pretrained(src, safe_serialization=False) if _can_save_pickle() else _save_pickle(model, src)
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"only PyTorch pickle weights \(.bin\) found; .*--allow-pickle", tmp_path)
+    result = run_cli("convert", src, tmp_path / "out", "-g", 4, "--allow-pickle", "-q")
+    assert result.exit_code == 0, result.output
+    from safetensors.torch import load_file
+
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    for name, p in model.state_dict().items():
+        if name in got:
+            assert torch.equal(got[name], p), name
+
+
+def _can_save_pickle() -> bool:
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    return "safe_serialization" in inspect.signature(PreTrainedModel.save_pretrained).parameters
+
+
+def _save_pickle(model, folder):
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings}
+    torch.save(state, folder / "pytorch_model.bin")
+
+
+def test_quantized_checkpoint_is_refused(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"quantized checkpoint \(gptq\); convert the unquantized model", tmp_path)
+
+
+def test_unknown_method_is_a_usage_error(src, tmp_path):
+    result = run_cli("convert", src, tmp_path / "out", "-g", 2, "--method", "magic")
+    assert result.exit_code == 2 and "'magic' is not one of" in result.output

@@ -1,0 +1,62 @@
+import json
+
+import pytest
+import torch
+from conftest import FAMILY_CONFIGS, tiny_config
+
+from mha2gqa.convert.families import AttentionDims, detect_family, families, parse_family
+from mha2gqa.errors import Mha2GqaError
+
+
+def test_every_family_has_a_tiny_model_in_the_tests():
+    assert set(families()) == set(FAMILY_CONFIGS)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_every_name_in_a_definition_exists_in_the_real_model(family):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    with torch.device("meta"):
+        names = set(AutoModelForCausalLM.from_config(config).state_dict())
+    fam = families()[family]
+    for layer in range(config.num_hidden_layers):
+        for module in fam.modules():
+            assert module.format(layer=layer) + ".weight" in names
+        for norm in (fam.q_norm, fam.k_norm):
+            if norm is not None:
+                assert norm.name.format(layer=layer, head=0) in names
+    assert detect_family(json.loads(config.to_json_string())) is fam
+
+
+def test_unknown_keys_in_a_definition_are_an_error():
+    good = {"family": "x", "description": "d", "architectures": ["X"], "model_types": ["x"],
+            "attention": {"q_proj": "l.{layer}.q", "k_proj": "l.{layer}.k", "v_proj": "l.{layer}.v", "o_proj": "l.{layer}.o"}}  # fmt: skip
+    assert parse_family(good).family == "x"
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_family({**good, "kv_proj": "typo"})
+    with pytest.raises(ValueError, match="'attention' takes only"):
+        parse_family({**good, "attention": {**good["attention"], "k_prj": "l.{layer}.k"}})
+    with pytest.raises(ValueError, match="either 'qkv_proj'"):
+        parse_family({**good, "attention": {**good["attention"], "qkv_proj": "l.{layer}.qkv"}})
+    with pytest.raises(ValueError, match="layout"):
+        parse_family({**good, "k_norm": {"name": "l.{layer}.kn", "layout": "weird"}})
+    with pytest.raises(ValueError, match="'{head}' must appear"):
+        parse_family({**good, "k_norm": {"name": "l.{layer}.kn", "layout": "indexed"}})
+
+
+def test_unknown_family_is_refused_with_the_supported_list():
+    with pytest.raises(Mha2GqaError, match=r"unsupported model family \(GPT2LMHeadModel\); supported: .*LlamaForCausalLM"):
+        detect_family({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+
+
+def test_dims_head_dim_and_kv_cache_by_hand():
+    llama2 = {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}
+    dims = AttentionDims.from_config(llama2)
+    assert (dims.num_kv_heads, dims.head_dim) == (32, 128)
+    assert dims.kv_cache_bytes_per_token(32, 2) == 524_288
+    assert dims.kv_cache_bytes_per_token(8, 2) == 131_072
+    gemma7b = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_size": 3072, "head_dim": 256}
+    assert AttentionDims.from_config(gemma7b).head_dim == 256
+    with pytest.raises(Mha2GqaError, match="num_hidden_layers"):
+        AttentionDims.from_config({"num_attention_heads": 4, "hidden_size": 8})
