@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -19,7 +20,7 @@ from mha2gqa.convert.checkpoint import AUX_FILES, Checkpoint, open_checkpoint
 from mha2gqa.convert.families import AttentionDims, Family, detect_family
 from mha2gqa.convert.pooling import METHODS, Reducer, reduce_rows, reduce_stacked, split_fused_qkv
 from mha2gqa.convert.safetensors_io import DTYPES, TensorInfo
-from mha2gqa.convert.validate import check_tensors
+from mha2gqa.convert.validate import check_tensors, expected_tensors
 from mha2gqa.convert.writer import OutputTensor, staged_output, write_checkpoint
 from mha2gqa.errors import Mha2GqaError
 
@@ -174,6 +175,38 @@ def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
+class _Checks:
+    """Validate source and planned output against transformers' own model classes (built on the
+    meta device) in a background thread, so the ~2 s of importing transformers overlaps the
+    first copies. ``poll`` raises as soon as a check fails; ``wait`` blocks until both ran."""
+
+    def __init__(self, ckpt: Checkpoint, tensors: list[OutputTensor], new_config: dict[str, Any]) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mha2gqa-check")
+        self._done = False
+        source = {name: info.shape for name, info in ckpt.tensors.items()}
+        output = {t.name: t.shape for t in tensors}
+        self._future = self._pool.submit(self._run, source, ckpt.config, str(ckpt.folder), output, new_config)
+
+    @staticmethod
+    def _run(source: dict, config: dict, what: str, output: dict, new_config: dict) -> None:
+        check_tensors(source, expected_tensors(config), what)
+        check_tensors(output, expected_tensors(new_config), "converted model (internal error)")
+
+    def poll(self) -> None:
+        if not self._done and self._future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        self._future.result()
+        self._done = True
+
+    def __enter__(self) -> _Checks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -185,6 +218,7 @@ def convert_checkpoint(
     allow_pickle: bool = False,
     revision: str | None = None,
     progress: bool = True,
+    fsync: bool = False,
 ) -> ConversionResult:
     """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``.
 
@@ -198,12 +232,10 @@ def convert_checkpoint(
     family = detect_family(ckpt.config)
     dims = AttentionDims.from_config(ckpt.config)
     check_num_kv_heads(dims, num_kv_heads)
-    present = {name: info.shape for name, info in ckpt.tensors.items()}
-    check_tensors(present, ckpt.config, f"{ckpt.folder}")
     tensors = plan_conversion(ckpt, family, dims, num_kv_heads, method)
     new_config = dict(ckpt.config)
     new_config["num_key_value_heads"] = num_kv_heads
-    check_tensors({t.name: t.shape for t in tensors}, new_config, "converted model (internal error)")
+    checks = _Checks(ckpt, tensors, new_config)
 
     kv_dtype = _kv_dtype(ckpt, family)
     esize = DTYPES[kv_dtype][1]
@@ -230,8 +262,9 @@ def convert_checkpoint(
         "conversion": conversion,
     }
     dst = Path(dst)
-    with staged_output(dst, overwrite=overwrite, protect=ckpt.folder) as tmp:
-        written = write_checkpoint(tmp, tensors, max_shard_size, progress=progress)
+    with checks, staged_output(dst, overwrite=overwrite, protect=ckpt.folder) as tmp:
+        written = write_checkpoint(tmp, tensors, max_shard_size, progress=progress, fsync=fsync, after_each=checks.poll)
+        checks.wait()
         (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
         for name in AUX_FILES:
             if (ckpt.folder / name).is_file():

@@ -91,13 +91,17 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raise Mha2GqaError(f"{path}: tensor {name!r} byte range does not match its shape; {hint}")
         tensors[name] = TensorInfo(name, dtype, shape, path, base + lo, base + hi)
     spans = sorted((t.start, t.end) for t in tensors.values())
-    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-        raise Mha2GqaError(f"{path}: tensors overlap in the data section; {hint}")
-    end = spans[-1][1] if spans else base
-    if end > size:
+    pos = base
+    for lo, hi in spans:  # safetensors requires the data to be contiguous, in header order or not
+        if lo != pos:
+            raise Mha2GqaError(f"{path}: tensor data is not contiguous at byte {pos}; {hint}")
+        pos = hi
+    if pos > size:
         raise Mha2GqaError(
-            f"{path}: data ends at byte {end} but the file has {size} bytes (truncated); {hint}"
+            f"{path}: data ends at byte {pos} but the file has {size} bytes (truncated); {hint}"
         )
+    if pos < size:
+        raise Mha2GqaError(f"{path}: {size - pos} unexpected bytes after the data; {hint}")
     return tensors, metadata
 
 

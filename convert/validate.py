@@ -7,6 +7,7 @@ device (no memory, no weights), so the check follows transformers exactly for ev
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,8 +18,18 @@ from mha2gqa.errors import Mha2GqaError
 _IGNORABLE = (re.compile(r"\.rotary_emb\.inv_freq$"), re.compile(r"\.attn\.(masked_)?bias$"))
 
 
-def expected_tensors(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], set[str], list[re.Pattern[str]]]:
-    """``(name -> shape, tied names that may be absent, ignorable patterns)`` for ``config``."""
+@dataclass(frozen=True)
+class Expected:
+    """What a config's model holds: shapes by name, tied names that may be absent from a
+    checkpoint, and name patterns transformers ignores when loading."""
+
+    shapes: dict[str, tuple[int, ...]]
+    tied: set[str]
+    ignore: list[re.Pattern[str]]
+
+
+def expected_tensors(config: dict[str, Any]) -> Expected:
+    """The :class:`Expected` tensors of the model ``config`` describes (built on ``meta``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -35,13 +46,13 @@ def expected_tensors(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]]
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     ignore = [re.compile(p) for p in (model._keys_to_ignore_on_load_unexpected or [])]
-    return shapes, tied, [*ignore, *_IGNORABLE]
+    return Expected(shapes, tied, [*ignore, *_IGNORABLE])
 
 
-def check_tensors(present: dict[str, tuple[int, ...]], config: dict[str, Any], what: str) -> None:
-    """Raise a one-line :class:`Mha2GqaError` when ``present`` (name -> shape) does not match the
-    model that ``config`` describes: missing tensors, extra tensors or shape mismatches."""
-    shapes, tied, ignore = expected_tensors(config)
+def check_tensors(present: dict[str, tuple[int, ...]], expected: Expected, what: str) -> None:
+    """Raise a one-line :class:`Mha2GqaError` when ``present`` (name -> shape) does not match
+    ``expected``: missing tensors, extra tensors or shape mismatches."""
+    shapes, tied, ignore = expected.shapes, expected.tied, expected.ignore
     missing = sorted(k for k in shapes if k not in present and k not in tied)
     extra = sorted(k for k in present if k not in shapes and not any(p.search(k) for p in ignore))
     wrong = sorted(k for k in present if k in shapes and shapes[k] != present[k])

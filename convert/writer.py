@@ -90,8 +90,19 @@ def _write_tensor(fd: int, t: OutputTensor) -> None:
     _write_all(fd, memoryview(raw))
 
 
-def write_checkpoint(folder: Path, tensors: list[OutputTensor], max_shard_size: int | str, progress: bool = True) -> WrittenCheckpoint:
-    """Write ``tensors`` as safetensors shards (plus an index when sharded) into ``folder``."""
+def write_checkpoint(
+    folder: Path,
+    tensors: list[OutputTensor],
+    max_shard_size: int | str,
+    progress: bool = True,
+    fsync: bool = False,
+    after_each: Callable[[], None] | None = None,
+) -> WrittenCheckpoint:
+    """Write ``tensors`` as safetensors shards (plus an index when sharded) into ``folder``.
+
+    ``fsync`` flushes each shard to disk before the next (durable against power loss, slower);
+    ``after_each`` runs after every tensor (it may raise to abort the write).
+    """
     shards = plan_shards(tensors, max_shard_size)
     by_name = {t.name: t for t in tensors}
     total = sum(t.nbytes for t in tensors)
@@ -108,7 +119,10 @@ def write_checkpoint(folder: Path, tensors: list[OutputTensor], max_shard_size: 
                     _write_tensor(fd, t)
                     weight_map[t.name] = filename
                     bar.update(t.nbytes)
-                os.fsync(fd)
+                    if after_each is not None:
+                        after_each()
+                if fsync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
     except OSError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,19 +44,68 @@ def main() -> None:
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty.")
 @click.option("--allow-pickle", is_flag=True, help="Read PyTorch .bin checkpoints (with weights_only=True).")
+@click.option("--fsync", is_flag=True, help="Flush every shard to disk before renaming the output into place.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
 @user_errors
-def convert(src: str, dst: Path, num_kv_heads: int, method: str, max_shard_size: str, revision: str | None, overwrite: bool, allow_pickle: bool, quiet: bool) -> None:
+def convert(src: str, dst: Path, num_kv_heads: int, method: str, max_shard_size: str, revision: str | None, overwrite: bool, allow_pickle: bool, fsync: bool, quiet: bool) -> None:
     """Convert the checkpoint SRC (local folder or hub id) into DST with fewer KV heads."""
     from mha2gqa.convert import convert_checkpoint
 
     result = convert_checkpoint(
         src, dst, num_kv_heads, method,
         max_shard_size=max_shard_size, overwrite=overwrite, allow_pickle=allow_pickle,
-        revision=revision, progress=not quiet,
+        revision=revision, progress=not quiet, fsync=fsync,
     )  # fmt: skip
     if not quiet:
         click.echo(result.summary())
+
+
+@main.command()
+@click.option("-g", "--num-kv-heads", "kv_heads", type=int, multiple=True, default=(4, 2, 1), help="KV-head counts to convert to (repeatable).")
+@click.option("--method", "methods", type=click.Choice(["mean", "first"]), multiple=True, default=("mean", "first"), help="Conversion methods to compare (repeatable).")
+@click.option("--steps", type=int, default=None, help="Training steps for the demo model (default: its settings, ~1 min on 2 cores).")
+@click.option("--rebuild", is_flag=True, help="Retrain the cached demo model.")
+@user_errors
+def demo(kv_heads: tuple[int, ...], methods: tuple[str, ...], steps: int | None, rebuild: bool) -> None:
+    """Offline end-to-end run: train (once, cached) a small MHA Llama on CPython's docs, convert it
+    to fewer KV heads and print held-out perplexity before and after."""
+    import dataclasses
+
+    from mha2gqa.convert import check_num_kv_heads, convert_checkpoint
+    from mha2gqa.convert.families import AttentionDims
+    from mha2gqa.demo import DemoSettings, demo_model, heldout_ids
+    from mha2gqa.eval.perplexity import perplexity_disjoint
+
+    settings = DemoSettings() if steps is None else dataclasses.replace(DemoSettings(), steps=steps)
+    src = demo_model(settings, rebuild=rebuild, log=click.echo)
+    dims = AttentionDims.from_config(json.loads((src / "config.json").read_text()))
+    for g in kv_heads:
+        check_num_kv_heads(dims, g)
+    ids = heldout_ids(src, settings)
+    click.echo(f"held-out text: {ids.numel():,} tokens of CPython pydoc topics; disjoint windows of {settings.seq_len}")
+    rows = [("original (MHA)", dims.num_kv_heads, src)]
+    for method in methods:
+        for g in kv_heads:
+            out = src.parent / f"gqa-{method}-{g}"
+            convert_checkpoint(src, out, g, method, overwrite=True, progress=False)
+            rows.append((f"{method} -> {g} KV heads", g, out))
+    click.echo(f"{'model':<22} {'KV heads':>8} {'KV cache B/token':>16} {'perplexity':>11} {'ratio':>7}")
+    base = None
+    for label, g, folder in rows:
+        ppl = perplexity_disjoint(_load_model(folder), ids, settings.seq_len, batch_size=8).ppl
+        base = base or ppl
+        kv = dims.kv_cache_bytes_per_token(g, 4)
+        click.echo(f"{label:<22} {g:>8} {kv:>16,} {ppl:>11.3f} {ppl / base:>6.2f}x")
+    click.echo(f"models in {src.parent}")
+
+
+def _load_model(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -64,7 +64,11 @@ def test_unsupported_family(src, tmp_path):
 
 
 def test_missing_tensor(src, tmp_path):
-    rewrite_header(src / "model.safetensors", lambda h: h.pop("model.layers.1.self_attn.v_proj.weight"))
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    del state["model.layers.1.self_attn.v_proj.weight"]
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"1 tensors the config needs are missing: model.layers.1.self_attn.v_proj.weight", tmp_path)
 
 
@@ -79,13 +83,25 @@ def test_shape_mismatch(src, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["head_dim"] = 4
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"tensors have the wrong shape, e.g. model.layers.0.self_attn.k_proj.bias is \[32\], the config says \[16\]", tmp_path)
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"k_proj.weight has 32 rows, but the config implies 16 .*check head_dim in config.json", tmp_path)
+
+
+def test_shape_mismatch_outside_attention(src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["vocab_size"] = 100
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"2 tensors have the wrong shape, e.g. lm_head.weight is \[96, 32\], the config says \[100, 32\]", tmp_path)
 
 
 def test_truncated_safetensors(src, tmp_path):
     path = src / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
     assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"model.safetensors: data ends at byte \d+ but the file has \d+ bytes \(truncated\)", tmp_path)
+
+
+def test_gap_in_safetensors_data(src, tmp_path):
+    rewrite_header(src / "model.safetensors", lambda h: h.pop("model.layers.1.self_attn.v_proj.weight"))
+    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"model.safetensors: tensor data is not contiguous at byte \d+", tmp_path)
 
 
 def test_corrupt_safetensors(src, tmp_path):

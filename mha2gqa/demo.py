@@ -1,0 +1,132 @@
+"""The embedded default job: a small MHA Llama trained on CPython's own documentation, converted.
+
+Nothing is downloaded. The text is ``pydoc_data.topics`` (the help topics shipped with CPython);
+the model is trained once (about a minute on 2 CPU cores) and cached, then converted to fewer KV
+heads and evaluated on held-out topics with the disjoint perplexity protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Everything that determines the cached demo model (its hash names the cache folder)."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_layers: int = 4
+    num_heads: int = 8
+    seq_len: int = 128
+    batch_size: int = 16
+    steps: int = 400
+    lr: float = 3e-3
+    seed: int = 0
+    heldout_fraction: float = 0.1
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    """``$MHA2GQA_CACHE``, else ``$XDG_CACHE_HOME/mha2gqa``, else ``~/.cache/mha2gqa``."""
+    if os.environ.get("MHA2GQA_CACHE"):
+        return Path(os.environ["MHA2GQA_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mha2gqa"
+
+
+def cpython_text(heldout_fraction: float) -> tuple[str, str]:
+    """(train, held-out) text: CPython's pydoc topics in sorted order, the last topics held out."""
+    from pydoc_data.topics import topics
+
+    docs = [topics[k].strip() for k in sorted(topics)]
+    total = sum(map(len, docs))
+    train: list[str] = []
+    size = 0
+    while docs and size < total * (1 - heldout_fraction):
+        size += len(docs[0])
+        train.append(docs.pop(0))
+    return "\n\n".join(train), "\n\n".join(docs)
+
+
+def build_tokenizer(text: str, vocab_size: int):
+    """A byte-level BPE trained on ``text`` that prepends one BOS, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", tok.token_to_id("<|bos|>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[1], pad_token=SPECIAL[2])
+
+
+def train_demo_model(folder: Path, settings: DemoSettings, log=print) -> Path:
+    """Train the demo MHA model and save it (safetensors, config, tokenizer) into ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mha2gqa.convert.writer import staged_output
+
+    train_text, _ = cpython_text(settings.heldout_fraction)
+    torch.manual_seed(settings.seed)
+    tokenizer = build_tokenizer(train_text, settings.vocab_size)
+    ids = tokenizer(train_text, return_tensors="pt").input_ids[0]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=settings.hidden_size, intermediate_size=settings.intermediate_size,
+        num_hidden_layers=settings.num_layers, num_attention_heads=settings.num_heads,
+        num_key_value_heads=settings.num_heads, max_position_embeddings=2 * settings.seq_len,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=settings.lr, total_steps=settings.steps, pct_start=0.1)
+    gen = torch.Generator().manual_seed(settings.seed)
+    t0 = time.perf_counter()
+    model.train()
+    for step in range(settings.steps):
+        starts = torch.randint(0, ids.numel() - settings.seq_len - 1, (settings.batch_size,), generator=gen)
+        batch = torch.stack([ids[s : s + settings.seq_len] for s in starts.tolist()])
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == settings.steps - 1:
+            log(f"  step {step + 1:4d}/{settings.steps}  loss {loss.item():.3f}  ({time.perf_counter() - t0:.0f} s)")
+    model.eval()
+    with staged_output(folder, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "demo_settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
+    return folder
+
+
+def demo_model(settings: DemoSettings, rebuild: bool = False, log=print) -> Path:
+    """The cached demo model folder, trained first if needed."""
+    folder = cache_root() / f"demo-{settings.key()}" / "mha"
+    if rebuild or not (folder / "model.safetensors").is_file():
+        log(f"training the demo MHA model on CPython's pydoc topics ({settings.steps} steps, cached in {folder.parent})")
+        train_demo_model(folder, settings, log)
+    return folder
+
+
+def heldout_ids(model_dir: Path, settings: DemoSettings) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    _, heldout = cpython_text(settings.heldout_fraction)
+    return AutoTokenizer.from_pretrained(model_dir)(heldout, return_tensors="pt").input_ids[0]
