@@ -76,12 +76,39 @@ def measure(cmd: list[str]) -> tuple[float, float]:
     """
     os.sync()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}, stderr=subprocess.DEVNULL
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"command failed: {' '.join(cmd)}")
     return wall, usage.ru_maxrss / 1024
+
+
+STEADY = r"""
+import json, os, shutil, sys, time
+import transformers.models.llama.modeling_llama  # noqa: F401  (imports paid before timing)
+from mha2gqa.convert import convert_checkpoint
+src, work = sys.argv[1], sys.argv[2]
+os.sync(); t = time.perf_counter(); shutil.copytree(src, work + "/copy"); copy = time.perf_counter() - t
+os.sync(); t = time.perf_counter()
+convert_checkpoint(src, work + "/gqa", 8, max_shard_size="1GB", progress=False)
+print(json.dumps({"copy": copy, "mha2gqa": time.perf_counter() - t}))
+"""
+
+
+def steady_state(src: Path, workdir: Path) -> tuple[float, float]:
+    """(copy, convert) seconds in one warm process: the per-byte cost, start-up excluded."""
+    for folder in ("copy", "gqa"):
+        shutil.rmtree(workdir / folder, ignore_errors=True)
+    warm(src)
+    out = json.loads(
+        subprocess.check_output([sys.executable, "-c", STEADY, str(src), str(workdir)], stderr=subprocess.DEVNULL)
+    )
+    for folder in ("copy", "gqa"):
+        shutil.rmtree(workdir / folder, ignore_errors=True)
+    return out["copy"], out["mha2gqa"]
 
 
 def warm(folder: Path) -> None:
@@ -91,25 +118,62 @@ def warm(folder: Path) -> None:
                 pass
 
 
-def run(workdir: Path, layers: int) -> dict[str, tuple[float, float]]:
+def run(workdir: Path, layers: int, repeats: int) -> dict[str, tuple[float, float]]:
     src = workdir / f"mha-{layers}L"
     if not src.exists():
-        code = "import sys; sys.path.insert(0, sys.argv[1]); import convert_memory as m; print(m.make_checkpoint(m.Path(sys.argv[2]), int(sys.argv[3])))"
-        size = int(subprocess.check_output([sys.executable, "-c", code, str(Path(__file__).parent), str(src), str(layers)]))
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[1]); import convert_memory as m; "
+            "print(m.make_checkpoint(m.Path(sys.argv[2]), int(sys.argv[3])))"
+        )
+        size = int(
+            subprocess.check_output([sys.executable, "-c", code, str(Path(__file__).parent), str(src), str(layers)])
+        )
         print(f"wrote {src} ({size / 2**30:.2f} GiB)")
     out: dict[str, tuple[float, float]] = {}
     routes = {
-        "copy": [sys.executable, "-c", "import shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2])", str(src), str(workdir / "copy")],
+        "copy": [
+            sys.executable,
+            "-c",
+            "import shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2])",
+            str(src),
+            str(workdir / "copy"),
+        ],
         "naive": [sys.executable, "-c", NAIVE, str(src), str(workdir / "naive"), "8"],
-        "mha2gqa": [sys.executable, "-m", "mha2gqa.cli", "convert", str(src), str(workdir / "gqa"), "-g", "8", "-q", "--max-shard-size", "1GB"],
+        "mha2gqa": [
+            sys.executable,
+            "-m",
+            "mha2gqa.cli",
+            "convert",
+            str(src),
+            str(workdir / "gqa"),
+            "-g",
+            "8",
+            "-q",
+            "--max-shard-size",
+            "1GB",
+        ],
     }
+    routes["copy+sync"] = [*routes["copy"][:2], routes["copy"][2] + "; import os; os.sync()", *routes["copy"][3:]]
+    routes["mha2gqa --fsync"] = [*routes["mha2gqa"], "--fsync"]
     for name, cmd in routes.items():
-        shutil.rmtree(workdir / name if name != "mha2gqa" else workdir / "gqa", ignore_errors=True)
-        warm(src)
-        out[name] = measure(cmd)
-        print(f"  {layers}L {name:8s} wall {out[name][0]:6.2f} s   peak RSS {out[name][1]:8.0f} MiB", flush=True)
+        runs = []
+        for _ in range(repeats):
+            for folder in ("copy", "naive", "gqa"):
+                shutil.rmtree(workdir / folder, ignore_errors=True)
+            warm(src)
+            runs.append(measure(cmd))
+        walls = sorted(w for w, _ in runs)
+        out[name] = (walls[len(walls) // 2], max(r for _, r in runs))
+        spread = f"[{walls[0]:.2f}-{walls[-1]:.2f}]"
+        print(
+            f"  {layers}L {name:16s} wall {out[name][0]:6.2f} s {spread:14s} peak RSS {out[name][1]:6.0f} MiB",
+            flush=True,
+        )
     for name in ("copy", "naive", "gqa"):
         shutil.rmtree(workdir / name, ignore_errors=True)
+    copy, conv = steady_state(src, workdir)
+    out["steady"] = (conv / copy, 0.0)
+    print(f"  {layers}L start-up excluded (one warm process): copy {copy:.2f} s, mha2gqa {conv:.2f} s", flush=True)
     return out
 
 
@@ -117,13 +181,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("bench-out"))
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per route; the median wall time is reported")
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    results = {n: run(args.workdir, n) for n in args.layers}
-    print("\nlayers  RSS mha2gqa/naive  wall mha2gqa/naive  wall mha2gqa/copy")
+    results = {n: run(args.workdir, n, args.repeats) for n in args.layers}
+    print(
+        "\nlayers  RSS mha2gqa/naive  wall mha2gqa/naive  wall mha2gqa/copy  wall durable mha2gqa/copy"
+        "  start-up excluded mha2gqa/copy"
+    )
     for n, r in results.items():
-        print(f"{n:6d}  {r['mha2gqa'][1] / r['naive'][1]:16.2f}  {r['mha2gqa'][0] / r['naive'][0]:17.2f}  {r['mha2gqa'][0] / r['copy'][0]:16.2f}")
+        print(
+            f"{n:6d}  {r['mha2gqa'][1] / r['naive'][1]:16.2f}  {r['mha2gqa'][0] / r['naive'][0]:17.2f}  "
+            f"{r['mha2gqa'][0] / r['copy'][0]:16.2f}  {r['mha2gqa --fsync'][0] / r['copy+sync'][0]:24.2f}"
+            f"  {r['steady'][0]:30.2f}"
+        )
     if len(results) > 1:
         lo, hi = min(results), max(results)
         growth = results[hi]["mha2gqa"][1] / results[lo]["mha2gqa"][1] - 1

@@ -33,7 +33,11 @@ def model_card(record: dict[str, Any]) -> str:
         ("KV heads", f"{conv['num_kv_heads_before']} → {conv['num_kv_heads_after']}"),
         ("head_dim", conv["head_dim"]),
         ("layers", conv["num_layers"]),
-        ("KV cache per token", f"{conv['kv_cache_bytes_per_token_before']:,} → {conv['kv_cache_bytes_per_token_after']:,} bytes ({conv['kv_cache_dtype']})"),
+        (
+            "KV cache per token",
+            f"{conv['kv_cache_bytes_per_token_before']:,} → {conv['kv_cache_bytes_per_token_after']:,} bytes "
+            f"({conv['kv_cache_dtype']})",
+        ),
         ("head sharing", groups),
         ("mha2gqa", record["mha2gqa_version"]),
     ]

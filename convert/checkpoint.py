@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from mha2gqa.convert.safetensors_io import (
     DTYPES,
     TORCH_TO_CODE,
@@ -17,6 +16,7 @@ from mha2gqa.convert.safetensors_io import (
     load_tensor,
     read_shard_index,
 )
+
 from mha2gqa.errors import Mha2GqaError
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -66,7 +66,9 @@ class Checkpoint:
         return self._pickle_cache[1][name]
 
 
-def resolve_folder(src: str, revision: str | None = None, allow_pickle: bool = False) -> tuple[Path, str | None, str | None]:
+def resolve_folder(
+    src: str, revision: str | None = None, allow_pickle: bool = False
+) -> tuple[Path, str | None, str | None]:
     """Local folder for ``src`` (a path, or a hub id downloaded with huggingface_hub).
 
     Returns ``(folder, repo_id, commit)``; ``repo_id``/``commit`` are None for local folders.
@@ -127,9 +129,7 @@ def open_checkpoint(src: str, revision: str | None = None, allow_pickle: bool = 
     config = read_config(folder)
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "unknown")
-        raise Mha2GqaError(
-            f"{folder}: quantized checkpoint ({method}); convert the unquantized model, then quantize"
-        )
+        raise Mha2GqaError(f"{folder}: quantized checkpoint ({method}); convert the unquantized model, then quantize")
     files, fmt = _weight_files(folder, allow_pickle)
     tensors = read_shard_index(files) if fmt == "safetensors" else _pickle_index(files)
     if fmt == "safetensors" and (folder / SAFE_INDEX).is_file():

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from mha2gqa.convert.card import RECORD_NAME, model_card
 from mha2gqa.convert.checkpoint import AUX_FILES, Checkpoint, open_checkpoint
 from mha2gqa.convert.families import AttentionDims, Family, detect_family
@@ -22,6 +21,7 @@ from mha2gqa.convert.pooling import METHODS, Reducer, reduce_rows, reduce_stacke
 from mha2gqa.convert.safetensors_io import DTYPES, TensorInfo
 from mha2gqa.convert.validate import check_tensors, expected_tensors
 from mha2gqa.convert.writer import OutputTensor, staged_output, write_checkpoint
+
 from mha2gqa.errors import Mha2GqaError
 
 
@@ -62,7 +62,8 @@ def check_num_kv_heads(dims: AttentionDims, num_kv_heads: int) -> None:
     if num_kv_heads < 1 or num_kv_heads > cur or cur % num_kv_heads:
         valid = ", ".join(str(g) for g in range(1, cur + 1) if cur % g == 0)
         raise Mha2GqaError(
-            f"--num-kv-heads {num_kv_heads} is not valid for a model with {cur} KV heads: choose a divisor of {cur} ({valid})"
+            f"--num-kv-heads {num_kv_heads} is not valid for a model with {cur} KV heads: "
+            f"choose a divisor of {cur} ({valid})"
         )
 
 
@@ -78,7 +79,9 @@ def _pooled(ckpt: Checkpoint, name: str, groups: int, head_dim: int, reducer: Re
 
 def _pooled_fused(ckpt: Checkpoint, name: str, dims: AttentionDims, groups: int, reducer: Reducer) -> torch.Tensor:
     q, k, v = split_fused_qkv(ckpt.load(name), dims.num_heads, dims.num_kv_heads, dims.head_dim)
-    return torch.cat([q, reduce_rows(k, groups, dims.head_dim, reducer), reduce_rows(v, groups, dims.head_dim, reducer)])
+    return torch.cat(
+        [q, reduce_rows(k, groups, dims.head_dim, reducer), reduce_rows(v, groups, dims.head_dim, reducer)]
+    )
 
 
 def _pooled_indexed(ckpt: Checkpoint, names: list[str], head: int, groups: int, reducer: Reducer) -> torch.Tensor:
@@ -87,7 +90,9 @@ def _pooled_indexed(ckpt: Checkpoint, names: list[str], head: int, groups: int, 
     return reduce_stacked([ckpt.load(n) for n in members], 1, reducer)[0]
 
 
-def plan_conversion(ckpt: Checkpoint, family: Family, dims: AttentionDims, num_kv_heads: int, method: str) -> list[OutputTensor]:
+def plan_conversion(
+    ckpt: Checkpoint, family: Family, dims: AttentionDims, num_kv_heads: int, method: str
+) -> list[OutputTensor]:
     """Every output tensor, in source storage order: byte copies except the K/V heads.
 
     Tensor shapes (head_dim * KV heads rows) are checked here, so a wrong config fails before
@@ -116,14 +121,18 @@ def plan_conversion(ckpt: Checkpoint, family: Family, dims: AttentionDims, num_k
                 if name in ckpt.tensors:
                     info = need(name, (dims.num_heads + 2 * dims.num_kv_heads) * d)
                     shape = ((dims.num_heads + 2 * g) * d, *info.shape[1:])
-                    rules[name] = OutputTensor(name, info.dtype, shape, partial(_pooled_fused, ckpt, name, dims, g, reducer))
+                    rules[name] = OutputTensor(
+                        name, info.dtype, shape, partial(_pooled_fused, ckpt, name, dims, g, reducer)
+                    )
         else:
             for module in (family.k_proj, family.v_proj):
                 for suffix in (".weight", ".bias"):
                     name = fill(module) + suffix
                     if name in ckpt.tensors:
                         info = need(name, dims.num_kv_heads * d)
-                        rules[name] = OutputTensor(name, info.dtype, (g * d, *info.shape[1:]), partial(_pooled, ckpt, name, g, d, reducer))
+                        rules[name] = OutputTensor(
+                            name, info.dtype, (g * d, *info.shape[1:]), partial(_pooled, ckpt, name, g, d, reducer)
+                        )
         norm = family.k_norm
         if norm is not None and norm.layout == "rows":
             name = fill(norm.name)
@@ -136,7 +145,9 @@ def plan_conversion(ckpt: Checkpoint, family: Family, dims: AttentionDims, num_k
                 dropped.update(names[g:])
                 for h in range(g):
                     info = ckpt.tensors[names[h]]
-                    rules[names[h]] = OutputTensor(names[h], info.dtype, info.shape, partial(_pooled_indexed, ckpt, names, h, g, reducer))
+                    rules[names[h]] = OutputTensor(
+                        names[h], info.dtype, info.shape, partial(_pooled_indexed, ckpt, names, h, g, reducer)
+                    )
     out: list[OutputTensor] = []
     for info in sorted(ckpt.tensors.values(), key=lambda t: (str(t.file), t.start or 0, t.name)):
         if info.name in dropped:
@@ -289,5 +300,3 @@ def convert_checkpoint(
         seconds=time.perf_counter() - start,
         record=record,
     )
-
-

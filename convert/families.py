@@ -159,7 +159,9 @@ class AttentionDims:
         kv = config.get("num_key_value_heads") or heads  # absent or null: MHA
         head_dim = config.get("head_dim") or hidden // heads
         if heads % kv:
-            raise Mha2GqaError(f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+            raise Mha2GqaError(
+                f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+            )
         return cls(layers, heads, int(kv), int(head_dim), hidden)
 
     def kv_cache_bytes_per_token(self, num_kv_heads: int, bytes_per_element: int) -> int:

@@ -50,7 +50,9 @@ def reduce_stacked(tensors: list[torch.Tensor], num_groups: int, reducer: Reduce
     return [t.to(tensors[0].dtype) for t in out.unbind(0)]
 
 
-def split_fused_qkv(weight: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_fused_qkv(
+    weight: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split fused ``[(H + 2*G_src)*d, *rest]`` rows into q ``[H*d]``, k and v ``[G_src*d]`` with
     sizes from the config (never ``chunk(3)``, which is wrong as soon as ``G_src != H``)."""
     sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]

@@ -97,9 +97,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raise Mha2GqaError(f"{path}: tensor data is not contiguous at byte {pos}; {hint}")
         pos = hi
     if pos > size:
-        raise Mha2GqaError(
-            f"{path}: data ends at byte {pos} but the file has {size} bytes (truncated); {hint}"
-        )
+        raise Mha2GqaError(f"{path}: data ends at byte {pos} but the file has {size} bytes (truncated); {hint}")
     if pos < size:
         raise Mha2GqaError(f"{path}: {size - pos} unexpected bytes after the data; {hint}")
     return tensors, metadata

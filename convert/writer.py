@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mha2gqa.convert.safetensors_io import DTYPES, TensorInfo, copy_range
 from tqdm.auto import tqdm
 
-from mha2gqa.convert.safetensors_io import DTYPES, TensorInfo, copy_range
 from mha2gqa.errors import Mha2GqaError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -85,7 +85,9 @@ def _write_tensor(fd: int, t: OutputTensor) -> None:
         return
     value = t.source()
     if tuple(value.shape) != t.shape or value.dtype != DTYPES[t.dtype][0]:
-        raise RuntimeError(f"internal error: {t.name} computed as {value.dtype}{tuple(value.shape)}, planned {t.dtype}{t.shape}")
+        raise RuntimeError(
+            f"internal error: {t.name} computed as {value.dtype}{tuple(value.shape)}, planned {t.dtype}{t.shape}"
+        )
     raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     _write_all(fd, memoryview(raw))
 
@@ -128,7 +130,9 @@ def write_checkpoint(
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             need = tqdm.format_sizeof(total, "B", 1024)
-            raise Mha2GqaError(f"disk full while writing {folder.parent}: the output needs {need}; free space or choose another DST") from None
+            raise Mha2GqaError(
+                f"disk full while writing {folder.parent}: the output needs {need}; free space or choose another DST"
+            ) from None
         raise
     finally:
         bar.close()

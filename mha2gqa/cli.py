@@ -38,8 +38,12 @@ def main() -> None:
 @main.command()
 @click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("-g", "--num-kv-heads", type=int, required=True, help="KV heads after conversion (a divisor of the current count).")
-@click.option("--method", type=click.Choice(["mean", "first"]), default="mean", help="How the K/V heads of a group are merged.")
+@click.option(
+    "-g", "--num-kv-heads", type=int, required=True, help="KV heads after conversion (a divisor of the current count)."
+)
+@click.option(
+    "--method", type=click.Choice(["mean", "first"]), default="mean", help="How the K/V heads of a group are merged."
+)
 @click.option("--max-shard-size", default="5GB", help="Largest output shard, HF style ('5GB', '500MB').")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty.")
@@ -47,7 +51,18 @@ def main() -> None:
 @click.option("--fsync", is_flag=True, help="Flush every shard to disk before renaming the output into place.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
 @user_errors
-def convert(src: str, dst: Path, num_kv_heads: int, method: str, max_shard_size: str, revision: str | None, overwrite: bool, allow_pickle: bool, fsync: bool, quiet: bool) -> None:
+def convert(
+    src: str,
+    dst: Path,
+    num_kv_heads: int,
+    method: str,
+    max_shard_size: str,
+    revision: str | None,
+    overwrite: bool,
+    allow_pickle: bool,
+    fsync: bool,
+    quiet: bool,
+) -> None:
     """Convert the checkpoint SRC (local folder or hub id) into DST with fewer KV heads."""
     from mha2gqa.convert import convert_checkpoint
 
@@ -61,22 +76,52 @@ def convert(src: str, dst: Path, num_kv_heads: int, method: str, max_shard_size:
 
 
 @main.command()
-@click.option("-g", "--num-kv-heads", "kv_heads", type=int, multiple=True, default=(4, 2, 1), help="KV-head counts to convert to (repeatable).")
-@click.option("--method", "methods", type=click.Choice(["mean", "first"]), multiple=True, default=("mean", "first"), help="Conversion methods to compare (repeatable).")
-@click.option("--steps", type=int, default=None, help="Training steps for the demo model (default: its settings, ~1 min on 2 cores).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Demo job file (default: the shipped configs/demo.yaml).",
+)
+@click.option(
+    "-g",
+    "--num-kv-heads",
+    "kv_heads",
+    type=int,
+    multiple=True,
+    help="KV-head counts to convert to (repeatable; default: the job file's).",
+)
+@click.option(
+    "--method",
+    "methods",
+    type=click.Choice(["mean", "first"]),
+    multiple=True,
+    help="Conversion methods to compare (repeatable; default: the job file's).",
+)
+@click.option(
+    "--steps",
+    type=int,
+    default=None,
+    help="Training steps for the demo model (default: the job file's, ~1 min on 2 cores).",
+)
 @click.option("--rebuild", is_flag=True, help="Retrain the cached demo model.")
 @user_errors
-def demo(kv_heads: tuple[int, ...], methods: tuple[str, ...], steps: int | None, rebuild: bool) -> None:
+def demo(
+    config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str, ...], steps: int | None, rebuild: bool
+) -> None:
     """Offline end-to-end run: train (once, cached) a small MHA Llama on CPython's docs, convert it
     to fewer KV heads and print held-out perplexity before and after."""
     import dataclasses
 
     from mha2gqa.convert import check_num_kv_heads, convert_checkpoint
     from mha2gqa.convert.families import AttentionDims
-    from mha2gqa.demo import DemoSettings, demo_model, heldout_ids
+    from mha2gqa.demo import demo_model, heldout_ids, load_job
     from mha2gqa.eval.perplexity import perplexity_disjoint
 
-    settings = DemoSettings() if steps is None else dataclasses.replace(DemoSettings(), steps=steps)
+    job = load_job(config_file)
+    settings = job.settings if steps is None else dataclasses.replace(job.settings, steps=steps)
+    kv_heads = kv_heads or job.num_kv_heads
+    methods = methods or job.methods
     src = demo_model(settings, rebuild=rebuild, log=click.echo)
     dims = AttentionDims.from_config(json.loads((src / "config.json").read_text()))
     for g in kv_heads:

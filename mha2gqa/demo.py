@@ -7,14 +7,19 @@ heads and evaluated on held-out topics with the disjoint perplexity protocol.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
+import yaml
+
+from mha2gqa.errors import Mha2GqaError
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 
@@ -37,6 +42,42 @@ class DemoSettings:
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class DemoJob:
+    """A demo job file: the model to train (``model`` + ``train`` sections) and what to convert."""
+
+    settings: DemoSettings
+    num_kv_heads: tuple[int, ...]
+    methods: tuple[str, ...]
+
+
+def default_job_file() -> Path:
+    return Path(str(resources.files("mha2gqa.configs").joinpath("demo.yaml")))
+
+
+def load_job(path: Path | None = None) -> DemoJob:
+    """Read a demo job file (default: the shipped ``configs/demo.yaml``), strictly."""
+    path = path or default_job_file()
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise Mha2GqaError(f"{path}: cannot read the job file: {e}") from None
+    sections = {"model", "train", "convert"}
+    if not isinstance(data, dict) or set(data) != sections:
+        raise Mha2GqaError(f"{path}: a demo job needs exactly the sections {sorted(sections)}")
+    flat = {**(data["model"] or {}), **(data["train"] or {})}
+    fields = {f.name for f in dataclasses.fields(DemoSettings)}
+    unknown = set(flat) - fields
+    if unknown:
+        raise Mha2GqaError(f"{path}: unknown settings {sorted(unknown)}; known: {sorted(fields)}")
+    conv = data["convert"] or {}
+    if set(conv) - {"num_kv_heads", "methods"}:
+        raise Mha2GqaError(f"{path}: 'convert' takes only num_kv_heads and methods")
+    return DemoJob(
+        DemoSettings(**flat), tuple(conv.get("num_kv_heads", (4, 2, 1))), tuple(conv.get("methods", ("mean",)))
+    )
 
 
 def cache_root() -> Path:
@@ -68,10 +109,19 @@ def build_tokenizer(text: str, vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([text], trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", tok.token_to_id("<|bos|>"))])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[1], pad_token=SPECIAL[2])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", tok.token_to_id("<|bos|>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[1], pad_token=SPECIAL[2]
+    )
 
 
 def train_demo_model(folder: Path, settings: DemoSettings, log=print) -> Path:
@@ -120,7 +170,9 @@ def demo_model(settings: DemoSettings, rebuild: bool = False, log=print) -> Path
     """The cached demo model folder, trained first if needed."""
     folder = cache_root() / f"demo-{settings.key()}" / "mha"
     if rebuild or not (folder / "model.safetensors").is_file():
-        log(f"training the demo MHA model on CPython's pydoc topics ({settings.steps} steps, cached in {folder.parent})")
+        log(
+            f"training the demo MHA model on CPython's pydoc topics ({settings.steps} steps, cached in {folder.parent})"
+        )
         train_demo_model(folder, settings, log)
     return folder
 

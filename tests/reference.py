@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 
-def reference_convert(state: dict[str, torch.Tensor], config: dict, layout: dict, groups: int, method: str) -> dict[str, torch.Tensor]:
+def reference_convert(
+    state: dict[str, torch.Tensor], config: dict, layout: dict, groups: int, method: str
+) -> dict[str, torch.Tensor]:
     """``layout``: ``k``/``v`` (or ``qkv``) module templates, ``k_norm`` and its ``k_norm_layout``."""
     h = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or h

@@ -60,7 +60,11 @@ def test_unsupported_family(src, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"unsupported model family \(GPT2LMHeadModel\); supported: .*Qwen2ForCausalLM", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"unsupported model family \(GPT2LMHeadModel\); supported: .*Qwen2ForCausalLM",
+        tmp_path,
+    )
 
 
 def test_missing_tensor(src, tmp_path):
@@ -69,39 +73,63 @@ def test_missing_tensor(src, tmp_path):
     state = load_file(src / "model.safetensors")
     del state["model.layers.1.self_attn.v_proj.weight"]
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"1 tensors the config needs are missing: model.layers.1.self_attn.v_proj.weight", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"1 tensors the config needs are missing: model.layers.1.self_attn.v_proj.weight",
+        tmp_path,
+    )
 
 
 def test_extra_tensor(src, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["num_hidden_layers"] = 1
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"tensors the config does not describe: model.layers.1\.", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"tensors the config does not describe: model.layers.1\.",
+        tmp_path,
+    )
 
 
 def test_shape_mismatch(src, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["head_dim"] = 4
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"k_proj.weight has 32 rows, but the config implies 16 .*check head_dim in config.json", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"k_proj.weight has 32 rows, but the config implies 16 .*check head_dim in config.json",
+        tmp_path,
+    )
 
 
 def test_shape_mismatch_outside_attention(src, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["vocab_size"] = 100
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"2 tensors have the wrong shape, e.g. lm_head.weight is \[96, 32\], the config says \[100, 32\]", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"2 tensors have the wrong shape, e.g. lm_head.weight is \[96, 32\], the config says \[100, 32\]",
+        tmp_path,
+    )
 
 
 def test_truncated_safetensors(src, tmp_path):
     path = src / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"model.safetensors: data ends at byte \d+ but the file has \d+ bytes \(truncated\)", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"model.safetensors: data ends at byte \d+ but the file has \d+ bytes \(truncated\)",
+        tmp_path,
+    )
 
 
 def test_gap_in_safetensors_data(src, tmp_path):
     rewrite_header(src / "model.safetensors", lambda h: h.pop("model.layers.1.self_attn.v_proj.weight"))
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"model.safetensors: tensor data is not contiguous at byte \d+", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"model.safetensors: tensor data is not contiguous at byte \d+",
+        tmp_path,
+    )
 
 
 def test_corrupt_safetensors(src, tmp_path):
@@ -109,17 +137,27 @@ def test_corrupt_safetensors(src, tmp_path):
     raw = bytearray(path.read_bytes())
     raw[8:20] = b"not json!!!!"
     path.write_bytes(bytes(raw))
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"model.safetensors: header is not valid JSON", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2), r"model.safetensors: header is not valid JSON", tmp_path
+    )
 
 
 def test_missing_config(src, tmp_path):
     (src / "config.json").unlink()
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"no config.json \(is this a Hugging Face model folder\?\)", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"no config.json \(is this a Hugging Face model folder\?\)",
+        tmp_path,
+    )
 
 
 def test_missing_weights(src, tmp_path):
     (src / "model.safetensors").unlink()
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"no model.safetensors or model.safetensors.index.json", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"no model.safetensors or model.safetensors.index.json",
+        tmp_path,
+    )
 
 
 def test_no_such_source(tmp_path):
@@ -146,8 +184,12 @@ def test_dst_is_a_file(src, tmp_path):
 
 
 def test_dst_is_src(src, tmp_path):
-    assert_refused(run_cli("convert", src, src, "-g", 2, "--overwrite"), r"is \(or contains\) the source model", tmp_path)
-    assert_refused(run_cli("convert", src, tmp_path, "-g", 2, "--overwrite"), r"is \(or contains\) the source model", tmp_path)
+    assert_refused(
+        run_cli("convert", src, src, "-g", 2, "--overwrite"), r"is \(or contains\) the source model", tmp_path
+    )
+    assert_refused(
+        run_cli("convert", src, tmp_path, "-g", 2, "--overwrite"), r"is \(or contains\) the source model", tmp_path
+    )
     assert (src / "model.safetensors").is_file()
 
 
@@ -181,7 +223,11 @@ def test_disk_full_mid_write_removes_the_temp_folder(src, tmp_path, monkeypatch)
         real(fd, t)
 
     monkeypatch.setattr(writer, "_write_tensor", failing)
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"disk full while writing .*: the output needs \d+(\.\d+)?kB; free space or choose another DST", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"disk full while writing .*: the output needs \d+(\.\d+)?kB; free space or choose another DST",
+        tmp_path,
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -189,7 +235,11 @@ def test_pickle_needs_allow_pickle(tmp_path):
     model = random_model(tiny_config("llama"))
     src = tmp_path / "src"
     model.save_pretrained(src, safe_serialization=False) if _can_save_pickle() else _save_pickle(model, src)
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"only PyTorch pickle weights \(.bin\) found; .*--allow-pickle", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"only PyTorch pickle weights \(.bin\) found; .*--allow-pickle",
+        tmp_path,
+    )
     result = run_cli("convert", src, tmp_path / "out", "-g", 4, "--allow-pickle", "-q")
     assert result.exit_code == 0, result.output
     from safetensors.torch import load_file
@@ -211,7 +261,9 @@ def _can_save_pickle() -> bool:
 def _save_pickle(model, folder):
     folder.mkdir()
     model.config.save_pretrained(folder)
-    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings}
+    state = {
+        k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings
+    }
     torch.save(state, folder / "pytorch_model.bin")
 
 
@@ -219,7 +271,11 @@ def test_quantized_checkpoint_is_refused(src, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (src / "config.json").write_text(json.dumps(cfg))
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), r"quantized checkpoint \(gptq\); convert the unquantized model", tmp_path)
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"quantized checkpoint \(gptq\); convert the unquantized model",
+        tmp_path,
+    )
 
 
 def test_unknown_method_is_a_usage_error(src, tmp_path):

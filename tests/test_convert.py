@@ -6,11 +6,10 @@ import json
 import pytest
 import torch
 from conftest import FAMILY_CONFIGS, load, logits, random_model, save, tiny_config
+from mha2gqa.convert import convert_checkpoint, families
 from reference import reference_convert
 from safetensors import safe_open
 from safetensors.torch import load_file
-
-from mha2gqa.convert import convert_checkpoint, families
 
 FAMILIES = sorted(FAMILY_CONFIGS)
 IDS = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12, 3, 90]])
@@ -35,7 +34,9 @@ def equalise_groups(model, family: str, groups: int, strided: bool = False) -> N
     h, kv = cfg.num_attention_heads, source_kv(cfg)
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
     per = kv // groups
-    members = [[j + groups * i for i in range(per)] if strided else list(range(j * per, (j + 1) * per)) for j in range(groups)]
+    members = [
+        [j + groups * i for i in range(per)] if strided else list(range(j * per, (j + 1) * per)) for j in range(groups)
+    ]
     params = dict(model.named_parameters())
 
     def fix_rows(t: torch.Tensor, offset: int = 0) -> None:
@@ -61,7 +62,9 @@ def equalise_groups(model, family: str, groups: int, strided: bool = False) -> N
             elif norm and norm.layout == "indexed":
                 for group in members:
                     for m in group[1:]:
-                        params[norm.name.format(layer=layer, head=m)].copy_(params[norm.name.format(layer=layer, head=group[0])])
+                        params[norm.name.format(layer=layer, head=m)].copy_(
+                            params[norm.name.format(layer=layer, head=group[0])]
+                        )
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -69,11 +72,15 @@ def equalise_groups(model, family: str, groups: int, strided: bool = False) -> N
 def test_same_head_count_is_a_byte_exact_copy(family, sharded, tiny_checkpoint, tmp_path):
     src = tiny_checkpoint(family, sharded=sharded)
     g = source_kv(tiny_config(family))
-    result = convert_checkpoint(src, tmp_path / "out", g, "mean", max_shard_size="20KB" if sharded else "5GB", progress=False)
+    result = convert_checkpoint(
+        src, tmp_path / "out", g, "mean", max_shard_size="20KB" if sharded else "5GB", progress=False
+    )
     a, b = read_all(src), read_all(result.output)
     assert a.keys() == b.keys()
     for name in a:
-        assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), (
+            name
+        )
     assert torch.equal(logits(load(src), IDS), logits(load(result.output), IDS))
     assert (len(result.files) > 1) == sharded
 
@@ -110,7 +117,9 @@ def test_output_loads_generates_and_caches_g_heads(family, tiny_checkpoint, tmp_
     src = tiny_checkpoint(family, sharded=True)
     out = convert_checkpoint(src, tmp_path / "out", 1, "mean", max_shard_size="30KB", progress=False).output
     model = load(out)
-    gen = model.generate(IDS[:, :4], max_new_tokens=5, min_new_tokens=5, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    gen = model.generate(
+        IDS[:, :4], max_new_tokens=5, min_new_tokens=5, do_sample=False, return_dict_in_generate=True, pad_token_id=0
+    )
     assert gen.sequences.shape == (1, 9)
     cache = gen.past_key_values
     for layer in cache.layers:
@@ -138,7 +147,9 @@ def test_streaming_equals_in_memory_reference(family, method, tiny_checkpoint, t
         layout.update(k_norm=fam.k_norm.name, k_norm_layout=fam.k_norm.layout)
     groups = 1 if family != "mistral" else 2
     expected = reference_convert(read_all(src), config, {k: v for k, v in layout.items() if v}, groups, method)
-    got = read_all(convert_checkpoint(src, tmp_path / "out", groups, method, max_shard_size="25KB", progress=False).output)
+    got = read_all(
+        convert_checkpoint(src, tmp_path / "out", groups, method, max_shard_size="25KB", progress=False).output
+    )
     assert expected.keys() == got.keys()
     for name in expected:
         assert expected[name].shape == got[name].shape, name

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 from conftest import FAMILY_CONFIGS, tiny_config
-
 from mha2gqa.convert.families import AttentionDims, detect_family, families, parse_family
+
 from mha2gqa.errors import Mha2GqaError
 
 
@@ -31,7 +31,8 @@ def test_every_name_in_a_definition_exists_in_the_real_model(family):
 
 def test_unknown_keys_in_a_definition_are_an_error():
     good = {"family": "x", "description": "d", "architectures": ["X"], "model_types": ["x"],
-            "attention": {"q_proj": "l.{layer}.q", "k_proj": "l.{layer}.k", "v_proj": "l.{layer}.v", "o_proj": "l.{layer}.o"}}  # fmt: skip
+            "attention": {"q_proj": "l.{layer}.q", "k_proj": "l.{layer}.k",
+                          "v_proj": "l.{layer}.v", "o_proj": "l.{layer}.o"}}  # fmt: skip
     assert parse_family(good).family == "x"
     with pytest.raises(ValueError, match="unknown keys"):
         parse_family({**good, "kv_proj": "typo"})
@@ -41,12 +42,14 @@ def test_unknown_keys_in_a_definition_are_an_error():
         parse_family({**good, "attention": {**good["attention"], "qkv_proj": "l.{layer}.qkv"}})
     with pytest.raises(ValueError, match="layout"):
         parse_family({**good, "k_norm": {"name": "l.{layer}.kn", "layout": "weird"}})
-    with pytest.raises(ValueError, match="'{head}' must appear"):
+    with pytest.raises(ValueError, match=r"'\{head\}' must appear"):
         parse_family({**good, "k_norm": {"name": "l.{layer}.kn", "layout": "indexed"}})
 
 
 def test_unknown_family_is_refused_with_the_supported_list():
-    with pytest.raises(Mha2GqaError, match=r"unsupported model family \(GPT2LMHeadModel\); supported: .*LlamaForCausalLM"):
+    with pytest.raises(
+        Mha2GqaError, match=r"unsupported model family \(GPT2LMHeadModel\); supported: .*LlamaForCausalLM"
+    ):
         detect_family({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
 
 
@@ -56,7 +59,21 @@ def test_dims_head_dim_and_kv_cache_by_hand():
     assert (dims.num_kv_heads, dims.head_dim) == (32, 128)
     assert dims.kv_cache_bytes_per_token(32, 2) == 524_288
     assert dims.kv_cache_bytes_per_token(8, 2) == 131_072
-    gemma7b = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_size": 3072, "head_dim": 256}
+    gemma7b = {
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "hidden_size": 3072,
+        "head_dim": 256,
+    }
     assert AttentionDims.from_config(gemma7b).head_dim == 256
     with pytest.raises(Mha2GqaError, match="num_hidden_layers"):
         AttentionDims.from_config({"num_attention_heads": 4, "hidden_size": 8})
+
+
+def test_readme_table_lists_every_family():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    for fam in families().values():
+        assert f"| {fam.family} | `{fam.architectures[0]}` |" in readme

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 from conftest import FIXTURES, load, logits, requires_fixtures
-
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.eval.perplexity import perplexity_disjoint
 
@@ -32,7 +31,9 @@ def test_pooling_duplicated_heads_recovers_the_real_gqa_model(name, tmp_path):
 def test_real_gqa_model_regroups(g, tmp_path):
     out = convert_checkpoint(FIXTURES / "stories260K", tmp_path / "out", g, "mean", progress=False).output
     model = load(out)
-    gen = model.generate(torch.tensor([[1, 403, 407]]), max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    gen = model.generate(
+        torch.tensor([[1, 403, 407]]), max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True
+    )
     assert all(layer.keys.shape[1] == g for layer in gen.past_key_values.layers)
 
 
