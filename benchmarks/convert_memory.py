@@ -88,9 +88,10 @@ def measure(cmd: list[str]) -> tuple[float, float]:
 
 STEADY = r"""
 import json, os, shutil, sys, time
-import transformers.models.llama.modeling_llama  # noqa: F401  (imports paid before timing)
 from mha2gqa.convert import convert_checkpoint
 src, work = sys.argv[1], sys.argv[2]
+convert_checkpoint(src, work + "/gqa", 8, max_shard_size="1GB", progress=False)  # pay imports and first calls
+shutil.rmtree(work + "/gqa")
 os.sync(); t = time.perf_counter(); shutil.copytree(src, work + "/copy"); copy = time.perf_counter() - t
 os.sync(); t = time.perf_counter()
 convert_checkpoint(src, work + "/gqa", 8, max_shard_size="1GB", progress=False)

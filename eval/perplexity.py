@@ -1,29 +1,50 @@
-"""Perplexity under a pinned protocol.
+"""Perplexity under pinned protocols, and output agreement between two models on the same tokens.
 
-``disjoint``: the token stream (tokenized once, one BOS at the start when the tokenizer adds one)
-is cut into consecutive non-overlapping windows of ``seq_len`` tokens; every token except the first
-of each window is predicted from the tokens before it *in its window*; PPL = exp(mean NLL). This is
-the convention of the quantization literature (Llama-2-7B fp16 on WikiText-2 test at 2048: 5.47).
+A *window* is ``(inputs [T], targets [T])``: the model reads ``inputs`` and the logits at position
+``t`` are scored against ``targets[t]`` (``-100``: not scored). The protocols differ only in how they
+cut windows:
+
+``disjoint``
+    The token stream (tokenized once, one BOS at the start when the tokenizer has one) is cut into
+    consecutive non-overlapping windows of ``seq_len``; each scores its own next tokens
+    (``seq_len - 1`` per full window). Windows are not re-prefixed. The quantization literature's
+    convention (Llama-2-7B fp16, WikiText-2 test, 2048: 5.47).
+``stride``
+    Hugging Face's sliding window ("Perplexity of fixed-length models"): windows of ``seq_len``
+    starting every ``stride`` tokens; only the tokens not scored by the previous window are scored.
+    With ``stride == seq_len`` it equals ``disjoint``.
+``rolling``
+    lm-evaluation-harness's ``loglikelihood_rolling``: per document, a prefix token (BOS, else EOS)
+    then windows that score every token exactly once with as much left context as fits
+    (``get_rolling_token_windows`` with ``context_len=1``). Reports word and byte perplexity and
+    bits per byte, with words (``re.split(r"\\s+", doc)``) and UTF-8 bytes counted on the text.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from mha2gqa.eval.metrics import kl_divergence
+from tqdm.auto import tqdm
+
+IGNORE = -100
+Window = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
 class Perplexity:
-    """Summed next-token NLL (nats) over ``tokens`` predicted tokens."""
+    """Summed next-token NLL (nats) over ``tokens`` scored tokens."""
 
     protocol: str
     seq_len: int
     nll_sum: float
     tokens: int
     windows: int
+    settings: dict = field(default_factory=dict)
 
     @property
     def nll(self) -> float:
@@ -37,36 +58,156 @@ class Perplexity:
         return {**asdict(self), "nll": self.nll, "ppl": self.ppl}
 
 
-def disjoint_windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
-    """Consecutive ``[seq_len]`` slices of the 1-D ``ids``; a last shorter slice is kept if it has
-    at least 2 tokens (one prediction)."""
-    return [ids[s : s + seq_len] for s in range(0, ids.numel(), seq_len) if ids[s : s + seq_len].numel() >= 2]
+def _shifted(ids: torch.Tensor, scored: int) -> torch.Tensor:
+    """Targets for ``ids``: ``ids[t + 1]``, with only the last ``scored`` of them kept."""
+    targets = torch.full_like(ids, IGNORE)
+    targets[:-1] = ids[1:]
+    targets[: ids.numel() - 1 - scored] = IGNORE
+    return targets
 
 
-def window_nll(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL ``[B, T-1]`` (float32) of ``batch`` ``[B, T]`` under ``model``."""
-    logits = model(batch).logits[:, :-1].float()
-    return F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+def disjoint_windows(ids: torch.Tensor, seq_len: int) -> list[Window]:
+    """Consecutive ``[seq_len]`` slices of the 1-D ``ids``; a shorter last slice is kept if it
+    predicts at least one token."""
+    out = []
+    for s in range(0, ids.numel(), seq_len):
+        w = ids[s : s + seq_len]
+        if w.numel() >= 2:
+            out.append((w, _shifted(w, w.numel() - 1)))
+    return out
+
+
+def stride_windows(ids: torch.Tensor, seq_len: int, stride: int) -> list[Window]:
+    """Hugging Face's strided sliding windows over the 1-D ``ids``."""
+    out = []
+    prev_end = 0
+    for begin in range(0, ids.numel(), stride):
+        end = min(begin + seq_len, ids.numel())
+        w = ids[begin:end]
+        scored = min(end - prev_end, w.numel() - 1)
+        if scored > 0:
+            out.append((w, _shifted(w, scored)))
+        prev_end = end
+        if end == ids.numel():
+            break
+    return out
+
+
+def rolling_windows(tokens: Sequence[int], prefix_token: int, seq_len: int) -> list[Window]:
+    """lm-evaluation-harness rolling windows for one document (``context_len=1``): every token of
+    ``tokens`` is scored exactly once; the first window is preceded by ``prefix_token``."""
+    tokens = list(tokens)
+    out: list[Window] = []
+    if not tokens:
+        return out
+    first = min(seq_len, len(tokens))
+    seq = [prefix_token, *tokens[:first]]
+    out.append((torch.tensor(seq[:-1]), torch.tensor(seq[1:])))
+    predicted = first
+    while predicted < len(tokens):
+        n = min(len(tokens) - predicted, seq_len)
+        end = predicted + n
+        seq = tokens[max(end - seq_len - 1, 0) : end]
+        inputs, targets = torch.tensor(seq[:-1]), torch.tensor(seq[1:])
+        targets[: targets.numel() - n] = IGNORE
+        out.append((inputs, targets))
+        predicted = end
+    return out
+
+
+@dataclass
+class Agreement:
+    """Per-token agreement of a converted model with the original on the same scored tokens."""
+
+    kl: list[torch.Tensor] = field(default_factory=list)  # per-token KL(original || converted)
+    top1_same: int = 0
+    nll_delta_sum: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class PassResult:
+    """Sums of one pass over windows for each model, and their agreement when two were given."""
+
+    nll_sum: list[float]
+    tokens: int
+    windows: int
+    agreement: Agreement | None
+    seconds: float = 0.0
+
+
+def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
+    """Windows grouped into batches of equal length (order kept within a length)."""
+    by_len: dict[int, list[Window]] = {}
+    for w in windows:
+        by_len.setdefault(w[0].numel(), []).append(w)
+    for group in by_len.values():
+        for i in range(0, len(group), batch_size):
+            yield group[i : i + batch_size]
 
 
 @torch.no_grad()
+def score_windows(
+    models: Sequence[torch.nn.Module],
+    windows: list[Window],
+    batch_size: int = 1,
+    chunk: int = 512,
+    progress: bool = False,
+    desc: str = "scoring",
+) -> PassResult:
+    """Run every model on every window; sum NLL per model and, for two models, per-token KL,
+    top-1 agreement and NLL delta (all from float32 log-softmax, ``chunk`` positions at a time)."""
+    import time
+
+    start = time.perf_counter()
+    nll = [0.0] * len(models)
+    tokens = 0
+    agree = Agreement() if len(models) == 2 else None
+    total = sum(int((t != IGNORE).sum()) for _, t in windows)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress)
+    for batch in _batches(windows, batch_size):
+        inputs = torch.stack([w[0] for w in batch])
+        targets = torch.stack([w[1] for w in batch])
+        logits = [m(inputs.to(_device(m))).logits for m in models]
+        for s in range(0, inputs.shape[1], chunk):
+            tgt = targets[:, s : s + chunk].to(logits[0].device)
+            keep = tgt != IGNORE
+            if not keep.any():
+                continue
+            logps = [torch.log_softmax(lg[:, s : s + chunk][keep].float(), -1) for lg in logits]
+            ids = tgt[keep]
+            for i, lp in enumerate(logps):
+                nll[i] += F.nll_loss(lp, ids, reduction="sum").item()
+            if agree is not None:
+                lo = logps[0]
+                lc = logps[1].to(lo.device)
+                agree.kl.append(kl_divergence(lo, lc).cpu())
+                agree.top1_same += int((lo.argmax(-1) == lc.argmax(-1)).sum())
+                agree.nll_delta_sum += (lo.gather(1, ids[:, None]) - lc.gather(1, ids[:, None])).sum().item()
+            n = int(keep.sum())
+            tokens += n
+            if agree is not None:
+                agree.tokens += n
+            bar.update(n)
+    bar.close()
+    return PassResult(nll, tokens, len(windows), agree, time.perf_counter() - start)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def perplexity(
+    model: torch.nn.Module, windows: list[Window], protocol: str, seq_len: int, batch_size: int = 1, **settings
+) -> Perplexity:
+    """Perplexity of one model over prepared windows."""
+    res = score_windows([model], windows, batch_size)
+    return Perplexity(protocol, seq_len, res.nll_sum[0], res.tokens, res.windows, settings)
+
+
 def perplexity_disjoint(model: torch.nn.Module, ids: torch.Tensor, seq_len: int, batch_size: int = 1) -> Perplexity:
     """Perplexity of ``model`` on the 1-D token tensor ``ids`` with disjoint windows."""
-    device = next(model.parameters()).device
     windows = disjoint_windows(ids, seq_len)
     if not windows:
         raise ValueError(f"need at least 2 tokens, got {ids.numel()}")
-    nll = 0.0
-    tokens = 0
-    full = [w for w in windows if w.numel() == seq_len]
-    rest = [w for w in windows if w.numel() != seq_len]
-    for i in range(0, len(full), batch_size):
-        batch = torch.stack(full[i : i + batch_size]).to(device)
-        losses = window_nll(model, batch)
-        nll += losses.double().sum().item()
-        tokens += losses.numel()
-    for w in rest:
-        losses = window_nll(model, w[None].to(device))
-        nll += losses.double().sum().item()
-        tokens += losses.numel()
-    return Perplexity("disjoint", seq_len, nll, tokens, len(windows))
+    return perplexity(model, windows, "disjoint", seq_len, batch_size)

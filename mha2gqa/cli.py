@@ -144,6 +144,89 @@ def demo(
     click.echo(f"models in {src.parent}")
 
 
+@main.command(name="eval")
+@click.option(
+    "--original",
+    "--model",
+    "original",
+    required=True,
+    help="The original model (folder or hub id); alone, it is evaluated by itself.",
+)
+@click.option("--converted", default=None, help="Its conversion, compared with it on the same tokens.")
+@click.option(
+    "--data", required=True, help="Text: a .txt/.jsonl/.json/.parquet file or a datasets name 'name[:config]:split'."
+)
+@click.option("--text-field", default="text", help="Field holding the text in .jsonl/.parquet/datasets sources.")
+@click.option(
+    "--doc-split",
+    type=click.Choice(["file", "paragraph", "line"]),
+    default="file",
+    help="How a .txt file is cut into documents (rolling protocol).",
+)
+@click.option(
+    "--protocol",
+    "protocols",
+    type=click.Choice(["disjoint", "stride", "rolling"]),
+    multiple=True,
+    default=("disjoint",),
+    help="Perplexity protocols (repeatable).",
+)
+@click.option("--seq-len", type=int, default=None, help="Window length [default: min(2048, the model's positions)].")
+@click.option("--stride", type=int, default=None, help="Stride of the 'stride' protocol [default: seq_len // 2].")
+@click.option("--max-tokens", type=int, default=None, help="Token budget (the first N tokens of the text).")
+@click.option("--batch-size", type=int, default=1, help="Windows per forward pass.")
+@click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
+@click.option("--device-map", default=None, help="'auto' to spread a model too large for one GPU across devices.")
+@click.option("--attention/--no-attention", default=True, help="Per-layer, per-head attention similarity (pairs only).")
+@click.option(
+    "--attention-seq-len", type=int, default=None, help="Window for attention similarity [default: min(seq_len, 1024)]."
+)
+@click.option(
+    "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results JSON here."
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary.")
+@user_errors
+def eval_cmd(
+    original: str,
+    converted: str | None,
+    data: str,
+    text_field: str,
+    doc_split: str,
+    protocols: tuple[str, ...],
+    seq_len: int | None,
+    stride: int | None,
+    max_tokens: int | None,
+    batch_size: int,
+    device: str,
+    dtype: str,
+    device_map: str | None,
+    attention: bool,
+    attention_seq_len: int | None,
+    output: Path | None,
+    quiet: bool,
+) -> None:
+    """Perplexity, output agreement and attention similarity: ORIGINAL vs CONVERTED."""
+    from mha2gqa.eval.harness import EvalSettings, evaluate, is_main_process, write_results
+    from mha2gqa.eval.summary import summary_lines
+
+    settings = EvalSettings(
+        data=data, text_field=text_field, doc_split=doc_split, protocols=protocols, seq_len=seq_len, stride=stride,
+        max_tokens=max_tokens, batch_size=batch_size, device=device, dtype=dtype, device_map=device_map,
+        attention=attention, attention_seq_len=attention_seq_len, progress=not quiet,
+    )  # fmt: skip
+    results = evaluate(original, converted, settings)
+    if not is_main_process():
+        return
+    if output is not None:
+        write_results(results, output)
+    if not quiet:
+        for line in summary_lines(results):
+            click.echo(line)
+        if output is not None:
+            click.echo(f"results: {output}")
+
+
 def _load_model(folder: Path):
     import torch
     from transformers import AutoModelForCausalLM

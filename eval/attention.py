@@ -1,0 +1,222 @@
+"""Per-layer, per-head attention similarity between an original model and its conversion.
+
+Both models read the same tokens, each end to end. A registered attention implementation
+(transformers' ``AttentionInterface``) computes the usual SDPA output and hands each layer's
+post-RoPE queries and keys and its values to a recorder, so every family's own projections,
+biases, q/k norms and partial rotary are taken as the model applies them. The original's tensors
+are kept per layer (``[B, heads, T, head_dim]``: layers x sequence, never sequence squared); when
+the converted model reaches the same layer, attention rows are rebuilt for both in float32,
+``chunk`` queries at a time, compared, and the original's layer is freed.
+
+Statistics per query head, averaged over all query rows: KL(original || converted) and
+Jensen-Shannon divergence of the attention rows, cosine of the rows, the entropy of each (and the
+uniform distribution's, to expose collapse toward uniform), and the relative error of the head's
+output ``||o_conv - o_orig|| / ||o_orig||``. Per layer: cosine of the decoder layer's output hidden
+states, averaged over tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from mha2gqa.eval.metrics import cosine, entropy, js_divergence, kl_divergence
+
+IMPL = "mha2gqa_capture"
+_recorder: Callable[..., None] | None = None
+
+
+def _capture_forward(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if _recorder is not None:
+        scaling, window = kwargs.get("scaling"), kwargs.get("sliding_window")
+        _recorder(module.layer_idx, query, key, value, attention_mask, scaling, window, out[0])
+    return out
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(IMPL, _capture_forward)
+    AttentionMaskInterface.register(IMPL, sdpa_mask)
+
+
+@contextlib.contextmanager
+def capturing(model: torch.nn.Module, recorder: Callable[..., None]) -> Iterator[None]:
+    """Within the block, ``recorder(layer, q, k, v, mask, scaling, sliding_window, output)`` sees
+    every attention call of ``model`` (which otherwise runs exactly as with SDPA); ``output`` is the
+    SDPA result ``[B, T, H, d]``."""
+    global _recorder
+    _register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(IMPL)
+    _recorder = recorder
+    try:
+        yield
+    finally:
+        _recorder = None
+        model.set_attn_implementation(previous)
+
+
+def _scores_mask(mask: torch.Tensor | None, rows: slice, t: int, sliding_window: int | None, device) -> torch.Tensor:
+    """Boolean ``[B or 1, 1, C, T]`` of the keys each query row in ``rows`` may attend to."""
+    if mask is not None:
+        m = mask[..., rows, :t]
+        return m if m.dtype == torch.bool else m == 0
+    q = torch.arange(rows.start, rows.stop, device=device)[:, None]
+    k = torch.arange(t, device=device)[None, :]
+    allowed = k <= q
+    if sliding_window:
+        allowed &= k > q - sliding_window
+    return allowed[None, None]
+
+
+def _log_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float) -> torch.Tensor:
+    """float32 log-softmax of ``q k^T * scaling`` over allowed keys. ``[B,H,C,d],[B,H,T,d] -> [B,H,C,T]``."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    return torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+@dataclass
+class HeadSums:
+    """Running sums for one layer, one entry per query head."""
+
+    heads: int
+    rows: int = 0
+    kl: torch.Tensor = field(init=False)
+    js: torch.Tensor = field(init=False)
+    cos: torch.Tensor = field(init=False)
+    ent_orig: torch.Tensor = field(init=False)
+    ent_conv: torch.Tensor = field(init=False)
+    ent_uniform: float = 0.0
+    err_sq: torch.Tensor = field(init=False)
+    ref_sq: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("kl", "js", "cos", "ent_orig", "ent_conv", "err_sq", "ref_sq"):
+            setattr(self, name, torch.zeros(self.heads, dtype=torch.float64))
+
+    def result(self) -> list[dict[str, float]]:
+        n = max(self.rows, 1)
+        rel = (self.err_sq / self.ref_sq.clamp_min(1e-30)).sqrt()
+        return [
+            {
+                "kl": self.kl[h].item() / n,
+                "js": self.js[h].item() / n,
+                "cosine": self.cos[h].item() / n,
+                "entropy_original": self.ent_orig[h].item() / n,
+                "entropy_converted": self.ent_conv[h].item() / n,
+                "output_rel_error": rel[h].item(),
+            }
+            for h in range(self.heads)
+        ]
+
+
+def compare_layer(
+    orig: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    scaling: float,
+    sliding_window: int | None,
+    sums: HeadSums,
+    chunk: int = 128,
+) -> None:
+    """Add one layer's statistics to ``sums``.
+
+    ``orig``/``conv``: ``(q [B,H,T,d], k [B,G,T,d], v [B,G,T,d])`` of each model; KV head ``j``
+    serves query heads ``[j*H/G, (j+1)*H/G)`` as in ``repeat_kv``.
+    """
+    (qo, ko, vo), (qc, kc, vc) = orig, conv
+    heads, t = qo.shape[1], qo.shape[2]
+    ko, vo = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (ko, vo))
+    kc, vc = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (kc, vc))
+    for s in range(0, t, chunk):
+        rows = slice(s, min(s + chunk, t))
+        allowed = _scores_mask(mask, rows, t, sliding_window, qo.device)
+        lo = _log_attention(qo[:, :, rows], ko, allowed, scaling)
+        lc = _log_attention(qc[:, :, rows], kc, allowed, scaling)
+        po, pc = lo.exp(), lc.exp()
+        dims = (0, 2)  # sum over batch and query rows, keep heads
+        sums.kl += kl_divergence(lo, lc).sum(dims).double().cpu()
+        sums.js += js_divergence(lo, lc).sum(dims).double().cpu()
+        sums.cos += cosine(po, pc).sum(dims).double().cpu()
+        sums.ent_orig += entropy(lo).sum(dims).double().cpu()
+        sums.ent_conv += entropy(lc).sum(dims).double().cpu()
+        out_o = torch.matmul(po, vo.float())
+        out_c = torch.matmul(pc, vc.float())
+        sums.err_sq += (out_c - out_o).pow(2).sum((0, 2, 3)).double().cpu()
+        sums.ref_sq += out_o.pow(2).sum((0, 2, 3)).double().cpu()
+        visible = allowed.expand(qo.shape[0], 1, -1, -1).sum(-1).clamp_min(1)
+        sums.ent_uniform += visible.double().log().sum().item()
+        sums.rows += qo.shape[0] * (rows.stop - rows.start)
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.base_model.layers
+
+
+@torch.no_grad()
+def attention_similarity(
+    original: torch.nn.Module, converted: torch.nn.Module, batch: torch.Tensor, chunk: int = 128
+) -> dict:
+    """Compare ``original`` and ``converted`` on ``batch`` ``[B, T]`` token ids (see module doc)."""
+    stored: dict[int, tuple] = {}
+    hidden: dict[int, torch.Tensor] = {}
+    sums: dict[int, HeadSums] = {}
+    hidden_cos: dict[int, float] = {}
+
+    def keep_original(layer, q, k, v, mask, scaling, window, _output):
+        stored[layer] = (q, k, v, mask, scaling, window)
+
+    def compare(layer, q, k, v, mask, scaling, window, _output):
+        qo, ko, vo, mask_o, scaling_o, window_o = stored.pop(layer)
+        sums[layer] = HeadSums(qo.shape[1])
+        compare_layer((qo, ko, vo), (q, k, v), mask_o, scaling_o, window_o, sums[layer], chunk)
+
+    def hook(store: bool):
+        def fn(module, args, output):
+            h = output[0] if isinstance(output, tuple) else output
+            idx = module._mha2gqa_index
+            if store:
+                hidden[idx] = h
+            else:
+                hidden_cos[idx] = cosine(hidden.pop(idx).float(), h.float().to(hidden_device)).mean().item()
+
+        return fn
+
+    hidden_device = next(original.parameters()).device
+    runs = ((original, keep_original, True), (converted, compare, False))
+    for model, recorder, store in runs:
+        handles = []
+        for i, layer in enumerate(_decoder_layers(model)):
+            layer._mha2gqa_index = i
+            handles.append(layer.register_forward_hook(hook(store)))
+        try:
+            with capturing(model, recorder):
+                model(batch.to(next(model.parameters()).device))
+        finally:
+            for h in handles:
+                h.remove()
+    layers = []
+    for layer in sorted(sums):
+        s = sums[layer]
+        heads = s.result()
+        layers.append(
+            {
+                "layer": layer,
+                "hidden_cosine": hidden_cos.get(layer, math.nan),
+                "entropy_uniform": s.ent_uniform / max(s.rows, 1),
+                "heads": heads,
+                **{f"mean_{k}": sum(h[k] for h in heads) / len(heads) for k in heads[0]},
+            }
+        )
+    summary = {f"mean_{k}": sum(x[f"mean_{k}"] for x in layers) / len(layers) for k in layers[0]["heads"][0]}
+    summary["entropy_uniform"] = layers[0]["entropy_uniform"]
+    summary["mean_hidden_cosine"] = sum(x["hidden_cosine"] for x in layers) / len(layers)
+    return {"layers": layers, "summary": summary, "tokens": batch.numel(), "seq_len": batch.shape[1], "chunk": chunk}

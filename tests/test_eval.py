@@ -1,0 +1,245 @@
+"""Evaluation harness: protocols against naive references, identity checks, attention capture
+for every family, bad input, results schema."""
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import FAMILY_CONFIGS, FIXTURES, random_model, requires_fixtures, save, tiny_config
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.eval.attention import _log_attention, _scores_mask, attention_similarity, capturing
+from mha2gqa.eval.harness import EvalSettings, evaluate
+from mha2gqa.eval.perplexity import IGNORE, disjoint_windows, perplexity, rolling_windows, stride_windows
+
+from mha2gqa.cli import main
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return random_model(tiny_config("llama", max_position_embeddings=128))
+
+
+def naive_ppl(model, ids, seq_len):
+    """The fixtures README's loop: model(x, labels=x).loss per disjoint window."""
+    nll = n = 0
+    with torch.no_grad():
+        for s in range(0, len(ids) - 1, seq_len):
+            x = ids[s : s + seq_len][None]
+            if x.shape[1] < 2:
+                break
+            nll += model(x, labels=x).loss.item() * (x.shape[1] - 1)
+            n += x.shape[1] - 1
+    return math.exp(nll / n), n
+
+
+def test_disjoint_equals_the_naive_loop(llama):
+    ids = torch.randint(0, 96, (1000,), generator=torch.Generator().manual_seed(1))
+    ours = perplexity(llama, disjoint_windows(ids, 64), "disjoint", 64, batch_size=4)
+    ref, n = naive_ppl(llama, ids, 64)
+    assert ours.tokens == n == 1000 - math.ceil(1000 / 64)
+    assert math.isclose(ours.ppl, ref, rel_tol=1e-5)
+
+
+def test_stride_equal_to_window_is_disjoint(llama):
+    ids = torch.randint(0, 96, (700,), generator=torch.Generator().manual_seed(2))
+    a = perplexity(llama, stride_windows(ids, 64, 64), "stride", 64)
+    b = perplexity(llama, disjoint_windows(ids, 64), "disjoint", 64)
+    assert (a.tokens, a.windows) == (b.tokens, b.windows) and math.isclose(a.ppl, b.ppl, rel_tol=1e-9)
+
+
+def test_stride_scores_each_token_once_after_the_first():
+    ids = torch.arange(100)
+    windows = stride_windows(ids, 32, 8)
+    scored = torch.cat([t[t != IGNORE] for _, t in windows])
+    assert scored.tolist() == list(range(1, 100))
+    assert all(w.numel() <= 32 for w, _ in windows)
+
+
+def lm_eval_rolling(token_list, prefix_token, max_seq_len, context_len=1):
+    """lm-evaluation-harness utils.get_rolling_token_windows + make_disjoint_window (verbatim logic)."""
+    pred_len = max_seq_len - context_len + 1
+    predicted = 0
+    first_seq_len = min(max_seq_len, len(token_list))
+    out = [([prefix_token, *token_list[: first_seq_len - 1]], token_list[:first_seq_len])]
+    predicted += first_seq_len
+    while predicted < len(token_list):
+        window_pred_len = min(len(token_list) - predicted, pred_len)
+        window_end = predicted + window_pred_len
+        out.append(
+            (
+                token_list[window_end - max_seq_len - 1 : window_end - 1],
+                token_list[window_end - window_pred_len : window_end],
+            )
+        )
+        predicted += window_pred_len
+    return [(a[: len(a) - (len(b) - 1)], b) for a, b in out]
+
+
+@pytest.mark.parametrize(("n", "seq_len"), [(1, 8), (7, 8), (8, 8), (9, 8), (50, 8), (100, 16), (33, 32)])
+def test_rolling_windows_match_lm_eval_and_score_every_token_once(n, seq_len):
+    tokens = list(range(10, 10 + n))
+    ours = rolling_windows(tokens, 1, seq_len)
+    scored = [int(x) for _, t in ours for x in t[t != IGNORE]]
+    assert scored == tokens
+    assert all(w.numel() <= seq_len for w, _ in ours)
+    for (inp, tgt), (ctx, cont) in zip(ours, lm_eval_rolling(tokens, 1, seq_len), strict=True):
+        full = ctx + cont
+        assert inp.tolist() == full[:-1][-seq_len:]
+        assert tgt[tgt != IGNORE].tolist() == cont
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_capture_rebuilds_each_layers_attention_output_exactly(family):
+    """The q/k/v, scaling and mask the recorder sees reproduce the model's own attention output,
+    for every family (biases, q/k norms, partial rotary, explicit head_dim, fused qkv)."""
+    model = random_model(tiny_config(family))
+    checked = []
+
+    def recorder(layer, q, k, v, mask, scaling, window, output):
+        heads = q.shape[1]
+        k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+        allowed = _scores_mask(mask, slice(0, q.shape[2]), q.shape[2], window, q.device)
+        out = torch.matmul(_log_attention(q, k, allowed, scaling).exp(), v.float()).transpose(1, 2)
+        torch.testing.assert_close(out, output.float(), atol=1e-5, rtol=1e-4)
+        checked.append(layer)
+
+    with torch.no_grad(), capturing(model, recorder):
+        model(torch.randint(3, 90, (2, 24)))
+    assert checked == list(range(model.config.num_hidden_layers))
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_identity_gives_zero_divergence(llama, tmp_path):
+    batch = torch.randint(3, 90, (1, 48))
+    same = attention_similarity(llama, llama, batch, chunk=16)["summary"]
+    assert abs(same["mean_kl"]) < 1e-6 and abs(same["mean_js"]) < 1e-6 and same["mean_output_rel_error"] < 1e-6
+    assert math.isclose(same["mean_cosine"], 1, abs_tol=1e-6) and math.isclose(
+        same["mean_hidden_cosine"], 1, abs_tol=1e-6
+    )
+    assert same["mean_entropy_original"] == same["mean_entropy_converted"] < same["entropy_uniform"]
+    assert math.isclose(same["entropy_uniform"], sum(math.log(i + 1) for i in range(48)) / 48, rel_tol=1e-9)
+
+
+def write_text(path, n_words=3000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat", "and", "ran"]
+    idx = torch.randint(0, len(words), (n_words,), generator=g).tolist()
+    text = "\n\n".join(" ".join(words[i] for i in idx[j : j + 50]) for j in range(0, n_words, 50))
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_pair(tmp_path_factory):
+    """A tiny Llama with a real tokenizer (from the fixtures when present, else byte-level BPE)."""
+    from mha2gqa.demo import build_tokenizer
+
+    root = tmp_path_factory.mktemp("pair")
+    text = write_text(root / "text.txt")
+    tok = build_tokenizer(text.read_text(), 300)
+    model = random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=64, attention_bias=False))
+    src = save(model, root / "mha")
+    tok.save_pretrained(src)
+    same = convert_checkpoint(src, root / "g4", 4, progress=False).output
+    pooled = convert_checkpoint(src, root / "g2", 2, progress=False).output
+    return src, same, pooled, text
+
+
+def test_model_against_itself_and_its_exact_conversion(trained_pair):
+    src, same, _, text = trained_pair
+    for other in (src, same):
+        r = evaluate(str(src), str(other), EvalSettings(data=str(text), seq_len=64, max_tokens=1500, progress=False))
+        assert r["agreement"]["kl"]["max"] < 1e-5 and r["agreement"]["top1_agreement"] == 1.0
+        assert abs(r["agreement"]["nll_delta"]) < 1e-6
+        assert abs(r["attention"]["summary"]["mean_kl"]) < 1e-5
+        assert math.isclose(r["protocols"]["disjoint"]["ppl_ratio"], 1.0, rel_tol=1e-6)
+
+
+def test_mean_pooled_conversion_diverges_and_results_follow_the_schema(trained_pair, tmp_path):
+    src, _, pooled, text = trained_pair
+    out = tmp_path / "results.json"
+    result = CliRunner().invoke(main, ["eval", "--original", str(src), "--converted", str(pooled), "--data", str(text),
+                                       "--seq-len", "64", "--max-tokens", "1500", "--protocol", "disjoint",
+                                       "--protocol", "stride", "--protocol", "rolling", "--doc-split", "paragraph",
+                                       "--output", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "agreement: KL mean" in result.stdout and "ratio" in result.stdout
+    r = json.loads(out.read_text())
+    assert r["schema"] == "mha2gqa.eval/1"
+    assert set(r["protocols"]) == {"disjoint", "stride", "rolling"}
+    assert r["agreement"]["kl"]["mean"] > 0 and r["agreement"]["top1_agreement"] < 1
+    s = r["attention"]["summary"]
+    assert s["mean_kl"] > 0 and s["mean_js"] > 0 and s["mean_output_rel_error"] > 0
+    assert len(r["attention"]["layers"]) == 2 and len(r["attention"]["layers"][0]["heads"]) == 4
+    rolling = r["protocols"]["rolling"]
+    assert rolling["original"]["bits_per_byte"] == pytest.approx(
+        rolling["original"]["nll_sum"] / rolling["settings"]["bytes"] / math.log(2)
+    )
+    assert r["models"]["converted"]["conversion"]["num_kv_heads_after"] == 2
+    assert r["data"]["stream_tokens"] == 1500 and r["settings"]["stride"] == 32
+    for key in ("versions", "device", "tokenizer", "git_revision", "seconds"):
+        assert key in r
+
+
+def test_jsonl_and_parquet_sources(trained_pair, tmp_path):
+    src, _, _, text = trained_pair
+    docs = text.read_text().split("\n\n")
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"body": d}) for d in docs))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": docs}), tmp_path / "d.parquet")
+    ppl = []
+    for f in ("d.jsonl", "d.parquet"):
+        r = evaluate(
+            str(src),
+            None,
+            EvalSettings(data=str(tmp_path / f), text_field="body", seq_len=64, max_tokens=600, progress=False),
+        )
+        ppl.append(r["protocols"]["disjoint"]["original"]["ppl"])
+        assert r["data"]["documents"] == len(docs)
+    assert ppl[0] == ppl[1]
+
+
+def cli_error(*args):
+    result = CliRunner().invoke(main, ["eval", *map(str, args)])
+    assert result.exit_code == 1, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1 and "Traceback" not in result.output
+    return lines[0]
+
+
+def test_bad_inputs_are_one_line_errors(trained_pair, tmp_path):
+    src, _, pooled, text = trained_pair
+    assert "no such file" in cli_error("--original", src, "--data", tmp_path / "missing.txt")
+    assert "cannot load it with datasets" in cli_error("--original", src, "--data", "no_such_dataset_xyz:test")
+    assert "not a file, and not a datasets name" in cli_error("--original", src, "--data", "plainword")
+    short = tmp_path / "short.txt"
+    short.write_text("alpha beta")
+    assert "fewer than one window of 64" in cli_error("--original", src, "--data", short, "--seq-len", "64")
+    assert "longer than the model's 64 positions" in cli_error("--original", src, "--data", text, "--seq-len", "65")
+    other = tmp_path / "other"
+    import shutil
+
+    shutil.copytree(pooled, other)
+    from mha2gqa.demo import build_tokenizer
+
+    build_tokenizer("zeta eta theta " * 200, 280).save_pretrained(other)
+    assert "tokenizer mismatch" in cli_error("--original", src, "--converted", other, "--data", text, "--seq-len", "64")
+
+
+@requires_fixtures("stories260K-mha-expanded", "text")
+def test_real_fixture_pooled_to_4_is_exact_and_to_2_is_not(tmp_path):
+    src = FIXTURES / "stories260K-mha-expanded"
+    data = str(FIXTURES / "text" / "tinystories_train_head.txt")
+    settings = EvalSettings(data=data, seq_len=256, max_tokens=4096, attention_seq_len=256, progress=False)
+    g4 = convert_checkpoint(src, tmp_path / "g4", 4, progress=False).output
+    g2 = convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output
+    exact = evaluate(str(src), str(g4), settings)
+    assert exact["agreement"]["kl"]["max"] < 1e-4 and exact["agreement"]["top1_agreement"] == 1.0
+    assert exact["attention"]["summary"]["mean_kl"] < 1e-4
+    lossy = evaluate(str(src), str(g2), settings)
+    assert lossy["agreement"]["kl"]["mean"] > 0.5 and lossy["protocols"]["disjoint"]["ppl_ratio"] > 5
+    assert lossy["attention"]["summary"]["mean_kl"] > 0.1

@@ -1,0 +1,53 @@
+"""Hand-computed values for the divergence metrics."""
+
+import math
+
+import numpy as np
+import torch
+from mha2gqa.eval.metrics import cosine, entropy, js_divergence, kl_divergence, summarize
+
+
+def test_kl_of_identical_distributions_is_zero():
+    logp = torch.log_softmax(torch.randn(5, 7), -1)
+    assert torch.allclose(kl_divergence(logp, logp), torch.zeros(5), atol=1e-7)
+    assert torch.allclose(js_divergence(logp, logp), torch.zeros(5), atol=1e-7)
+
+
+def test_kl_of_a_known_pair_matches_the_closed_form():
+    p, q = torch.tensor([0.5, 0.5]), torch.tensor([0.9, 0.1])
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert math.isclose(kl_divergence(p.log(), q.log()).item(), expected, rel_tol=1e-6)
+    m = (p + q) / 2
+    js = 0.5 * sum(p[i] * math.log(p[i] / m[i]) + q[i] * math.log(q[i] / m[i]) for i in range(2))
+    assert math.isclose(js_divergence(p.log(), q.log()).item(), float(js), rel_tol=1e-6)
+
+
+def test_masked_entries_count_as_zero_probability():
+    p = torch.tensor([0.25, 0.75, 0.0])
+    q = torch.tensor([0.5, 0.5, 0.0])
+    kl = kl_divergence(p.log(), q.log()).item()
+    assert math.isclose(kl, 0.25 * math.log(0.5) + 0.75 * math.log(1.5), rel_tol=1e-6)
+    assert math.isclose(entropy(torch.full((4,), 0.25).log()).item(), math.log(4), rel_tol=1e-6)
+    assert math.isclose(entropy(p.log()).item(), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), rel_tol=1e-6)
+    assert math.isclose(
+        js_divergence(torch.tensor([0.0, 1.0]).log(), torch.tensor([1.0, 0.0]).log()).item(), math.log(2), rel_tol=1e-6
+    )
+
+
+def test_cosine_and_quantiles_by_hand():
+    assert math.isclose(
+        cosine(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])).item(), 1 / math.sqrt(2), rel_tol=1e-6
+    )
+    values = torch.arange(1001, dtype=torch.float32)
+    s = summarize(values)
+    assert s["median"] == 500 and s["q90"] == 900 and s["q99_9"] == 999 and s["max"] == 1000 and s["count"] == 1001
+    r = torch.rand(997)
+    s = summarize(r)
+    for q, key in [(0.9, "q90"), (0.95, "q95"), (0.99, "q99"), (0.999, "q99_9"), (0.5, "median")]:
+        assert math.isclose(s[key], float(np.quantile(r.double().numpy(), q)), rel_tol=1e-9)
+
+
+def test_js_is_finite_when_probabilities_underflow():
+    logp = torch.tensor([0.0, -104.0, float("-inf")])  # exp(-104) is a float32 denormal
+    logq = torch.tensor([-1e-3, -7.0, float("-inf")])
+    assert torch.isfinite(js_divergence(logp, logq)).all()
