@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from mha2gqa.convert.safetensors_io import (
     DTYPES,
     TORCH_TO_CODE,
@@ -16,7 +17,6 @@ from mha2gqa.convert.safetensors_io import (
     load_tensor,
     read_shard_index,
 )
-
 from mha2gqa.errors import Mha2GqaError
 
 SAFE_INDEX = "model.safetensors.index.json"

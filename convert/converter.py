@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from mha2gqa.convert.card import RECORD_NAME, model_card
 from mha2gqa.convert.checkpoint import AUX_FILES, Checkpoint, open_checkpoint
 from mha2gqa.convert.families import AttentionDims, Family, detect_family
@@ -21,7 +22,6 @@ from mha2gqa.convert.pooling import METHODS, Reducer, reduce_rows, reduce_stacke
 from mha2gqa.convert.safetensors_io import DTYPES, TensorInfo
 from mha2gqa.convert.validate import check_tensors, expected_tensors
 from mha2gqa.convert.writer import OutputTensor, staged_output, write_checkpoint
-
 from mha2gqa.errors import Mha2GqaError
 
 

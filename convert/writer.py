@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from mha2gqa.convert.safetensors_io import DTYPES, TensorInfo, copy_range
 from tqdm.auto import tqdm
 
+from mha2gqa.convert.safetensors_io import DTYPES, TensorInfo, copy_range
 from mha2gqa.errors import Mha2GqaError
 
 WEIGHTS_NAME = "model.safetensors"

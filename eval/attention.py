@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from mha2gqa.eval.metrics import cosine, entropy, js_divergence, kl_divergence
+
+from mha2gqa.eval.metrics import cosine, row_stats
 
 IMPL = "mha2gqa_capture"
 _recorder: Callable[..., None] | None = None
@@ -136,20 +137,23 @@ def compare_layer(
     heads, t = qo.shape[1], qo.shape[2]
     ko, vo = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (ko, vo))
     kc, vc = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (kc, vc))
+    dims = (0, 2)  # sum over batch and query rows, keep heads
     for s in range(0, t, chunk):
         rows = slice(s, min(s + chunk, t))
-        allowed = _scores_mask(mask, rows, t, sliding_window, qo.device)
-        lo = _log_attention(qo[:, :, rows], ko, allowed, scaling)
-        lc = _log_attention(qc[:, :, rows], kc, allowed, scaling)
-        po, pc = lo.exp(), lc.exp()
-        dims = (0, 2)  # sum over batch and query rows, keep heads
-        sums.kl += kl_divergence(lo, lc).sum(dims).double().cpu()
-        sums.js += js_divergence(lo, lc).sum(dims).double().cpu()
-        sums.cos += cosine(po, pc).sum(dims).double().cpu()
-        sums.ent_orig += entropy(lo).sum(dims).double().cpu()
-        sums.ent_conv += entropy(lc).sum(dims).double().cpu()
-        out_o = torch.matmul(po, vo.float())
-        out_c = torch.matmul(pc, vc.float())
+        # Decoders are causal: rows s..e-1 see no key past e-1, so the keys are cut there and only the
+        # lower triangle is computed (the mask, causal or sliding, decides within it).
+        keys = rows.stop
+        allowed = _scores_mask(mask, rows, keys, sliding_window, qo.device)
+        lo = _log_attention(qo[:, :, rows], ko[:, :, :keys], allowed, scaling)
+        lc = _log_attention(qc[:, :, rows], kc[:, :, :keys], allowed, scaling)
+        stats = row_stats(lo, lc, allowed)
+        sums.kl += stats["kl"].sum(dims).double().cpu()
+        sums.js += stats["js"].sum(dims).double().cpu()
+        sums.cos += stats["cosine"].sum(dims).double().cpu()
+        sums.ent_orig += stats["entropy_p"].sum(dims).double().cpu()
+        sums.ent_conv += stats["entropy_q"].sum(dims).double().cpu()
+        out_o = torch.matmul(lo.exp(), vo[:, :, :keys].float())
+        out_c = torch.matmul(lc.exp(), vc[:, :, :keys].float())
         sums.err_sq += (out_c - out_o).pow(2).sum((0, 2, 3)).double().cpu()
         sums.ref_sq += out_o.pow(2).sum((0, 2, 3)).double().cpu()
         visible = allowed.expand(qo.shape[0], 1, -1, -1).sum(-1).clamp_min(1)
@@ -199,7 +203,7 @@ def attention_similarity(
             handles.append(layer.register_forward_hook(hook(store)))
         try:
             with capturing(model, recorder):
-                model(batch.to(next(model.parameters()).device))
+                model.base_model(batch.to(next(model.parameters()).device))  # no logits needed
         finally:
             for h in handles:
                 h.remove()

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mha2gqa.errors import Mha2GqaError
 from mha2gqa.eval.attention import attention_similarity
 from mha2gqa.eval.data import TextData, document_tokens, load_text, prefix_token, token_stream
 from mha2gqa.eval.metrics import summarize
@@ -33,8 +35,6 @@ from mha2gqa.eval.models import (
     tokenizer_info,
 )
 from mha2gqa.eval.perplexity import Window, disjoint_windows, rolling_windows, score_windows, stride_windows
-
-from mha2gqa.errors import Mha2GqaError
 
 SCHEMA = "mha2gqa.eval/1"
 PROTOCOLS = ("disjoint", "stride", "rolling")

@@ -40,6 +40,24 @@ def cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-12) -> torch.Tensor
     return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(eps)
 
 
+def row_stats(logp: torch.Tensor, logq: torch.Tensor, allowed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """KL(P||Q), JS, cosine of the probability rows and both entropies in one pass, with ``exp``
+    taken once per distribution. ``logp``/``logq``: ``[..., n]`` log-probabilities, ``-inf`` where
+    ``allowed`` (broadcastable bool) is False. Equal to :func:`kl_divergence`, :func:`js_divergence`,
+    :func:`cosine` and :func:`entropy`; returns ``[...]`` tensors."""
+    p, q = logp.exp(), logq.exp()
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    lp, lq = torch.where(allowed, logp, zero), torch.where(allowed, logq, zero)
+    lm = torch.where(allowed, torch.logaddexp(logp, logq) - math.log(2), zero)
+    return {
+        "kl": (p * (lp - lq)).sum(-1),
+        "js": 0.5 * ((p * (lp - lm)).sum(-1) + (q * (lq - lm)).sum(-1)),
+        "cosine": cosine(p, q),
+        "entropy_p": -(p * lp).sum(-1),
+        "entropy_q": -(q * lq).sum(-1),
+    }
+
+
 QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
 
 

@@ -17,14 +17,17 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` -> this process's accelerator from ``accelerate`` (CUDA when present), else CPU."""
-    if device == "auto":
-        from accelerate import PartialState
+    """``auto`` -> this process's accelerator from ``accelerate`` (CUDA when present), else CPU.
 
-        return PartialState().device
+    Also sets up ``accelerate``'s process state, so that under ``accelerate launch`` / ``torchrun``
+    the processes form a group (NCCL on GPUs, gloo on CPUs).
+    """
+    from accelerate import PartialState
+
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise Mha2GqaError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    return torch.device(device)
+    state = PartialState(cpu=device == "cpu" or (device == "auto" and not torch.cuda.is_available()))
+    return state.device if device == "auto" else torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -69,9 +72,10 @@ def load_model(
     path: str, device: torch.device, dtype: torch.dtype, device_map: str | None = None, revision: str | None = None
 ) -> LoadedModel:
     """A causal LM in eval mode on ``device`` (or spread by ``device_map='auto'`` across GPUs)."""
-    from mha2gqa.convert.checkpoint import resolve_folder
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
+
+    from mha2gqa.convert.checkpoint import resolve_folder
 
     folder, _, _ = resolve_folder(path, revision)
     logging.disable_progress_bar()

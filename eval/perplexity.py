@@ -28,8 +28,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from mha2gqa.eval.metrics import kl_divergence
 from tqdm.auto import tqdm
+
+from mha2gqa.eval.metrics import kl_divergence
 
 IGNORE = -100
 Window = tuple[torch.Tensor, torch.Tensor]
@@ -146,7 +147,7 @@ def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
             yield group[i : i + batch_size]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def score_windows(
     models: Sequence[torch.nn.Module],
     windows: list[Window],
@@ -155,11 +156,13 @@ def score_windows(
     progress: bool = False,
     desc: str = "scoring",
 ) -> PassResult:
-    """Run every model on every window; sum NLL per model and, for two models, per-token KL,
+    """Run one or two models on every window; sum NLL per model and, for two models, per-token KL,
     top-1 agreement and NLL delta (all from float32 log-softmax, ``chunk`` positions at a time)."""
     import time
 
     start = time.perf_counter()
+    if len(models) not in (1, 2):
+        raise ValueError("score_windows compares at most two models")
     nll = [0.0] * len(models)
     tokens = 0
     agree = Agreement() if len(models) == 2 else None
@@ -171,23 +174,24 @@ def score_windows(
         logits = [m(inputs.to(_device(m))).logits for m in models]
         for s in range(0, inputs.shape[1], chunk):
             tgt = targets[:, s : s + chunk].to(logits[0].device)
-            keep = tgt != IGNORE
-            if not keep.any():
+            n = int((tgt != IGNORE).sum())
+            if n == 0:
                 continue
-            logps = [torch.log_softmax(lg[:, s : s + chunk][keep].float(), -1) for lg in logits]
-            ids = tgt[keep]
-            for i, lp in enumerate(logps):
-                nll[i] += F.nll_loss(lp, ids, reduction="sum").item()
-            if agree is not None:
-                lo = logps[0]
-                lc = logps[1].to(lo.device)
+            if agree is None:  # one model: fused cross-entropy, no log-probs kept
+                flat = logits[0][:, s : s + chunk].flatten(0, 1).float()
+                nll[0] += F.cross_entropy(flat, tgt.flatten(), ignore_index=IGNORE, reduction="sum").item()
+            else:
+                keep = tgt != IGNORE
+                ids = tgt[keep]
+                lo = torch.log_softmax(logits[0][:, s : s + chunk][keep].float(), -1)
+                lc = torch.log_softmax(logits[1][:, s : s + chunk][keep].float(), -1).to(lo.device)
+                nll[0] += F.nll_loss(lo, ids, reduction="sum").item()
+                nll[1] += F.nll_loss(lc, ids, reduction="sum").item()
                 agree.kl.append(kl_divergence(lo, lc).cpu())
                 agree.top1_same += int((lo.argmax(-1) == lc.argmax(-1)).sum())
                 agree.nll_delta_sum += (lo.gather(1, ids[:, None]) - lc.gather(1, ids[:, None])).sum().item()
-            n = int(keep.sum())
-            tokens += n
-            if agree is not None:
                 agree.tokens += n
+            tokens += n
             bar.update(n)
     bar.close()
     return PassResult(nll, tokens, len(windows), agree, time.perf_counter() - start)

@@ -6,10 +6,11 @@ import json
 import pytest
 import torch
 from conftest import FAMILY_CONFIGS, load, logits, random_model, save, tiny_config
-from mha2gqa.convert import convert_checkpoint, families
 from reference import reference_convert
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from mha2gqa.convert import convert_checkpoint, families
 
 FAMILIES = sorted(FAMILY_CONFIGS)
 IDS = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12, 3, 90]])

@@ -8,12 +8,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import FAMILY_CONFIGS, FIXTURES, random_model, requires_fixtures, save, tiny_config
+
+from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.eval.attention import _log_attention, _scores_mask, attention_similarity, capturing
 from mha2gqa.eval.harness import EvalSettings, evaluate
 from mha2gqa.eval.perplexity import IGNORE, disjoint_windows, perplexity, rolling_windows, stride_windows
-
-from mha2gqa.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 from conftest import FAMILY_CONFIGS, tiny_config
-from mha2gqa.convert.families import AttentionDims, detect_family, families, parse_family
 
+from mha2gqa.convert.families import AttentionDims, detect_family, families, parse_family
 from mha2gqa.errors import Mha2GqaError
 
 

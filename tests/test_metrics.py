@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import torch
+
 from mha2gqa.eval.metrics import cosine, entropy, js_divergence, kl_divergence, summarize
 
 
@@ -51,3 +52,17 @@ def test_js_is_finite_when_probabilities_underflow():
     logp = torch.tensor([0.0, -104.0, float("-inf")])  # exp(-104) is a float32 denormal
     logq = torch.tensor([-1e-3, -7.0, float("-inf")])
     assert torch.isfinite(js_divergence(logp, logq)).all()
+
+
+def test_fused_row_stats_equal_the_reference_definitions():
+    from mha2gqa.eval.metrics import row_stats
+
+    allowed = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    lo = torch.log_softmax(torch.randn(3, 6, 6).masked_fill(~allowed, float("-inf")), -1)
+    lc = torch.log_softmax(torch.randn(3, 6, 6).masked_fill(~allowed, float("-inf")), -1)
+    s = row_stats(lo, lc, allowed)
+    torch.testing.assert_close(s["kl"], kl_divergence(lo, lc))
+    torch.testing.assert_close(s["js"], js_divergence(lo, lc))
+    torch.testing.assert_close(s["cosine"], cosine(lo.exp(), lc.exp()))
+    torch.testing.assert_close(s["entropy_p"], entropy(lo))
+    torch.testing.assert_close(s["entropy_q"], entropy(lc))

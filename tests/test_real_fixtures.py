@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from conftest import FIXTURES, load, logits, requires_fixtures
+
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.eval.perplexity import perplexity_disjoint
 

@@ -1,0 +1,45 @@
+"""Two processes (torchrun, gloo on CPU) give the same results as one: windows are split by rank,
+sums and per-token KL values are gathered, only the main process writes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import random_model, save, tiny_config
+
+from mha2gqa.convert import convert_checkpoint
+
+
+def test_two_processes_equal_one(tmp_path):
+    from mha2gqa.demo import build_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(f"the cat {i % 7} sat on the mat and ran {i % 5} times" for i in range(400)))
+    tok = build_tokenizer(text.read_text(), 300)
+    src = save(random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=64)), tmp_path / "mha")
+    tok.save_pretrained(src)
+    conv = convert_checkpoint(src, tmp_path / "g1", 1, progress=False).output
+    args = ["-m", "mha2gqa.cli", "eval", "--original", str(src), "--converted", str(conv), "--data", str(text),
+            "--seq-len", "64", "--max-tokens", "3000", "--protocol", "disjoint", "--protocol", "rolling",
+            "--doc-split", "paragraph", "--device", "cpu", "-q"]  # fmt: skip
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    subprocess.run([sys.executable, *args, "--output", str(one)], check=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    subprocess.run([*torchrun, *args, "--output", str(two)], check=True, capture_output=True)
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert (a["device"]["processes"], b["device"]["processes"]) == (1, 2)
+    for p in ("disjoint", "rolling"):
+        for m in ("original", "converted"):
+            assert a["protocols"][p][m]["tokens"] == b["protocols"][p][m]["tokens"]
+            assert a["protocols"][p][m]["ppl"] == pytest.approx(
+                b["protocols"][p][m]["ppl"], rel=1e-6
+            )  # thread counts differ: float noise only
+    for k in ("mean", "median", "q99", "max", "count"):
+        assert a["agreement"]["kl"][k] == pytest.approx(
+            b["agreement"]["kl"][k], rel=1e-6
+        )  # thread counts differ: float noise only
+    assert a["agreement"]["top1_agreement"] == pytest.approx(b["agreement"]["top1_agreement"], abs=1e-3)
+    assert a["attention"]["summary"]["mean_kl"] == pytest.approx(
+        b["attention"]["summary"]["mean_kl"], rel=1e-6
+    )  # thread counts differ: float noise only
