@@ -75,13 +75,56 @@ def convert(
         click.echo(result.summary())
 
 
+def _run_and_print(job, output_dir: Path | None, quiet: bool) -> None:
+    from mha2gqa.eval.gates import GATE_EXIT_CODE
+    from mha2gqa.jobs import run_job
+
+    result = run_job(job, output_dir, log=(lambda m: None) if quiet else click.echo, progress=False)
+    if quiet:
+        return
+    first = result.rows[0] if result.rows else None
+    click.echo(
+        f"{'model':<22} {'KV heads':>8} {'KV cache B/token':>16} {'perplexity':>11} {'ratio':>8} {'KL':>8} {'top-1':>7}"
+    )
+    if first:
+        kv0 = first["kv_bytes_per_token_before"]
+        click.echo(f"{'original':<22} {'':>8} {kv0:>16,} {first['original_ppl']:>11.3f} {'1.00x':>8}")
+    for r in result.rows:
+        label = f"{r['method']} -> {r['num_kv_heads']} KV heads"
+        click.echo(f"{label:<22} {r['num_kv_heads']:>8} {r['kv_bytes_per_token']:>16,} {r['converted_ppl']:>11.3f} "
+                   f"{r['ppl_ratio']:>7.2f}x {r['kl_mean']:>8.3f} {r['top1']:>7.1%}")  # fmt: skip
+    click.echo(f"results: {result.output_dir / 'results'}")
+    if result.report:
+        click.echo(f"report: {result.report}")
+    if not result.gates_passed:
+        sys.exit(GATE_EXIT_CODE)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where models, results and the report go [default: the job's output_dir].",
+)
+@click.option("-q", "--quiet", is_flag=True, help="No summary.")
+@user_errors
+def run(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
+    """Run a job file: convert a model to every KV-head count and method it lists, evaluate each
+    against the original, render one report and check the gates (exit 3 if one fails)."""
+    from mha2gqa.jobs import load_job
+
+    _run_and_print(load_job(job_file), output_dir, quiet)
+
+
 @main.command()
 @click.option(
     "--config",
     "config_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="Demo job file (default: the shipped configs/demo.yaml).",
+    help="Job file [default: the shipped configs/demo.yaml].",
 )
 @click.option(
     "-g",
@@ -89,59 +132,49 @@ def convert(
     "kv_heads",
     type=int,
     multiple=True,
-    help="KV-head counts to convert to (repeatable; default: the job file's).",
+    help="KV-head counts (repeatable) [default: the job's].",
 )
 @click.option(
     "--method",
     "methods",
     type=click.Choice(["mean", "first"]),
     multiple=True,
-    help="Conversion methods to compare (repeatable; default: the job file's).",
+    help="Methods (repeatable) [default: the job's].",
 )
 @click.option(
-    "--steps",
-    type=int,
+    "--steps", type=int, default=None, help="Training steps of the demo model [default: the job's, ~1 min on 2 cores]."
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Training steps for the demo model (default: the job file's, ~1 min on 2 cores).",
+    help="Where models, results and the report go [default: the cache].",
 )
 @click.option("--rebuild", is_flag=True, help="Retrain the cached demo model.")
 @user_errors
 def demo(
-    config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str, ...], steps: int | None, rebuild: bool
+    config_file: Path | None,
+    kv_heads: tuple[int, ...],
+    methods: tuple[str, ...],
+    steps: int | None,
+    output_dir: Path | None,
+    rebuild: bool,
 ) -> None:
-    """Offline end-to-end run: train (once, cached) a small MHA Llama on CPython's docs, convert it
-    to fewer KV heads and print held-out perplexity before and after."""
+    """The whole pipeline offline: train (once, cached) a small MHA Llama on CPython's docs, convert
+    it to fewer KV heads, evaluate, and write an HTML report."""
     import dataclasses
 
-    from mha2gqa.convert import check_num_kv_heads, convert_checkpoint
-    from mha2gqa.convert.families import AttentionDims
-    from mha2gqa.demo import demo_model, heldout_ids, load_job
-    from mha2gqa.eval.perplexity import perplexity_disjoint
+    from mha2gqa.demo import demo_model
+    from mha2gqa.jobs import load_job, shipped_jobs
 
-    job = load_job(config_file)
-    settings = job.settings if steps is None else dataclasses.replace(job.settings, steps=steps)
-    kv_heads = kv_heads or job.num_kv_heads
-    methods = methods or job.methods
-    src = demo_model(settings, rebuild=rebuild, log=click.echo)
-    dims = AttentionDims.from_config(json.loads((src / "config.json").read_text()))
-    for g in kv_heads:
-        check_num_kv_heads(dims, g)
-    ids = heldout_ids(src, settings)
-    click.echo(f"held-out text: {ids.numel():,} tokens of CPython pydoc topics; disjoint windows of {settings.seq_len}")
-    rows = [("original (MHA)", dims.num_kv_heads, src)]
-    for method in methods:
-        for g in kv_heads:
-            out = src.parent / f"gqa-{method}-{g}"
-            convert_checkpoint(src, out, g, method, overwrite=True, progress=False)
-            rows.append((f"{method} -> {g} KV heads", g, out))
-    click.echo(f"{'model':<22} {'KV heads':>8} {'KV cache B/token':>16} {'perplexity':>11} {'ratio':>7}")
-    base = None
-    for label, g, folder in rows:
-        ppl = perplexity_disjoint(_load_model(folder), ids, settings.seq_len, batch_size=8).ppl
-        base = base or ppl
-        kv = dims.kv_cache_bytes_per_token(g, 4)
-        click.echo(f"{label:<22} {g:>8} {kv:>16,} {ppl:>11.3f} {ppl / base:>6.2f}x")
-    click.echo(f"models in {src.parent}")
+    job = load_job(config_file or shipped_jobs()["demo"])
+    if steps is not None:
+        job.demo = dataclasses.replace(job.demo, steps=steps)
+    job.num_kv_heads = kv_heads or job.num_kv_heads
+    job.methods = methods or job.methods
+    if rebuild and job.source == "demo":
+        demo_model(job.demo, rebuild=True, log=click.echo)
+    _run_and_print(job, output_dir, quiet=False)
 
 
 @main.command(name="eval")
@@ -185,6 +218,9 @@ def demo(
 @click.option(
     "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results JSON here."
 )
+@click.option("--max-ppl-ratio", type=float, default=None, help="Gate: converted/original perplexity at most this.")
+@click.option("--max-kl", type=float, default=None, help="Gate: mean per-token KL (nats) at most this.")
+@click.option("--min-top1", type=float, default=None, help="Gate: top-1 agreement (0-1) at least this.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary.")
 @user_errors
 def eval_cmd(
@@ -204,11 +240,21 @@ def eval_cmd(
     attention: bool,
     attention_seq_len: int | None,
     output: Path | None,
+    max_ppl_ratio: float | None,
+    max_kl: float | None,
+    min_top1: float | None,
     quiet: bool,
 ) -> None:
-    """Perplexity, output agreement and attention similarity: ORIGINAL vs CONVERTED."""
+    """Perplexity, output agreement and attention similarity: ORIGINAL vs CONVERTED.
+
+    Gates (--max-ppl-ratio applies to every protocol run, --max-kl, --min-top1) print a one-line
+    verdict; when one fails the exit code is 3 (1: bad input, 2: bad usage)."""
+    from mha2gqa.eval.gates import GATE_EXIT_CODE, check_gates, gates_record, verdict
     from mha2gqa.eval.harness import EvalSettings, evaluate, is_main_process, write_results
     from mha2gqa.eval.summary import summary_lines
+
+    if converted is None and any(x is not None for x in (max_ppl_ratio, max_kl, min_top1)):
+        raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
 
     settings = EvalSettings(
         data=data, text_field=text_field, doc_split=doc_split, protocols=protocols, seq_len=seq_len, stride=stride,
@@ -218,6 +264,9 @@ def eval_cmd(
     results = evaluate(original, converted, settings)
     if not is_main_process():
         return
+    gates = check_gates(results, max_ppl_ratio, max_kl, min_top1)
+    if gates:
+        results["gates"] = gates_record(gates)
     if output is not None:
         write_results(results, output)
     if not quiet:
@@ -225,15 +274,208 @@ def eval_cmd(
             click.echo(line)
         if output is not None:
             click.echo(f"results: {output}")
+    if gates:
+        click.echo(verdict(gates))
+        if not results["gates"]["passed"]:
+            sys.exit(GATE_EXIT_CODE)
 
 
-def _load_model(folder: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
+@main.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the HTML page here [default: RESULTS with .html].",
+)
+@click.option(
+    "--md",
+    "md_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write a Markdown summary here.",
+)
+@user_errors
+def report(results: tuple[Path, ...], html_path: Path | None, md_path: Path | None) -> None:
+    """Render one or more eval RESULTS files as an HTML page (figures embedded) and Markdown."""
+    from mha2gqa.eval.report import load_results, render
 
-    logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    loaded = load_results(list(results))
+    if html_path is None and md_path is None:
+        html_path = results[0].with_suffix(".html")
+    for kind, path in render(loaded, html_path, md_path).items():
+        click.echo(f"{kind}: {path}")
+
+
+@main.command()
+@click.option("--original", required=True, help="The original model (folder or hub id).")
+@click.option("--converted", default=None, help="Its conversion.")
+@click.option("--prompt-len", type=int, default=512, help="Prompt tokens (seeded random ids, the same for both).")
+@click.option("--new-tokens", type=int, default=64, help="Tokens generated per run.")
+@click.option("--batch-size", type=int, default=1, help="Sequences per run.")
+@click.option("--repeats", type=int, default=5, help="Timed runs (median and min-max reported).")
+@click.option("--warmup", type=int, default=1, help="Untimed runs first.")
+@click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
+@click.option(
+    "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the figures as JSON here."
+)
+@user_errors
+def bench(
+    original: str,
+    converted: str | None,
+    prompt_len: int,
+    new_tokens: int,
+    batch_size: int,
+    repeats: int,
+    warmup: int,
+    device: str,
+    dtype: str,
+    output: Path | None,
+) -> None:
+    """Prefill latency, decode tokens/s and allocated KV cache: ORIGINAL vs CONVERTED."""
+    from mha2gqa.eval.bench import bench_model
+    from mha2gqa.eval.harness import write_results
+    from mha2gqa.eval.models import load_model, resolve_device, resolve_dtype
+
+    if new_tokens < 2 or prompt_len < 1 or repeats < 1:
+        raise Mha2GqaError("--new-tokens must be at least 2, --prompt-len and --repeats at least 1")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    results: dict = {"settings": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch_size": batch_size,
+                                  "repeats": repeats, "warmup": warmup, "device": str(dev), "dtype": str(dt)},
+                     "models": {}}  # fmt: skip
+    for name, path in (("original", original), ("converted", converted)):
+        if path is None:
+            continue
+        loaded = load_model(path, dev, dt)
+        limit = getattr(loaded.model.config, "max_position_embeddings", None)
+        if limit and prompt_len + new_tokens > limit:
+            raise Mha2GqaError(
+                f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the model's {limit} positions"
+            )
+        results["models"][name] = {
+            "path": path,
+            **bench_model(loaded.model, prompt_len, new_tokens, repeats, warmup, batch_size),
+        }
+        del loaded
+    click.echo(
+        f"{prompt_len}-token prompt, {new_tokens} new tokens, batch {batch_size}, {dev} "
+        f"{str(dt).removeprefix('torch.')}, median of {repeats} [min-max]"
+    )
+    click.echo(
+        f"{'model':<10} {'KV heads':>8} {'prefill ms':>20} {'decode tok/s':>22} "
+        f"{'KV cache bytes/token':>21} {'planned':>9}"
+    )
+    for name, m in results["models"].items():
+        p, d, kv = m["prefill_seconds"], m["decode_tokens_per_second"], m["kv_cache"]
+        pre = f"{p['median'] * 1e3:.1f} [{p['min'] * 1e3:.1f}-{p['max'] * 1e3:.1f}]"
+        dec = f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]"
+        diff = kv["measured_bytes"] / kv["planned_bytes"] - 1
+        click.echo(
+            f"{name:<10} {m['num_kv_heads']:>8} {pre:>20} {dec:>22} {kv['bytes_per_token']:>21,.0f} {diff:>+8.1%}"
+        )
+    if len(results["models"]) == 2:
+        o, c = results["models"]["original"], results["models"]["converted"]
+        speed = c["decode_tokens_per_second"]["median"] / o["decode_tokens_per_second"]["median"]
+        cache = c["kv_cache"]["measured_bytes"] / o["kv_cache"]["measured_bytes"]
+        results["converted_vs_original"] = {"decode_speedup": speed, "kv_cache_ratio": cache}
+        click.echo(f"converted: decode {speed:.2f}x, KV cache {cache:.1%} of the original")
+    if output is not None:
+        write_results(results, output)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+@main.command()
+@click.argument("model")
+@click.option("--seq-len", type=int, default=4096, help="Sequence length for the KV-cache total.")
+@click.option("--batch-size", type=int, default=1, help="Concurrent sequences for the KV-cache total.")
+@click.option("--revision", default=None, help="Hub revision when MODEL is a hub id.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@user_errors
+def inspect(model: str, seq_len: int, batch_size: int, revision: str | None, as_json: bool) -> None:
+    """Family, head counts, parameters and KV-cache size of MODEL (folder, config.json or hub id)."""
+    from mha2gqa.convert.planning import KV_DTYPE_BYTES, describe, load_config, model_shape
+
+    shape = model_shape(load_config(model, revision))
+    info = describe(shape)
+    info["kv_cache_bytes"] = {
+        name: shape.dims.kv_cache_bytes_per_token(shape.dims.num_kv_heads, b) * seq_len * batch_size
+        for name, b in KV_DTYPE_BYTES.items()
+    }
+    info.update(seq_len=seq_len, batch_size=batch_size)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    d = shape.dims
+    kind = "MHA" if d.num_kv_heads == d.num_heads else ("MQA" if d.num_kv_heads == 1 else "GQA")
+    click.echo(
+        f"{model}: {shape.architecture} (family {shape.family}), "
+        f"{shape.parameters:,} parameters ({shape.weights_dtype})"
+    )
+    click.echo(
+        f"  {d.num_layers} layers, hidden {d.hidden_size}, {d.num_heads} query heads, "
+        f"{d.num_kv_heads} KV heads ({kind}), head_dim {d.head_dim}"
+    )
+    click.echo(f"  {'KV dtype':<8} {'bytes/token':>12} {f'KV cache @ {seq_len} x {batch_size}':>24}")
+    for name in KV_DTYPE_BYTES:
+        click.echo(
+            f"  {name:<8} {info['kv_cache_bytes_per_token'][name]:>12,} {_bytes(info['kv_cache_bytes'][name]):>24}"
+        )
+
+
+@main.command()
+@click.argument("model")
+@click.option("--gpu-memory", default="80GB", help="Accelerator memory, e.g. 80GB, 24GiB.")
+@click.option("--seq-len", type=int, default=4096, help="Tokens per sequence (prompt + generation).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8"]), default="bf16", help="KV-cache dtype.")
+@click.option(
+    "--weights-dtype",
+    type=click.Choice(["bf16", "fp16", "fp32", "fp8"]),
+    default=None,
+    help="Weights dtype [default: --dtype].",
+)
+@click.option("--revision", default=None, help="Hub revision when MODEL is a hub id.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@user_errors
+def plan(
+    model: str,
+    gpu_memory: str,
+    seq_len: int,
+    dtype: str,
+    weights_dtype: str | None,
+    revision: str | None,
+    as_json: bool,
+) -> None:
+    """For every valid KV-head count: KV cache, weights and how many sequences fit (config only)."""
+    import dataclasses
+
+    from mha2gqa.convert.planning import KV_DTYPE_BYTES, load_config, model_shape, parse_size
+    from mha2gqa.convert.planning import plan as make_plan
+
+    shape = model_shape(load_config(model, revision))
+    memory = parse_size(gpu_memory)
+    rows = make_plan(shape, memory, seq_len, dtype, KV_DTYPE_BYTES[weights_dtype or dtype])
+    if as_json:
+        click.echo(json.dumps({"model": model, "gpu_memory": memory, "seq_len": seq_len, "dtype": dtype,
+                               "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))  # fmt: skip
+        return
+    click.echo(
+        f"{model}: {shape.dims.num_heads} query heads, {seq_len}-token sequences, {gpu_memory} memory, {dtype} KV cache"
+    )
+    click.echo(f"{'KV heads':>8} {'KV bytes/token':>15} {'KV/sequence':>13} {'weights':>12} {'sequences that fit':>19}")
+    for r in rows:
+        click.echo(
+            f"{r.num_kv_heads:>8} {r.kv_bytes_per_token:>15,} {_bytes(r.kv_bytes_per_sequence):>13} "
+            f"{_bytes(r.weights_bytes):>12} {r.max_sequences:>19,}"
+        )
 
 
 if __name__ == "__main__":  # pragma: no cover

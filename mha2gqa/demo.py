@@ -7,19 +7,14 @@ heads and evaluated on held-out topics with the disjoint perplexity protocol.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
-import yaml
-
-from mha2gqa.errors import Mha2GqaError
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 
@@ -42,42 +37,6 @@ class DemoSettings:
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
-
-
-@dataclass(frozen=True)
-class DemoJob:
-    """A demo job file: the model to train (``model`` + ``train`` sections) and what to convert."""
-
-    settings: DemoSettings
-    num_kv_heads: tuple[int, ...]
-    methods: tuple[str, ...]
-
-
-def default_job_file() -> Path:
-    return Path(str(resources.files("mha2gqa.configs").joinpath("demo.yaml")))
-
-
-def load_job(path: Path | None = None) -> DemoJob:
-    """Read a demo job file (default: the shipped ``configs/demo.yaml``), strictly."""
-    path = path or default_job_file()
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise Mha2GqaError(f"{path}: cannot read the job file: {e}") from None
-    sections = {"model", "train", "convert"}
-    if not isinstance(data, dict) or set(data) != sections:
-        raise Mha2GqaError(f"{path}: a demo job needs exactly the sections {sorted(sections)}")
-    flat = {**(data["model"] or {}), **(data["train"] or {})}
-    fields = {f.name for f in dataclasses.fields(DemoSettings)}
-    unknown = set(flat) - fields
-    if unknown:
-        raise Mha2GqaError(f"{path}: unknown settings {sorted(unknown)}; known: {sorted(fields)}")
-    conv = data["convert"] or {}
-    if set(conv) - {"num_kv_heads", "methods"}:
-        raise Mha2GqaError(f"{path}: 'convert' takes only num_kv_heads and methods")
-    return DemoJob(
-        DemoSettings(**flat), tuple(conv.get("num_kv_heads", (4, 2, 1))), tuple(conv.get("methods", ("mean",)))
-    )
 
 
 def cache_root() -> Path:
@@ -177,8 +136,10 @@ def demo_model(settings: DemoSettings, rebuild: bool = False, log=print) -> Path
     return folder
 
 
-def heldout_ids(model_dir: Path, settings: DemoSettings) -> torch.Tensor:
-    from transformers import AutoTokenizer
-
-    _, heldout = cpython_text(settings.heldout_fraction)
-    return AutoTokenizer.from_pretrained(model_dir)(heldout, return_tensors="pt").input_ids[0]
+def heldout_file(settings: DemoSettings) -> Path:
+    """The held-out pydoc topics as a text file beside the cached model (for ``--data``)."""
+    path = cache_root() / f"demo-{settings.key()}" / "heldout.txt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(cpython_text(settings.heldout_fraction)[1], encoding="utf-8")
+    return path

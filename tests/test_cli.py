@@ -35,26 +35,46 @@ def test_help_lists_commands():
     assert result.exit_code == 0 and "convert" in result.output and "demo" in result.output
 
 
-def test_demo_runs_offline_end_to_end(tmp_path, monkeypatch):
+def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
-    result = CliRunner().invoke(main, ["demo", "--steps", "3", "-g", "2", "--method", "mean"])
+    args = ["demo", "--steps", "3", "-g", "2", "--method", "mean", "--output-dir", str(tmp_path / "run")]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    lines = result.stdout.splitlines()
-    rows = {ln.split()[0]: ln for ln in lines if ln.startswith(("original", "mean"))}
-    assert rows["original"].endswith("1.00x") and rows["mean"].split()[-1].endswith("x")
+    rows = {ln.split()[0]: ln for ln in result.stdout.splitlines() if ln.startswith(("original", "mean"))}
+    assert rows["original"].split()[-1] == "1.00x" and "mean -> 2 KV heads" in result.stdout
+    assert (tmp_path / "run" / "report.html").is_file() and (tmp_path / "run" / "results" / "mean-g2.json").is_file()
+    assert f"report: {tmp_path / 'run' / 'report.html'}" in result.stdout
     folder = next(tmp_path.glob("demo-*"))
-    assert (folder / "mha" / "model.safetensors").is_file() and (folder / "gqa-mean-2" / "config.json").is_file()
-    again = CliRunner().invoke(main, ["demo", "--steps", "3", "-g", "2", "--method", "mean"])
-    assert "training the demo" not in again.output  # cached
+    assert (folder / "mha" / "model.safetensors").is_file() and (folder / "heldout.txt").is_file()
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and "training the demo" not in again.output  # cached
 
 
-def test_shipped_demo_job_loads_and_bad_job_files_are_refused(tmp_path):
-    from mha2gqa.demo import DemoSettings, default_job_file, load_job
+def test_every_shipped_job_file_loads(tmp_path):
+    from mha2gqa.demo import DemoSettings
+    from mha2gqa.jobs import load_job, shipped_jobs
 
-    job = load_job()
-    assert default_job_file().name == "demo.yaml"
-    assert job.settings == DemoSettings() and job.num_kv_heads == (4, 2, 1) and job.methods == ("mean", "first")
+    jobs = shipped_jobs()
+    assert {"demo", "llama2-7b-gqa8"} <= set(jobs)
+    for path in jobs.values():
+        job = load_job(path)
+        assert job.num_kv_heads and job.methods and job.eval["data"]
+    demo = load_job(jobs["demo"])
+    assert demo.source == "demo" and demo.demo == DemoSettings() and demo.num_kv_heads == (4, 2, 1)
+    assert demo.methods == ("mean", "first")
+
+
+def test_bad_job_files_are_refused(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: {hidden: 3}\ntrain: {}\nconvert: {}\n")
-    result = CliRunner().invoke(main, ["demo", "--config", str(bad)])
-    assert result.exit_code == 1 and "unknown settings ['hidden']" in result.output
+    for text, message in [
+        (
+            "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2, methodz: [mean]}\n",
+            "unknown keys in 'convert': ['methodz']",
+        ),
+        ("eval: {data: x}\nconvert: {num_kv_heads: 2}\n", "'source' is required"),
+        ("source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2, methods: [magic]}\n", "unknown methods ['magic']"),
+        ("source: demo\ndemo: {hidden: 3}\neval: {data: x}\nconvert: {num_kv_heads: 2}\n", "unknown keys in 'demo'"),
+    ]:
+        bad.write_text(text)
+        result = CliRunner().invoke(main, ["run", str(bad)])
+        assert result.exit_code == 1 and message in result.output, result.output

@@ -1,0 +1,85 @@
+"""Decode benchmark: prefill latency, decode tokens/s and the KV cache each model really allocates.
+
+Each model gets the same prompt (seeded random token ids) and generates the same number of tokens
+greedily with ``generate``; after warm-up runs, every figure is the median of ``repeats`` runs with
+its min-max spread. Decode speed is ``(N - 1) / (t(N new tokens) - t(1 new token))``, so prefill
+is not counted in it. The KV cache is measured on the cache object ``generate`` returns (the bytes
+of every layer's key and value tensors), next to the planner's arithmetic.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from mha2gqa.convert.families import AttentionDims
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_generate(model, prompt: torch.Tensor, new_tokens: int):
+    device = prompt.device
+    _sync(device)
+    t = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         return_dict_in_generate=True, pad_token_id=model.config.eos_token_id or 0)  # fmt: skip
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def cache_bytes(cache) -> tuple[int, int]:
+    """(bytes of all key and value tensors, cached tokens) of a transformers cache."""
+    total = 0
+    tokens = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            total += t.numel() * t.element_size()
+        tokens = layer.keys.shape[-2]
+    return total, tokens
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+@torch.inference_mode()
+def bench_model(
+    model, prompt_len: int, new_tokens: int, repeats: int = 5, warmup: int = 1, batch_size: int = 1, seed: int = 0
+) -> dict[str, Any]:
+    """Prefill and decode timings and the measured KV cache of one model."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (batch_size, prompt_len), generator=gen).to(device)
+    for _ in range(warmup):
+        _timed_generate(model, prompt, 2)
+    prefill, full = [], []
+    out = None
+    for _ in range(repeats):
+        prefill.append(_timed_generate(model, prompt, 1)[0])
+        t, out = _timed_generate(model, prompt, new_tokens)
+        full.append(t)
+    decode = [(new_tokens - 1) * batch_size / max(f - p, 1e-9) for f, p in zip(full, prefill, strict=True)]
+    measured, tokens = cache_bytes(out.past_key_values)
+    cfg = model.config
+    dims = AttentionDims.from_config(cfg.to_dict())
+    element = next(iter(out.past_key_values.layers)).keys.element_size()
+    planned = dims.kv_cache_bytes_per_token(dims.num_kv_heads, element) * tokens * batch_size
+    return {
+        "prefill_seconds": _stats(prefill),
+        "decode_tokens_per_second": _stats(decode),
+        "kv_cache": {
+            "measured_bytes": measured,
+            "planned_bytes": planned,
+            "cached_tokens": tokens,
+            "bytes_per_token": measured / (tokens * batch_size),
+            "dtype_bytes": element,
+        },
+        "num_kv_heads": dims.num_kv_heads,
+    }

@@ -1,0 +1,61 @@
+"""Regression gates for CI: compare evaluation results with limits and give a one-line verdict.
+
+``mha2gqa eval ... --max-ppl-ratio R --max-kl K --min-top1 T`` exits with :data:`GATE_EXIT_CODE`
+when any gate fails (1 is a user error, 2 a usage error), after writing the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mha2gqa.errors import Mha2GqaError
+
+GATE_EXIT_CODE = 3
+
+
+@dataclass
+class Gate:
+    name: str
+    value: float
+    limit: float
+    op: str  # "<=" or ">="
+
+    @property
+    def passed(self) -> bool:
+        return self.value <= self.limit if self.op == "<=" else self.value >= self.limit
+
+    def __str__(self) -> str:
+        shown = ">" if self.op == "<=" else "<"
+        return f"{self.name} {self.value:.4g} {self.op if self.passed else shown} {self.limit:.4g}"
+
+
+def check_gates(results: dict[str, Any], max_ppl_ratio: float | None = None, max_kl: float | None = None,
+                min_top1: float | None = None) -> list[Gate]:  # fmt: skip
+    """The gates asked for, evaluated on ``results``: the perplexity ratio of every protocol run,
+    the mean per-token KL, and top-1 agreement."""
+    gates: list[Gate] = []
+    if all(x is None for x in (max_ppl_ratio, max_kl, min_top1)):
+        return gates
+    if "converted" not in results["models"]:
+        raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
+    if max_ppl_ratio is not None:
+        for name, p in results["protocols"].items():
+            gates.append(Gate(f"ppl_ratio[{name}]", p["ppl_ratio"], max_ppl_ratio, "<="))
+    if max_kl is not None:
+        gates.append(Gate("kl_mean", results["agreement"]["kl"]["mean"], max_kl, "<="))
+    if min_top1 is not None:
+        gates.append(Gate("top1_agreement", results["agreement"]["top1_agreement"], min_top1, ">="))
+    return gates
+
+
+def verdict(gates: list[Gate]) -> str:
+    """``gates passed: ...`` or ``GATES FAILED: <each violated gate>``."""
+    failed = [g for g in gates if not g.passed]
+    if failed:
+        return "GATES FAILED: " + "; ".join(map(str, failed))
+    return "gates passed: " + "; ".join(map(str, gates))
+
+
+def gates_record(gates: list[Gate]) -> dict[str, Any]:
+    return {"passed": all(g.passed for g in gates), "checks": [{**asdict(g), "passed": g.passed} for g in gates]}

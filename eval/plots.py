@@ -1,0 +1,102 @@
+"""Figures for the report (matplotlib, Agg backend), returned as PNG bytes.
+
+Colour-blind-safe choices: the cividis colour map for heat maps and the Okabe-Ito palette for lines.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
+
+
+def _figure(width: float, height: float):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 10, "axes.spines.top": False, "axes.spines.right": False})
+    return plt, plt.figure(figsize=(width, height), dpi=110)
+
+
+def _png(plt, fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def heatmap(layers: list[dict[str, Any]], key: str, title: str, unit: str) -> bytes:
+    """Layer x query-head heat map of ``heads[h][key]``."""
+    import numpy as np
+
+    values = np.array([[h[key] for h in layer["heads"]] for layer in layers])
+    plt, fig = _figure(1.8 + 0.45 * values.shape[1], 1.4 + 0.32 * values.shape[0])
+    ax = fig.add_subplot()
+    im = ax.imshow(values, cmap="cividis", aspect="auto", interpolation="nearest")
+    ax.set_xlabel("query head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(values.shape[1]))
+    ax.set_yticks(range(values.shape[0]))
+    ax.set_title(title)
+    if values.size <= 256:
+        mid = (values.max() + values.min()) / 2
+        for (i, j), v in np.ndenumerate(values):
+            ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7, color="black" if v > mid else "white")
+    fig.colorbar(im, ax=ax, label=unit)
+    return _png(plt, fig)
+
+
+def entropy_curves(layers: list[dict[str, Any]]) -> bytes:
+    """Per-layer mean attention entropy of both models and of the uniform distribution."""
+    x = [layer["layer"] for layer in layers]
+    plt, fig = _figure(6, 3.2)
+    ax = fig.add_subplot()
+    ax.plot(x, [layer["mean_entropy_original"] for layer in layers], "o-", color=OKABE_ITO[0], label="original")
+    ax.plot(x, [layer["mean_entropy_converted"] for layer in layers], "s-", color=OKABE_ITO[1], label="converted")
+    ax.plot(
+        x, [layer["entropy_uniform"] for layer in layers], "--", color=OKABE_ITO[7], label="uniform (no information)"
+    )
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention entropy (nats)")
+    ax.set_xticks(x)
+    ax.set_title("Attention entropy per layer (closer to uniform = blurrier attention)")
+    ax.legend(frameon=False)
+    return _png(plt, fig)
+
+
+def hidden_cosine_curve(layers: list[dict[str, Any]]) -> bytes:
+    x = [layer["layer"] for layer in layers]
+    plt, fig = _figure(6, 3.0)
+    ax = fig.add_subplot()
+    ax.plot(x, [layer["hidden_cosine"] for layer in layers], "o-", color=OKABE_ITO[2])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("cosine (original, converted)")
+    ax.set_xticks(x)
+    ax.set_ylim(min(0.0, min(layer["hidden_cosine"] for layer in layers)), 1.02)
+    ax.set_title("Hidden-state cosine after each layer (1 = unchanged)")
+    return _png(plt, fig)
+
+
+def head_sharing(groups: list[list[int]], num_heads: int) -> bytes:
+    """Which query heads read each KV head: query heads on top, KV heads below, same colour."""
+    plt, fig = _figure(max(5.5, 0.55 * num_heads + 1), 2.4)
+    ax = fig.add_subplot()
+    g = len(groups)
+    for j, members in enumerate(groups):
+        colour = OKABE_ITO[j % len(OKABE_ITO)]
+        kv_x = (members[0] + members[-1]) / 2
+        ax.add_patch(plt.Rectangle((kv_x - 0.4, 0), 0.8, 0.6, color=colour))
+        ax.text(kv_x, 0.3, f"KV {j}", ha="center", va="center", color="white", fontsize=8)
+        for h in members:
+            ax.add_patch(plt.Rectangle((h - 0.4, 2), 0.8, 0.6, color=colour, alpha=0.85))
+            ax.text(h, 2.3, f"q{h}", ha="center", va="center", color="white", fontsize=8)
+            ax.plot([h, kv_x], [2, 0.6], color=colour, lw=1)
+    ax.set_xlim(-0.7, num_heads - 0.3)
+    ax.set_ylim(-0.2, 2.8)
+    ax.axis("off")
+    ax.set_title(f"{num_heads} query heads share {g} KV head{'s' if g > 1 else ''}", fontsize=10)
+    return _png(plt, fig)

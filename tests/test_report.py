@@ -1,0 +1,147 @@
+"""Report, gates, KV-cache planner and decode benchmark."""
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+from conftest import FIXTURES, random_model, requires_fixtures, save, tiny_config
+
+from mha2gqa.cli import main
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.convert.planning import model_shape, parse_size, plan
+from mha2gqa.eval.gates import GATE_EXIT_CODE
+
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096}  # fmt: skip
+
+
+def test_planner_matches_hand_calculations_for_llama2_7b():
+    shape = model_shape(LLAMA2_7B)
+    assert shape.parameters == 6_738_415_616  # Llama-2-7B
+    rows = {r.num_kv_heads: r for r in plan(shape, parse_size("80GB"), 4096, "fp16", 2)}
+    assert set(rows) == {32, 16, 8, 4, 2, 1}
+    assert rows[32].kv_bytes_per_token == 524_288 and rows[8].kv_bytes_per_token == 131_072
+    assert rows[32].kv_bytes_per_sequence == 524_288 * 4096
+    # 8 KV heads remove 24 heads x 128 rows x 4096 of K and of V in each of 32 layers
+    assert rows[32].weights_bytes - rows[8].weights_bytes == 2 * 32 * 24 * 128 * 4096 * 2
+    assert rows[32].max_sequences == (80 * 10**9 - 6_738_415_616 * 2) // (524_288 * 4096)
+    assert parse_size("24GiB") == 24 * 2**30 and parse_size("500MB") == 500 * 10**6
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "stablelm", "olmo2", "gemma"])
+def test_parameter_count_per_kv_head_matches_the_real_model(family):
+    cfg = tiny_config(family)
+    shape = model_shape(json.loads(cfg.to_json_string()))
+    smaller = json.loads(tiny_config(family, num_key_value_heads=1).to_json_string())
+    assert shape.parameters_at(1) == model_shape(smaller).parameters
+
+
+def test_inspect_and_plan_cli(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    out = CliRunner().invoke(main, ["inspect", str(tmp_path), "--json"])
+    info = json.loads(out.output)
+    assert info["kv_cache_bytes_per_token"]["fp16"] == 524_288 and info["parameters"] == 6_738_415_616
+    text = CliRunner().invoke(main, ["plan", str(tmp_path), "--gpu-memory", "80GB", "--seq-len", "4096"]).output
+    assert re.search(r"^\s+8\s+131,072\s+512\.00 MiB", text, re.M), text
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from mha2gqa.demo import build_tokenizer
+
+    root = tmp_path_factory.mktemp("rep")
+    text = root / "t.txt"
+    text.write_text("\n\n".join(f"the cat {i % 7} sat on the mat and ran {i % 5} times" for i in range(300)))
+    tok = build_tokenizer(text.read_text(), 300)
+    src = save(random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=128)), root / "mha")
+    tok.save_pretrained(src)
+    conv = convert_checkpoint(src, root / "g2", 2, progress=False).output
+    return src, conv, text
+
+
+def eval_args(pair, *extra):
+    src, conv, text = pair
+    return ["eval", "--original", str(src), "--converted", str(conv), "--data", str(text), "--seq-len", "64",
+            "--max-tokens", "1200", "-q", *extra]  # fmt: skip
+
+
+def test_gates_pass_and_fail_with_the_documented_exit_code(pair, tmp_path):
+    ok = CliRunner().invoke(main, eval_args(pair, "--max-ppl-ratio", "1000", "--max-kl", "100", "--min-top1", "0"))
+    assert ok.exit_code == 0 and ok.output.strip().startswith("gates passed: ppl_ratio[disjoint]")
+    out = tmp_path / "r.json"
+    bad = CliRunner().invoke(main, eval_args(pair, "--max-ppl-ratio", "1.0000001", "--max-kl", "0", "--min-top1", "1",
+                                             "--output", str(out)))  # fmt: skip
+    assert bad.exit_code == GATE_EXIT_CODE == 3
+    line = bad.output.strip().splitlines()[-1]
+    assert line.startswith("GATES FAILED: ") and all(
+        g in line for g in ("ppl_ratio[disjoint]", "kl_mean", "top1_agreement")
+    )
+    record = json.loads(out.read_text())["gates"]
+    assert record["passed"] is False and len(record["checks"]) == 3
+    one_failing = CliRunner().invoke(main, eval_args(pair, "--max-ppl-ratio", "1000", "--min-top1", "1"))
+    assert one_failing.exit_code == 3 and "kl_mean" not in one_failing.output and "top1_agreement" in one_failing.output
+    src, _, text = pair
+    alone = CliRunner().invoke(main, ["eval", "--original", str(src), "--data", str(text), "--max-kl", "1"])
+    assert alone.exit_code == 1 and "pass --converted" in alone.output
+
+
+def test_report_has_every_section_and_image(pair, tmp_path):
+    out = tmp_path / "r.json"
+    assert CliRunner().invoke(main, eval_args(pair, "--output", str(out), "--protocol", "disjoint",
+                                              "--protocol", "rolling")).exit_code == 0  # fmt: skip
+    html, md = tmp_path / "report.html", tmp_path / "report.md"
+    result = CliRunner().invoke(main, ["report", str(out), str(out), "--html", str(html), "--md", str(md)])
+    assert result.exit_code == 0, result.output
+    page = html.read_text()
+    for section in ("overview", "perplexity-0", "output-agreement-0", "attention-per-layer-0", "kv-cache-0"):
+        assert f'id="{section}"' in page, section
+    for fig in ("attention_kl", "head_output_error", "entropy", "hidden_cosine", "head_sharing"):
+        m = re.search(rf'<figure id="{fig}-0"><img alt="{fig}" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+        assert m and len(m.group(1)) > 1000, fig
+    assert page.count("<img ") == 10  # two results x five figures
+    text = md.read_text()
+    assert "| protocol | original PPL | converted PPL | ratio |" in text and "rolling" in text
+    assert (tmp_path / "report_files" / "0_attention_kl.png").stat().st_size > 1000
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text("{}")
+    assert CliRunner().invoke(main, ["report", str(bogus)]).exit_code == 1
+
+
+def test_kv_cache_table_saving(pair, tmp_path):
+    from mha2gqa.eval.report import kv_rows
+
+    shape = {"num_layers": 32, "head_dim": 128, "dtype": "bfloat16"}
+    results = {"models": {"original": {**shape, "num_kv_heads": 32}, "converted": {**shape, "num_kv_heads": 8}}}
+    rows = kv_rows(results)
+    assert rows[0][3] == "524,288" and rows[1][3] == "131,072" and rows[2][3] == "75.0%"
+
+
+def test_bench_measures_a_cache_of_g_heads_as_planned(pair, tmp_path):
+    src, conv, _ = pair
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--original", str(src), "--converted", str(conv), "--prompt-len", "32",
+                                       "--new-tokens", "8", "--repeats", "2", "--output", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    b = json.loads(out.read_text())
+    for name, heads in (("original", 4), ("converted", 2)):
+        kv = b["models"][name]["kv_cache"]
+        assert b["models"][name]["num_kv_heads"] == heads
+        assert abs(kv["measured_bytes"] / kv["planned_bytes"] - 1) < 0.05
+        assert kv["bytes_per_token"] == 2 * 2 * heads * 8 * 4  # K and V, 2 layers, head_dim 8, fp32
+    assert b["converted_vs_original"]["kv_cache_ratio"] == pytest.approx(0.5, rel=0.05)
+
+
+@requires_fixtures("stories260K-mha-expanded", "text")
+def test_report_renders_for_a_real_fixture_pair(tmp_path):
+    src = FIXTURES / "stories260K-mha-expanded"
+    conv = convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output
+    out = tmp_path / "r.json"
+    data = FIXTURES / "text" / "tinystories_train_head.txt"
+    args = ["eval", "--original", str(src), "--converted", str(conv), "--data", str(data),
+            "--seq-len", "256", "--max-tokens", "4096", "--output", str(out), "-q"]  # fmt: skip
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert CliRunner().invoke(main, ["report", str(out), "--html", str(tmp_path / "r.html")]).exit_code == 0
+    page = (tmp_path / "r.html").read_text()
+    assert page.count("<img ") == 5 and "g2 vs stories260K-mha-expanded" in page
