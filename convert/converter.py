@@ -19,7 +19,7 @@ from mha2gqa.convert.card import RECORD_NAME, model_card
 from mha2gqa.convert.checkpoint import AUX_FILES, Checkpoint, open_checkpoint
 from mha2gqa.convert.families import AttentionDims, Family, detect_family
 from mha2gqa.convert.pooling import METHODS, Reducer, reduce_rows, reduce_stacked, split_fused_qkv
-from mha2gqa.convert.safetensors_io import DTYPES, TensorInfo
+from mha2gqa.convert.safetensors_io import DTYPES, TORCH_TO_CODE, TensorInfo
 from mha2gqa.convert.validate import check_tensors, expected_tensors
 from mha2gqa.convert.writer import OutputTensor, staged_output, write_checkpoint
 from mha2gqa.errors import Mha2GqaError
@@ -67,6 +67,11 @@ def check_num_kv_heads(dims: AttentionDims, num_kv_heads: int) -> None:
         )
 
 
+#: Methods needing calibration text, and every method.
+CALIBRATED_METHODS = ("svd",)
+ALL_METHODS = (*METHODS, "random", *CALIBRATED_METHODS)
+
+
 def query_heads_per_kv_head(num_heads: int, num_kv_heads: int) -> list[list[int]]:
     """transformers' ``repeat_kv`` grouping: KV head ``j`` serves query heads ``[j*r, (j+1)*r)``."""
     r = num_heads // num_kv_heads
@@ -90,16 +95,91 @@ def _pooled_indexed(ckpt: Checkpoint, names: list[str], head: int, groups: int, 
     return reduce_stacked([ckpt.load(n) for n in members], 1, reducer)[0]
 
 
+def _fresh(shape: tuple[int, ...], dtype: str, kind: str, std: float, seed: int) -> torch.Tensor:
+    """A freshly initialised tensor as transformers' ``_init_weights`` makes it: weights
+    ``normal(0, initializer_range)``, biases 0, norm weights 1 (seeded per tensor)."""
+    torch_dtype = DTYPES[dtype][0]
+    if kind == "weight":
+        gen = torch.Generator().manual_seed(seed)
+        return (torch.randn(shape, generator=gen, dtype=torch.float32) * std).to(torch_dtype)
+    return (torch.ones if kind == "norm" else torch.zeros)(shape, dtype=torch_dtype)
+
+
+def _fresh_fused(ckpt: Checkpoint, name: str, dims: AttentionDims, groups: int, std: float, seed: int) -> torch.Tensor:
+    q, k, _ = split_fused_qkv(ckpt.load(name), dims.num_heads, dims.num_kv_heads, dims.head_dim)
+    kind = "weight" if name.endswith(".weight") else "bias"
+    shape = (groups * dims.head_dim, *k.shape[1:])
+    dtype = TORCH_TO_CODE[k.dtype]
+    return torch.cat([q, _fresh(shape, dtype, kind, std, seed), _fresh(shape, dtype, kind, std, seed + 1)])
+
+
+class _LayerMerge:
+    """Computes one layer's merged q/k/v/o once, hands the tensors out one by one and forgets
+    them as they are written, so memory stays at one layer's attention weights."""
+
+    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int, stats, rot: int):
+        self.ckpt, self.family, self.dims, self.groups, self.layer, self.stats, self.rot = (
+            ckpt, family, dims, groups, layer, stats, rot
+        )  # fmt: skip
+        self.ready: dict[str, torch.Tensor] | None = None
+
+    def names(self) -> dict[str, str]:
+        """Role -> tensor name for this layer's tensors that exist in the checkpoint."""
+        fam, fill = self.family, partial(str.format, layer=self.layer)
+        roles = {"o": fill(fam.o_proj) + ".weight"}
+        if fam.fused:
+            roles |= {"qkv": fill(fam.qkv_proj) + ".weight", "qkv_bias": fill(fam.qkv_proj) + ".bias"}
+        else:
+            for key, module in (("q", fam.q_proj), ("k", fam.k_proj), ("v", fam.v_proj)):
+                roles |= {key: fill(module) + ".weight", f"{key}_bias": fill(module) + ".bias"}
+        return {role: n for role, n in roles.items() if n in self.ckpt.tensors}
+
+    def get(self, name: str) -> torch.Tensor:
+        if self.ready is None:
+            self.ready = self._compute()
+        return self.ready.pop(name)
+
+    def _compute(self) -> dict[str, torch.Tensor]:
+        from mha2gqa.convert.merge import svd_merge_layer
+
+        dims, names = self.dims, self.names()
+        src = {role: self.ckpt.load(n) for role, n in names.items()}
+        w = {role: t.double() for role, t in src.items()}
+        if self.family.fused:
+            for suffix in ("", "_bias"):
+                if "qkv" + suffix in w:
+                    w["q" + suffix], w["k" + suffix], w["v" + suffix] = split_fused_qkv(
+                        w.pop("qkv" + suffix), dims.num_heads, dims.num_kv_heads, dims.head_dim
+                    )
+        merged = svd_merge_layer(
+            w, self.stats.layers[self.layer], dims.num_heads, dims.num_kv_heads, self.groups, dims.head_dim, self.rot
+        )
+        if self.family.fused:
+            for suffix in ("", "_bias"):
+                if "q" + suffix in merged:
+                    merged["qkv" + suffix] = torch.cat([merged.pop(x + suffix) for x in ("q", "k", "v")])
+        return {names[role]: merged[role].to(src[role].dtype) for role in names}
+
+
 def plan_conversion(
-    ckpt: Checkpoint, family: Family, dims: AttentionDims, num_kv_heads: int, method: str
+    ckpt: Checkpoint,
+    family: Family,
+    dims: AttentionDims,
+    num_kv_heads: int,
+    method: str,
+    stats=None,
+    rotary_dim: int | None = None,
+    seed: int = 0,
 ) -> list[OutputTensor]:
-    """Every output tensor, in source storage order: byte copies except the K/V heads.
+    """Every output tensor, in source storage order: byte copies except what the method changes
+    (K/V for ``mean``/``first``/``random``; Q, K, V and O for ``svd``, from calibration ``stats``).
 
     Tensor shapes (head_dim * KV heads rows) are checked here, so a wrong config fails before
     anything is written.
     """
-    reducer = METHODS[method]
     g, d = num_kv_heads, dims.head_dim
+    reducer = METHODS.get(method)
+    std = float(ckpt.config.get("initializer_range", 0.02))
     rules: dict[str, OutputTensor] = {}
     dropped: set[str] = set()
 
@@ -112,42 +192,70 @@ def plan_conversion(
             )
         return info
 
+    def fresh(name: str, info: TensorInfo, shape: tuple[int, ...], kind: str) -> OutputTensor:
+        tensor_seed = seed * 1_000_003 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+        return OutputTensor(name, info.dtype, shape, partial(_fresh, shape, info.dtype, kind, std, tensor_seed))
+
     layers = range(dims.num_layers) if g != dims.num_kv_heads else range(0)  # G = current: exact copy
     for layer in layers:
         fill = partial(str.format, layer=layer)
+        if method == "svd":
+            merge = _LayerMerge(ckpt, family, dims, g, layer, stats, rotary_dim or d)
+            for role, name in merge.names().items():
+                info = ckpt.tensors[name]
+                rows = info.shape[0]
+                if role in ("k", "k_bias", "v", "v_bias"):
+                    rows = need(name, dims.num_kv_heads * d).shape[0] // dims.num_kv_heads * g
+                elif role.startswith("qkv"):
+                    need(name, (dims.num_heads + 2 * dims.num_kv_heads) * d)
+                    rows = (dims.num_heads + 2 * g) * d
+                rules[name] = OutputTensor(name, info.dtype, (rows, *info.shape[1:]), partial(merge.get, name))
+            continue
         if family.fused:
             for suffix in (".weight", ".bias"):
                 name = fill(family.qkv_proj) + suffix
                 if name in ckpt.tensors:
                     info = need(name, (dims.num_heads + 2 * dims.num_kv_heads) * d)
                     shape = ((dims.num_heads + 2 * g) * d, *info.shape[1:])
-                    rules[name] = OutputTensor(
-                        name, info.dtype, shape, partial(_pooled_fused, ckpt, name, dims, g, reducer)
-                    )
+                    if method == "random":
+                        produce = partial(_fresh_fused, ckpt, name, dims, g, std, seed + layer * 7919)
+                    else:
+                        produce = partial(_pooled_fused, ckpt, name, dims, g, reducer)
+                    rules[name] = OutputTensor(name, info.dtype, shape, produce)
         else:
             for module in (family.k_proj, family.v_proj):
                 for suffix in (".weight", ".bias"):
                     name = fill(module) + suffix
                     if name in ckpt.tensors:
                         info = need(name, dims.num_kv_heads * d)
-                        rules[name] = OutputTensor(
-                            name, info.dtype, (g * d, *info.shape[1:]), partial(_pooled, ckpt, name, g, d, reducer)
-                        )
+                        shape = (g * d, *info.shape[1:])
+                        if method == "random":
+                            rules[name] = fresh(name, info, shape, suffix[1:])
+                        else:
+                            rules[name] = OutputTensor(
+                                name, info.dtype, shape, partial(_pooled, ckpt, name, g, d, reducer)
+                            )
         norm = family.k_norm
         if norm is not None and norm.layout == "rows":
             name = fill(norm.name)
             if name in ckpt.tensors:
                 info = need(name, dims.num_kv_heads * d)
-                rules[name] = OutputTensor(name, info.dtype, (g * d,), partial(_pooled, ckpt, name, g, d, reducer))
+                if method == "random":
+                    rules[name] = fresh(name, info, (g * d,), "norm")
+                else:
+                    rules[name] = OutputTensor(name, info.dtype, (g * d,), partial(_pooled, ckpt, name, g, d, reducer))
         elif norm is not None and norm.layout == "indexed":
             names = [norm.name.format(layer=layer, head=h) for h in range(dims.num_kv_heads)]
             if all(n in ckpt.tensors for n in names):
                 dropped.update(names[g:])
                 for h in range(g):
                     info = ckpt.tensors[names[h]]
-                    rules[names[h]] = OutputTensor(
-                        names[h], info.dtype, info.shape, partial(_pooled_indexed, ckpt, names, h, g, reducer)
-                    )
+                    if method == "random":
+                        rules[names[h]] = fresh(names[h], info, info.shape, "norm")
+                    else:
+                        rules[names[h]] = OutputTensor(
+                            names[h], info.dtype, info.shape, partial(_pooled_indexed, ckpt, names, h, g, reducer)
+                        )
     out: list[OutputTensor] = []
     for info in sorted(ckpt.tensors.values(), key=lambda t: (str(t.file), t.start or 0, t.name)):
         if info.name in dropped:
@@ -230,20 +338,44 @@ def convert_checkpoint(
     revision: str | None = None,
     progress: bool = True,
     fsync: bool = False,
+    calibration: str | None = None,
+    calibration_tokens: int = 16384,
+    calibration_seq_len: int | None = None,
+    device: str = "auto",
+    seed: int = 0,
 ) -> ConversionResult:
     """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``.
 
-    Streams tensor by tensor: peak memory is about one K/V projection, whatever the model size.
-    Raises :class:`~mha2gqa.errors.Mha2GqaError` for bad input; nothing is left at ``dst`` then.
+    Methods: ``mean``, ``first`` (pool or pick heads), ``random`` (fresh K/V as the model's own init,
+    seeded), ``svd`` (activation-aware merge; reads ``calibration_tokens`` tokens of ``calibration``
+    text through the original model first, on ``device``).
+
+    Streams tensor by tensor: peak memory is about one layer's attention weights, whatever the
+    model size. Raises :class:`~mha2gqa.errors.Mha2GqaError` for bad input; nothing is left at
+    ``dst`` then.
     """
     start = time.perf_counter()
-    if method not in METHODS:
-        raise Mha2GqaError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    if method not in ALL_METHODS:
+        raise Mha2GqaError(f"unknown method {method!r}: choose one of {', '.join(ALL_METHODS)}")
     ckpt = open_checkpoint(str(src), revision=revision, allow_pickle=allow_pickle)
     family = detect_family(ckpt.config)
     dims = AttentionDims.from_config(ckpt.config)
     check_num_kv_heads(dims, num_kv_heads)
-    tensors = plan_conversion(ckpt, family, dims, num_kv_heads, method)
+    stats, rot, calibration_record = None, None, None
+    if method in CALIBRATED_METHODS and num_kv_heads != dims.num_kv_heads:
+        if family.k_norm is not None or family.q_norm is not None:
+            raise Mha2GqaError(
+                f"--method {method} needs keys linear in the input, but {family.family} normalises q/k per head; "
+                "use --method mean or first"
+            )
+        if not calibration:
+            raise Mha2GqaError(f"--method {method} needs calibration text: pass --calibration DATA")
+        from mha2gqa.convert.calibration import collect
+
+        stats = collect(ckpt.folder, num_kv_heads, calibration, calibration_tokens, calibration_seq_len, device)
+        rot = stats.rotary_dim
+        calibration_record = {"data": calibration, "tokens": stats.tokens, "rotary_dim": rot}
+    tensors = plan_conversion(ckpt, family, dims, num_kv_heads, method, stats, rot, seed)
     new_config = dict(ckpt.config)
     new_config["num_key_value_heads"] = num_kv_heads
     checks = _Checks(ckpt, tensors, new_config)
@@ -252,6 +384,8 @@ def convert_checkpoint(
     esize = DTYPES[kv_dtype][1]
     conversion = {
         "method": method,
+        "calibration": calibration_record,
+        "seed": seed if method == "random" else None,
         "num_layers": dims.num_layers,
         "num_heads": dims.num_heads,
         "num_kv_heads_before": dims.num_kv_heads,

@@ -42,8 +42,16 @@ def main() -> None:
     "-g", "--num-kv-heads", type=int, required=True, help="KV heads after conversion (a divisor of the current count)."
 )
 @click.option(
-    "--method", type=click.Choice(["mean", "first"]), default="mean", help="How the K/V heads of a group are merged."
+    "--method",
+    type=click.Choice(["mean", "first", "random", "svd"]),
+    default="mean",
+    help="mean/first: pool or pick each group's heads (GQA paper); random: fresh K/V; "
+    "svd: activation-aware merge absorbed into q/o (needs --calibration).",
 )
+@click.option("--calibration", default=None, help="Calibration text for --method svd (same sources as eval --data).")
+@click.option("--calibration-tokens", type=int, default=16384, help="Calibration tokens (the first N of the text).")
+@click.option("--device", default="auto", help="Device for calibration: auto, cpu, cuda.")
+@click.option("--seed", type=int, default=0, help="Seed for --method random.")
 @click.option("--max-shard-size", default="5GB", help="Largest output shard, HF style ('5GB', '500MB').")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty.")
@@ -62,6 +70,10 @@ def convert(
     allow_pickle: bool,
     fsync: bool,
     quiet: bool,
+    calibration: str | None = None,
+    calibration_tokens: int = 16384,
+    device: str = "auto",
+    seed: int = 0,
 ) -> None:
     """Convert the checkpoint SRC (local folder or hub id) into DST with fewer KV heads."""
     from mha2gqa.convert import convert_checkpoint
@@ -69,7 +81,8 @@ def convert(
     result = convert_checkpoint(
         src, dst, num_kv_heads, method,
         max_shard_size=max_shard_size, overwrite=overwrite, allow_pickle=allow_pickle,
-        revision=revision, progress=not quiet, fsync=fsync,
+        revision=revision, progress=not quiet, fsync=fsync, calibration=calibration,
+        calibration_tokens=calibration_tokens, device=device, seed=seed,
     )  # fmt: skip
     if not quiet:
         click.echo(result.summary())

@@ -1,0 +1,115 @@
+"""Calibration statistics for activation-aware merging, collected from the model's own attention.
+
+The original model reads calibration text once; a registered attention implementation
+(:func:`mha2gqa.eval.attention.capturing`) sees every layer's post-RoPE queries, keys and values.
+Only small second-moment matrices are kept per layer (float64), never the activations:
+
+- ``v_gram[j]``: ``[s*d, s*d]`` Gram of the stacked values of the ``s`` source KV heads of group ``j``;
+- ``k_plane_gram[j]``: ``[P, s, s]`` complex Gram of each rotary plane ``(i, i + R/2)`` of those heads'
+  keys (RoPE multiplies every head's plane by the same ``e^{i theta t}``, which cancels in
+  ``k_h conj(k_h')``, so post-RoPE keys give the pre-RoPE Gram);
+- ``k_rest_gram[j]``: ``[s*(d-R), s*(d-R)]`` Gram of the non-rotary key dimensions (partial rotary);
+- ``q_plane_energy``: ``[H, P]`` energy ``sum |q|^2`` of each query head on each rotary plane.
+
+Here ``d`` is head_dim, ``R`` the rotary dims (``d * partial_rotary_factor``), ``P = R/2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mha2gqa.errors import Mha2GqaError
+
+
+@dataclass
+class LayerStats:
+    v_gram: torch.Tensor  # [G, s*d, s*d] float64
+    k_plane_gram: torch.Tensor  # [G, P, s, s] complex128
+    k_rest_gram: torch.Tensor  # [G, s*(d-R), s*(d-R)] float64
+    q_plane_energy: torch.Tensor  # [H, P] float64
+    tokens: int = 0
+
+
+@dataclass
+class CalibrationStats:
+    groups: int
+    head_dim: int
+    rotary_dim: int
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    tokens: int = 0
+    source: str = ""
+
+
+def rotary_dim(config) -> int:
+    """Rotary dimensions per head (``head_dim * partial_rotary_factor``, transformers' rule)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    return int(head_dim * factor)
+
+
+def _planes(x: torch.Tensor, rot: int) -> torch.Tensor:
+    """``[..., d]`` -> complex ``[..., rot/2]``: plane ``i`` is ``x[i] + 1j * x[i + rot/2]``."""
+    half = rot // 2
+    return torch.complex(x[..., :half].double(), x[..., half:rot].double())
+
+
+def accumulate(stats: CalibrationStats, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Add one batch of a layer's post-RoPE ``q [B,H,T,d]``, ``k``/``v`` ``[B,Gs,T,d]``."""
+    g, d, rot = stats.groups, stats.head_dim, stats.rotary_dim
+    heads, src = q.shape[1], k.shape[1]
+    s = src // g
+    tokens = q.shape[0] * q.shape[2]
+    # [B, Gs, T, d] -> [G, B*T, s, d]
+    kk = k.double().reshape(k.shape[0], g, s, k.shape[2], d).permute(1, 0, 3, 2, 4).reshape(g, tokens, s, d)
+    vv = v.double().reshape(v.shape[0], g, s, v.shape[2], d).permute(1, 0, 3, 2, 4).reshape(g, tokens, s * d)
+    kp = _planes(kk, rot).permute(0, 3, 1, 2)  # [G, P, N, s]
+    kr = kk[..., rot:].reshape(g, tokens, s * (d - rot))
+    qp = _planes(q.double(), rot).abs().pow(2).sum(dim=(0, 2))  # [H, P]
+    entry = stats.layers.get(layer)
+    if entry is None:
+        p = rot // 2
+        entry = stats.layers[layer] = LayerStats(
+            torch.zeros(g, s * d, s * d, dtype=torch.float64),
+            torch.zeros(g, p, s, s, dtype=torch.complex128),
+            torch.zeros(g, s * (d - rot), s * (d - rot), dtype=torch.float64),
+            torch.zeros(heads, p, dtype=torch.float64),
+        )
+    entry.v_gram += (vv.transpose(1, 2) @ vv).cpu()
+    entry.k_plane_gram += (kp.transpose(2, 3) @ kp.conj()).cpu()  # sum_t z_t z_t^H as [s, s]: z[a] conj(z[b])
+    entry.k_rest_gram += (kr.transpose(1, 2) @ kr).cpu()
+    entry.q_plane_energy += qp.cpu()
+    entry.tokens += tokens
+
+
+def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int | None = None, device: str = "auto",
+            text_field: str = "text") -> CalibrationStats:  # fmt: skip
+    """Run the model in ``model_dir`` on the first ``tokens`` tokens of ``data`` (disjoint windows
+    of ``seq_len``) and gather :class:`CalibrationStats` for merging into ``groups`` KV heads."""
+    from mha2gqa.eval.attention import capturing
+    from mha2gqa.eval.data import load_text, token_stream
+    from mha2gqa.eval.models import load_model, load_tokenizer, resolve_device
+
+    dev = resolve_device(device)
+    loaded = load_model(str(model_dir), dev, torch.float32)
+    model = loaded.model
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    seq_len = min(seq_len or 512, getattr(cfg, "max_position_embeddings", None) or 512)
+    ids = token_stream(load_tokenizer(loaded.folder), load_text(data, text_field), tokens)
+    if ids.numel() < seq_len:
+        raise Mha2GqaError(f"--calibration {data}: {ids.numel()} tokens, fewer than one window of {seq_len}")
+    stats = CalibrationStats(groups, head_dim, rotary_dim(cfg), source=data)
+
+    def record(layer, q, k, v, *_):
+        accumulate(stats, layer, q, k, v)
+
+    windows = [ids[i : i + seq_len] for i in range(0, ids.numel() - seq_len + 1, seq_len)]
+    with torch.inference_mode(), capturing(model, record):
+        for w in windows:
+            model.base_model(w[None].to(dev))
+    stats.tokens = len(windows) * seq_len
+    return stats

@@ -1,0 +1,242 @@
+"""Training-free methods beyond mean pooling: random and svd (activation-aware, RoPE-aware)."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import FIXTURES, load, logits, random_model, requires_fixtures, save, tiny_config
+from test_convert import IDS, equalise_groups, read_all
+
+from mha2gqa.cli import main
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.convert.calibration import LayerStats, rotary_dim
+from mha2gqa.convert.merge import svd_merge_layer
+
+SVD_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi", "phi3", "olmo", "starcoder2"]
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cal") / "cal.txt"
+    path.write_text("\n\n".join(f"the {i % 9} cats sat on {i % 4} mats while {i % 7} dogs ran" for i in range(400)))
+    return path
+
+
+def with_tokenizer(model, folder, text):
+    from mha2gqa.demo import build_tokenizer
+
+    save(model, folder)
+    build_tokenizer(text.read_text(), 300).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", SVD_FAMILIES)
+def test_svd_on_equalised_groups_keeps_the_logits(family, calib_text, tmp_path):
+    config = tiny_config(family, vocab_size=300)
+    kv = config.num_key_value_heads
+    g = kv // 2
+    model = random_model(config, seed=3)
+    equalise_groups(model, family, g)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    out = convert_checkpoint(src, tmp_path / "out", g, "svd", calibration=str(calib_text), calibration_tokens=512,
+                             calibration_seq_len=32, progress=False).output  # fmt: skip
+    converted = load(out)
+    assert converted.config.num_key_value_heads == g
+    torch.testing.assert_close(logits(converted, IDS), logits(model, IDS), atol=1e-4, rtol=1e-4)
+    record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
+    assert record["method"] == "svd" and record["calibration"]["tokens"] == 512
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi", "phi3"])
+def test_absorbed_bases_leave_the_model_unchanged_when_complete(family):
+    """With one source head per group the V basis and the K plane coefficients are complete:
+    absorbing them into q_proj and o_proj (RoPE-commuting complex coefficients per plane, the
+    ordinary subspace on non-rotary dims) must leave every logit unchanged."""
+    from mha2gqa.convert.families import families
+
+    model = random_model(tiny_config(family), seed=5)
+    cfg = model.config
+    h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim if hasattr(cfg, "head_dim") else 8
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+    rot = rotary_dim(cfg)
+    fam = families()[family]
+    before = logits(model, IDS)
+    state = model.state_dict()
+    gen = torch.Generator().manual_seed(0)
+
+    def spd(n, complex_=False):
+        a = torch.randn(n, n, generator=gen, dtype=torch.float64)
+        if complex_:
+            a = torch.complex(a, torch.randn(n, n, generator=gen, dtype=torch.float64))
+        return a @ a.mH + n * torch.eye(n, dtype=a.dtype)
+
+    for layer in range(cfg.num_hidden_layers):
+        stats = LayerStats(
+            torch.stack([spd(d) for _ in range(kv)]),
+            torch.stack([torch.stack([spd(1, True) for _ in range(rot // 2)]) for _ in range(kv)]),
+            torch.stack([spd(d - rot) for _ in range(kv)]),
+            torch.rand(h, rot // 2, generator=gen, dtype=torch.float64) + 0.1,
+        )
+        names = {}
+        if fam.fused:
+            qkv = state[fam.qkv_proj.format(layer=layer) + ".weight"].double()
+            w = dict(zip(("q", "k", "v"), qkv.split([h * d, kv * d, kv * d]), strict=True))
+        else:
+            w = {}
+            for key, module in (("q", fam.q_proj), ("k", fam.k_proj), ("v", fam.v_proj)):
+                for suffix, role in ((".weight", key), (".bias", f"{key}_bias")):
+                    name = module.format(layer=layer) + suffix
+                    if name in state:
+                        w[role], names[role] = state[name].double(), name
+        w["o"] = state[fam.o_proj.format(layer=layer) + ".weight"].double()
+        out = svd_merge_layer(w, stats, h, kv, kv, d, rot)
+        assert not torch.allclose(out["o"], w["o"])  # the bases really moved something
+        if fam.fused:
+            state[fam.qkv_proj.format(layer=layer) + ".weight"] = torch.cat([out["q"], out["k"], out["v"]]).float()
+        for role, name in names.items():
+            state[name] = out[role].float()
+        state[fam.o_proj.format(layer=layer) + ".weight"] = out["o"].float()
+    model.load_state_dict(state)
+    torch.testing.assert_close(logits(model, IDS), before, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_commuting_plane_coefficients_keep_scores_at_every_position():
+    """k' = c * k and q' = q / conj(c) on each rotary plane (complex numbers) leave q.k after RoPE
+    unchanged for every pair of positions; a real per-dimension scaling does not."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = tiny_config("llama")
+    d, t = 8, 40
+    rope = LlamaRotaryEmbedding(cfg)
+    x = torch.randn(1, 1, t, d, dtype=torch.float64)
+    q, k = torch.randn(1, 1, t, d, dtype=torch.float64), x
+    cos, sin = rope(x.float(), torch.arange(t)[None])
+    c = torch.complex(torch.randn(d // 2, dtype=torch.float64), torch.randn(d // 2, dtype=torch.float64))
+
+    def planes_mul(v, coef):
+        z = torch.complex(v[..., : d // 2], v[..., d // 2 :]) * coef
+        return torch.cat([z.real, z.imag], -1)
+
+    def scores(qq, kk):
+        qr, kr = apply_rotary_pos_emb(qq, kk, cos.double(), sin.double())
+        return qr @ kr.transpose(-1, -2)
+
+    base = scores(q, k)
+    torch.testing.assert_close(scores(planes_mul(q, 1 / c.conj()), planes_mul(k, c)), base)
+    scale = torch.rand(d, dtype=torch.float64) + 0.5
+    assert not torch.allclose(scores(q / scale, k * scale), base)
+
+
+def test_svd_same_head_count_is_an_exact_copy_and_bad_input(calib_text, tmp_path):
+    src = with_tokenizer(random_model(tiny_config("llama", vocab_size=300)), tmp_path / "src", calib_text)
+    out = convert_checkpoint(src, tmp_path / "same", 4, "svd", progress=False).output
+    a, b = read_all(src), read_all(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "x"), "-g", "2", "--method", "svd"])
+    assert result.exit_code == 1 and "needs calibration text: pass --calibration" in result.output
+    qwen3 = save(random_model(tiny_config("qwen3")), tmp_path / "qwen3")
+    result = CliRunner().invoke(main, ["convert", str(qwen3), str(tmp_path / "y"), "-g", "2", "--method", "svd",
+                                       "--calibration", str(calib_text)])  # fmt: skip
+    assert result.exit_code == 1 and "normalises q/k per head" in result.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_random_is_seeded_fresh_init_and_loads(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("qwen2")
+    a = convert_checkpoint(src, tmp_path / "a", 2, "random", seed=1, progress=False).output
+    b = convert_checkpoint(src, tmp_path / "b", 2, "random", seed=1, progress=False).output
+    c = convert_checkpoint(src, tmp_path / "c", 2, "random", seed=2, progress=False).output
+    ta, tb, tc, ts = read_all(a), read_all(b), read_all(c), read_all(src)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(ta[k], tb[k]) and not torch.equal(ta[k], tc[k])
+    assert ta[k].shape == (16, 32) and abs(ta[k].std().item() - 0.02) < 0.005
+    assert torch.equal(ta["model.layers.0.self_attn.k_proj.bias"], torch.zeros(16))
+    assert torch.equal(ta["model.layers.0.self_attn.q_proj.weight"], ts["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.isfinite(logits(load(a), IDS)).all()
+    same = read_all(convert_checkpoint(src, tmp_path / "same", 4, "random", progress=False).output)
+    assert all(torch.equal(same[n], ts[n]) for n in ts)
+
+
+@requires_fixtures("stories260K", "text")
+def test_svd_beats_mean_by_a_wide_margin_on_a_real_model(tmp_path):
+    from mha2gqa.eval.harness import EvalSettings, evaluate
+
+    src = FIXTURES / "stories260K"
+    text = (FIXTURES / "text" / "tinystories_train_head.txt").read_text()
+    calib, held = tmp_path / "calib.txt", tmp_path / "held.txt"
+    calib.write_text(text[: len(text) // 2])
+    held.write_text(text[int(len(text) * 0.85) :])
+    settings = EvalSettings(data=str(held), seq_len=512, max_tokens=8192, attention=False, progress=False)
+    ratios = {}
+    for method in ("mean", "svd"):
+        out = convert_checkpoint(src, tmp_path / method, 2, method, calibration=str(calib), calibration_tokens=8192,
+                                 progress=False).output  # fmt: skip
+        r = evaluate(str(src), str(out), settings)
+        ratios[method] = (r["protocols"]["disjoint"]["ppl_ratio"], r["agreement"]["kl"]["mean"])
+    (mean_ratio, mean_kl), (svd_ratio, svd_kl) = ratios["mean"], ratios["svd"]
+    assert (svd_ratio - 1) * 5 <= mean_ratio - 1 and svd_kl < mean_kl, ratios
+
+
+def relate_groups(model, family: str, groups: int, seed: int = 0) -> None:
+    """Make each group's K/V heads exact transforms of its first head that svd must undo: complex
+    coefficients per rotary plane, an invertible matrix on non-rotary key dims and on values."""
+    from mha2gqa.convert.families import families
+
+    equalise_groups(model, family, groups)
+    fam, cfg = families()[family], model.config
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+    rot, half = rotary_dim(cfg), rotary_dim(cfg) // 2
+    per = kv // groups
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for layer in range(cfg.num_hidden_layers):
+            transforms = {}
+            for head in range(kv):  # one transform per head, shared by its weight and bias rows
+                c = torch.complex(torch.randn(half, generator=gen), torch.randn(half, generator=gen))
+                a = torch.randn(d - rot, d - rot, generator=gen) + 2 * torch.eye(d - rot)
+                b = torch.randn(d, d, generator=gen) * 0.3 + torch.eye(d)
+                transforms[head] = (c, a, b)
+            for suffix in (".weight", ".bias"):
+                if fam.fused:
+                    t = params.get(fam.qkv_proj.format(layer=layer) + suffix)
+                    if t is None:
+                        continue
+                    k_off, v_off, k_t, v_t = h * d, (h + kv) * d, t, t
+                else:
+                    k_t = params.get(fam.k_proj.format(layer=layer) + suffix)
+                    v_t = params.get(fam.v_proj.format(layer=layer) + suffix)
+                    if k_t is None:
+                        continue
+                    k_off = v_off = 0
+                for head in range(kv):
+                    if head % per == 0:
+                        continue
+                    c, a, b = transforms[head]
+                    ks = slice(k_off + head * d, k_off + (head + 1) * d)
+                    vs = slice(v_off + head * d, v_off + (head + 1) * d)
+                    kh = k_t[ks].clone()
+                    shape = (half,) + (1,) * (kh.dim() - 1)
+                    z = torch.complex(kh[:half], kh[half:rot]) * c.reshape(shape)
+                    kh[:half], kh[half:rot] = z.real, z.imag
+                    if rot < d:
+                        kh[rot:] = a @ kh[rot:]
+                    k_t[ks] = kh
+                    if v_t is not None:
+                        v_t[vs] = b @ v_t[vs]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi", "phi3", "starcoder2"])
+def test_svd_undoes_rope_commuting_transforms_between_heads(family, calib_text, tmp_path):
+    config = tiny_config(family, vocab_size=300)
+    model = random_model(config, seed=7)
+    relate_groups(model, family, 2)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    before = logits(model, IDS)
+    out = convert_checkpoint(src, tmp_path / "svd", 2, "svd", calibration=str(calib_text), calibration_tokens=512,
+                             calibration_seq_len=32, progress=False).output  # fmt: skip
+    torch.testing.assert_close(logits(load(out), IDS), before, atol=2e-4, rtol=1e-3)
+    mean = convert_checkpoint(src, tmp_path / "mean", 2, "mean", progress=False).output
+    assert (logits(load(mean), IDS) - before).abs().max() > 1e-2  # mean pooling cannot undo them
