@@ -67,9 +67,10 @@ def check_num_kv_heads(dims: AttentionDims, num_kv_heads: int) -> None:
         )
 
 
-#: Methods needing calibration text, and every method.
+#: Methods that rewrite q/k/v/o of a layer together; those that need calibration; every method.
+LAYER_METHODS = ("svd", "aligned")
 CALIBRATED_METHODS = ("svd",)
-ALL_METHODS = (*METHODS, "random", *CALIBRATED_METHODS)
+ALL_METHODS = (*METHODS, "random", *LAYER_METHODS)
 
 
 def query_heads_per_kv_head(num_heads: int, num_kv_heads: int) -> list[list[int]]:
@@ -117,10 +118,12 @@ class _LayerMerge:
     """Computes one layer's merged q/k/v/o once, hands the tensors out one by one and forgets
     them as they are written, so memory stays at one layer's attention weights."""
 
-    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int, stats, rot: int):
+    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int, stats,
+                 rot: int, method: str):  # fmt: skip
         self.ckpt, self.family, self.dims, self.groups, self.layer, self.stats, self.rot = (
             ckpt, family, dims, groups, layer, stats, rot
         )  # fmt: skip
+        self.method = method
         self.ready: dict[str, torch.Tensor] | None = None
 
     def names(self) -> dict[str, str]:
@@ -140,7 +143,7 @@ class _LayerMerge:
         return self.ready.pop(name)
 
     def _compute(self) -> dict[str, torch.Tensor]:
-        from mha2gqa.convert.merge import svd_merge_layer
+        from mha2gqa.convert.merge import aligned_merge_layer, svd_merge_layer, weight_stats
 
         dims, names = self.dims, self.names()
         src = {role: self.ckpt.load(n) for role, n in names.items()}
@@ -151,9 +154,11 @@ class _LayerMerge:
                     w["q" + suffix], w["k" + suffix], w["v" + suffix] = split_fused_qkv(
                         w.pop("qkv" + suffix), dims.num_heads, dims.num_kv_heads, dims.head_dim
                     )
-        merged = svd_merge_layer(
-            w, self.stats.layers[self.layer], dims.num_heads, dims.num_kv_heads, self.groups, dims.head_dim, self.rot
-        )
+        shape = (dims.num_heads, dims.num_kv_heads, self.groups, dims.head_dim, self.rot)
+        # aligned without calibration: statistics from the weights alone
+        layer_stats = weight_stats(w, *shape) if self.stats is None else self.stats.layers[self.layer]
+        merge = svd_merge_layer if self.method == "svd" else aligned_merge_layer
+        merged = merge(w, layer_stats, *shape)
         if self.family.fused:
             for suffix in ("", "_bias"):
                 if "q" + suffix in merged:
@@ -199,8 +204,8 @@ def plan_conversion(
     layers = range(dims.num_layers) if g != dims.num_kv_heads else range(0)  # G = current: exact copy
     for layer in layers:
         fill = partial(str.format, layer=layer)
-        if method == "svd":
-            merge = _LayerMerge(ckpt, family, dims, g, layer, stats, rotary_dim or d)
+        if method in LAYER_METHODS:
+            merge = _LayerMerge(ckpt, family, dims, g, layer, stats, rotary_dim or d, method)
             for role, name in merge.names().items():
                 info = ckpt.tensors[name]
                 rows = info.shape[0]
@@ -362,19 +367,25 @@ def convert_checkpoint(
     dims = AttentionDims.from_config(ckpt.config)
     check_num_kv_heads(dims, num_kv_heads)
     stats, rot, calibration_record = None, None, None
-    if method in CALIBRATED_METHODS and num_kv_heads != dims.num_kv_heads:
+    if method in LAYER_METHODS and num_kv_heads != dims.num_kv_heads:
         if family.k_norm is not None or family.q_norm is not None:
             raise Mha2GqaError(
                 f"--method {method} needs keys linear in the input, but {family.family} normalises q/k per head; "
                 "use --method mean or first"
             )
-        if not calibration:
+        if not calibration and method in CALIBRATED_METHODS:
             raise Mha2GqaError(f"--method {method} needs calibration text: pass --calibration DATA")
-        from mha2gqa.convert.calibration import collect
+        from mha2gqa.convert.calibration import collect, rotary_dim
 
-        stats = collect(ckpt.folder, num_kv_heads, calibration, calibration_tokens, calibration_seq_len, device)
-        rot = stats.rotary_dim
-        calibration_record = {"data": calibration, "tokens": stats.tokens, "rotary_dim": rot}
+        if calibration:
+            stats = collect(ckpt.folder, num_kv_heads, calibration, calibration_tokens, calibration_seq_len, device)
+            rot = stats.rotary_dim
+            calibration_record = {"data": calibration, "tokens": stats.tokens, "rotary_dim": rot}
+        else:
+            from transformers import AutoConfig
+
+            rot = rotary_dim(AutoConfig.from_pretrained(ckpt.folder))
+            calibration_record = {"data": None, "tokens": 0, "rotary_dim": rot, "weights_only": True}
     tensors = plan_conversion(ckpt, family, dims, num_kv_heads, method, stats, rot, seed)
     new_config = dict(ckpt.config)
     new_config["num_key_value_heads"] = num_kv_heads

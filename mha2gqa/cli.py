@@ -43,12 +43,13 @@ def main() -> None:
 )
 @click.option(
     "--method",
-    type=click.Choice(["mean", "first", "random", "svd"]),
+    type=click.Choice(["mean", "first", "random", "svd", "aligned"]),
     default="mean",
     help="mean/first: pool or pick each group's heads (GQA paper); random: fresh K/V; "
-    "svd: activation-aware merge absorbed into q/o (needs --calibration).",
+    "svd: activation-aware merge absorbed into q/o (needs --calibration); aligned: RoPE-compatible "
+    "rotations/Procrustes, then mean (weights only, or with --calibration).",
 )
-@click.option("--calibration", default=None, help="Calibration text for --method svd (same sources as eval --data).")
+@click.option("--calibration", default=None, help="Calibration text for svd/aligned (same sources as eval --data).")
 @click.option("--calibration-tokens", type=int, default=16384, help="Calibration tokens (the first N of the text).")
 @click.option("--device", default="auto", help="Device for calibration: auto, cpu, cuda.")
 @click.option("--seed", type=int, default=0, help="Seed for --method random.")

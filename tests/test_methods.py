@@ -178,9 +178,10 @@ def test_svd_beats_mean_by_a_wide_margin_on_a_real_model(tmp_path):
     assert (svd_ratio - 1) * 5 <= mean_ratio - 1 and svd_kl < mean_kl, ratios
 
 
-def relate_groups(model, family: str, groups: int, seed: int = 0) -> None:
+def relate_groups(model, family: str, groups: int, seed: int = 0, orthogonal: bool = False) -> None:
     """Make each group's K/V heads exact transforms of its first head that svd must undo: complex
-    coefficients per rotary plane, an invertible matrix on non-rotary key dims and on values."""
+    coefficients per rotary plane, an invertible matrix on non-rotary key dims and on values
+    (``orthogonal``: unit coefficients and orthogonal matrices, which ``aligned`` must undo)."""
     from mha2gqa.convert.families import families
 
     equalise_groups(model, family, groups)
@@ -198,6 +199,9 @@ def relate_groups(model, family: str, groups: int, seed: int = 0) -> None:
                 c = torch.complex(torch.randn(half, generator=gen), torch.randn(half, generator=gen))
                 a = torch.randn(d - rot, d - rot, generator=gen) + 2 * torch.eye(d - rot)
                 b = torch.randn(d, d, generator=gen) * 0.3 + torch.eye(d)
+                if orthogonal:
+                    c = c / c.abs()
+                    a, b = torch.linalg.qr(a)[0], torch.linalg.qr(b)[0]
                 transforms[head] = (c, a, b)
             for suffix in (".weight", ".bias"):
                 if fam.fused:
@@ -240,3 +244,33 @@ def test_svd_undoes_rope_commuting_transforms_between_heads(family, calib_text, 
     torch.testing.assert_close(logits(load(out), IDS), before, atol=2e-4, rtol=1e-3)
     mean = convert_checkpoint(src, tmp_path / "mean", 2, "mean", progress=False).output
     assert (logits(load(mean), IDS) - before).abs().max() > 1e-2  # mean pooling cannot undo them
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi", "phi3"])
+def test_aligned_undoes_rotations_between_heads(family, calibrated, calib_text, tmp_path):
+    model = random_model(tiny_config(family, vocab_size=300), seed=11)
+    relate_groups(model, family, 2, orthogonal=True)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    kwargs = (
+        {"calibration": str(calib_text), "calibration_tokens": 512, "calibration_seq_len": 32} if calibrated else {}
+    )
+    out = convert_checkpoint(src, tmp_path / "al", 2, "aligned", progress=False, **kwargs).output
+    torch.testing.assert_close(logits(load(out), IDS), logits(model, IDS), atol=2e-4, rtol=1e-3)
+    record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
+    assert (
+        record["calibration"]["weights_only"] is not calibrated
+        if not calibrated
+        else record["calibration"]["tokens"] == 512
+    )
+
+
+def test_aligned_equalised_groups_and_same_count(calib_text, tmp_path):
+    model = random_model(tiny_config("llama", vocab_size=300), seed=12)
+    equalise_groups(model, "llama", 1)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    out = convert_checkpoint(src, tmp_path / "al", 1, "aligned", progress=False).output
+    torch.testing.assert_close(logits(load(out), IDS), logits(model, IDS), atol=1e-4, rtol=1e-4)
+    same = convert_checkpoint(src, tmp_path / "same", 4, "aligned", progress=False).output
+    a, b = read_all(src), read_all(same)
+    assert all(torch.equal(a[k], b[k]) for k in a)
