@@ -16,6 +16,7 @@ Here ``d`` is head_dim, ``R`` the rotary dims (``d * partial_rotary_factor``), `
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,31 +86,106 @@ def accumulate(stats: CalibrationStats, layer: int, q: torch.Tensor, k: torch.Te
     entry.tokens += tokens
 
 
-def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int | None = None, device: str = "auto",
-            text_field: str = "text") -> CalibrationStats:  # fmt: skip
-    """Run the model in ``model_dir`` on the first ``tokens`` tokens of ``data`` (disjoint windows
-    of ``seq_len``) and gather :class:`CalibrationStats` for merging into ``groups`` KV heads."""
-    from mha2gqa.eval.attention import capturing
-    from mha2gqa.eval.data import load_text, token_stream
-    from mha2gqa.eval.models import load_model, load_tokenizer, resolve_device
+class _Stop(Exception):
+    """Raised by the stand-in first layer once it has seen its inputs."""
 
-    dev = resolve_device(device)
-    loaded = load_model(str(model_dir), dev, torch.float32)
-    model = loaded.model
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    seq_len = min(seq_len or 512, getattr(cfg, "max_position_embeddings", None) or 512)
-    ids = token_stream(load_tokenizer(loaded.folder), load_text(data, text_field), tokens)
+
+class _Catch(torch.nn.Module):
+    """Stands in for the decoder layers: records the inputs of the first one, then stops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, dict]] = []
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:
+            raise RuntimeError("decoder layers are expected to be called with keyword arguments")
+        self.calls.append((hidden_states, kwargs))
+        raise _Stop
+
+
+def _materialize(module: torch.nn.Module, ckpt, prefix: str, device: torch.device) -> None:
+    """Give ``module``'s parameters (on ``meta``) their weights from the checkpoint, in float32 on
+    ``device``; its buffers (real, computed at construction) move along."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        value = ckpt.load(prefix + name).to(dtype=torch.float32)
+        set_module_tensor_to_device(module, name, device, value=value)
+    for name, _ in module.named_buffers():
+        set_module_tensor_to_device(module, name, device)
+
+
+def _release(module: torch.nn.Module) -> None:
+    """Send ``module``'s parameters back to ``meta`` (frees their memory)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        set_module_tensor_to_device(module, name, "meta")
+
+
+def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_field: str = "text") -> torch.Tensor:
+    """``[windows, seq_len]``: the first ``tokens`` tokens of ``data`` as disjoint windows."""
+    from mha2gqa.eval.data import load_text, token_stream
+    from mha2gqa.eval.models import load_tokenizer
+
+    ids = token_stream(load_tokenizer(model_dir), load_text(data, text_field), tokens)
     if ids.numel() < seq_len:
         raise Mha2GqaError(f"--calibration {data}: {ids.numel()} tokens, fewer than one window of {seq_len}")
-    stats = CalibrationStats(groups, head_dim, rotary_dim(cfg), source=data)
+    n = ids.numel() // seq_len
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
+@torch.inference_mode()
+def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int | None = None, device: str = "auto",
+            text_field: str = "text") -> CalibrationStats:  # fmt: skip
+    """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
+    ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model layer by
+    layer from its shards: the model is built on ``meta``; the embeddings run once (the inputs of
+    the first decoder layer are caught, GPTQ-style), then each decoder layer in turn gets its
+    weights, processes every window and is emptied again. Memory: one layer in float32 plus the
+    calibration activations (``tokens x hidden``), never the whole model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mha2gqa.convert.checkpoint import open_checkpoint
+    from mha2gqa.eval.attention import capturing
+    from mha2gqa.eval.models import resolve_device
+
+    dev = resolve_device(device)
+    ckpt = open_checkpoint(str(model_dir))
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_cache = False
+    seq_len = min(seq_len or 512, getattr(config, "max_position_embeddings", None) or 512)
+    windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (RoPE, scales) real
+        model = AutoModelForCausalLM.from_config(config).eval()
+    base = model.base_model
+    prefix = f"{model.base_model_prefix}."
+    layers = base.layers
+    for name, child in base.named_children():
+        if name != "layers":
+            _materialize(child, ckpt, f"{prefix}{name}.", dev)
+    catcher = _Catch()
+    base.layers = torch.nn.ModuleList([catcher])
+    for w in windows:
+        with contextlib.suppress(_Stop):
+            base(w[None], use_cache=False)
+    base.layers = layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    stats = CalibrationStats(groups, head_dim, rotary_dim(config), source=data)
 
     def record(layer, q, k, v, *_):
         accumulate(stats, layer, q, k, v)
 
-    windows = [ids[i : i + seq_len] for i in range(0, ids.numel() - seq_len + 1, seq_len)]
-    with torch.inference_mode(), capturing(model, record):
-        for w in windows:
-            model.base_model(w[None].to(dev))
-    stats.tokens = len(windows) * seq_len
+    states = [(h, kw) for h, kw in catcher.calls]
+    with capturing(model, record):
+        for i, layer in enumerate(layers):
+            _materialize(layer, ckpt, f"{prefix}layers.{i}.", dev)
+            for n, (h, kw) in enumerate(states):
+                out = layer(h, **kw)
+                states[n] = (out[0] if isinstance(out, tuple) else out, kw)
+            _release(layer)
+    stats.tokens = windows.numel()
     return stats
