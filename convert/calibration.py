@@ -32,6 +32,7 @@ class LayerStats:
     k_rest_gram: torch.Tensor  # [G, s*(d-R), s*(d-R)] float64
     q_plane_energy: torch.Tensor  # [H, P] float64
     tokens: int = 0
+    perm: list[int] | None = None  # source KV heads in their new order (similarity grouping)
 
 
 @dataclass
@@ -138,13 +139,17 @@ def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_
 
 @torch.inference_mode()
 def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int | None = None, device: str = "auto",
-            text_field: str = "text") -> CalibrationStats:  # fmt: skip
+            text_field: str = "text", grouping: str = "contiguous") -> CalibrationStats:  # fmt: skip
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
     ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model layer by
     layer from its shards: the model is built on ``meta``; the embeddings run once (the inputs of
     the first decoder layer are caught, GPTQ-style), then each decoder layer in turn gets its
     weights, processes every window and is emptied again. Memory: one layer in float32 plus the
-    calibration activations (``tokens x hidden``), never the whole model."""
+    calibration activations (``tokens x hidden``), never the whole model.
+
+    With ``grouping="similarity"`` each layer's statistics are first gathered over all source KV
+    heads, which then form equal groups of similar heads (:func:`similar_groups`), recorded as
+    ``perm`` on the layer's statistics."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mha2gqa.convert.checkpoint import open_checkpoint
@@ -175,9 +180,10 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     base.layers = layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     stats = CalibrationStats(groups, head_dim, rotary_dim(config), source=data)
+    full = CalibrationStats(1, head_dim, rotary_dim(config)) if grouping == "similarity" else stats
 
     def record(layer, q, k, v, *_):
-        accumulate(stats, layer, q, k, v)
+        accumulate(full, layer, q, k, v)
 
     states = [(h, kw) for h, kw in catcher.calls]
     with capturing(model, record):
@@ -187,5 +193,64 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
                 out = layer(h, **kw)
                 states[n] = (out[0] if isinstance(out, tuple) else out, kw)
             _release(layer)
+            if full is not stats:  # choose this layer's groups, keep only their blocks
+                layer_full = full.layers.pop(i)
+                chosen = similar_groups(head_similarity(layer_full), groups)
+                stats.layers[i] = regroup(layer_full, chosen, config.num_attention_heads)
     stats.tokens = windows.numel()
     return stats
+
+
+def head_similarity(full: LayerStats) -> torch.Tensor:
+    """``[Gs, Gs]`` similarity of source KV heads from single-group (``groups=1``) statistics: how
+    well one head's key planes are a complex multiple of the other's (coherence averaged over
+    planes), plus the normalised cross-covariance of their values. 2 means identical."""
+    kp = full.k_plane_gram[0]  # [P, Gs, Gs]
+    diag = kp.diagonal(dim1=1, dim2=2).real  # [P, Gs]
+    key = (kp.abs().pow(2) / (diag[:, :, None] * diag[:, None, :]).clamp_min(1e-300)).mean(0)
+    src = kp.shape[-1]
+    d = full.v_gram.shape[-1] // src
+    v = full.v_gram[0].reshape(src, d, src, d).permute(0, 2, 1, 3)  # [Gs, Gs, d, d] blocks
+    norms = v.pow(2).sum((2, 3)).sqrt()
+    value = norms / (norms.diagonal()[:, None] * norms.diagonal()[None, :]).sqrt().clamp_min(1e-300)
+    return key + value
+
+
+def similar_groups(sim: torch.Tensor, groups: int) -> list[list[int]]:
+    """Equal-size groups of similar heads, greedily: each group starts from the lowest unassigned
+    head and adds, one at a time, the unassigned head most similar to the group so far."""
+    n = sim.shape[0]
+    size = n // groups
+    free = list(range(n))
+    out = []
+    while free:
+        group = [free.pop(0)]
+        while len(group) < size:
+            best = max(free, key=lambda h: (sum(sim[h, m].item() for m in group), -h))
+            free.remove(best)
+            group.append(best)
+        out.append(sorted(group))
+    return out
+
+
+def regroup(full: LayerStats, groups: list[list[int]], num_heads: int) -> LayerStats:
+    """Group statistics for ``groups`` (lists of source KV heads) from single-group statistics,
+    with ``perm`` (the source heads in their new order) recorded."""
+    perm = [h for g in groups for h in g]
+    src = len(perm)
+    r = num_heads // src
+    d = full.v_gram.shape[-1] // src
+    rest = full.k_rest_gram.shape[-1] // src
+
+    def rows(width: int, heads: list[int]) -> torch.Tensor:
+        return (
+            torch.cat([torch.arange(h * width, (h + 1) * width) for h in heads])
+            if width
+            else torch.zeros(0, dtype=torch.long)
+        )
+
+    v = torch.stack([full.v_gram[0][rows(d, g)][:, rows(d, g)] for g in groups])
+    kr = torch.stack([full.k_rest_gram[0][rows(rest, g)][:, rows(rest, g)] for g in groups])
+    kp = torch.stack([full.k_plane_gram[0][:, g][:, :, g] for g in groups])
+    q = full.q_plane_energy[rows(r, perm)]
+    return LayerStats(v, kp, kr, q, full.tokens, perm=perm)

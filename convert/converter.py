@@ -69,6 +69,7 @@ def check_num_kv_heads(dims: AttentionDims, num_kv_heads: int) -> None:
 
 #: Methods that rewrite q/k/v/o of a layer together; those that need calibration; every method.
 LAYER_METHODS = ("svd", "aligned")
+GROUPINGS = ("contiguous", "similarity")
 CALIBRATED_METHODS = ("svd",)
 ALL_METHODS = (*METHODS, "random", *LAYER_METHODS)
 
@@ -114,6 +115,18 @@ def _fresh_fused(ckpt: Checkpoint, name: str, dims: AttentionDims, groups: int, 
     return torch.cat([q, _fresh(shape, dtype, kind, std, seed), _fresh(shape, dtype, kind, std, seed + 1)])
 
 
+def _layer_groups(stats, groups: int) -> dict[str, list[list[int]]] | None:
+    """Which source KV heads each new KV head pools, per layer (similarity grouping)."""
+    if stats is None:
+        return None
+    out = {}
+    for layer, st in sorted(stats.layers.items()):
+        perm = st.perm or []
+        size = len(perm) // groups if perm else 0
+        out[str(layer)] = [perm[j * size : (j + 1) * size] for j in range(groups)] if perm else None
+    return out
+
+
 class _LayerMerge:
     """Computes one layer's merged q/k/v/o once, hands the tensors out one by one and forgets
     them as they are written, so memory stays at one layer's attention weights."""
@@ -143,7 +156,13 @@ class _LayerMerge:
         return self.ready.pop(name)
 
     def _compute(self) -> dict[str, torch.Tensor]:
-        from mha2gqa.convert.merge import aligned_merge_layer, svd_merge_layer, weight_stats
+        from mha2gqa.convert.merge import (
+            aligned_merge_layer,
+            permute_heads,
+            pool_merge_layer,
+            svd_merge_layer,
+            weight_stats,
+        )
 
         dims, names = self.dims, self.names()
         src = {role: self.ckpt.load(n) for role, n in names.items()}
@@ -157,8 +176,13 @@ class _LayerMerge:
         shape = (dims.num_heads, dims.num_kv_heads, self.groups, dims.head_dim, self.rot)
         # aligned without calibration: statistics from the weights alone
         layer_stats = weight_stats(w, *shape) if self.stats is None else self.stats.layers[self.layer]
-        merge = svd_merge_layer if self.method == "svd" else aligned_merge_layer
-        merged = merge(w, layer_stats, *shape)
+        if layer_stats.perm is not None:  # similarity grouping: similar heads made contiguous
+            w = permute_heads(w, layer_stats.perm, dims.num_heads, dims.head_dim)
+        if self.method in METHODS:
+            merged = pool_merge_layer(w, self.groups, dims.head_dim, METHODS[self.method])
+        else:
+            merge = svd_merge_layer if self.method == "svd" else aligned_merge_layer
+            merged = merge(w, layer_stats, *shape)
         if self.family.fused:
             for suffix in ("", "_bias"):
                 if "q" + suffix in merged:
@@ -204,7 +228,7 @@ def plan_conversion(
     layers = range(dims.num_layers) if g != dims.num_kv_heads else range(0)  # G = current: exact copy
     for layer in layers:
         fill = partial(str.format, layer=layer)
-        if method in LAYER_METHODS:
+        if method in LAYER_METHODS or (stats is not None and stats.layers[layer].perm is not None):
             merge = _LayerMerge(ckpt, family, dims, g, layer, stats, rotary_dim or d, method)
             for role, name in merge.names().items():
                 info = ckpt.tensors[name]
@@ -348,12 +372,16 @@ def convert_checkpoint(
     calibration_seq_len: int | None = None,
     device: str = "auto",
     seed: int = 0,
+    grouping: str = "contiguous",
 ) -> ConversionResult:
     """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``.
 
     Methods: ``mean``, ``first`` (pool or pick heads), ``random`` (fresh K/V as the model's own init,
     seeded), ``svd`` (activation-aware merge; reads ``calibration_tokens`` tokens of ``calibration``
-    text through the original model first, on ``device``).
+    text through the original model first, on ``device``), ``aligned`` (rotate heads onto each
+    other, then mean). ``grouping``: ``contiguous`` (transformers' ``repeat_kv`` blocks) or
+    ``similarity`` (equal groups of the most similar heads per layer, from calibration, realised by
+    permuting query heads with their KV heads).
 
     Streams tensor by tensor: peak memory is about one layer's attention weights, whatever the
     model size. Raises :class:`~mha2gqa.errors.Mha2GqaError` for bad input; nothing is left at
@@ -367,18 +395,25 @@ def convert_checkpoint(
     dims = AttentionDims.from_config(ckpt.config)
     check_num_kv_heads(dims, num_kv_heads)
     stats, rot, calibration_record = None, None, None
-    if method in LAYER_METHODS and num_kv_heads != dims.num_kv_heads:
+    if grouping not in GROUPINGS:
+        raise Mha2GqaError(f"unknown grouping {grouping!r}: choose one of {', '.join(GROUPINGS)}")
+    layered = method in LAYER_METHODS or grouping == "similarity"
+    if grouping == "similarity" and method == "random":
+        raise Mha2GqaError("--grouping similarity does not apply to --method random (fresh K/V ignore the grouping)")
+    if layered and num_kv_heads != dims.num_kv_heads:
         if family.k_norm is not None or family.q_norm is not None:
             raise Mha2GqaError(
-                f"--method {method} needs keys linear in the input, but {family.family} normalises q/k per head; "
-                "use --method mean or first"
+                f"--method {method} / --grouping {grouping} need keys linear in the input and heads that can be "
+                f"reordered, but {family.family} normalises q/k per head; use --method mean or first, contiguous"
             )
-        if not calibration and method in CALIBRATED_METHODS:
-            raise Mha2GqaError(f"--method {method} needs calibration text: pass --calibration DATA")
+        if not calibration and (method in CALIBRATED_METHODS or grouping == "similarity"):
+            what = "--grouping similarity" if grouping == "similarity" else f"--method {method}"
+            raise Mha2GqaError(f"{what} needs calibration text: pass --calibration DATA")
         from mha2gqa.convert.calibration import collect, rotary_dim
 
         if calibration:
-            stats = collect(ckpt.folder, num_kv_heads, calibration, calibration_tokens, calibration_seq_len, device)
+            stats = collect(ckpt.folder, num_kv_heads, calibration, calibration_tokens, calibration_seq_len, device,
+                            grouping=grouping)  # fmt: skip
             rot = stats.rotary_dim
             calibration_record = {"data": calibration, "tokens": stats.tokens, "rotary_dim": rot}
         else:
@@ -396,6 +431,10 @@ def convert_checkpoint(
     conversion = {
         "method": method,
         "calibration": calibration_record,
+        "grouping": grouping,
+        "source_kv_heads_per_kv_head_by_layer": _layer_groups(stats, num_kv_heads)
+        if grouping == "similarity"
+        else None,
         "seed": seed if method == "random" else None,
         "num_layers": dims.num_layers,
         "num_heads": dims.num_heads,

@@ -236,3 +236,37 @@ def weight_stats(w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, 
     stats = CalibrationStats(groups, head_dim, rotary_dim)
     accumulate(stats, 0, q, k, v)
     return stats.layers[0]
+
+
+def permute_heads(
+    w: dict[str, torch.Tensor], perm: list[int], num_heads: int, head_dim: int
+) -> dict[str, torch.Tensor]:
+    """Reorder the source KV heads as ``perm`` and, with each, the query heads that read it
+    (``q``/``q_bias`` rows and ``o`` columns move together, so the layer computes the same thing)."""
+    d, r = head_dim, num_heads // len(perm)
+
+    def rows(heads: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(h * d, (h + 1) * d) for h in heads])
+
+    kv_rows = rows(perm)
+    q_rows = rows([i for h in perm for i in range(h * r, (h + 1) * r)])
+    out = dict(w)
+    for key in ("k", "k_bias", "v", "v_bias"):
+        if key in w:
+            out[key] = w[key][kv_rows]
+    for key in ("q", "q_bias"):
+        if key in w:
+            out[key] = w[key][q_rows]
+    out["o"] = w["o"][:, q_rows]
+    return out
+
+
+def pool_merge_layer(w: dict[str, torch.Tensor], groups: int, head_dim: int, reducer) -> dict[str, torch.Tensor]:
+    """``mean``/``first`` on (already permuted) contiguous groups: K/V pooled, q/o as they are."""
+    from mha2gqa.convert.pooling import reduce_rows
+
+    out = dict(w)
+    for key in ("k", "k_bias", "v", "v_bias"):
+        if key in w:
+            out[key] = reduce_rows(w[key], groups, head_dim, reducer)
+    return out

@@ -53,6 +53,12 @@ def main() -> None:
 @click.option("--calibration-tokens", type=int, default=16384, help="Calibration tokens (the first N of the text).")
 @click.option("--device", default="auto", help="Device for calibration: auto, cpu, cuda.")
 @click.option("--seed", type=int, default=0, help="Seed for --method random.")
+@click.option(
+    "--grouping",
+    type=click.Choice(["contiguous", "similarity"]),
+    default="contiguous",
+    help="Which heads share a KV head: repeat_kv blocks, or the most similar heads per layer (needs --calibration).",
+)
 @click.option("--max-shard-size", default="5GB", help="Largest output shard, HF style ('5GB', '500MB').")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty.")
@@ -75,6 +81,7 @@ def convert(
     calibration_tokens: int = 16384,
     device: str = "auto",
     seed: int = 0,
+    grouping: str = "contiguous",
 ) -> None:
     """Convert the checkpoint SRC (local folder or hub id) into DST with fewer KV heads."""
     from mha2gqa.convert import convert_checkpoint
@@ -83,7 +90,7 @@ def convert(
         src, dst, num_kv_heads, method,
         max_shard_size=max_shard_size, overwrite=overwrite, allow_pickle=allow_pickle,
         revision=revision, progress=not quiet, fsync=fsync, calibration=calibration,
-        calibration_tokens=calibration_tokens, device=device, seed=seed,
+        calibration_tokens=calibration_tokens, device=device, seed=seed, grouping=grouping,
     )  # fmt: skip
     if not quiet:
         click.echo(result.summary())

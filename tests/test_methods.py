@@ -301,3 +301,36 @@ def test_layer_streamed_calibration_equals_a_whole_model_pass(family, calib_text
         a, b = streamed.layers[layer], ref.layers[layer]
         for field in ("v_gram", "k_plane_gram", "k_rest_gram", "q_plane_energy"):
             torch.testing.assert_close(getattr(a, field), getattr(b, field), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["mean", "svd"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_similarity_grouping_finds_heads_that_repeat_kv_order_would_not_pair(family, method, calib_text, tmp_path):
+    """Heads h and h + G are equal (the strided pattern): contiguous pooling breaks the model, the
+    similarity grouping pairs them by permuting query heads with their KV heads, and the conversion
+    is exact again."""
+    model = random_model(tiny_config(family, vocab_size=300), seed=13)
+    equalise_groups(model, family, 2, strided=True)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    before = logits(model, IDS)
+    kw = {"calibration": str(calib_text), "calibration_tokens": 512, "calibration_seq_len": 32, "progress": False}
+    out = convert_checkpoint(src, tmp_path / "sim", 2, method, grouping="similarity", **kw).output
+    torch.testing.assert_close(logits(load(out), IDS), before, atol=1e-4, rtol=1e-4)
+    record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
+    assert record["grouping"] == "similarity"
+    assert record["source_kv_heads_per_kv_head_by_layer"] == {"0": [[0, 2], [1, 3]], "1": [[0, 2], [1, 3]]}
+    contiguous = convert_checkpoint(src, tmp_path / "cont", 2, method, **kw).output
+    assert (logits(load(contiguous), IDS) - before).abs().max() > 1e-2
+
+
+def test_similarity_grouping_bad_input(calib_text, tmp_path):
+    src = with_tokenizer(random_model(tiny_config("llama", vocab_size=300)), tmp_path / "src", calib_text)
+    for args, message in [
+        (["--grouping", "similarity"], "--grouping similarity needs calibration text"),
+        (
+            ["--grouping", "similarity", "--method", "random", "--calibration", str(calib_text)],
+            "does not apply to --method random",
+        ),
+    ]:
+        result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "x"), "-g", "2", *args])
+        assert result.exit_code == 1 and message in result.output, result.output
