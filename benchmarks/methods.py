@@ -18,7 +18,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-METHODS = ("mean", "first", "random", "aligned", "svd")
+#: (method, grouping) pairs; similarity grouping needs calibration, like svd
+METHODS = (("mean", "contiguous"), ("first", "contiguous"), ("random", "contiguous"), ("aligned", "contiguous"),
+           ("svd", "contiguous"), ("mean", "similarity"), ("aligned", "similarity"), ("svd", "similarity"))  # fmt: skip
 
 
 def splits(fixtures: Path, work: Path) -> dict[str, tuple[Path, str, str, int]]:
@@ -59,16 +61,17 @@ def main() -> None:
             settings = EvalSettings(data=held, seq_len=window, max_tokens=args.eval_tokens, attention=False,
                                     progress=False)  # fmt: skip
             for g in [g for g in range(dims.num_kv_heads - 1, 0, -1) if dims.num_kv_heads % g == 0]:
-                for method in METHODS:
+                for method, grouping in METHODS:
                     t = time.perf_counter()
                     out = convert_checkpoint(folder, work / f"{name}-{method}-{g}", g, method, calibration=calib,
                                              calibration_tokens=args.calibration_tokens, calibration_seq_len=window,
-                                             progress=False, overwrite=True)  # fmt: skip
+                                             progress=False, overwrite=True, grouping=grouping)  # fmt: skip
                     seconds = time.perf_counter() - t
                     r = evaluate(str(folder), str(out.output), settings)
                     d = r["protocols"]["disjoint"]
                     agree = r["agreement"]
-                    row = (name, f"{dims.num_kv_heads}->{g}", method, d["original"]["ppl"], d["converted"]["ppl"],
+                    label = method if grouping == "contiguous" else f"{method} + similarity grouping"
+                    row = (name, f"{dims.num_kv_heads}->{g}", label, d["original"]["ppl"], d["converted"]["ppl"],
                            d["ppl_ratio"], agree["kl"]["mean"], agree["top1_agreement"], seconds)  # fmt: skip
                     rows.append(row)
                     print("  ".join(map(str, row)), flush=True)
