@@ -121,13 +121,15 @@ def svd_merge_layer(
         k_rows.append(new_k)
         if new_kb is not None:
             kb_rows.append(new_kb)
+    return _layer_out(q, qb, o, k_rows, kb_rows, v_rows, vb_rows)
+
+
+def _layer_out(q, qb, o, k_rows, kb_rows, v_rows, vb_rows) -> dict[str, torch.Tensor]:
+    """The merged layer as the role -> tensor dict the converter writes (biases only if present)."""
     out = {"q": q, "o": o, "k": torch.cat(k_rows), "v": torch.cat(v_rows)}
-    if qb is not None:
-        out["q_bias"] = qb
-    if kb is not None:
-        out["k_bias"] = torch.cat(kb_rows)
-    if vb is not None:
-        out["v_bias"] = torch.cat(vb_rows)
+    for key, value in (("q_bias", qb), ("k_bias", kb_rows), ("v_bias", vb_rows)):
+        if value is not None and (key == "q_bias" or len(value)):
+            out[key] = value if key == "q_bias" else torch.cat(value)
     return out
 
 
@@ -209,14 +211,7 @@ def aligned_merge_layer(
             out_kb.append(new_kb)
         if new_vb is not None:
             out_vb.append(new_vb)
-    out = {"q": q, "o": o, "k": torch.cat(out_k), "v": torch.cat(out_v)}
-    if qb is not None:
-        out["q_bias"] = qb
-    if kb is not None:
-        out["k_bias"] = torch.cat(out_kb)
-    if vb is not None:
-        out["v_bias"] = torch.cat(out_vb)
-    return out
+    return _layer_out(q, qb, o, out_k, out_kb, out_v, out_vb)
 
 
 def weight_stats(w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, groups: int, head_dim: int,

@@ -94,3 +94,19 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 def requires_fixtures(*names: str):
     missing = [n for n in names if not (FIXTURES / n).exists()]
     return pytest.mark.skipif(bool(missing), reason=f"shared fixtures absent: {missing}")
+
+
+def story_text(path: Path, lines: int = 300) -> Path:
+    """A small repetitive English text for calibration and evaluation tests."""
+    path.write_text("\n\n".join(f"the cat {i % 7} sat on the mat and ran {i % 5} times" for i in range(lines)))
+    return path
+
+
+def llama_with_tokenizer(folder: Path, text: Path, max_positions: int = 64) -> Path:
+    """A tiny random Llama with a byte-level BPE tokenizer (300 tokens) trained on ``text``."""
+    from mha2gqa.demo import build_tokenizer
+
+    tok = build_tokenizer(text.read_text(), 300)
+    save(random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=max_positions)), folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -6,19 +6,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import random_model, save, tiny_config
+from conftest import llama_with_tokenizer, story_text
 
 from mha2gqa.convert import convert_checkpoint
 
 
 def test_two_processes_equal_one(tmp_path):
-    from mha2gqa.demo import build_tokenizer
-
-    text = tmp_path / "t.txt"
-    text.write_text("\n\n".join(f"the cat {i % 7} sat on the mat and ran {i % 5} times" for i in range(400)))
-    tok = build_tokenizer(text.read_text(), 300)
-    src = save(random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=64)), tmp_path / "mha")
-    tok.save_pretrained(src)
+    text = story_text(tmp_path / "t.txt", 400)
+    src = llama_with_tokenizer(tmp_path / "mha", text)
     conv = convert_checkpoint(src, tmp_path / "g1", 1, progress=False).output
     args = ["-m", "mha2gqa.cli", "eval", "--original", str(src), "--converted", str(conv), "--data", str(text),
             "--seq-len", "64", "--max-tokens", "3000", "--protocol", "disjoint", "--protocol", "rolling",

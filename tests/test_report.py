@@ -5,7 +5,7 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURES, random_model, requires_fixtures, save, tiny_config
+from conftest import FIXTURES, llama_with_tokenizer, requires_fixtures, story_text, tiny_config
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
@@ -49,14 +49,9 @@ def test_inspect_and_plan_cli(tmp_path):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from mha2gqa.demo import build_tokenizer
-
     root = tmp_path_factory.mktemp("rep")
-    text = root / "t.txt"
-    text.write_text("\n\n".join(f"the cat {i % 7} sat on the mat and ran {i % 5} times" for i in range(300)))
-    tok = build_tokenizer(text.read_text(), 300)
-    src = save(random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=128)), root / "mha")
-    tok.save_pretrained(src)
+    text = story_text(root / "t.txt")
+    src = llama_with_tokenizer(root / "mha", text, max_positions=128)
     conv = convert_checkpoint(src, root / "g2", 2, progress=False).output
     return src, conv, text
 
