@@ -158,7 +158,7 @@ def run(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
 @click.option(
     "--method",
     "methods",
-    type=click.Choice(["mean", "first"]),
+    type=click.Choice(["mean", "first", "random", "svd", "aligned"]),
     multiple=True,
     help="Methods (repeatable) [default: the job's].",
 )

@@ -136,10 +136,19 @@ def demo_model(settings: DemoSettings, rebuild: bool = False, log=print) -> Path
     return folder
 
 
-def heldout_file(settings: DemoSettings) -> Path:
-    """The held-out pydoc topics as a text file beside the cached model (for ``--data``)."""
-    path = cache_root() / f"demo-{settings.key()}" / "heldout.txt"
+def _text_file(settings: DemoSettings, name: str, part: int) -> Path:
+    path = cache_root() / f"demo-{settings.key()}" / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(cpython_text(settings.heldout_fraction)[1], encoding="utf-8")
+        path.write_text(cpython_text(settings.heldout_fraction)[part], encoding="utf-8")
     return path
+
+
+def heldout_file(settings: DemoSettings) -> Path:
+    """The held-out pydoc topics as a text file beside the cached model (for ``--data``)."""
+    return _text_file(settings, "heldout.txt", 1)
+
+
+def train_file(settings: DemoSettings) -> Path:
+    """The training topics as a text file beside the cached model (calibration text)."""
+    return _text_file(settings, "train.txt", 0)

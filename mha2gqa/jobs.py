@@ -3,11 +3,12 @@
 ``mha2gqa run JOB.yaml`` converts ``source`` to every ``num_kv_heads`` x ``methods``, evaluates each
 conversion against the source, renders one report over all of them and checks the gates. The
 source ``demo`` is the embedded model (trained once, cached, from the ``demo`` section); its data
-``demo-heldout`` is the held-out CPython pydoc topics. Unknown keys are errors.
+``demo-heldout`` is the held-out CPython pydoc topics and ``demo-train`` (calibration) the training
+topics. Unknown keys are errors.
 
     source: demo                 # a folder, a hub id, or demo
     demo: {steps: 400, ...}      # DemoSettings fields (source: demo only)
-    convert: {num_kv_heads: [4, 2, 1], methods: [mean, first], max_shard_size: 5GB}
+    convert: {num_kv_heads: [4, 2, 1], methods: [mean, svd], calibration: demo-train, max_shard_size: 5GB}
     eval: {data: demo-heldout, protocols: [disjoint], seq_len: 128, batch_size: 8, ...}
     gates: {max_ppl_ratio: 3.0, max_kl: 1.0, min_top1: 0.5}
     report: true
@@ -29,7 +30,7 @@ from mha2gqa.demo import DemoSettings
 from mha2gqa.errors import Mha2GqaError
 
 _TOP = {"name", "source", "demo", "convert", "eval", "gates", "report", "output_dir"}
-_CONVERT = {"num_kv_heads", "methods", "max_shard_size"}
+_CONVERT = {"num_kv_heads", "methods", "max_shard_size", "calibration", "calibration_tokens", "grouping"}
 _EVAL = {"data", "text_field", "doc_split", "protocols", "seq_len", "stride", "max_tokens", "batch_size", "device",
          "dtype", "attention", "attention_seq_len"}  # fmt: skip
 _GATES = {"max_ppl_ratio", "max_kl", "min_top1"}
@@ -43,6 +44,9 @@ class Job:
     num_kv_heads: tuple[int, ...]
     methods: tuple[str, ...]
     max_shard_size: str = "5GB"
+    calibration: str | None = None
+    calibration_tokens: int = 16384
+    grouping: str = "contiguous"
     eval: dict[str, Any] = field(default_factory=dict)
     gates: dict[str, float] = field(default_factory=dict)
     report: bool = True
@@ -86,11 +90,11 @@ def load_job(path: Path) -> Job:
     methods = tuple(conv.get("methods", ["mean"]))
     if not heads or not all(isinstance(x, int) and x > 0 for x in heads):
         raise Mha2GqaError(f"{path}: convert.num_kv_heads must be a positive integer or a list of them")
-    from mha2gqa.convert.pooling import METHODS
+    from mha2gqa.convert.converter import ALL_METHODS
 
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in ALL_METHODS]
     if bad:
-        raise Mha2GqaError(f"{path}: unknown methods {bad}; choose from {', '.join(METHODS)}")
+        raise Mha2GqaError(f"{path}: unknown methods {bad}; choose from {', '.join(ALL_METHODS)}")
     if "data" not in ev:
         raise Mha2GqaError(f"{path}: eval.data is required")
     out = data.get("output_dir")
@@ -101,6 +105,9 @@ def load_job(path: Path) -> Job:
         num_kv_heads=heads,
         methods=methods,
         max_shard_size=str(conv.get("max_shard_size", "5GB")),
+        calibration=conv.get("calibration"),
+        calibration_tokens=int(conv.get("calibration_tokens", 16384)),
+        grouping=str(conv.get("grouping", "contiguous")),
         eval=ev,
         gates={k: float(v) for k, v in gates.items()},
         report=bool(data.get("report", True)),
@@ -122,7 +129,7 @@ def run_job(
 ) -> RunResult:
     """Convert, evaluate, report and gate as the job says; returns where everything went."""
     from mha2gqa.convert import convert_checkpoint
-    from mha2gqa.demo import cache_root, demo_model, heldout_file
+    from mha2gqa.demo import cache_root, demo_model, heldout_file, train_file
     from mha2gqa.eval.gates import check_gates, gates_record, verdict
     from mha2gqa.eval.harness import EvalSettings, evaluate, write_results
     from mha2gqa.eval.report import load_results, render
@@ -138,6 +145,7 @@ def run_job(
     ev = dict(job.eval)
     if ev["data"] == "demo-heldout":
         ev["data"] = str(heldout_file(job.demo))
+    calibration = str(train_file(job.demo)) if job.calibration == "demo-train" else job.calibration
     ev["protocols"] = tuple(ev.get("protocols", ("disjoint",)))
     settings = EvalSettings(**ev, progress=progress)
     paths: list[Path] = []
@@ -148,7 +156,8 @@ def run_job(
             tag = f"{method}-g{g}"
             model_dir = out / "models" / tag
             conv = convert_checkpoint(source, model_dir, g, method, max_shard_size=job.max_shard_size, overwrite=True,
-                                      progress=progress)  # fmt: skip
+                                      progress=progress, calibration=calibration,
+                                      calibration_tokens=job.calibration_tokens, grouping=job.grouping)  # fmt: skip
             log(f"converted {tag}: {conv.summary()}")
             results = evaluate(source, str(model_dir), settings)
             gates = check_gates(results, **{k: job.gates.get(k) for k in ("max_ppl_ratio", "max_kl", "min_top1")})

@@ -61,7 +61,7 @@ def test_every_shipped_job_file_loads(tmp_path):
         assert job.num_kv_heads and job.methods and job.eval["data"]
     demo = load_job(jobs["demo"])
     assert demo.source == "demo" and demo.demo == DemoSettings() and demo.num_kv_heads == (4, 2, 1)
-    assert demo.methods == ("mean", "first")
+    assert demo.methods == ("mean", "svd") and demo.calibration == "demo-train"
 
 
 def test_bad_job_files_are_refused(tmp_path):
