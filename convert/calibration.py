@@ -105,14 +105,16 @@ class _Catch(torch.nn.Module):
         raise _Stop
 
 
-def _materialize(module: torch.nn.Module, ckpt, prefix: str, device: torch.device) -> None:
-    """Give ``module``'s parameters (on ``meta``) their weights from the checkpoint, in float32 on
-    ``device``; its buffers (real, computed at construction) move along."""
+def _materialize(module: torch.nn.Module, ckpt, prefix: str, device: torch.device,
+                 dtype: torch.dtype | None = torch.float32) -> None:  # fmt: skip
+    """Give ``module``'s parameters (on ``meta``) their weights from the checkpoint on ``device``, in
+    ``dtype`` (None: as stored); its buffers (real, computed at construction) move along."""
     from accelerate.utils import set_module_tensor_to_device
 
     for name, _ in module.named_parameters():
-        value = ckpt.load(prefix + name).to(dtype=torch.float32)
-        set_module_tensor_to_device(module, name, device, value=value)
+        value = ckpt.load(prefix + name)
+        value = value if dtype is None else value.to(dtype=dtype)
+        set_module_tensor_to_device(module, name, device, value=value, dtype=value.dtype)  # else it casts back
     for name, _ in module.named_buffers():
         set_module_tensor_to_device(module, name, device)
 
@@ -169,15 +171,24 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     base = model.base_model
     prefix = f"{model.base_model_prefix}."
     layers = base.layers
+    others = [child for name, child in base.named_children() if name != "layers"]
     for name, child in base.named_children():
-        if name != "layers":
-            _materialize(child, ckpt, f"{prefix}{name}.", dev)
+        if name != "layers":  # embeddings as stored (a lookup loses nothing); only the first layer's inputs are needed
+            _materialize(child, ckpt, f"{prefix}{name}.", dev, dtype=None)
     catcher = _Catch()
     base.layers = torch.nn.ModuleList([catcher])
     for w in windows:
         with contextlib.suppress(_Stop):
             base(w[None], use_cache=False)
     base.layers = layers
+    for child in others:
+        _release(child)
+    states = []
+    for h, kw in catcher.calls:  # layers run in float32: hidden states and RoPE tables too
+        h = h.float()
+        if "position_embeddings" in kw and kw.get("position_ids") is not None:
+            kw = {**kw, "position_embeddings": base.rotary_emb(h, kw["position_ids"])}
+        states.append((h, kw))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     stats = CalibrationStats(groups, head_dim, rotary_dim(config), source=data)
     full = CalibrationStats(1, head_dim, rotary_dim(config)) if grouping == "similarity" else stats
@@ -185,7 +196,6 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     def record(layer, q, k, v, *_):
         accumulate(full, layer, q, k, v)
 
-    states = [(h, kw) for h, kw in catcher.calls]
     with capturing(model, record):
         for i, layer in enumerate(layers):
             _materialize(layer, ckpt, f"{prefix}layers.{i}.", dev)

@@ -166,7 +166,7 @@ class _LayerMerge:
 
         dims, names = self.dims, self.names()
         src = {role: self.ckpt.load(n) for role, n in names.items()}
-        w = {role: t.double() for role, t in src.items()}
+        w = {role: t.float() for role, t in src.items()}  # float32 maths; the statistics stay float64
         if self.family.fused:
             for suffix in ("", "_bias"):
                 if "qkv" + suffix in w:

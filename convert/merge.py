@@ -50,7 +50,7 @@ def svd_merge_layer(
     rotary_dim: int,
     weighted: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Merge one layer. ``w`` holds float64 ``q``, ``k``, ``v`` ``[heads*d, hidden]``, ``o``
+    """Merge one layer. ``w`` holds float32 (or float64) ``q``, ``k``, ``v`` ``[heads*d, hidden]``, ``o``
     ``[hidden, H*d]`` and optional biases ``q_bias``/``k_bias``/``v_bias``; returns the same keys with
     ``k``/``v`` (and biases) of ``groups`` heads and the adjusted ``q``/``o``."""
     d, rot, s = head_dim, rotary_dim, num_kv_heads // groups
@@ -69,7 +69,7 @@ def svd_merge_layer(
     for j in range(groups):
         members = list(range(j * s, (j + 1) * s))
         # ---- V: shared principal subspace, basis into o_proj
-        u = _top_eigvecs(stats.v_gram[j], d)  # [s*d, d]
+        u = _top_eigvecs(stats.v_gram[j], d).to(w["v"].dtype)  # [s*d, d]
         v_stack = torch.cat([w["v"][h * d : (h + 1) * d] for h in members])
         v_rows.append(u.T @ v_stack)
         if vb is not None:
@@ -91,7 +91,7 @@ def svd_merge_layer(
                 wts = wts / wts.mean() if wts.sum() > 0 else torch.ones(s, dtype=torch.float64)
                 root = wts.clamp_min(1e-12).sqrt().to(torch.complex128)
                 vec = _top_eigvecs(root[:, None] * gram * root[None, :], 1)[:, 0]  # [s]
-                alpha, beta = root * vec, vec / root
+                alpha, beta = (root * vec).to(planes_k.dtype), (vec / root).to(planes_k.dtype)
                 z = (alpha[:, None] * planes_k[:, p]).sum(0)
                 new_k[p], new_k[p + half] = z.real, z.imag
                 if new_kb is not None:
@@ -107,7 +107,7 @@ def svd_merge_layer(
                             mat[i * d + p + half] = beta[m].real * im + beta[m].imag * re
         # ---- K non-rotary dimensions: real subspace, U_h^T into q_proj
         if rest:
-            u = _top_eigvecs(stats.k_rest_gram[j], rest)  # [s*rest, rest]
+            u = _top_eigvecs(stats.k_rest_gram[j], rest).to(w["k"].dtype)  # [s*rest, rest]
             stack = torch.cat([w["k"][h * d + rot : (h + 1) * d] for h in members])
             new_k[rot:] = u.T @ stack
             if new_kb is not None:
@@ -171,7 +171,7 @@ def aligned_merge_layer(
         for m, h in enumerate(members):
             # values: R_h v_h ~ v_ref; pooled mean; v_h ~ R_h^T z, so o_proj columns take R_h^T
             block = stats.v_gram[j][:d, m * d : (m + 1) * d]  # sum_t v_ref v_h^T
-            rv = _procrustes(block)
+            rv = _procrustes(block).to(w["v"].dtype)
             new_v += rv @ w["v"][h * d : (h + 1) * d] / s
             if new_vb is not None:
                 new_vb += rv @ vb[h * d : (h + 1) * d] / s
@@ -181,7 +181,9 @@ def aligned_merge_layer(
             if half:
                 cross = stats.k_plane_gram[j, :, m, 0]  # sum_t z_h conj(z_ref), [P]
                 unit = torch.where(cross.abs() > 0, cross.conj() / cross.abs().clamp_min(1e-300), 1.0 + 0j)
-                planes = _complex_rows(w["k"], h * d, half) * unit[:, None]
+                planes = _complex_rows(w["k"], h * d, half)
+                unit = unit.to(planes.dtype)
+                planes = planes * unit[:, None]
                 new_k[:half] += planes.real / s
                 new_k[half:rot] += planes.imag / s
                 if new_kb is not None:
@@ -197,7 +199,7 @@ def aligned_merge_layer(
                         mat[i * d : i * d + half], mat[i * d + half : i * d + rot] = z.real, z.imag
             if rest:
                 rows = slice(h * d + rot, (h + 1) * d)
-                rk = _procrustes(stats.k_rest_gram[j][:rest, m * rest : (m + 1) * rest])
+                rk = _procrustes(stats.k_rest_gram[j][:rest, m * rest : (m + 1) * rest]).to(w["k"].dtype)
                 new_k[rot:] += rk @ w["k"][rows] / s
                 if new_kb is not None:
                     new_kb[rot:] += rk @ kb[rows] / s

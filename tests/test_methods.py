@@ -334,3 +334,28 @@ def test_similarity_grouping_bad_input(calib_text, tmp_path):
     ]:
         result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "x"), "-g", "2", *args])
         assert result.exit_code == 1 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_streamed_calibration_of_a_bf16_checkpoint_runs_layers_in_float32(family, calib_text, tmp_path):
+    """bf16 weights: embeddings are looked up as stored, layers and RoPE tables run in float32, so
+    the statistics match a float32 pass over the same (upcast) weights."""
+    from mha2gqa.convert.calibration import CalibrationStats, accumulate, calibration_ids, collect
+    from mha2gqa.demo import build_tokenizer
+    from mha2gqa.eval.attention import capturing
+
+    model = random_model(tiny_config(family, vocab_size=300), seed=4).to(torch.bfloat16)
+    src = save(model, tmp_path / "bf16")
+    build_tokenizer(calib_text.read_text(), 300).save_pretrained(src)
+    streamed = collect(src, 2, str(calib_text), 128, 32, device="cpu")
+    ref_model = load(src)  # float32, RoPE tables computed afresh (a .float() of the bf16 model would keep bf16 ones)
+    ref = CalibrationStats(2, streamed.head_dim, streamed.rotary_dim)
+    with torch.no_grad(), capturing(ref_model, lambda layer, q, k, v, *_: accumulate(ref, layer, q, k, v)):
+        for w in calibration_ids(src, str(calib_text), 128, 32):
+            ref_model.base_model(w[None])
+    # Gemma scales the embeddings by sqrt(hidden) in the model's own dtype (bf16 rounding, ~0.4%)
+    rtol = 5e-2 if family == "gemma" else 1e-2
+    for layer in ref.layers:
+        a, b = streamed.layers[layer], ref.layers[layer]
+        for x, y in ((a.v_gram, b.v_gram), (a.k_plane_gram, b.k_plane_gram)):
+            torch.testing.assert_close(x, y, rtol=rtol, atol=1e-3 * y.abs().max().item())
