@@ -141,7 +141,8 @@ def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_
 
 @torch.inference_mode()
 def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int | None = None, device: str = "auto",
-            text_field: str = "text", grouping: str = "contiguous") -> CalibrationStats:  # fmt: skip
+            text_field: str = "text", grouping: str = "contiguous",
+            allow_pickle: bool = False) -> CalibrationStats:  # fmt: skip
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
     ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model layer by
     layer from its shards: the model is built on ``meta``; the embeddings run once (the inputs of
@@ -159,7 +160,7 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     from mha2gqa.eval.models import resolve_device
 
     dev = resolve_device(device)
-    ckpt = open_checkpoint(str(model_dir))
+    ckpt = open_checkpoint(str(model_dir), allow_pickle=allow_pickle)
     config = AutoConfig.from_pretrained(model_dir)
     config.use_cache = False
     seq_len = min(seq_len or 512, getattr(config, "max_position_embeddings", None) or 512)

@@ -413,7 +413,7 @@ def convert_checkpoint(
 
         if calibration:
             stats = collect(ckpt.folder, num_kv_heads, calibration, calibration_tokens, calibration_seq_len, device,
-                            grouping=grouping)  # fmt: skip
+                            grouping=grouping, allow_pickle=allow_pickle)  # fmt: skip
             rot = stats.rotary_dim
             calibration_record = {"data": calibration, "tokens": stats.tokens, "rotary_dim": rot}
         else:

@@ -359,3 +359,21 @@ def test_streamed_calibration_of_a_bf16_checkpoint_runs_layers_in_float32(family
         a, b = streamed.layers[layer], ref.layers[layer]
         for x, y in ((a.v_gram, b.v_gram), (a.k_plane_gram, b.k_plane_gram)):
             torch.testing.assert_close(x, y, rtol=rtol, atol=1e-3 * y.abs().max().item())
+
+
+def test_svd_reads_a_pickle_checkpoint_only_with_allow_pickle(calib_text, tmp_path):
+    from mha2gqa.demo import build_tokenizer
+
+    model = random_model(tiny_config("llama", vocab_size=300))
+    src = tmp_path / "src"
+    src.mkdir()
+    model.config.save_pretrained(src)
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    build_tokenizer(calib_text.read_text(), 300).save_pretrained(src)
+    kw = {"calibration": str(calib_text), "calibration_tokens": 256, "calibration_seq_len": 32, "progress": False}
+    out = convert_checkpoint(src, tmp_path / "out", 2, "svd", allow_pickle=True, **kw).output
+    assert load(out).config.num_key_value_heads == 2
+    from mha2gqa.errors import Mha2GqaError
+
+    with pytest.raises(Mha2GqaError, match="--allow-pickle"):
+        convert_checkpoint(src, tmp_path / "no", 2, "svd", **kw)
