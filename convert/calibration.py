@@ -25,14 +25,49 @@ import torch
 from mha2gqa.errors import Mha2GqaError
 
 
+def top_eigvecs(gram: torch.Tensor, k: int) -> torch.Tensor:
+    """Eigenvectors of the ``k`` largest eigenvalues of a symmetric/Hermitian ``gram`` (columns)."""
+    _, vecs = torch.linalg.eigh(gram)
+    return vecs[..., -k:].flip(-1)
+
+
 @dataclass
 class LayerStats:
-    v_gram: torch.Tensor  # [G, s*d, s*d] float64
+    v_gram: torch.Tensor | None  # [G, s*d, s*d] float64 (None once compacted)
     k_plane_gram: torch.Tensor  # [G, P, s, s] complex128
-    k_rest_gram: torch.Tensor  # [G, s*(d-R), s*(d-R)] float64
+    k_rest_gram: torch.Tensor | None  # [G, s*(d-R), s*(d-R)] float64 (None once compacted)
     q_plane_energy: torch.Tensor  # [H, P] float64
     tokens: int = 0
     perm: list[int] | None = None  # source KV heads in their new order (similarity grouping)
+    # What the merges read, kept instead of the Grams once a layer is done (see compact):
+    v_basis: torch.Tensor | None = None  # [G, s*d, d] top eigenvectors (svd)
+    v_row: torch.Tensor | None = None  # [G, d, s*d] first block-row, sum_t v_ref v_h^T (aligned)
+    k_rest_basis: torch.Tensor | None = None
+    k_rest_row: torch.Tensor | None = None
+
+    def compact(self, head_dim: int, rest: int) -> LayerStats:
+        """Keep only what :mod:`mha2gqa.convert.merge` reads, dropping the ``(s*d)^2`` Grams, so
+        statistics of many layers fit in memory (64 MB -> 8 MB a layer for 64 heads at G = 8)."""
+        if self.v_gram is not None:
+            self.v_basis, self.v_row = top_eigvecs(self.v_gram, head_dim), self.v_gram[:, :head_dim].clone()
+            self.k_rest_basis = top_eigvecs(self.k_rest_gram, rest) if rest else self.k_rest_gram[..., :0]
+            self.k_rest_row = self.k_rest_gram[:, :rest].clone()
+            self.v_gram = self.k_rest_gram = None
+        return self
+
+    def value_basis(self, j: int, d: int) -> torch.Tensor:
+        """``[s*d, d]``: top principal directions of group ``j``'s stacked values."""
+        return self.v_basis[j] if self.v_basis is not None else top_eigvecs(self.v_gram[j], d)
+
+    def value_row(self, j: int, d: int) -> torch.Tensor:
+        """``[d, s*d]``: ``sum_t v_ref v_h^T`` for every head ``h`` of group ``j``."""
+        return self.v_row[j] if self.v_row is not None else self.v_gram[j][:d]
+
+    def rest_basis(self, j: int, rest: int) -> torch.Tensor:
+        return self.k_rest_basis[j] if self.k_rest_basis is not None else top_eigvecs(self.k_rest_gram[j], rest)
+
+    def rest_row(self, j: int, rest: int) -> torch.Tensor:
+        return self.k_rest_row[j] if self.k_rest_row is not None else self.k_rest_gram[j][:rest]
 
 
 @dataclass
@@ -142,7 +177,7 @@ def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_
 @torch.inference_mode()
 def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int | None = None, device: str = "auto",
             text_field: str = "text", grouping: str = "contiguous",
-            allow_pickle: bool = False) -> CalibrationStats:  # fmt: skip
+            allow_pickle: bool = False, compact: bool = True) -> CalibrationStats:  # fmt: skip
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
     ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model layer by
     layer from its shards: the model is built on ``meta``; the embeddings run once (the inputs of
@@ -152,7 +187,8 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
 
     With ``grouping="similarity"`` each layer's statistics are first gathered over all source KV
     heads, which then form equal groups of similar heads (:func:`similar_groups`), recorded as
-    ``perm`` on the layer's statistics."""
+    ``perm`` on the layer's statistics. With ``compact`` (the default) each finished layer keeps
+    only what the merges read (:meth:`LayerStats.compact`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mha2gqa.convert.checkpoint import open_checkpoint
@@ -208,6 +244,8 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
                 layer_full = full.layers.pop(i)
                 chosen = similar_groups(head_similarity(layer_full), groups)
                 stats.layers[i] = regroup(layer_full, chosen, config.num_attention_heads)
+            if compact:
+                stats.layers[i].compact(head_dim, head_dim - stats.rotary_dim)
     stats.tokens = windows.numel()
     return stats
 

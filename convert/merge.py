@@ -25,14 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from mha2gqa.convert.calibration import LayerStats
+from mha2gqa.convert.calibration import LayerStats, top_eigvecs
 from mha2gqa.errors import Mha2GqaError
-
-
-def _top_eigvecs(gram: torch.Tensor, k: int) -> torch.Tensor:
-    """Eigenvectors of the ``k`` largest eigenvalues of a symmetric/Hermitian ``gram`` (columns)."""
-    _, vecs = torch.linalg.eigh(gram)
-    return vecs[:, -k:].flip(-1)
 
 
 def _complex_rows(w: torch.Tensor, start: int, half: int) -> torch.Tensor:
@@ -64,12 +58,12 @@ def svd_merge_layer(
     v_rows: list[torch.Tensor] = []
     vb_rows: list[torch.Tensor] = []
     kb, vb = w.get("k_bias"), w.get("v_bias")
-    if stats.v_gram.shape[1] != s * d:
+    if stats.value_row(0, d).shape[1] != s * d:
         raise Mha2GqaError("calibration statistics do not match this conversion (group size or head_dim)")
     for j in range(groups):
         members = list(range(j * s, (j + 1) * s))
         # ---- V: shared principal subspace, basis into o_proj
-        u = _top_eigvecs(stats.v_gram[j], d).to(w["v"].dtype)  # [s*d, d]
+        u = stats.value_basis(j, d).to(w["v"].dtype)  # [s*d, d]
         v_stack = torch.cat([w["v"][h * d : (h + 1) * d] for h in members])
         v_rows.append(u.T @ v_stack)
         if vb is not None:
@@ -90,7 +84,7 @@ def svd_merge_layer(
                 wts = energy[:, p] if weighted else torch.ones(s, dtype=torch.float64)
                 wts = wts / wts.mean() if wts.sum() > 0 else torch.ones(s, dtype=torch.float64)
                 root = wts.clamp_min(1e-12).sqrt().to(torch.complex128)
-                vec = _top_eigvecs(root[:, None] * gram * root[None, :], 1)[:, 0]  # [s]
+                vec = top_eigvecs(root[:, None] * gram * root[None, :], 1)[:, 0]  # [s]
                 alpha, beta = (root * vec).to(planes_k.dtype), (vec / root).to(planes_k.dtype)
                 z = (alpha[:, None] * planes_k[:, p]).sum(0)
                 new_k[p], new_k[p + half] = z.real, z.imag
@@ -107,7 +101,7 @@ def svd_merge_layer(
                             mat[i * d + p + half] = beta[m].real * im + beta[m].imag * re
         # ---- K non-rotary dimensions: real subspace, U_h^T into q_proj
         if rest:
-            u = _top_eigvecs(stats.k_rest_gram[j], rest).to(w["k"].dtype)  # [s*rest, rest]
+            u = stats.rest_basis(j, rest).to(w["k"].dtype)  # [s*rest, rest]
             stack = torch.cat([w["k"][h * d + rot : (h + 1) * d] for h in members])
             new_k[rot:] = u.T @ stack
             if new_kb is not None:
@@ -170,7 +164,7 @@ def aligned_merge_layer(
         new_vb = torch.zeros(d, dtype=w["v"].dtype) if vb is not None else None
         for m, h in enumerate(members):
             # values: R_h v_h ~ v_ref; pooled mean; v_h ~ R_h^T z, so o_proj columns take R_h^T
-            block = stats.v_gram[j][:d, m * d : (m + 1) * d]  # sum_t v_ref v_h^T
+            block = stats.value_row(j, d)[:, m * d : (m + 1) * d]  # sum_t v_ref v_h^T
             rv = _procrustes(block).to(w["v"].dtype)
             new_v += rv @ w["v"][h * d : (h + 1) * d] / s
             if new_vb is not None:
@@ -199,7 +193,7 @@ def aligned_merge_layer(
                         mat[i * d : i * d + half], mat[i * d + half : i * d + rot] = z.real, z.imag
             if rest:
                 rows = slice(h * d + rot, (h + 1) * d)
-                rk = _procrustes(stats.k_rest_gram[j][:rest, m * rest : (m + 1) * rest]).to(w["k"].dtype)
+                rk = _procrustes(stats.rest_row(j, rest)[:, m * rest : (m + 1) * rest]).to(w["k"].dtype)
                 new_k[rot:] += rk @ w["k"][rows] / s
                 if new_kb is not None:
                     new_kb[rot:] += rk @ kb[rows] / s

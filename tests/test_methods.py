@@ -291,7 +291,7 @@ def test_layer_streamed_calibration_equals_a_whole_model_pass(family, calib_text
     model.save_pretrained(tmp_path / "sharded", max_shard_size="30KB")  # streamed across shards too
     build_tokenizer(calib_text.read_text(), 300).save_pretrained(tmp_path / "sharded")
     groups = model.config.num_key_value_heads // 2
-    streamed = collect(tmp_path / "sharded", groups, str(calib_text), 256, 32, device="cpu")
+    streamed = collect(tmp_path / "sharded", groups, str(calib_text), 256, 32, device="cpu", compact=False)
     ref = CalibrationStats(groups, streamed.head_dim, streamed.rotary_dim)
     with torch.no_grad(), capturing(model, lambda layer, q, k, v, *_: accumulate(ref, layer, q, k, v)):
         for w in calibration_ids(src, str(calib_text), 256, 32):
@@ -347,7 +347,7 @@ def test_streamed_calibration_of_a_bf16_checkpoint_runs_layers_in_float32(family
     model = random_model(tiny_config(family, vocab_size=300), seed=4).to(torch.bfloat16)
     src = save(model, tmp_path / "bf16")
     build_tokenizer(calib_text.read_text(), 300).save_pretrained(src)
-    streamed = collect(src, 2, str(calib_text), 128, 32, device="cpu")
+    streamed = collect(src, 2, str(calib_text), 128, 32, device="cpu", compact=False)
     ref_model = load(src)  # float32, RoPE tables computed afresh (a .float() of the bf16 model would keep bf16 ones)
     ref = CalibrationStats(2, streamed.head_dim, streamed.rotary_dim)
     with torch.no_grad(), capturing(ref_model, lambda layer, q, k, v, *_: accumulate(ref, layer, q, k, v)):
@@ -377,3 +377,25 @@ def test_svd_reads_a_pickle_checkpoint_only_with_allow_pickle(calib_text, tmp_pa
 
     with pytest.raises(Mha2GqaError, match="--allow-pickle"):
         convert_checkpoint(src, tmp_path / "no", 2, "svd", **kw)
+
+
+def test_compact_statistics_keep_what_the_merges_read(calib_text, tmp_path):
+    """Compacted per-layer statistics (eigenbasis and first block-row instead of the Grams) give the
+    same subspaces and Procrustes inputs, and the same converted model, as the full Grams."""
+    from mha2gqa.convert.calibration import collect
+
+    model = random_model(tiny_config("phi", vocab_size=300), seed=21)  # partial rotary: rest dims too
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    full = collect(src, 2, str(calib_text), 256, 32, device="cpu", compact=False)
+    small = collect(src, 2, str(calib_text), 256, 32, device="cpu")
+    d, rest = full.head_dim, full.head_dim - full.rotary_dim
+    for layer, a in small.layers.items():
+        b = full.layers[layer]
+        assert a.v_gram is None and a.k_rest_gram is None and b.v_gram is not None
+        for j in range(2):
+            ua, ub = a.value_basis(j, d), b.value_basis(j, d)
+            torch.testing.assert_close(ua @ ua.T, ub @ ub.T)  # same subspace (signs may differ)
+            torch.testing.assert_close(a.value_row(j, d), b.value_row(j, d))
+            ra, rb = a.rest_basis(j, rest), b.rest_basis(j, rest)
+            torch.testing.assert_close(ra @ ra.T, rb @ rb.T)
+            torch.testing.assert_close(a.rest_row(j, rest), b.rest_row(j, rest))
