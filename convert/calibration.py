@@ -155,11 +155,23 @@ def _materialize(module: torch.nn.Module, ckpt, prefix: str, device: torch.devic
 
 
 def _release(module: torch.nn.Module) -> None:
-    """Send ``module``'s parameters back to ``meta`` (frees their memory)."""
+    """Send ``module``'s parameters back to ``meta`` and hand the freed memory back to the OS
+    (glibc keeps freed heap pages otherwise, and RSS would creep up layer after layer)."""
     from accelerate.utils import set_module_tensor_to_device
 
     for name, _ in module.named_parameters():
         set_module_tensor_to_device(module, name, "meta")
+    _trim()
+
+
+def _trim() -> None:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(name).malloc_trim(0)
 
 
 def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_field: str = "text") -> torch.Tensor:
