@@ -43,6 +43,14 @@ def parse_size(text: str) -> int:
         raise Mha2GqaError(f"{text!r} is not a size; write e.g. 80GB, 24GiB or 500MB") from None
 
 
+def format_bytes(n: float) -> str:
+    """``1536 -> "1.50 KiB"``: binary units, two decimals, thousands separated."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
 def load_config(model: str, revision: str | None = None) -> dict[str, Any]:
     """``config.json`` of a local folder, or of a hub id (only that file is downloaded)."""
     path = Path(model).expanduser()

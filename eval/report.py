@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.convert.planning import format_bytes
 from mha2gqa.errors import Mha2GqaError
 from mha2gqa.eval import plots
 
@@ -49,19 +50,13 @@ def kv_rows(r: dict[str, Any]) -> list[list[str]]:
         b = _DTYPE_BYTES.get(m["dtype"], 4)
         per_token = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * b
         rows.append(
-            [name, str(m["num_kv_heads"]), m["dtype"], f"{per_token:,}"] + [_size(per_token * t) for t in SEQ_LENS]
+            [name, str(m["num_kv_heads"]), m["dtype"], f"{per_token:,}"]
+            + [format_bytes(per_token * t) for t in SEQ_LENS]
         )
     if len(rows) == 2:
         a, c = (int(x[3].replace(",", "")) for x in rows)
         rows.append(["saving", "", "", f"{1 - c / a:.1%}"] + [f"{1 - c / a:.1%}"] * len(SEQ_LENS))
     return rows
-
-
-def _size(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def tables(r: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]]]]:

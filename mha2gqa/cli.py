@@ -408,10 +408,9 @@ def bench(
 
 
 def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} B"
+    from mha2gqa.convert.planning import format_bytes
+
+    return format_bytes(n)
 
 
 @main.command()
