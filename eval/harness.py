@@ -80,12 +80,13 @@ def _gather(obj: Any) -> list[Any]:
     return gather_object([obj])
 
 
-def _pass(models: list[torch.nn.Module], windows: list[Window], settings: EvalSettings, desc: str) -> dict[str, Any]:
-    """One scored pass, split across processes and reduced."""
+def scored_pass(
+    models: list[torch.nn.Module], windows: list[Window], batch_size: int = 1, progress: bool = False, desc: str = ""
+) -> dict[str, Any]:
+    """One :func:`score_windows` pass split across ``accelerate`` processes, sums reduced on all:
+    ``nll_sum`` per model, ``tokens``, ``windows``, ``seconds`` and (two models) ``agreement``."""
     mine, state = _split_for_rank(windows)
-    res = score_windows(
-        models, mine, settings.batch_size, progress=settings.progress and state.is_main_process, desc=desc
-    )
+    res = score_windows(models, mine, batch_size, progress=progress and state.is_main_process, desc=desc)
     parts = _gather((res.nll_sum, res.tokens, res.seconds, res.agreement))
     nll = [sum(p[0][i] for p in parts) for i in range(len(models))]
     tokens = sum(p[1] for p in parts)
@@ -226,19 +227,21 @@ def evaluate(original: str, converted: str | None, settings: EvalSettings) -> di
     bos = "one BOS at the start" if tok.bos_token_id is not None else "no BOS (tokenizer has none)"
     disjoint = disjoint_windows(ids, seq_len)
     if "disjoint" in settings.protocols or converted:
-        res = _pass(models, disjoint, settings, "disjoint")
+        res = scored_pass(models, disjoint, settings.batch_size, settings.progress, "disjoint")
         if "disjoint" in settings.protocols:
             results["protocols"]["disjoint"] = _protocol_result(names, res, {**common, "stream": bos})
         if converted:
             results["agreement"] = {**res["agreement"], "settings": {"protocol": "disjoint", **common}}
     if "stride" in settings.protocols:
-        res = _pass(models, stride_windows(ids, seq_len, stride), settings, "stride")
+        res = scored_pass(
+            models, stride_windows(ids, seq_len, stride), settings.batch_size, settings.progress, "stride"
+        )
         results["protocols"]["stride"] = _protocol_result(names, res, {**common, "stride": stride, "stream": bos})
     if "rolling" in settings.protocols:
         docs, used = document_tokens(tok, data, settings.max_tokens)
         prefix = prefix_token(tok)
         windows = [w for d in docs for w in rolling_windows(d, prefix, seq_len)]
-        res = _pass(models, windows, settings, "rolling")
+        res = scored_pass(models, windows, settings.batch_size, settings.progress, "rolling")
         words = sum(len(re.split(r"\s+", d)) for d in used)
         nbytes = sum(len(d.encode("utf-8")) for d in used)
         extra = []

@@ -100,3 +100,36 @@ def head_sharing(groups: list[list[int]], num_heads: int) -> bytes:
     ax.axis("off")
     ax.set_title(f"{num_heads} query heads share {g} KV head{'s' if g > 1 else ''}", fontsize=10)
     return _png(plt, fig)
+
+
+def recovery_curves(runs: list[tuple[str, list[dict[str, Any]]]]) -> bytes:
+    """Held-out perplexity (ratio to the teacher when the log has one) and KL to the teacher
+    against training tokens seen, one line per uptraining run."""
+    with_kl = any("kl_mean" in e for _, evals in runs for e in evals)
+    ratio = all("ppl_ratio" in e for _, evals in runs for e in evals)
+    plt, fig = _figure(10 if with_kl else 6, 3.4)
+    axes = fig.subplots(1, 2 if with_kl else 1, squeeze=False)[0]
+    for i, (label, evals) in enumerate(runs):
+        colour, marker = OKABE_ITO[i % len(OKABE_ITO)], "osD^v<>p"[i % 8]
+        x = [e["tokens"] for e in evals]
+        axes[0].plot(x, [e["ppl_ratio" if ratio else "ppl"] for e in evals], marker + "-", ms=3, color=colour,
+                     label=label)  # fmt: skip
+        if with_kl:
+            axes[1].plot(x, [e.get("kl_mean") for e in evals], marker + "-", ms=3, color=colour, label=label)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("perplexity / teacher's" if ratio else "held-out perplexity")
+    axes[0].set_title("Held-out perplexity during uptraining")
+    if ratio:
+        axes[0].axhline(1.0, ls="--", color=OKABE_ITO[7], lw=1, label="teacher (MHA)")
+    if with_kl:
+        axes[1].set_yscale("log")
+        axes[1].set_ylabel("mean KL(teacher ‖ student), nats")
+        axes[1].set_title("Distance to the MHA parent")
+    from matplotlib.ticker import FuncFormatter
+
+    for ax in axes:
+        ax.set_xlabel("training tokens seen")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
+    axes[0].legend(frameon=False, fontsize=8)
+    return _png(plt, fig)

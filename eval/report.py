@@ -180,21 +180,76 @@ FIGURE_CAPTIONS = {
     "entropy": "Attention entropy per layer; converted rows drifting toward the uniform line have lost focus.",
     "hidden_cosine": "How far the residual stream drifts, layer by layer.",
     "head_sharing": "Which query heads share each KV head.",
+    "recovery": "Held-out perplexity and KL to the MHA parent as uptraining proceeds (log scale).",
 }
 
 
+def load_runs(paths: list[Path]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Uptraining logs (``uptrain_log.jsonl`` or the ``--output`` folder holding one) as
+    ``(label, records)``; the label is the run folder's name."""
+    from mha2gqa.uptrain.trainer import read_log
+
+    out = []
+    for p in paths:
+        records = read_log(Path(p))
+        if not records or records[0].get("type") != "start":
+            raise Mha2GqaError(f"{p}: not a log of `mha2gqa uptrain` (no start record)")
+        folder = Path(p) if Path(p).is_dir() else Path(p).parent
+        out.append((folder.resolve().name, records))
+    return out
+
+
+def recovery_table(runs: list[tuple[str, list[dict[str, Any]]]]) -> tuple[list[str], list[list[str]]]:
+    """One row per uptraining run: what trained, how long, and held-out quality before -> after."""
+    rows = []
+    for label, records in runs:
+        s = records[0]["settings"]
+        evals = [r for r in records if r.get("type") == "eval"]
+        steps = max((r.get("step", 0) for r in records), default=0)
+        row = [label, s["objective"], s["train"], f"{steps:,} / {s['max_steps']:,}",
+               f"{steps * records[0]['tokens_per_step']:,}"]  # fmt: skip
+        if evals:
+            a, b = evals[0], evals[-1]
+            row.append(f"{a['ppl']:.3f} → {b['ppl']:.3f}")
+            row.append(f"{a['ppl_ratio']:.3f}x → {b['ppl_ratio']:.3f}x" if "ppl_ratio" in b else "")
+            row.append(f"{a['kl_mean']:.4f} → {b['kl_mean']:.4f}" if "kl_mean" in b else "")
+        else:
+            row += ["(no --eval-data)", "", ""]
+        rows.append(row)
+    return ["run", "objective", "trains", "steps", "tokens", "held-out PPL", "vs teacher", "KL"], rows
+
+
 def render(
-    results: list[dict[str, Any]], html_path: Path | None = None, md_path: Path | None = None
+    results: list[dict[str, Any]],
+    html_path: Path | None = None,
+    md_path: Path | None = None,
+    runs: list[tuple[str, list[dict[str, Any]]]] | None = None,
 ) -> dict[str, Path]:
-    """Write the HTML page and/or the Markdown summary (its figures in ``<stem>_files/``)."""
+    """Write the HTML page and/or the Markdown summary (its figures in ``<stem>_files/``);
+    ``runs`` (from :func:`load_runs`) add the uptraining recovery curves."""
     written: dict[str, Path] = {}
     parts_html = ["<h1>mha2gqa conversion report</h1>"]
     parts_md = ["# mha2gqa conversion report", ""]
+    fig_dir = md_path.with_name(md_path.stem + "_files") if md_path else None
+    if runs:
+        header, rows = recovery_table(runs)
+        curves = [(label, [r for r in recs if r.get("type") == "eval"]) for label, recs in runs]
+        parts_html += ['<h2 id="uptraining">Uptraining recovery</h2>', _html_table(header, rows)]
+        parts_md += ["## Uptraining recovery", "", _md_table(header, rows), ""]
+        if any(evals for _, evals in curves):
+            png = plots.recovery_curves([c for c in curves if c[1]])
+            caption = FIGURE_CAPTIONS["recovery"]
+            parts_html.append(f'<figure id="recovery"><img alt="recovery" src="data:image/png;base64,'
+                              f'{base64.b64encode(png).decode()}"><figcaption>{html.escape(caption)}</figcaption>'
+                              "</figure>")  # fmt: skip
+            if fig_dir is not None:
+                fig_dir.mkdir(parents=True, exist_ok=True)
+                (fig_dir / "recovery.png").write_bytes(png)
+                parts_md += [f"![{caption}]({fig_dir.name}/recovery.png)", ""]
     if len(results) > 1:
         header, rows = overview(results)
         parts_html += ['<h2 id="overview">Overview</h2>', _html_table(header, rows)]
         parts_md += ["## Overview", "", _md_table(header, rows), ""]
-    fig_dir = md_path.with_name(md_path.stem + "_files") if md_path else None
     for i, r in enumerate(results):
         title = _title(r)
         parts_html += [f'<h2 id="result-{i}">{html.escape(title)}</h2>', f'<p class="meta">{html.escape(_meta(r))}</p>']

@@ -29,6 +29,19 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def text_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--text-field`` and ``--doc-split``: how a text source is read (eval, uptrain)."""
+    fn = click.option(
+        "--doc-split",
+        type=click.Choice(["file", "paragraph", "line"]),
+        default="file",
+        help="How a .txt file is cut into documents (the rolling protocol's unit).",
+    )(fn)
+    return click.option(
+        "--text-field", default="text", help="Field holding the text in .jsonl/.parquet/datasets sources."
+    )(fn)
+
+
 @click.group(context_settings=CONTEXT)
 @click.version_option(package_name="mha2gqa")
 def main() -> None:
@@ -210,13 +223,7 @@ def demo(
 @click.option(
     "--data", required=True, help="Text: a .txt/.jsonl/.json/.parquet file or a datasets name 'name[:config]:split'."
 )
-@click.option("--text-field", default="text", help="Field holding the text in .jsonl/.parquet/datasets sources.")
-@click.option(
-    "--doc-split",
-    type=click.Choice(["file", "paragraph", "line"]),
-    default="file",
-    help="How a .txt file is cut into documents (rolling protocol).",
-)
+@text_options
 @click.option(
     "--protocol",
     "protocols",
@@ -301,14 +308,105 @@ def eval_cmd(
             sys.exit(GATE_EXIT_CODE)
 
 
+@main.command(context_settings={"show_default": True})
+@click.argument("converted")
+@click.option(
+    "--data", required=True, help="Training text (same sources as eval --data); packed into --seq-len windows."
+)
+@click.option(
+    "--output", required=True, type=click.Path(file_okay=False), help="Run folder: final model, checkpoints/, log."
+)
+@click.option(
+    "--objective",
+    type=click.Choice(["ce", "kd", "mix"]),
+    default="ce",
+    help="ce: next-token cross-entropy; kd: KL to --teacher's next-token distribution; mix: both.",
+)
+@click.option(
+    "--teacher", default=None, help="The MHA parent (folder or hub id): kd/mix target, and KL in evaluations."
+)
+@click.option("--kd-weight", type=float, default=0.5, help="mix: loss = (1 - w) * ce + w * kd.")
+@click.option("--temperature", type=float, default=1.0, help="Distillation temperature (loss scaled by T^2).")
+@click.option(
+    "--train",
+    type=click.Choice(["all", "attention", "kv"]),
+    default="all",
+    help="What trains: every parameter, the attention projections, or only the K/V projections.",
+)
+@click.option(
+    "--lora-rank", type=int, default=0, help="LoRA adapters of this rank (peft) on what --train names; 0: off."
+)
+@click.option("--lora-alpha", type=float, default=None, help="LoRA alpha [default: 2 x rank].")
+@click.option("--lora-dropout", type=float, default=0.0, help="LoRA dropout.")
+@click.option("--max-steps", type=int, default=None, help="Optimizer steps [default: --max-tokens, else one epoch].")
+@click.option("--max-tokens", type=int, default=None, help="Training tokens (steps = tokens / (batch x seq_len)).")
+@click.option("--batch-size", type=int, default=8, help="Sequences per optimizer step, over all processes.")
+@click.option("--grad-accum", type=int, default=1, help="Micro-batches per step (gradient accumulation).")
+@click.option("--seq-len", type=int, default=None, help="Window length [default: min(1024, the model's positions)].")
+@click.option("--lr", type=float, default=1e-4, help="Peak AdamW learning rate.")
+@click.option("--min-lr-ratio", type=float, default=0.1, help="Cosine decay ends at lr x this.")
+@click.option("--warmup-steps", type=int, default=0, help="Linear warm-up steps.")
+@click.option("--weight-decay", type=float, default=0.0, help="AdamW weight decay (matrices only).")
+@click.option("--adam-beta2", type=float, default=0.999, help="AdamW beta2.")
+@click.option("--max-grad-norm", type=float, default=1.0, help="Gradient clipping (0: off).")
+@click.option("--seed", type=int, default=0, help="Seed for data order and any randomness.")
+@text_options
+@click.option("--eval-data", default=None, help="Held-out text evaluated periodically (perplexity; KL with --teacher).")
+@click.option("--eval-every", type=int, default=None, help="Steps between evaluations [default: a tenth of the run].")
+@click.option("--eval-tokens", type=int, default=65536, help="Held-out tokens per evaluation.")
+@click.option("--eval-seq-len", type=int, default=None, help="Evaluation window [default: --seq-len].")
+@click.option(
+    "--eval-batch-size", type=int, default=None, help="Windows per evaluation forward [default: the micro-batch]."
+)
+@click.option("--save-every", type=int, default=None, help="Steps between checkpoints [default: --eval-every].")
+@click.option("--save-total-limit", type=int, default=2, help="Checkpoints kept (the newest).")
+@click.option("--log-every", type=int, default=10, help="Steps between train records in the log.")
+@click.option(
+    "--stop-after",
+    type=int,
+    default=None,
+    help="Stop after this many steps (checkpointed), e.g. for a time slot; continue with --resume.",
+)
+@click.option("--resume", is_flag=True, help="Continue the run in --output from its last checkpoint (same settings).")
+@click.option("--overwrite", is_flag=True, help="Delete a previous run in --output and start over.")
+@click.option("--device", default="auto", help="auto, cpu or cuda (accelerate launch picks each process's GPU).")
+@click.option(
+    "--mixed-precision",
+    type=click.Choice(["auto", "no", "bf16"]),
+    default="auto",
+    help="auto: bf16 autocast on GPUs that support it, float32 otherwise.",
+)
+@click.option("--gradient-checkpointing", is_flag=True, help="Recompute activations in the backward pass.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
+@user_errors
+def uptrain(converted: str, quiet: bool, **options: Any) -> None:
+    """Uptrain CONVERTED (a GQA checkpoint) on --data by continued pretraining or distillation, and
+    write a stock Hugging Face model to --output (run with `accelerate launch` for several GPUs)."""
+    from mha2gqa.eval.harness import is_main_process
+    from mha2gqa.uptrain import UptrainSettings
+    from mha2gqa.uptrain import uptrain as run_uptrain
+
+    settings = UptrainSettings(**options, progress=not quiet)
+    result = run_uptrain(converted, settings, log=(lambda m: None) if quiet else click.echo)
+    if not quiet and is_main_process():
+        click.echo(result.summary())
+
+
 @main.command()
-@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("results", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--uptrain",
+    "runs",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="An uptraining run (its --output folder or uptrain_log.jsonl), repeatable: adds recovery curves.",
+)
 @click.option(
     "--html",
     "html_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Write the HTML page here [default: RESULTS with .html].",
+    help="Write the HTML page here [default: the first RESULTS (or run log) with .html].",
 )
 @click.option(
     "--md",
@@ -318,14 +416,18 @@ def eval_cmd(
     help="Also write a Markdown summary here.",
 )
 @user_errors
-def report(results: tuple[Path, ...], html_path: Path | None, md_path: Path | None) -> None:
-    """Render one or more eval RESULTS files as an HTML page (figures embedded) and Markdown."""
-    from mha2gqa.eval.report import load_results, render
+def report(results: tuple[Path, ...], runs: tuple[Path, ...], html_path: Path | None, md_path: Path | None) -> None:
+    """Render eval RESULTS files (and --uptrain runs) as an HTML page (figures embedded) and Markdown."""
+    from mha2gqa.eval.report import load_results, load_runs, render
 
+    if not results and not runs:
+        raise Mha2GqaError("nothing to report: give eval RESULTS files and/or --uptrain RUN")
     loaded = load_results(list(results))
+    logs = load_runs(list(runs))
     if html_path is None and md_path is None:
-        html_path = results[0].with_suffix(".html")
-    for kind, path in render(loaded, html_path, md_path).items():
+        first = results[0] if results else (runs[0] / "report" if runs[0].is_dir() else runs[0])
+        html_path = first.with_suffix(".html")
+    for kind, path in render(loaded, html_path, md_path, logs).items():
         click.echo(f"{kind}: {path}")
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import llama_with_tokenizer, story_text
 
 from mha2gqa.convert import convert_checkpoint
@@ -38,3 +39,30 @@ def test_two_processes_equal_one(tmp_path):
     assert a["attention"]["summary"]["mean_kl"] == pytest.approx(
         b["attention"]["summary"]["mean_kl"], rel=1e-6
     )  # thread counts differ: float noise only
+
+
+def test_uptraining_on_two_processes_follows_the_one_process_run(tmp_path):
+    """DDP over 2 gloo processes, each reading half of every global batch, reaches the weights a
+    single process reaches with the same --batch-size (gradients are averaged: float noise only)."""
+    from safetensors.torch import load_file
+
+    text = story_text(tmp_path / "t.txt", 400)
+    src = llama_with_tokenizer(tmp_path / "mha", text)
+    student = convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output
+    args = ["-m", "mha2gqa.cli", "uptrain", str(student), "--data", str(text), "--seq-len", "32", "--batch-size",
+            "4", "--max-steps", "6", "--lr", "3e-3", "--eval-data", str(text), "--eval-tokens", "512",
+            "--teacher", str(src), "--objective", "mix", "--device", "cpu", "-q"]  # fmt: skip
+    subprocess.run([sys.executable, *args, "--output", str(tmp_path / "one")], check=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534"]
+    subprocess.run([*torchrun, *args, "--output", str(tmp_path / "two")], check=True, capture_output=True)
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], load_file(student / "model.safetensors")[k]) for k in a)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    logs = [
+        [json.loads(x) for x in (tmp_path / r / "uptrain_log.jsonl").read_text().splitlines()] for r in ("one", "two")
+    ]
+    assert (logs[0][0]["processes"], logs[1][0]["processes"]) == (1, 2)
+    ev = [[r["ppl"] for r in log if r["type"] == "eval"] for log in logs]
+    assert ev[0] == pytest.approx(ev[1], rel=1e-4)

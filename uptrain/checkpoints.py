@@ -1,0 +1,214 @@
+"""Uptraining output: resumable checkpoints, the JSON-lines log, and the final model.
+
+Layout of ``--output DIR`` (Hugging Face Trainer's convention)::
+
+    DIR/                         the final model (written last; config.json last of all)
+    DIR/checkpoints/step-0000100/ a Hugging Face model (float32 master weights) plus optimizer,
+                                  scheduler and RNG state from ``accelerate``'s save_state, and
+                                  trainer_state.json; each written to a temporary folder first
+    DIR/uptrain_log.jsonl         one JSON object per line: start, train, eval, resume, end
+
+Only complete checkpoints have their final name, so ``--resume`` always finds a whole one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mha2gqa.convert.card import RECORD_NAME as CONVERSION_RECORD
+from mha2gqa.convert.card import model_card
+from mha2gqa.errors import Mha2GqaError
+
+CHECKPOINTS = "checkpoints"
+STATE_NAME = "trainer_state.json"
+LOG_NAME = "uptrain_log.jsonl"
+RECORD_NAME = "mha2gqa_uptrain.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dirs(output: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``output``, oldest first."""
+    root = output / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and (d / STATE_NAME).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise Mha2GqaError(f"{folder}: unreadable checkpoint state ({e}); delete that checkpoint to resume") from None
+
+
+def check_output(output: Path, resume: bool, overwrite: bool, protect: list[Path]) -> None:
+    """Refuse an ``output`` that overlaps a model being read, or holds something not to be clobbered."""
+    out = output.resolve()
+    for p in protect:
+        p = p.resolve()
+        if out == p or p.is_relative_to(out) or out.is_relative_to(p):
+            raise Mha2GqaError(f"--output {output} overlaps the model folder {p}: choose another output folder")
+    if out.exists() and not out.is_dir():
+        raise Mha2GqaError(f"--output {output} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (resume or overwrite):
+        raise Mha2GqaError(
+            f"--output {output} exists and is not empty: pass --resume to continue that run or --overwrite to "
+            "start over"
+        )
+
+
+def prepare_output(output: Path, resume: bool, overwrite: bool) -> None:
+    """Create ``output`` (after :func:`check_output`); ``overwrite`` without ``resume`` empties it."""
+    if output.is_dir() and overwrite and not resume:
+        shutil.rmtree(output)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Mha2GqaError(f"--output {output}: cannot create it: {e.strerror or e}") from None
+
+
+def _save_model(
+    accelerator, model, tokenizer, folder: Path, dtype: torch.dtype | None, files: dict[str, str], final: bool = False
+) -> None:
+    """Hugging Face model files of ``model`` into ``folder`` (state dict gathered on every process,
+    written by the main one), cast to ``dtype`` when given, plus ``files`` (name -> text).
+
+    A LoRA-wrapped (peft) model is saved as its adapters, or with ``final`` merged into a stock model.
+    """
+    unwrapped = accelerator.unwrap_model(model)
+    lora = hasattr(unwrapped, "peft_config")
+    if lora and not final:  # the adapters only: resuming applies them to the student again
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(folder)
+            _write_files(folder, tokenizer, files)
+        return
+    if lora:
+        unwrapped = unwrapped.merge_and_unload()
+        state = unwrapped.state_dict()
+    else:
+        state = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return
+    saved_dtype = unwrapped.config.dtype
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        unwrapped.config.dtype = dtype
+    try:
+        unwrapped.save_pretrained(folder, state_dict=state)
+    finally:
+        unwrapped.config.dtype = saved_dtype
+    _write_files(folder, tokenizer, files)
+
+
+def _write_files(folder: Path, tokenizer, files: dict[str, str]) -> None:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+
+
+def save_checkpoint(
+    accelerator, model, tokenizer, output: Path, step: int, state: dict[str, Any], files: dict[str, str], keep: int
+) -> Path:
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` (collective call)."""
+    root = output / CHECKPOINTS
+    final = root / f"step-{step:07d}"
+    tmp = root / f".step-{step:07d}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    _save_model(accelerator, model, tokenizer, tmp, None, files)
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in checkpoint_dirs(output)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def skip_model_weights(accelerator) -> None:
+    """Make ``accelerate``'s save_state/load_state leave model weights alone: the checkpoint's
+    Hugging Face files (``save_pretrained``) hold them, and the model is loaded from there."""
+    accelerator.register_save_state_pre_hook(lambda models, weights, folder: weights.clear())
+    accelerator.register_load_state_pre_hook(lambda models, folder: models.clear())
+
+
+def save_final(accelerator, model, tokenizer, output: Path, dtype: torch.dtype | None, files: dict[str, str]) -> None:
+    """The final model into ``output`` itself: written to a temporary folder, then moved in file by
+    file with ``config.json`` last, so the folder loads as a model only once it is complete."""
+    tmp = output / ".final.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        (output / "config.json").unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+    _save_model(accelerator, model, tokenizer, tmp, dtype, files, final=True)
+    if accelerator.is_main_process:
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in [n for n in names if n != "config.json"] + ["config.json"]:
+            os.replace(tmp / name, output / name)
+        tmp.rmdir()
+    accelerator.wait_for_everyone()
+
+
+def conversion_record(folder: Path) -> dict[str, Any] | None:
+    """The ``mha2gqa convert`` record of a model folder, if it has one."""
+    path = folder / CONVERSION_RECORD
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+
+
+def uptrain_card(record: dict[str, Any], conversion: dict[str, Any] | None) -> str:
+    """A model card (README.md) for an uptrained model: the uptraining, then the conversion."""
+    import yaml
+
+    up = record["uptrain"]
+    base = Path(up["student"]).name
+    front = {"base_model": base, "library_name": "transformers",
+             "tags": ["mha2gqa", "gqa", "grouped-query-attention", "uptrained"]}  # fmt: skip
+    s = up["settings"]
+    rows = [
+        ("student", f"`{base}`"),
+        ("objective", s["objective"] + (f" (teacher `{Path(s['teacher']).name}`)" if s.get("teacher") else "")),
+        ("trained", f"{s['train']} ({up['trainable_parameters']:,} parameters)"),
+        ("steps", f"{up['steps']:,} × batch {s['batch_size']} × {s['seq_len']} tokens = {up['tokens']:,} tokens"),
+        ("optimizer", f"AdamW lr {s['lr']:g}, warm-up {up['warmup_steps']}, cosine to {s['min_lr_ratio']:g}× lr"),
+        ("data", f"`{s['data']}`"),
+    ]
+    ev = up.get("last_eval")
+    if ev:
+        line = f"perplexity {ev['ppl']:.4f} on `{s['eval_data']}` ({ev['eval_tokens']:,} tokens)"
+        if "ppl_ratio" in ev:
+            line += f", ×{ev['ppl_ratio']:.3f} the teacher, KL {ev['kl_mean']:.4f}"
+        rows.append(("held-out", line))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    text = (
+        "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
+        f"# {base}, uptrained\n\nA grouped-query-attention model uptrained with `mha2gqa uptrain`.\n\n"
+        f"| setting | value |\n|---|---|\n{table}\n\nExact settings and evaluations: `{RECORD_NAME}`.\n"
+    )
+    if conversion:
+        body = model_card(conversion).split("---\n", 2)[2]
+        text += "\n## Conversion\n" + body.replace("\n# ", "\n### ", 1)
+    return text

@@ -1,0 +1,135 @@
+"""Which parameters train: all of them, the attention projections, or only the K/V projections.
+
+Names come from the model's family definition (``convert/architectures/*.json``), the same data
+the converter uses. For a fused ``qkv_proj`` (Phi-3) with ``kv``, the whole tensor trains but the
+query rows' gradient is masked to zero (and they get no weight decay), so they stay bit-exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mha2gqa.convert.families import AttentionDims, Family
+from mha2gqa.errors import Mha2GqaError
+
+TRAINABLE = ("all", "attention", "kv")
+
+
+@dataclass
+class Trainable:
+    """The parameters that train, by name, and row masks for partially trained fused tensors."""
+
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    masked_rows: dict[str, slice] = field(default_factory=dict)  # name -> rows that must not change
+
+    @property
+    def count(self) -> int:
+        """Parameters that can change (masked rows excluded)."""
+        total = 0
+        for name, p in zip(self.names, self.params, strict=True):
+            total += p.numel()
+            if name in self.masked_rows:
+                rows = self.masked_rows[name]
+                total -= (rows.stop - rows.start) * p[0].numel()
+        return total
+
+
+def _layer_names(family: Family, dims: AttentionDims, which: str) -> set[str]:
+    """Full parameter-name prefixes/names (``.weight``/``.bias`` open) of ``which`` in every layer."""
+    out: set[str] = set()
+    for layer in range(dims.num_layers):
+        if which == "attention":
+            modules = family.modules()
+            norms = [n for n in (family.q_norm, family.k_norm) if n]
+        else:  # kv
+            modules = (family.qkv_proj,) if family.fused else (family.k_proj, family.v_proj)
+            norms = [family.k_norm] if family.k_norm else []
+        out.update(m.format(layer=layer) + s for m in modules for s in (".weight", ".bias"))
+        for norm in norms:  # shared norms apply to that projection only, so they train with it
+            heads = dims.num_kv_heads if norm is family.k_norm else dims.num_heads
+            if norm.layout == "indexed":
+                out.update(norm.name.format(layer=layer, head=h) for h in range(heads))
+            else:
+                out.add(norm.name.format(layer=layer))
+    return out
+
+
+def select_trainable(model: torch.nn.Module, family: Family | None, dims: AttentionDims, which: str) -> Trainable:
+    """Freeze everything but ``which`` (``all``, ``attention``, ``kv``) and return what trains.
+    ``family`` (where the projections live) may be None only for ``all``."""
+    if which not in TRAINABLE:
+        raise Mha2GqaError(f"--train {which}: choose {', '.join(TRAINABLE)}")
+    if which == "kv" and dims.num_kv_heads == dims.num_heads:
+        raise Mha2GqaError(
+            f"--train kv: the student has {dims.num_heads} query heads and as many KV heads, so it is not "
+            "GQA-shaped; convert it first (mha2gqa convert -g N) or use --train all/attention"
+        )
+    wanted = None if which == "all" else _layer_names(family, dims, which)
+    names, params = [], []
+    for name, p in model.named_parameters():
+        train = wanted is None or name in wanted
+        p.requires_grad_(train)
+        if train:
+            names.append(name)
+            params.append(p)
+    if wanted is not None:
+        missing = sorted(n for n in wanted if n.endswith(".weight") and n not in names)
+        if missing:
+            raise Mha2GqaError(f"--train {which}: the model has no parameter {missing[0]} (family {family.family})")
+    masked: dict[str, slice] = {}
+    if which == "kv" and family.fused:
+        q_rows = slice(0, dims.num_heads * dims.head_dim)
+        for name, p in zip(names, params, strict=True):
+            if name.startswith(tuple(family.qkv_proj.format(layer=i) for i in range(dims.num_layers))):
+                masked[name] = q_rows
+                p.register_hook(lambda g, rows=q_rows: _zero_rows(g, rows))
+    return Trainable(names, params, masked)
+
+
+def _zero_rows(grad: torch.Tensor, rows: slice) -> torch.Tensor:
+    grad = grad.clone()
+    grad[rows] = 0
+    return grad
+
+
+def param_groups(trainable: Trainable, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices only (not on norms, biases, or masked fused tensors)."""
+    decay, no_decay = [], []
+    for name, p in zip(trainable.names, trainable.params, strict=True):
+        (decay if p.ndim >= 2 and name not in trainable.masked_rows else no_decay).append(p)
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]  # fmt: skip
+
+
+def lora_targets(family: Family | None, dims: AttentionDims, which: str) -> list[str] | str:
+    """peft ``target_modules`` for ``--train``: every linear layer but the output head (``all``),
+    the attention projections, or the K/V projections (not separable in a fused ``qkv_proj``)."""
+    if which == "all":
+        return "all-linear"
+    if which == "kv" and family.fused:
+        raise Mha2GqaError(
+            f"--train kv with --lora-rank: {family.family} fuses q, k and v in one projection, so a LoRA "
+            "adapter cannot touch K/V alone; use --train kv without LoRA, or --train attention"
+        )
+    modules = family.modules() if which == "attention" else (family.k_proj, family.v_proj)
+    return [m.format(layer=layer) for layer in range(dims.num_layers) for m in modules]
+
+
+def apply_lora(model: torch.nn.Module, targets: list[str] | str, rank: int, alpha: float, dropout: float):
+    """Wrap ``model`` with LoRA adapters (peft) on ``targets``; only the adapters train."""
+    try:
+        import peft
+    except ImportError:
+        raise Mha2GqaError("--lora-rank needs peft: pip install peft (or 'mha2gqa[lora]')") from None
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                             task_type="CAUSAL_LM")  # fmt: skip
+    return peft.get_peft_model(model, config)
+
+
+def adapters(model: torch.nn.Module) -> Trainable:
+    """What trains in a peft-wrapped model: its adapter parameters."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return Trainable([n for n, _ in named], [p for _, p in named])
