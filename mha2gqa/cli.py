@@ -118,14 +118,14 @@ def _run_and_print(job, output_dir: Path | None, quiet: bool) -> None:
         return
     first = result.rows[0] if result.rows else None
     click.echo(
-        f"{'model':<22} {'KV heads':>8} {'KV cache B/token':>16} {'perplexity':>11} {'ratio':>8} {'KL':>8} {'top-1':>7}"
+        f"{'model':<30} {'KV heads':>8} {'KV cache B/token':>16} {'perplexity':>11} {'ratio':>8} {'KL':>8} {'top-1':>7}"
     )
     if first:
         kv0 = first["kv_bytes_per_token_before"]
-        click.echo(f"{'original':<22} {'':>8} {kv0:>16,} {first['original_ppl']:>11.3f} {'1.00x':>8}")
+        click.echo(f"{'original':<30} {'':>8} {kv0:>16,} {first['original_ppl']:>11.3f} {'1.00x':>8}")
     for r in result.rows:
         label = f"{r['method']} -> {r['num_kv_heads']} KV heads"
-        click.echo(f"{label:<22} {r['num_kv_heads']:>8} {r['kv_bytes_per_token']:>16,} {r['converted_ppl']:>11.3f} "
+        click.echo(f"{label:<30} {r['num_kv_heads']:>8} {r['kv_bytes_per_token']:>16,} {r['converted_ppl']:>11.3f} "
                    f"{r['ppl_ratio']:>7.2f}x {r['kl_mean']:>8.3f} {r['top1']:>7.1%}")  # fmt: skip
     click.echo(f"results: {result.output_dir / 'results'}")
     if result.report:
@@ -184,6 +184,9 @@ def run(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
     default=None,
     help="Where models, results and the report go [default: the cache].",
 )
+@click.option(
+    "--uptrain-steps", type=int, default=None, help="Uptraining steps per conversion [default: the job's]; 0: none."
+)
 @click.option("--rebuild", is_flag=True, help="Retrain the cached demo model.")
 @user_errors
 def demo(
@@ -192,6 +195,7 @@ def demo(
     methods: tuple[str, ...],
     steps: int | None,
     output_dir: Path | None,
+    uptrain_steps: int | None,
     rebuild: bool,
 ) -> None:
     """The whole pipeline offline: train (once, cached) a small MHA Llama on CPython's docs, convert
@@ -206,6 +210,10 @@ def demo(
         job.demo = dataclasses.replace(job.demo, steps=steps)
     job.num_kv_heads = kv_heads or job.num_kv_heads
     job.methods = methods or job.methods
+    if uptrain_steps == 0:
+        job.uptrain = {}
+    elif uptrain_steps is not None:
+        job.uptrain = {**job.uptrain, "max_steps": uptrain_steps}
     if rebuild and job.source == "demo":
         demo_model(job.demo, rebuild=True, log=click.echo)
     _run_and_print(job, output_dir, quiet=False)

@@ -37,13 +37,17 @@ def test_help_lists_commands():
 
 def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
-    args = ["demo", "--steps", "3", "-g", "2", "--method", "mean", "--output-dir", str(tmp_path / "run")]
+    args = ["demo", "--steps", "3", "-g", "2", "--method", "mean", "--uptrain-steps", "4", "--output-dir",
+            str(tmp_path / "run")]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     rows = {ln.split()[0]: ln for ln in result.stdout.splitlines() if ln.startswith(("original", "mean"))}
     assert rows["original"].split()[-1] == "1.00x" and "mean -> 2 KV heads" in result.stdout
     assert (tmp_path / "run" / "report.html").is_file() and (tmp_path / "run" / "results" / "mean-g2.json").is_file()
     assert f"report: {tmp_path / 'run' / 'report.html'}" in result.stdout
+    assert "mean+uptrain -> 2 KV heads" in result.stdout  # the conversion, then uptrained, both evaluated
+    assert (tmp_path / "run" / "results" / "mean-g2-uptrained.json").is_file()
+    assert "## Uptraining recovery" in (tmp_path / "run" / "report.md").read_text()
     folder = next(tmp_path.glob("demo-*"))
     assert (folder / "mha" / "model.safetensors").is_file() and (folder / "heldout.txt").is_file()
     again = CliRunner().invoke(main, args)
@@ -62,6 +66,7 @@ def test_every_shipped_job_file_loads(tmp_path):
     demo = load_job(jobs["demo"])
     assert demo.source == "demo" and demo.demo == DemoSettings() and demo.num_kv_heads == (4, 2, 1)
     assert demo.methods == ("mean", "svd") and demo.calibration == "demo-train"
+    assert demo.uptrain["data"] == "demo-train" and demo.uptrain["max_steps"] > 0
 
 
 def test_bad_job_files_are_refused(tmp_path):
@@ -74,6 +79,14 @@ def test_bad_job_files_are_refused(tmp_path):
         ("eval: {data: x}\nconvert: {num_kv_heads: 2}\n", "'source' is required"),
         ("source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2, methods: [magic]}\n", "unknown methods ['magic']"),
         ("source: demo\ndemo: {hidden: 3}\neval: {data: x}\nconvert: {num_kv_heads: 2}\n", "unknown keys in 'demo'"),
+        (
+            "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2}\nuptrain: {max_steps: 3}\n",
+            "uptrain.data is required",
+        ),
+        (
+            "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2}\nuptrain: {data: x, output: y}\n",
+            "unknown keys in 'uptrain'",
+        ),
     ]:
         bad.write_text(text)
         result = CliRunner().invoke(main, ["run", str(bad)])

@@ -271,21 +271,8 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     run = {**asdict(s), "seq_len": seq_len, "max_steps": total, "max_tokens": None, "eval_seq_len": eval_seq_len}
 
     check_output(output, s.resume, s.overwrite, [student_folder] + ([teacher_folder] if teacher_folder else []))
-    resume_from = None
-    if s.resume and output.is_dir():
-        found = checkpoint_dirs(output)
-        resume_from = found[-1][1] if found else None
-    start_step = 0
+    resume_from, start_step = _resume_point(output, s.resume, run)
     if resume_from is not None:
-        state = read_state(resume_from)
-        changed = [k for k in RUN_FIELDS if state["settings"].get(k) != run.get(k)]
-        if changed:
-            k = changed[0]
-            raise Mha2GqaError(
-                f"--resume: {k} is {run.get(k)!r} here but {state['settings'].get(k)!r} in the run being resumed "
-                f"({resume_from}); resume with the same settings"
-            )
-        start_step = state["step"]
         say(f"resuming from {resume_from} (step {start_step:,})")
     elif s.resume:
         say(f"--resume: no checkpoint in {output}; starting from step 0")
@@ -371,23 +358,7 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     for step in range(start_step + 1, stop + 1):
         batch = order.batch(step - 1)
         mine = batch[acc.process_index * micro * s.grad_accum : (acc.process_index + 1) * micro * s.grad_accum]
-        parts_sum: dict[str, float] = {}
-        loss_sum = 0.0
-        for k in range(s.grad_accum):
-            chunk = windows[mine[k * micro : (k + 1) * micro]].to(device)
-            inputs, targets = chunk[:, :-1], chunk[:, 1:]
-            sync = contextlib.nullcontext() if k == s.grad_accum - 1 else acc.no_sync(model)
-            with sync, acc.autocast():
-                logits = model(input_ids=inputs, use_cache=False).logits
-                teacher_logits = None
-                if s.objective != "ce":
-                    with torch.no_grad():
-                        teacher_logits = teacher(input_ids=inputs, use_cache=False).logits
-                loss, parts = combined(s.objective, logits, targets, teacher_logits, s.kd_weight, s.temperature)
-                acc.backward(loss / s.grad_accum)
-            loss_sum += float(loss.detach()) / s.grad_accum
-            for name, v in parts.items():
-                parts_sum[name] = parts_sum.get(name, 0.0) + v / s.grad_accum
+        loss_sum, parts_sum = _accumulate(acc, model, teacher, windows, mine.split(micro), s)
         grad_norm = acc.clip_grad_norm_(trainable.params, s.max_grad_norm) if s.max_grad_norm > 0 else None
         optimizer.step()
         scheduler.step()
@@ -434,6 +405,46 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         logf.write({"type": "end", "step": step, "tokens": step * tokens_per_step, "created": _now(),
                     "seconds": result.seconds})  # fmt: skip
     return result
+
+
+def _resume_point(output: Path, resume: bool, run: dict[str, Any]) -> tuple[Path | None, int]:
+    """The newest checkpoint in ``output`` and its step when resuming (``None, 0`` otherwise);
+    refuses one whose run-defining settings differ from ``run``."""
+    found = checkpoint_dirs(output) if resume and output.is_dir() else []
+    if not found:
+        return None, 0
+    step, folder = found[-1]
+    saved = read_state(folder)["settings"]
+    for k in RUN_FIELDS:
+        if saved.get(k) != run.get(k):
+            raise Mha2GqaError(
+                f"--resume: {k} is {run.get(k)!r} here but {saved.get(k)!r} in the run being resumed ({folder}); "
+                "resume with the same settings"
+            )
+    return folder, step
+
+
+def _accumulate(acc, model, teacher, windows: torch.Tensor, micro_batches, s: UptrainSettings):
+    """Forward and backward over this process's micro-batches of one step (``[micro, seq_len + 1]``
+    window indices each), gradients synchronised on the last only. Returns the mean loss and parts."""
+    loss_sum, parts_sum = 0.0, {}
+    n = len(micro_batches)
+    for k, idx in enumerate(micro_batches):
+        chunk = windows[idx].to(acc.device)
+        inputs, targets = chunk[:, :-1], chunk[:, 1:]
+        sync = contextlib.nullcontext() if k == n - 1 else acc.no_sync(model)
+        with sync, acc.autocast():
+            logits = model(input_ids=inputs, use_cache=False).logits
+            teacher_logits = None
+            if s.objective != "ce":
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=inputs, use_cache=False).logits
+            loss, parts = combined(s.objective, logits, targets, teacher_logits, s.kd_weight, s.temperature)
+            acc.backward(loss / n)
+        loss_sum += float(loss.detach()) / n
+        for name, v in parts.items():
+            parts_sum[name] = parts_sum.get(name, 0.0) + v / n
+    return loss_sum, parts_sum
 
 
 @torch.no_grad()
