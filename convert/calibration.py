@@ -154,6 +154,37 @@ def _materialize(module: torch.nn.Module, ckpt, prefix: str, device: torch.devic
         set_module_tensor_to_device(module, name, device)
 
 
+@contextlib.contextmanager
+def _float32_on_call(layer: torch.nn.Module):
+    """Run ``layer`` in float32 while its weights stay in their stored dtype: each submodule's own
+    parameters are upcast just before it runs and given back after, so a bf16 layer costs its bf16
+    size plus one float32 module (the largest projection) instead of twice its size. The values
+    are those of a float32 copy (bf16 -> fp32 is exact), so the outputs are too."""
+    stored: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
+
+    def up(module, args):
+        own = dict(module.named_parameters(recurse=False))
+        stored[module] = {n: p.data for n, p in own.items()}
+        for p in own.values():
+            p.data = p.data.float()
+
+    def down(module, args, output):
+        for n, p in module.named_parameters(recurse=False):
+            p.data = stored[module][n]
+        del stored[module]
+
+    handles = []
+    for m in layer.modules():
+        own = list(m.parameters(recurse=False))
+        if own and any(p.dtype != torch.float32 for p in own):
+            handles += [m.register_forward_pre_hook(up), m.register_forward_hook(down)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _release(module: torch.nn.Module) -> None:
     """Send ``module``'s parameters back to ``meta`` and hand the freed memory back to the OS
     (glibc keeps freed heap pages otherwise, and RSS would creep up layer after layer)."""
@@ -247,10 +278,11 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
 
     with capturing(model, record):
         for i, layer in enumerate(layers):
-            _materialize(layer, ckpt, f"{prefix}layers.{i}.", dev)
-            for n, (h, kw) in enumerate(states):
-                out = layer(h, **kw)
-                states[n] = (out[0] if isinstance(out, tuple) else out, kw)
+            _materialize(layer, ckpt, f"{prefix}layers.{i}.", dev, dtype=None)  # as stored ...
+            with _float32_on_call(layer):  # ... and each module in float32 only while it runs
+                for n, (h, kw) in enumerate(states):
+                    out = layer(h, **kw)
+                    states[n] = (out[0] if isinstance(out, tuple) else out, kw)
             _release(layer)
             if full is not stats:  # choose this layer's groups, keep only their blocks
                 layer_full = full.layers.pop(i)

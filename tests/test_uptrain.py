@@ -228,6 +228,28 @@ def test_resume_continues_the_same_trajectory(models, tmp_path):
     assert evals_a == pytest.approx(evals_b, rel=1e-6)
 
 
+def test_accumulation_and_checkpointing_do_not_change_the_run(models, tmp_path):
+    """4 windows in one micro-batch == 2 x 2 accumulated == 4 x 1 with activation checkpointing."""
+    kw = dict(max_steps=5, eval_data=None, objective="mix", teacher=str(models["parent"]))
+    runs = {"plain": {}, "accum": {"grad_accum": 2}, "ckpt": {"grad_accum": 4, "gradient_checkpointing": True}}
+    weights = {}
+    for name, extra in runs.items():
+        uptrain(str(models["student"]), _settings(models, tmp_path / name, **kw, **extra), log=_quiet)
+        weights[name] = load_file(tmp_path / name / "model.safetensors")
+    for name in ("accum", "ckpt"):
+        for k, v in weights["plain"].items():
+            torch.testing.assert_close(weights[name][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_max_tokens_sets_the_steps_and_one_epoch_is_the_default(models, tmp_path):
+    r = uptrain(str(models["student"]), _settings(models, tmp_path / "a", max_steps=None, max_tokens=1000,
+                                                  eval_data=None), log=_quiet)  # fmt: skip
+    assert r.total_steps == 8  # ceil(1000 / (4 x 32))
+    r = uptrain(str(models["student"]), _settings(models, tmp_path / "b", max_steps=None, eval_data=None), log=_quiet)
+    windows = read_log(tmp_path / "b")[0]["windows"]
+    assert r.total_steps == -(-windows // 4) and read_log(tmp_path / "b")[-2]["epoch"] >= 1.0
+
+
 def test_cli_uptrain_then_eval(models, tmp_path):
     out = tmp_path / "cli"
     r = CliRunner().invoke(main, ["uptrain", str(models["student"]), "--data", str(models["text"]), "--output",

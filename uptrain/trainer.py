@@ -282,7 +282,7 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     model = _load_causal_lm(resume_from if resume_from and not lora else student_folder, torch.float32, student)
     conv_record = conversion_record(student_folder)
     if s.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     model.config.use_cache = False
     trainable = select_trainable(model, family, dims, s.train)
     if lora:
@@ -405,6 +405,14 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         logf.write({"type": "end", "step": step, "tokens": step * tokens_per_step, "created": _now(),
                     "seconds": result.seconds})  # fmt: skip
     return result
+
+
+def _enable_checkpointing(model) -> None:
+    """Activation (gradient) checkpointing through transformers, non-reentrant."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _resume_point(output: Path, resume: bool, run: dict[str, Any]) -> tuple[Path | None, int]:
