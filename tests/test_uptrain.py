@@ -188,7 +188,7 @@ def test_uptrain_improves_and_writes_a_stock_gqa_model(models, tmp_path):
     assert log[0]["type"] == "start" and log[-1]["type"] == "end"
     assert [r["step"] for r in log if r["type"] == "train"] == [10, 20, 30]
     model = AutoModelForCausalLM.from_pretrained(out)  # stock transformers
-    assert model.config.num_key_value_heads == 2
+    assert model.config.num_key_value_heads == 2 and model.config.use_cache  # generation keeps its cache
     with torch.no_grad():
         cache = model(torch.tensor([[1, 5, 7, 9]]), use_cache=True).past_key_values
     assert cache.layers[0].keys.shape[1] == 2  # the KV cache holds G heads

@@ -283,7 +283,6 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     conv_record = conversion_record(student_folder)
     if s.gradient_checkpointing:
         _enable_checkpointing(model)
-    model.config.use_cache = False
     trainable = select_trainable(model, family, dims, s.train)
     if lora:
         model = _with_lora(model, family, dims, s, resume_from)
