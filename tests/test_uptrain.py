@@ -184,6 +184,10 @@ def test_uptrain_improves_and_writes_a_stock_gqa_model(models, tmp_path):
     assert evals[-1]["ppl"] < 0.1 * evals[0]["ppl"]  # (the parent is random: KL to it grows under ce)
     assert evals[0]["teacher_ppl"] == pytest.approx(evals[-1]["teacher_ppl"], rel=1e-9)
     assert [s for s, _ in checkpoint_dirs(out)] == [27, 30]  # save_total_limit
+    ckpt = checkpoint_dirs(out)[0][1]  # a Hugging Face model with its card and records, plus trainer state
+    assert AutoModelForCausalLM.from_pretrained(ckpt).config.num_key_value_heads == 2
+    assert json.loads((ckpt / "mha2gqa_uptrain.json").read_text())["uptrain"]["steps"] == 27
+    assert "## Conversion" in (ckpt / "README.md").read_text() and (ckpt / "optimizer.bin").is_file()
     log = read_log(out)
     assert log[0]["type"] == "start" and log[-1]["type"] == "end"
     assert [r["step"] for r in log if r["type"] == "train"] == [10, 20, 30]

@@ -337,11 +337,23 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         evals.append(record)
         logf.write(record)
 
+    def model_files(step: int) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """Model card, uptraining record and conversion record of the model at ``step``."""
+        done = [r for r in read_log(output / LOG_NAME) if r.get("type") == "eval"] if main else evals
+        record = {"uptrain": {"student": student, "settings": run, "steps": step, "tokens": step * tokens_per_step,
+                              "warmup_steps": s.warmup_steps, "trainable_parameters": trainable.count,
+                              "first_eval": done[0] if done else None, "last_eval": done[-1] if done else None,
+                              "processes": acc.num_processes, "mixed_precision": acc.mixed_precision},
+                  "mha2gqa_version": _version(), "created": _now()}  # fmt: skip
+        files = {RECORD_NAME: json.dumps(record, indent=2) + "\n", "README.md": uptrain_card(record, conv_record)}
+        if conv_record:
+            files[CONVERSION_RECORD] = json.dumps(conv_record, indent=2) + "\n"
+        return files, done
+
     def checkpoint(step: int) -> None:
         state = {"step": step, "tokens": step * tokens_per_step, "settings": run, "student": student,
                  "source_dtype": source_dtype, "created": _now()}  # fmt: skip
-        files = {CONVERSION_RECORD: json.dumps(conv_record, indent=2) + "\n"} if conv_record else {}
-        save_checkpoint(acc, model, tokenizer, output, step, state, files, s.save_total_limit)
+        save_checkpoint(acc, model, tokenizer, output, step, state, model_files(step)[0], s.save_total_limit)
 
     from tqdm.auto import tqdm
 
@@ -389,16 +401,7 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     result = UptrainResult(output, step, total, step * tokens_per_step, complete, evals,
                            time.perf_counter() - started)  # fmt: skip
     if complete:
-        all_evals = [r for r in read_log(output / LOG_NAME) if r.get("type") == "eval"] if main else evals
-        record = {"uptrain": {"student": student, "settings": run, "steps": step, "tokens": step * tokens_per_step,
-                              "warmup_steps": s.warmup_steps, "trainable_parameters": trainable.count,
-                              "first_eval": all_evals[0] if all_evals else None,
-                              "last_eval": all_evals[-1] if all_evals else None,
-                              "processes": acc.num_processes, "mixed_precision": acc.mixed_precision},
-                  "mha2gqa_version": _version(), "created": _now()}  # fmt: skip
-        files = {RECORD_NAME: json.dumps(record, indent=2) + "\n", "README.md": uptrain_card(record, conv_record)}
-        if conv_record:
-            files[CONVERSION_RECORD] = json.dumps(conv_record, indent=2) + "\n"
+        files, all_evals = model_files(step)
         save_final(acc, model, tokenizer, output, _dtype(source_dtype), files)
         result.evals = all_evals
         logf.write({"type": "end", "step": step, "tokens": step * tokens_per_step, "created": _now(),
