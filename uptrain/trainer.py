@@ -211,40 +211,47 @@ def read_log(path: Path) -> list[dict[str, Any]]:
         raise Mha2GqaError(f"{path}: cannot read the uptraining log ({e})") from None
 
 
-def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult:
-    """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
-    from accelerate.utils import set_seed
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+@dataclass
+class _Plan:
+    """Everything a run needs before any model is loaded, all of it checked."""
 
+    student_folder: Path
+    teacher_folder: Path | None
+    dims: Any
+    family: Any
+    source_dtype: str
+    max_positions: int | None
+    seq_len: int
+    eval_seq_len: int
+    micro: int  # windows per forward pass
+    tokenizer: Any
+    windows: torch.Tensor  # [W, seq_len + 1]
+    eval_windows: list
+    total: int
+    eval_every: int
+    save_every: int
+    run: dict[str, Any]  # the settings as resolved (recorded, and compared on resume)
+
+
+def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
+    """Resolve and check the sizes, the tokenizers and the text of a run (raises :class:`Mha2GqaError`)."""
     from mha2gqa.convert.checkpoint import read_config, resolve_folder
     from mha2gqa.convert.families import detect_family
     from mha2gqa.eval.models import check_same_tokenizer, load_tokenizer
     from mha2gqa.eval.perplexity import disjoint_windows
 
-    started = time.perf_counter()
-    s = settings
-    _check(s)
-    acc = _accelerator(s)
-    main = acc.is_main_process
-    say = log if main else (lambda *_: None)
-    output = Path(s.output)
-
     student_folder, _, _ = resolve_folder(student)
     config = read_config(student_folder)
-    dims = _dims(student_folder)
     family = detect_family(config) if s.train != "all" else None
-    source_dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     max_pos = config.get("max_position_embeddings")
     seq_len = s.seq_len or min(1024, max_pos or 1024)
-    if max_pos and seq_len > max_pos:
-        raise Mha2GqaError(f"--seq-len {seq_len} is longer than the model's {max_pos} positions")
     eval_seq_len = s.eval_seq_len or seq_len
-    if max_pos and eval_seq_len > max_pos:
-        raise Mha2GqaError(f"--eval-seq-len {eval_seq_len} is longer than the model's {max_pos} positions")
-    per_step = s.grad_accum * acc.num_processes
+    for flag, n in (("--seq-len", seq_len), ("--eval-seq-len", eval_seq_len)):
+        if max_pos and n > max_pos:
+            raise Mha2GqaError(f"{flag} {n} is longer than the model's {max_pos} positions")
+    per_step = s.grad_accum * processes
     if s.batch_size % per_step:
         raise Mha2GqaError(f"--batch-size {s.batch_size} must be a multiple of --grad-accum x processes = {per_step}")
-    micro = s.batch_size // per_step
 
     tokenizer = load_tokenizer(student_folder)
     teacher_folder = None
@@ -255,20 +262,64 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     eval_windows = []
     if s.eval_data:
         ids = _tokens(tokenizer, s.eval_data, s, s.eval_tokens)
-        eval_windows = disjoint_windows(ids, eval_seq_len)
         if ids.numel() < eval_seq_len:
             raise Mha2GqaError(
                 f"--eval-data {s.eval_data}: {ids.numel()} tokens, fewer than one window of {eval_seq_len}; "
                 "give more text or a smaller --eval-seq-len"
             )
+        eval_windows = disjoint_windows(ids, eval_seq_len)
     tokens_per_step = s.batch_size * seq_len
     total = s.max_steps or (math.ceil(s.max_tokens / tokens_per_step) if s.max_tokens else None)
     total = total or math.ceil(len(windows) / s.batch_size)
     if s.warmup_steps >= total:
         raise Mha2GqaError(f"--warmup-steps {s.warmup_steps} must be fewer than the run's {total} steps")
     eval_every = s.eval_every or max(1, total // 10)
-    save_every = s.save_every or eval_every
     run = {**asdict(s), "seq_len": seq_len, "max_steps": total, "max_tokens": None, "eval_seq_len": eval_seq_len}
+    return _Plan(student_folder, teacher_folder, _dims(student_folder), family,
+                 config.get("dtype") or config.get("torch_dtype") or "float32", max_pos, seq_len, eval_seq_len,
+                 s.batch_size // per_step, tokenizer, windows, eval_windows, total, eval_every,
+                 s.save_every or eval_every, run)  # fmt: skip
+
+
+def _models(plan: _Plan, s: UptrainSettings, acc, student: str, resume_from: Path | None):
+    """The student in float32 (from the checkpoint being resumed, or with its LoRA adapters), what
+    trains, and the frozen teacher on the device."""
+    lora = s.lora_rank > 0
+    model = _load_causal_lm(resume_from if resume_from and not lora else plan.student_folder, torch.float32, student)
+    if s.gradient_checkpointing:
+        _enable_checkpointing(model)
+    trainable = select_trainable(model, plan.family, plan.dims, s.train)
+    if lora:
+        model = _with_lora(model, plan.family, plan.dims, s, resume_from)
+        trainable = adapters(model)
+    teacher = None
+    if plan.teacher_folder is not None:
+        teacher_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
+        teacher = _load_causal_lm(plan.teacher_folder, teacher_dtype, s.teacher).eval().requires_grad_(False)
+        teacher.to(acc.device)
+        vs, vt = model.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
+        if vs != vt:
+            raise Mha2GqaError(f"--teacher {s.teacher}: its output vocabulary ({vt}) differs from the student's ({vs})")
+    return model, trainable, teacher
+
+
+def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult:
+    """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    started = time.perf_counter()
+    s = settings
+    _check(s)
+    acc = _accelerator(s)
+    main = acc.is_main_process
+    say = log if main else (lambda *_: None)
+    output = Path(s.output)
+    plan = _plan(student, s, acc.num_processes)
+    run, total, seq_len, micro = plan.run, plan.total, plan.seq_len, plan.micro
+    windows, tokenizer, tokens_per_step = plan.windows, plan.tokenizer, s.batch_size * plan.seq_len
+    student_folder, teacher_folder = plan.student_folder, plan.teacher_folder
 
     check_output(output, s.resume, s.overwrite, [student_folder] + ([teacher_folder] if teacher_folder else []))
     resume_from, start_step = _resume_point(output, s.resume, run)
@@ -278,23 +329,8 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         say(f"--resume: no checkpoint in {output}; starting from step 0")
 
     set_seed(s.seed)
-    lora = s.lora_rank > 0
-    model = _load_causal_lm(resume_from if resume_from and not lora else student_folder, torch.float32, student)
+    model, trainable, teacher = _models(plan, s, acc, student, resume_from)
     conv_record = conversion_record(student_folder)
-    if s.gradient_checkpointing:
-        _enable_checkpointing(model)
-    trainable = select_trainable(model, family, dims, s.train)
-    if lora:
-        model = _with_lora(model, family, dims, s, resume_from)
-        trainable = adapters(model)
-    teacher = None
-    if teacher_folder is not None:
-        teacher_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
-        teacher = _load_causal_lm(teacher_folder, teacher_dtype, s.teacher).eval().requires_grad_(False)
-        teacher.to(acc.device)
-        vs, vt = model.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
-        if vs != vt:
-            raise Mha2GqaError(f"--teacher {s.teacher}: its output vocabulary ({vt}) differs from the student's ({vs})")
 
     if main:  # everything is checked: now the output folder may be written
         prepare_output(output, s.resume, s.overwrite)
@@ -315,25 +351,25 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         logf.write({"type": "start", "created": _now(), "student": student, "teacher": s.teacher,
                     "settings": run, "windows": len(windows), "tokens_per_step": tokens_per_step,
                     "total_steps": total, "trainable_parameters": trainable.count,
-                    "parameters": sum(p.numel() for p in model.parameters()), "num_heads": dims.num_heads,
-                    "num_kv_heads": dims.num_kv_heads, "processes": acc.num_processes, "device": str(acc.device),
-                    "mixed_precision": acc.mixed_precision, "eval_seq_len": eval_seq_len})  # fmt: skip
+                    "parameters": sum(p.numel() for p in model.parameters()), "num_heads": plan.dims.num_heads,
+                    "num_kv_heads": plan.dims.num_kv_heads, "processes": acc.num_processes, "device": str(acc.device),
+                    "mixed_precision": acc.mixed_precision, "eval_seq_len": plan.eval_seq_len})  # fmt: skip
     else:
         logf.write({"type": "resume", "step": start_step, "created": _now(), "from": str(resume_from)})
     say(f"uptrain: {trainable.count:,} of {sum(p.numel() for p in model.parameters()):,} parameters ({s.train}), "
         f"objective {s.objective}, {len(windows):,} windows of {seq_len}, {total:,} steps x {s.batch_size} on "
         f"{acc.num_processes} x {acc.device} ({acc.mixed_precision})")  # fmt: skip
-    if max_pos and seq_len < max_pos and main:
-        say(f"note: training windows of {seq_len} tokens do not reach positions {seq_len}-{max_pos - 1}; "
+    if plan.max_positions and seq_len < plan.max_positions:
+        say(f"note: training windows of {seq_len} tokens do not reach positions {seq_len}-{plan.max_positions - 1}; "
             "evaluate at the model's full length (--eval-seq-len) to see them")  # fmt: skip
 
     evals: list[dict[str, Any]] = []
 
     def evaluate(step: int) -> None:
-        if not eval_windows:
+        if not plan.eval_windows:
             return
-        record = _evaluate(acc, model, teacher, eval_windows, s.eval_batch_size or micro)
-        record.update({"type": "eval", "step": step, "tokens": step * tokens_per_step, "seq_len": eval_seq_len})
+        record = _evaluate(acc, model, teacher, plan.eval_windows, s.eval_batch_size or micro)
+        record.update({"type": "eval", "step": step, "tokens": step * tokens_per_step, "seq_len": plan.eval_seq_len})
         evals.append(record)
         logf.write(record)
 
@@ -352,10 +388,8 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
 
     def checkpoint(step: int) -> None:
         state = {"step": step, "tokens": step * tokens_per_step, "settings": run, "student": student,
-                 "source_dtype": source_dtype, "created": _now()}  # fmt: skip
+                 "source_dtype": plan.source_dtype, "created": _now()}  # fmt: skip
         save_checkpoint(acc, model, tokenizer, output, step, state, model_files(step)[0], s.save_total_limit)
-
-    from tqdm.auto import tqdm
 
     if start_step == 0:
         evaluate(0)
@@ -392,9 +426,9 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
             logf.write(rec)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_second']:,.0f}")
             sums, count, window_t0 = {}, 0, time.perf_counter()
-        if step % eval_every == 0 or step == total:
+        if step % plan.eval_every == 0 or step == total:
             evaluate(step)
-        if step % save_every == 0 or step == stop:
+        if step % plan.save_every == 0 or step == stop:
             checkpoint(step)
     bar.close()
     complete = step >= total
@@ -402,7 +436,7 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
                            time.perf_counter() - started)  # fmt: skip
     if complete:
         files, all_evals = model_files(step)
-        save_final(acc, model, tokenizer, output, _dtype(source_dtype), files)
+        save_final(acc, model, tokenizer, output, _dtype(plan.source_dtype), files)
         result.evals = all_evals
         logf.write({"type": "end", "step": step, "tokens": step * tokens_per_step, "created": _now(),
                     "seconds": result.seconds})  # fmt: skip
