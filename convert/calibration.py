@@ -229,7 +229,8 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     calibration activations (``tokens x hidden``), never the whole model.
 
     With ``grouping="similarity"`` each layer's statistics are first gathered over all source KV
-    heads, which then form equal groups of similar heads (:func:`similar_groups`), recorded as
+    heads, which then form the equal groups that lose least in the merge
+    (:func:`least_residual_groups`), recorded as
     ``perm`` on the layer's statistics. With ``compact`` (the default) each finished layer keeps
     only what the merges read (:meth:`LayerStats.compact`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -286,7 +287,7 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
             _release(layer)
             if full is not stats:  # choose this layer's groups, keep only their blocks
                 layer_full = full.layers.pop(i)
-                chosen = similar_groups(head_similarity(layer_full), groups)
+                chosen = least_residual_groups(layer_full, groups)
                 stats.layers[i] = regroup(layer_full, chosen, config.num_attention_heads)
             if compact:
                 stats.layers[i].compact(head_dim, head_dim - stats.rotary_dim)
@@ -294,36 +295,51 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     return stats
 
 
-def head_similarity(full: LayerStats) -> torch.Tensor:
-    """``[Gs, Gs]`` similarity of source KV heads from single-group (``groups=1``) statistics: how
-    well one head's key planes are a complex multiple of the other's (coherence averaged over
-    planes), plus the normalised cross-covariance of their values. 2 means identical."""
-    kp = full.k_plane_gram[0]  # [P, Gs, Gs]
-    diag = kp.diagonal(dim1=1, dim2=2).real  # [P, Gs]
-    key = (kp.abs().pow(2) / (diag[:, :, None] * diag[:, None, :]).clamp_min(1e-300)).mean(0)
-    src = kp.shape[-1]
+def merge_residual(full: LayerStats, heads: list[int]) -> float:
+    """What one shared KV head cannot keep of ``heads`` (source KV heads), from single-group
+    statistics: the share of the group's key energy outside the best complex rank-1 fit of each
+    rotary plane, plus the share of its value energy (and non-rotary key energy) outside the top
+    ``d``-dimensional subspace -- the quantities the ``svd`` merge gives up. 0 for identical heads."""
+    src = full.k_plane_gram.shape[-1]
     d = full.v_gram.shape[-1] // src
-    v = full.v_gram[0].reshape(src, d, src, d).permute(0, 2, 1, 3)  # [Gs, Gs, d, d] blocks
-    norms = v.pow(2).sum((2, 3)).sqrt()
-    value = norms / (norms.diagonal()[:, None] * norms.diagonal()[None, :]).sqrt().clamp_min(1e-300)
-    return key + value
+    rest = full.k_rest_gram.shape[-1] // src
+
+    def rows(width: int) -> torch.Tensor:
+        return torch.cat([torch.arange(h * width, (h + 1) * width) for h in heads])
+
+    def lost(gram: torch.Tensor, keep: int) -> float:
+        ev = torch.linalg.eigvalsh(gram)
+        return float(1 - ev[..., -keep:].sum() / ev.sum().clamp_min(1e-300))
+
+    out = lost(full.v_gram[0][rows(d)][:, rows(d)], d) + lost(full.k_plane_gram[0][:, heads][:, :, heads], 1)
+    if rest:
+        out += lost(full.k_rest_gram[0][rows(rest)][:, rows(rest)], rest)
+    return out
 
 
-def similar_groups(sim: torch.Tensor, groups: int) -> list[list[int]]:
-    """Equal-size groups of similar heads, greedily: each group starts from the lowest unassigned
-    head and adds, one at a time, the unassigned head most similar to the group so far."""
-    n = sim.shape[0]
+def least_residual_groups(full: LayerStats, groups: int) -> list[list[int]]:
+    """Equal-size groups of source KV heads that lose least in the merge (:func:`merge_residual`):
+    a greedy search (each group starts from the lowest unassigned head and adds, one at a time, the
+    head that keeps the group's residual lowest), kept only if its total residual beats the
+    contiguous ``repeat_kv`` grouping's -- so the choice is never worse than the default by this
+    measure."""
+    n = full.k_plane_gram.shape[-1]
     size = n // groups
     free = list(range(n))
-    out = []
+    greedy = []
     while free:
         group = [free.pop(0)]
         while len(group) < size:
-            best = max(free, key=lambda h: (sum(sim[h, m].item() for m in group), -h))
+            best = min(free, key=lambda h: (merge_residual(full, [*group, h]), h))
             free.remove(best)
             group.append(best)
-        out.append(sorted(group))
-    return out
+        greedy.append(sorted(group))
+    contiguous = [list(range(j * size, (j + 1) * size)) for j in range(groups)]
+
+    def cost(gs: list[list[int]]) -> float:
+        return sum(merge_residual(full, g) for g in gs)
+
+    return greedy if cost(greedy) < cost(contiguous) - 1e-12 else contiguous
 
 
 def regroup(full: LayerStats, groups: list[list[int]], num_heads: int) -> LayerStats:

@@ -399,3 +399,24 @@ def test_compact_statistics_keep_what_the_merges_read(calib_text, tmp_path):
             ra, rb = a.rest_basis(j, rest), b.rest_basis(j, rest)
             torch.testing.assert_close(ra @ ra.T, rb @ rb.T)
             torch.testing.assert_close(a.rest_row(j, rest), b.rest_row(j, rest))
+
+
+def test_merge_residual_is_zero_for_one_or_identical_heads_and_grouping_never_loses_to_contiguous():
+    from mha2gqa.convert.calibration import CalibrationStats, accumulate, least_residual_groups, merge_residual
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 64, 8)
+    k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 4, 64, 8)
+    k[:, 2], v[:, 2] = k[:, 0], v[:, 0]  # head 2 repeats head 0; repeat_kv would pair 0 with 1
+    stats = CalibrationStats(1, 8, 8)
+    accumulate(stats, 0, q, k, v)
+    full = stats.layers[0]
+    assert merge_residual(full, [1]) == pytest.approx(0.0, abs=1e-12)
+    assert merge_residual(full, [0, 2]) == pytest.approx(0.0, abs=1e-12)
+    assert merge_residual(full, [0, 1]) > 0.1
+    assert least_residual_groups(full, 2) == [[0, 2], [1, 3]]
+    k[:, 2], v[:, 2] = torch.randn(64, 8), torch.randn(64, 8)
+    k[:, 1], v[:, 1] = k[:, 0], v[:, 0]  # now the contiguous pairs are the identical ones
+    stats = CalibrationStats(1, 8, 8)
+    accumulate(stats, 0, q, k, v)
+    assert least_residual_groups(stats.layers[0], 2) == [[0, 1], [2, 3]]
