@@ -396,11 +396,12 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     stop = min(total, start_step + s.stop_after) if s.stop_after else total
     bar = tqdm(total=total, initial=start_step, unit="step", desc="uptrain", disable=not (s.progress and main))
     device = acc.device
-    window_t0 = time.perf_counter()
+    train_seconds = 0.0  # forward/backward/step time since the last train record (evals excluded)
     sums: dict[str, float] = {}
     count = 0
     step = start_step
     for step in range(start_step + 1, stop + 1):
+        t0 = time.perf_counter()
         batch = order.batch(step - 1)
         mine = batch[acc.process_index * micro * s.grad_accum : (acc.process_index + 1) * micro * s.grad_accum]
         loss_sum, parts_sum = _accumulate(acc, model, teacher, windows, mine.split(micro), s)
@@ -415,17 +416,17 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         for i, name in enumerate(parts_sum):
             sums[name] = sums.get(name, 0.0) + float(stats[i + 1])
         count += 1
+        train_seconds += time.perf_counter() - t0
         bar.update(1)
         if step % s.log_every == 0 or step == stop:
-            seconds = time.perf_counter() - window_t0
             rec = {"type": "train", "step": step, "tokens": step * tokens_per_step,
                    "epoch": round(order.epoch(step), 4), **{k: v / count for k, v in sums.items()},
                    "lr": scheduler.get_last_lr()[0],
                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                   "tokens_per_second": count * tokens_per_step / max(seconds, 1e-9)}  # fmt: skip
+                   "tokens_per_second": count * tokens_per_step / max(train_seconds, 1e-9)}  # fmt: skip
             logf.write(rec)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_second']:,.0f}")
-            sums, count, window_t0 = {}, 0, time.perf_counter()
+            sums, count, train_seconds = {}, 0, 0.0
         if step % plan.eval_every == 0 or step == total:
             evaluate(step)
         if step % plan.save_every == 0 or step == stop:
