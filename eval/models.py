@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ def resolve_device(device: str) -> torch.device:
     """
     from accelerate import PartialState
 
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise Mha2GqaError(f"--device {device}: choose auto, cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise Mha2GqaError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     state = PartialState(cpu=device == "cpu" or (device == "auto" and not torch.cuda.is_available()))

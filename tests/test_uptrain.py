@@ -342,7 +342,9 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path):
     assert "multiple of --grad-accum" in _cli_error([student, *base, "--output", str(tmp_path / "e"),
                                                      "--batch-size", "6", "--grad-accum", "4"])  # fmt: skip
     assert "overlaps the model folder" in _cli_error([student, *base, "--output", student])
-    for name in ("a", "b", "c", "d", "e"):
+    assert "choose auto, cpu, cuda or cuda:N" in _cli_error([student, *base, "--output", str(tmp_path / "f"),
+                                                            "--device", "gpu0"])  # fmt: skip
+    for name in ("a", "b", "c", "d", "e", "f"):
         assert not (tmp_path / name).exists()  # refused before anything was written
 
 

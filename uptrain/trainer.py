@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mha2gqa.errors import Mha2GqaError
+from mha2gqa.eval.models import DTYPES
 from mha2gqa.uptrain.checkpoints import (
     CONVERSION_RECORD,
     LOG_NAME,
@@ -152,27 +153,13 @@ def _check(s: UptrainSettings) -> None:
 def _accelerator(s: UptrainSettings):
     from accelerate import Accelerator
 
-    cuda = torch.cuda.is_available()
-    if s.device.startswith("cuda") and not cuda:
-        raise Mha2GqaError(f"--device {s.device}: CUDA is not available on this machine; use --device cpu")
-    if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
-        raise Mha2GqaError(f"--device {s.device}: choose auto, cpu or cuda")
-    cpu = s.device == "cpu" or not cuda
+    from mha2gqa.eval.models import resolve_device
+
+    cpu = resolve_device(s.device).type == "cpu"
     mp = s.mixed_precision
     if mp == "auto":
         mp = "bf16" if not cpu and torch.cuda.is_bf16_supported() else "no"
     return Accelerator(cpu=cpu, mixed_precision=mp, step_scheduler_with_optimizer=False)
-
-
-def _load_causal_lm(folder: Path, dtype: torch.dtype, name: str):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    try:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise Mha2GqaError(f"{name}: cannot be loaded as a causal LM: {str(e).splitlines()[0]}") from None
 
 
 def _tokens(tokenizer, source: str, s: UptrainSettings, max_tokens: int | None) -> torch.Tensor:
@@ -281,11 +268,14 @@ def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
                  s.save_every or eval_every, run)  # fmt: skip
 
 
-def _models(plan: _Plan, s: UptrainSettings, acc, student: str, resume_from: Path | None):
+def _models(plan: _Plan, s: UptrainSettings, acc, resume_from: Path | None):
     """The student in float32 (from the checkpoint being resumed, or with its LoRA adapters), what
     trains, and the frozen teacher on the device."""
+    from mha2gqa.eval.models import load_model
+
     lora = s.lora_rank > 0
-    model = _load_causal_lm(resume_from if resume_from and not lora else plan.student_folder, torch.float32, student)
+    folder = resume_from if resume_from and not lora else plan.student_folder
+    model = load_model(str(folder), torch.device("cpu"), torch.float32).model  # accelerate places it
     if s.gradient_checkpointing:
         _enable_checkpointing(model)
     trainable = select_trainable(model, plan.family, plan.dims, s.train)
@@ -295,8 +285,7 @@ def _models(plan: _Plan, s: UptrainSettings, acc, student: str, resume_from: Pat
     teacher = None
     if plan.teacher_folder is not None:
         teacher_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
-        teacher = _load_causal_lm(plan.teacher_folder, teacher_dtype, s.teacher).eval().requires_grad_(False)
-        teacher.to(acc.device)
+        teacher = load_model(str(plan.teacher_folder), acc.device, teacher_dtype).model.requires_grad_(False)
         vs, vt = model.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
         if vs != vt:
             raise Mha2GqaError(f"--teacher {s.teacher}: its output vocabulary ({vt}) differs from the student's ({vs})")
@@ -329,7 +318,7 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         say(f"--resume: no checkpoint in {output}; starting from step 0")
 
     set_seed(s.seed)
-    model, trainable, teacher = _models(plan, s, acc, student, resume_from)
+    model, trainable, teacher = _models(plan, s, acc, resume_from)
     conv_record = conversion_record(student_folder)
 
     if main:  # everything is checked: now the output folder may be written
@@ -363,7 +352,8 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         say(f"note: training windows of {seq_len} tokens do not reach positions {seq_len}-{plan.max_positions - 1}; "
             "evaluate at the model's full length (--eval-seq-len) to see them")  # fmt: skip
 
-    evals: list[dict[str, Any]] = []
+    # every evaluation of the run so far (a resumed run's earlier ones come from its log)
+    evals = [r for r in read_log(output / LOG_NAME) if r.get("type") == "eval"] if start_step and main else []
 
     def evaluate(step: int) -> None:
         if not plan.eval_windows:
@@ -373,23 +363,22 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         evals.append(record)
         logf.write(record)
 
-    def model_files(step: int) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    def model_files(step: int) -> dict[str, str]:
         """Model card, uptraining record and conversion record of the model at ``step``."""
-        done = [r for r in read_log(output / LOG_NAME) if r.get("type") == "eval"] if main else evals
         record = {"uptrain": {"student": student, "settings": run, "steps": step, "tokens": step * tokens_per_step,
                               "warmup_steps": s.warmup_steps, "trainable_parameters": trainable.count,
-                              "first_eval": done[0] if done else None, "last_eval": done[-1] if done else None,
+                              "first_eval": evals[0] if evals else None, "last_eval": evals[-1] if evals else None,
                               "processes": acc.num_processes, "mixed_precision": acc.mixed_precision},
                   "mha2gqa_version": _version(), "created": _now()}  # fmt: skip
         files = {RECORD_NAME: json.dumps(record, indent=2) + "\n", "README.md": uptrain_card(record, conv_record)}
         if conv_record:
             files[CONVERSION_RECORD] = json.dumps(conv_record, indent=2) + "\n"
-        return files, done
+        return files
 
     def checkpoint(step: int) -> None:
         state = {"step": step, "tokens": step * tokens_per_step, "settings": run, "student": student,
                  "source_dtype": plan.source_dtype, "created": _now()}  # fmt: skip
-        save_checkpoint(acc, model, tokenizer, output, step, state, model_files(step)[0], s.save_total_limit)
+        save_checkpoint(acc, model, tokenizer, output, step, state, model_files(step), s.save_total_limit)
 
     if start_step == 0:
         evaluate(0)
@@ -436,9 +425,7 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     result = UptrainResult(output, step, total, step * tokens_per_step, complete, evals,
                            time.perf_counter() - started)  # fmt: skip
     if complete:
-        files, all_evals = model_files(step)
-        save_final(acc, model, tokenizer, output, _dtype(plan.source_dtype), files)
-        result.evals = all_evals
+        save_final(acc, model, tokenizer, output, DTYPES.get(plan.source_dtype), model_files(step))
         logf.write({"type": "end", "step": step, "tokens": step * tokens_per_step, "created": _now(),
                     "seconds": result.seconds})  # fmt: skip
     return result
@@ -535,10 +522,6 @@ def _dims(folder: Path):
     cfg = AutoConfig.from_pretrained(folder)
     keys = ("num_hidden_layers", "num_attention_heads", "hidden_size", "num_key_value_heads", "head_dim")
     return AttentionDims.from_config({k: getattr(cfg, k, None) for k in keys})
-
-
-def _dtype(name: str) -> torch.dtype | None:
-    return getattr(torch, str(name).removeprefix("torch."), None)
 
 
 def _now() -> str:
