@@ -219,6 +219,21 @@ def recovery_table(runs: list[tuple[str, list[dict[str, Any]]]]) -> tuple[list[s
     return ["run", "objective", "trains", "steps", "tokens", "held-out PPL", "vs teacher", "KL"], rows
 
 
+def _figure(name: str, png: bytes, stem: str, fig_dir: Path | None, parts_html: list[str], parts_md: list[str],
+            element_id: str | None = None) -> None:  # fmt: skip
+    """Append figure ``name`` (captioned): embedded in the HTML, and as ``fig_dir/<stem>.png`` linked
+    from the Markdown when there is a Markdown file."""
+    caption = FIGURE_CAPTIONS[name]
+    parts_html.append(
+        f'<figure id="{element_id or name}"><img alt="{name}" src="data:image/png;base64,'
+        f'{base64.b64encode(png).decode()}"><figcaption>{html.escape(caption)}</figcaption></figure>'
+    )
+    if fig_dir is not None:
+        fig_dir.mkdir(parents=True, exist_ok=True)
+        (fig_dir / f"{stem}.png").write_bytes(png)
+        parts_md += [f"![{caption}]({fig_dir.name}/{stem}.png)", ""]
+
+
 def render(
     results: list[dict[str, Any]],
     html_path: Path | None = None,
@@ -238,14 +253,7 @@ def render(
         parts_md += ["## Uptraining recovery", "", _md_table(header, rows), ""]
         if any(evals for _, evals in curves):
             png = plots.recovery_curves([c for c in curves if c[1]])
-            caption = FIGURE_CAPTIONS["recovery"]
-            parts_html.append(f'<figure id="recovery"><img alt="recovery" src="data:image/png;base64,'
-                              f'{base64.b64encode(png).decode()}"><figcaption>{html.escape(caption)}</figcaption>'
-                              "</figure>")  # fmt: skip
-            if fig_dir is not None:
-                fig_dir.mkdir(parents=True, exist_ok=True)
-                (fig_dir / "recovery.png").write_bytes(png)
-                parts_md += [f"![{caption}]({fig_dir.name}/recovery.png)", ""]
+            _figure("recovery", png, "recovery", fig_dir, parts_html, parts_md)
     if len(results) > 1:
         header, rows = overview(results)
         parts_html += ['<h2 id="overview">Overview</h2>', _html_table(header, rows)]
@@ -259,14 +267,7 @@ def render(
             parts_html += [f'<h3 id="{anchor}-{i}">{html.escape(name)}</h3>', _html_table(header, rows)]
             parts_md += [f"### {name}", "", _md_table(header, rows), ""]
         for name, png in figures(r).items():
-            caption = FIGURE_CAPTIONS[name]
-            data = base64.b64encode(png).decode()
-            parts_html.append(f'<figure id="{name}-{i}"><img alt="{name}" src="data:image/png;base64,{data}">'
-                              f"<figcaption>{html.escape(caption)}</figcaption></figure>")  # fmt: skip
-            if fig_dir is not None:
-                fig_dir.mkdir(parents=True, exist_ok=True)
-                (fig_dir / f"{i}_{name}.png").write_bytes(png)
-                parts_md += [f"![{caption}]({fig_dir.name}/{i}_{name}.png)", ""]
+            _figure(name, png, f"{i}_{name}", fig_dir, parts_html, parts_md, element_id=f"{name}-{i}")
     if html_path is not None:
         head = f"<meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style>"
         page = f"<!doctype html><html><head>{head}</head><body>"
