@@ -39,9 +39,10 @@ def splits(fixtures: Path, work: Path) -> dict[str, tuple[Path, str, str, int]]:
 
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
-    from mha2gqa.convert.checkpoint import read_config
-    from mha2gqa.convert.families import AttentionDims
-    from mha2gqa.eval.harness import EvalSettings, evaluate
+    from mha2gqa.core.checkpoint import read_config
+    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.eval.harness import evaluate
+    from mha2gqa.eval.settings import EvalSettings
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "fixtures")

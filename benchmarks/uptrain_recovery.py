@@ -24,8 +24,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
-    from mha2gqa.eval.harness import EvalSettings, evaluate
+    from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.report import load_runs, render
+    from mha2gqa.eval.settings import EvalSettings
     from mha2gqa.uptrain import UptrainSettings, uptrain
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,26 +1,29 @@
-"""MHA -> GQA checkpoint conversion (streaming, sharded, atomic)."""
+"""MHA -> GQA checkpoint conversion (streaming, sharded, atomic).
 
-from mha2gqa.convert.converter import (
-    ALL_METHODS,
-    GROUPINGS,
-    ConversionResult,
-    check_num_kv_heads,
-    convert_checkpoint,
-    query_heads_per_kv_head,
-)
-from mha2gqa.convert.families import AttentionDims, Family, detect_family, families
-from mha2gqa.convert.pooling import METHODS
+Where things are: the methods in :mod:`mha2gqa.convert.methods` (one module each, registered in
+its ``__init__``), their settings in :mod:`mha2gqa.convert.settings`, calibration in
+:mod:`mha2gqa.convert.calibration`, the per-tensor plan in :mod:`mha2gqa.convert.tensor_plan` and
+the stages of a conversion in :mod:`mha2gqa.convert.converter`. Importing this package is cheap:
+the converter (and torch) load on first use of its names.
+"""
 
-__all__ = [
-    "ALL_METHODS",
-    "GROUPINGS",
-    "METHODS",
-    "AttentionDims",
-    "ConversionResult",
-    "Family",
-    "check_num_kv_heads",
-    "convert_checkpoint",
-    "detect_family",
-    "families",
-    "query_heads_per_kv_head",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "ConversionResult": "mha2gqa.convert.converter",
+    "convert_checkpoint": "mha2gqa.convert.converter",
+    "ConvertSettings": "mha2gqa.convert.settings",
+    "METHODS": "mha2gqa.convert.methods",
+    "GROUPINGS": "mha2gqa.convert.methods",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,8 @@
 """Per-layer, per-head attention similarity between an original model and its conversion.
 
-Both models read the same tokens, each end to end. A registered attention implementation
-(transformers' ``AttentionInterface``) computes the usual SDPA output and hands each layer's
-post-RoPE queries and keys and its values to a recorder, so every family's own projections,
-biases, q/k norms and partial rotary are taken as the model applies them. The original's tensors
+Both models read the same tokens, each end to end, seen through
+:func:`mha2gqa.core.capture.capturing` (each layer's post-RoPE queries and keys and its values, as
+the model applies its own projections, biases, q/k norms and partial rotary). The original's tensors
 are kept per layer (``[B, heads, T, head_dim]``: layers x sequence, never sequence squared); when
 the converted model reaches the same layer, attention rows are rebuilt for both in float32,
 ``chunk`` queries at a time, compared, and the original's layer is freed.
@@ -17,52 +16,13 @@ states, averaged over tokens.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from mha2gqa.core.capture import capturing
 from mha2gqa.eval.metrics import cosine, row_stats
-
-IMPL = "mha2gqa_capture"
-_recorder: Callable[..., None] | None = None
-
-
-def _capture_forward(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if _recorder is not None:
-        scaling, window = kwargs.get("scaling"), kwargs.get("sliding_window")
-        _recorder(module.layer_idx, query, key, value, attention_mask, scaling, window, out[0])
-    return out
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(IMPL, _capture_forward)
-    AttentionMaskInterface.register(IMPL, sdpa_mask)
-
-
-@contextlib.contextmanager
-def capturing(model: torch.nn.Module, recorder: Callable[..., None]) -> Iterator[None]:
-    """Within the block, ``recorder(layer, q, k, v, mask, scaling, sliding_window, output)`` sees
-    every attention call of ``model`` (which otherwise runs exactly as with SDPA); ``output`` is the
-    SDPA result ``[B, T, H, d]``."""
-    global _recorder
-    _register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(IMPL)
-    _recorder = recorder
-    try:
-        yield
-    finally:
-        _recorder = None
-        model.set_attn_implementation(previous)
 
 
 def _scores_mask(mask: torch.Tensor | None, rows: slice, t: int, sliding_window: int | None, device) -> torch.Tensor:

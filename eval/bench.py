@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.families import AttentionDims
+from mha2gqa.core.dims import AttentionDims
 
 
 def _sync(device: torch.device) -> None:
@@ -68,7 +68,7 @@ def bench_model(
     decode = [(new_tokens - 1) * batch_size / max(f - p, 1e-9) for f, p in zip(full, prefill, strict=True)]
     measured, tokens = cache_bytes(out.past_key_values)
     cfg = model.config
-    dims = AttentionDims.from_config(cfg.to_dict())
+    dims = AttentionDims.from_config(cfg)
     element = next(iter(out.past_key_values.layers)).keys.element_size()
     planned = dims.kv_cache_bytes_per_token(dims.num_kv_heads, element) * tokens * batch_size
     return {

@@ -6,12 +6,28 @@ when any gate fails (1 is a user error, 2 a usage error), after writing the resu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from mha2gqa.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.settings import setting
+from mha2gqa.eval.results import Results
 
 GATE_EXIT_CODE = 3
+
+
+@dataclass
+class GateSettings:
+    """The limits a conversion must meet (unset: not checked)."""
+
+    max_ppl_ratio: float | None = setting(None, help="Gate: converted/original perplexity at most this (every "
+                                          "protocol run).", above=0)  # fmt: skip
+    max_kl: float | None = setting(None, help="Gate: mean per-token KL (nats) at most this.", minimum=0)
+    min_top1: float | None = setting(None, help="Gate: top-1 agreement (0-1) at least this.", minimum=0, maximum=1)
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, f.name) is not None for f in fields(self))
 
 
 @dataclass
@@ -30,22 +46,21 @@ class Gate:
         return f"{self.name} {self.value:.4g} {self.op if self.passed else shown} {self.limit:.4g}"
 
 
-def check_gates(results: dict[str, Any], max_ppl_ratio: float | None = None, max_kl: float | None = None,
-                min_top1: float | None = None) -> list[Gate]:  # fmt: skip
+def check_gates(results: Results, limits: GateSettings) -> list[Gate]:
     """The gates asked for, evaluated on ``results``: the perplexity ratio of every protocol run,
     the mean per-token KL, and top-1 agreement."""
     gates: list[Gate] = []
-    if all(x is None for x in (max_ppl_ratio, max_kl, min_top1)):
+    if not limits.any:
         return gates
-    if "converted" not in results["models"]:
+    if results.converted is None:
         raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
-    if max_ppl_ratio is not None:
-        for name, p in results["protocols"].items():
-            gates.append(Gate(f"ppl_ratio[{name}]", p["ppl_ratio"], max_ppl_ratio, "<="))
-    if max_kl is not None:
-        gates.append(Gate("kl_mean", results["agreement"]["kl"]["mean"], max_kl, "<="))
-    if min_top1 is not None:
-        gates.append(Gate("top1_agreement", results["agreement"]["top1_agreement"], min_top1, ">="))
+    if limits.max_ppl_ratio is not None:
+        for name, p in results.protocols.items():
+            gates.append(Gate(f"ppl_ratio[{name}]", p.ppl_ratio, limits.max_ppl_ratio, "<="))
+    if limits.max_kl is not None:
+        gates.append(Gate("kl_mean", results.agreement.kl["mean"], limits.max_kl, "<="))
+    if limits.min_top1 is not None:
+        gates.append(Gate("top1_agreement", results.agreement.top1_agreement, limits.min_top1, ">="))
     return gates
 
 

@@ -1,32 +1,26 @@
 """The evaluation run: original vs converted (or one model) on the same text, as a results dict.
 
-Results follow a versioned schema (``SCHEMA``): models (paths, config summaries, hashes,
-conversion records), tokenizer, data source and token counts, every protocol with its settings,
-output agreement, attention similarity, timings and tokens/s, library versions, device, git
-revision. Under ``accelerate launch`` the windows are split across processes, sums are reduced,
-and only the main process returns the full results.
+Results follow a versioned schema (:mod:`mha2gqa.eval.results`): models (paths, config summaries,
+hashes, KV bytes, conversion records), tokenizer, data source and token counts, every protocol with
+its settings, output agreement, attention similarity, timings and tokens/s, library versions,
+device, git revision. Under ``accelerate launch`` the windows are split across processes, sums are
+reduced, and only the main process returns the full results.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
 import math
 import platform
 import re
-import subprocess
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from mha2gqa.errors import Mha2GqaError
-from mha2gqa.eval.attention import attention_similarity
-from mha2gqa.eval.data import TextData, document_tokens, load_text, prefix_token, token_stream
-from mha2gqa.eval.metrics import summarize
-from mha2gqa.eval.models import (
+from mha2gqa.core.errors import SettingError
+from mha2gqa.core.models import (
+    LoadedModel,
     check_same_tokenizer,
     load_model,
     load_tokenizer,
@@ -34,37 +28,14 @@ from mha2gqa.eval.models import (
     resolve_dtype,
     tokenizer_info,
 )
+from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
+from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
+from mha2gqa.eval.attention import attention_similarity
+from mha2gqa.eval.metrics import summarize
 from mha2gqa.eval.perplexity import Window, disjoint_windows, rolling_windows, score_windows, stride_windows
+from mha2gqa.eval.settings import EvalSettings
 
-SCHEMA = "mha2gqa.eval/1"
-PROTOCOLS = ("disjoint", "stride", "rolling")
-
-
-@dataclass
-class EvalSettings:
-    """Every knob of an evaluation run (recorded verbatim in the results)."""
-
-    data: str
-    text_field: str = "text"
-    doc_split: str = "file"
-    protocols: tuple[str, ...] = ("disjoint",)
-    seq_len: int | None = None  # default: min(2048, the models' max positions)
-    stride: int | None = None  # default: seq_len // 2
-    max_tokens: int | None = None
-    batch_size: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-    device_map: str | None = None
-    attention: bool = True
-    attention_seq_len: int | None = None  # default: min(seq_len, 1024)
-    attention_windows: int = 1
-    attention_chunk: int = 128
-    revision: str | None = None
-    progress: bool = True
-
-
-def _max_positions(model: torch.nn.Module) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
+SCHEMA = EVAL_SCHEMA
 
 
 def _split_for_rank(windows: list[Window]) -> tuple[list[Window], Any]:
@@ -111,28 +82,6 @@ def is_main_process() -> bool:
     return PartialState().is_main_process
 
 
-def write_results(results: dict[str, Any], path: Path) -> None:
-    """Write the results JSON atomically (a temporary file renamed into place)."""
-    import json
-    import os
-    import tempfile
-
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    except OSError as e:
-        raise Mha2GqaError(f"--output {path}: cannot write there: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2, allow_nan=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _ppl_entry(nll_sum: float, tokens: int) -> dict[str, float]:
     nll = nll_sum / tokens
     return {"nll_sum": nll_sum, "tokens": tokens, "nll": nll, "ppl": math.exp(nll)}
@@ -150,127 +99,143 @@ def _protocol_result(
     return entry
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+@dataclass
+class _Run:
+    """What every protocol of one evaluation shares."""
 
-    out = {"python": platform.python_version()}
-    for pkg in ("mha2gqa", "torch", "transformers", "accelerate", "datasets", "safetensors"):
-        with contextlib.suppress(PackageNotFoundError):
-            out[pkg] = version(pkg)
+    settings: EvalSettings
+    names: list[str]
+    loaded: list[LoadedModel]
+    tokenizer: Any
+    data: TextData
+    ids: torch.Tensor  # [N] the token stream
+    seq_len: int
+    stride: int
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        return [m.model for m in self.loaded]
+
+    @property
+    def common(self) -> dict[str, Any]:
+        s = self.settings
+        return {"seq_len": self.seq_len, "max_tokens": s.max_tokens, "batch_size": s.batch_size}
+
+    @property
+    def stream(self) -> str:
+        return "one BOS at the start" if self.tokenizer.bos_token_id is not None else "no BOS (tokenizer has none)"
+
+    def scored(self, windows: list[Window], desc: str) -> dict[str, Any]:
+        return scored_pass(self.models, windows, self.settings.batch_size, self.settings.progress, desc)
+
+
+def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
+    """Load the models, tokenizer and text and fix the window sizes (all checked)."""
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    data = load_text(s.data, s.text_field, s.doc_split)
+    paths = [original] + ([converted] if converted else [])
+    loaded = [load_model(p, device, dtype, s.device_map, s.revision) for p in paths]
+    tok = load_tokenizer(loaded[0].folder)
+    if converted:
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        if any((loaded[1].folder / f).is_file() for f in files):
+            check_same_tokenizer(tok, load_tokenizer(loaded[1].folder), original, converted)
+    limits = [p for p in (getattr(m.model.config, "max_position_embeddings", None) for m in loaded) if p]
+    max_pos = min(limits) if limits else None
+    seq_len = s.seq_len or min(2048, max_pos or 2048)
+    if max_pos and seq_len > max_pos:
+        raise SettingError("seq_len", f"{{name}} {seq_len} is longer than the model's {max_pos} positions; use "
+                           f"{{name}} {max_pos} or less")  # fmt: skip
+    stride = s.stride or max(seq_len // 2, 1)
+    if not 1 <= stride <= seq_len:
+        raise SettingError("stride", f"{{name}} {stride} must be between 1 and --seq-len {seq_len}")
+    ids = token_stream(tok, data, s.max_tokens)
+    if ids.numel() < seq_len:
+        raise SettingError("data", f"{{name}} {s.data}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
+                           "give more text or a smaller --seq-len")  # fmt: skip
+    names = ["original", "converted"][: len(paths)]
+    return _Run(s, names, loaded, tok, data, ids, seq_len, stride)
+
+
+def _disjoint(run: _Run, results: dict[str, Any]) -> None:
+    """Disjoint windows; their pass also gives the output agreement of a pair."""
+    res = run.scored(disjoint_windows(run.ids, run.seq_len), "disjoint")
+    if "disjoint" in run.settings.protocols:
+        results["protocols"]["disjoint"] = _protocol_result(run.names, res, {**run.common, "stream": run.stream})
+    if len(run.names) == 2:
+        results["agreement"] = {**res["agreement"], "settings": {"protocol": "disjoint", **run.common}}
+
+
+def _stride(run: _Run, results: dict[str, Any]) -> None:
+    res = run.scored(stride_windows(run.ids, run.seq_len, run.stride), "stride")
+    settings = {**run.common, "stride": run.stride, "stream": run.stream}
+    results["protocols"]["stride"] = _protocol_result(run.names, res, settings)
+
+
+def _rolling(run: _Run, results: dict[str, Any]) -> None:
+    """lm-evaluation-harness rolling windows per document, with word and byte perplexity."""
+    docs, used = document_tokens(run.tokenizer, run.data, run.settings.max_tokens)
+    prefix = prefix_token(run.tokenizer)
+    res = run.scored([w for d in docs for w in rolling_windows(d, prefix, run.seq_len)], "rolling")
+    words = sum(len(re.split(r"\s+", d)) for d in used)
+    nbytes = sum(len(d.encode("utf-8")) for d in used)
+    extra = []
+    for i in range(len(run.names)):
+        ll = -res["nll_sum"][i]
+        extra.append({"word_perplexity": math.exp(-ll / words), "byte_perplexity": math.exp(-ll / nbytes),
+                      "bits_per_byte": -ll / nbytes / math.log(2)})  # fmt: skip
+    settings = {**run.common, "documents": len(used), "words": words, "bytes": nbytes, "prefix_token": prefix,
+                "context_len": 1}  # fmt: skip
+    results["protocols"]["rolling"] = _protocol_result(run.names, res, settings, extra)
+
+
+def _attention(run: _Run) -> dict:
+    from accelerate import PartialState
+
+    s = run.settings
+    t = min(s.attention_seq_len or min(run.seq_len, 1024), run.seq_len)
+    windows = [w for w, _ in disjoint_windows(run.ids, t) if w.numel() == t][: s.attention_windows]
+    if not windows or not PartialState().is_main_process:
+        return {}
+    start = time.perf_counter()
+    out = attention_similarity(run.models[0], run.models[1], torch.stack(windows), s.attention_chunk)
+    out["seconds"] = time.perf_counter() - start
     return out
-
-
-def _git_revision() -> str | None:
-    try:
-        here = Path(__file__).resolve().parent
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        return rev.stdout.strip() or None if rev.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def evaluate(original: str, converted: str | None, settings: EvalSettings) -> dict[str, Any]:
     """Evaluate ``original`` (and ``converted`` against it) on ``settings.data``; see module doc."""
     started = time.perf_counter()
-    unknown = [p for p in settings.protocols if p not in PROTOCOLS]
-    if unknown or not settings.protocols:
-        raise Mha2GqaError(f"--protocol {', '.join(unknown) or '(none)'}: choose from {', '.join(PROTOCOLS)}")
-    if settings.batch_size < 1:
-        raise Mha2GqaError("--batch-size must be at least 1")
-    device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
-    data: TextData = load_text(settings.data, settings.text_field, settings.doc_split)
-    paths = [original] + ([converted] if converted else [])
-    names = ["original", "converted"][: len(paths)]
-    loaded = [load_model(p, device, dtype, settings.device_map, settings.revision) for p in paths]
-    models = [m.model for m in loaded]
-    tok = load_tokenizer(loaded[0].folder)
-    if converted:
-        has_tokenizer = any(
-            (loaded[1].folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        )
-        if has_tokenizer:
-            check_same_tokenizer(tok, load_tokenizer(loaded[1].folder), original, converted)
-
-    limits = [p for p in (_max_positions(m) for m in models) if p]
-    max_pos = min(limits) if limits else None
-    seq_len = settings.seq_len or min(2048, max_pos or 2048)
-    if seq_len < 2:
-        raise Mha2GqaError("--seq-len must be at least 2")
-    if max_pos and seq_len > max_pos:
-        raise Mha2GqaError(
-            f"--seq-len {seq_len} is longer than the model's {max_pos} positions; use --seq-len {max_pos} or less"
-        )
-    stride = settings.stride or max(seq_len // 2, 1)
-    if not 1 <= stride <= seq_len:
-        raise Mha2GqaError(f"--stride {stride} must be between 1 and --seq-len {seq_len}")
-
-    ids = token_stream(tok, data, settings.max_tokens)
-    if ids.numel() < seq_len:
-        raise Mha2GqaError(
-            f"--data {settings.data}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
-            "give more text or a smaller --seq-len"
-        )
+    run = _prepare(original, converted, settings.check())
+    device = next(run.models[0].parameters()).device
     results: dict[str, Any] = {
         "schema": SCHEMA,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {**asdict(settings), "seq_len": seq_len, "stride": stride, "protocols": list(settings.protocols)},
-        "models": {n: m.describe() for n, m in zip(names, loaded, strict=True)},
-        "tokenizer": tokenizer_info(tok),
-        "data": {**data.describe(), "stream_tokens": ids.numel()},
+        "created": now(),
+        "settings": {
+            **asdict(settings),
+            "seq_len": run.seq_len,
+            "stride": run.stride,
+            "protocols": list(settings.protocols),
+        },
+        "models": {n: m.describe() for n, m in zip(run.names, run.loaded, strict=True)},
+        "tokenizer": tokenizer_info(run.tokenizer),
+        "data": {**run.data.describe(), "stream_tokens": run.ids.numel()},
         "protocols": {},
-        "device": _device_info(device, dtype, settings.device_map),
-        "versions": _versions(),
-        "git_revision": _git_revision(),
+        "device": _device_info(device, next(run.models[0].parameters()).dtype, settings.device_map),
+        "versions": versions(),
+        "git_revision": git_revision(),
     }
-    common = {"seq_len": seq_len, "max_tokens": settings.max_tokens, "batch_size": settings.batch_size}
-    bos = "one BOS at the start" if tok.bos_token_id is not None else "no BOS (tokenizer has none)"
-    disjoint = disjoint_windows(ids, seq_len)
     if "disjoint" in settings.protocols or converted:
-        res = scored_pass(models, disjoint, settings.batch_size, settings.progress, "disjoint")
-        if "disjoint" in settings.protocols:
-            results["protocols"]["disjoint"] = _protocol_result(names, res, {**common, "stream": bos})
-        if converted:
-            results["agreement"] = {**res["agreement"], "settings": {"protocol": "disjoint", **common}}
+        _disjoint(run, results)
     if "stride" in settings.protocols:
-        res = scored_pass(
-            models, stride_windows(ids, seq_len, stride), settings.batch_size, settings.progress, "stride"
-        )
-        results["protocols"]["stride"] = _protocol_result(names, res, {**common, "stride": stride, "stream": bos})
+        _stride(run, results)
     if "rolling" in settings.protocols:
-        docs, used = document_tokens(tok, data, settings.max_tokens)
-        prefix = prefix_token(tok)
-        windows = [w for d in docs for w in rolling_windows(d, prefix, seq_len)]
-        res = scored_pass(models, windows, settings.batch_size, settings.progress, "rolling")
-        words = sum(len(re.split(r"\s+", d)) for d in used)
-        nbytes = sum(len(d.encode("utf-8")) for d in used)
-        extra = []
-        for i in range(len(models)):
-            ll = -res["nll_sum"][i]
-            extra.append({"word_perplexity": math.exp(-ll / words), "byte_perplexity": math.exp(-ll / nbytes),
-                          "bits_per_byte": -ll / nbytes / math.log(2)})  # fmt: skip
-        settings_r = {**common, "documents": len(used), "words": words, "bytes": nbytes, "prefix_token": prefix,
-                      "context_len": 1}  # fmt: skip
-        results["protocols"]["rolling"] = _protocol_result(names, res, settings_r, extra)
+        _rolling(run, results)
     if converted and settings.attention:
-        results["attention"] = _attention(models, disjoint, ids, seq_len, settings)
+        results["attention"] = _attention(run)
     results["seconds"] = time.perf_counter() - started
     return results
-
-
-def _attention(
-    models: list[torch.nn.Module], disjoint: list[Window], ids: torch.Tensor, seq_len: int, settings: EvalSettings
-) -> dict:
-    from accelerate import PartialState
-
-    t = min(settings.attention_seq_len or min(seq_len, 1024), seq_len)
-    windows = [w for w, _ in disjoint_windows(ids, t) if w.numel() == t][: settings.attention_windows]
-    if not windows or not PartialState().is_main_process:
-        return {}
-    start = time.perf_counter()
-    out = attention_similarity(models[0], models[1], torch.stack(windows), settings.attention_chunk)
-    out["seconds"] = time.perf_counter() - start
-    return out
 
 
 def _device_info(device: torch.device, dtype: torch.dtype, device_map: str | None) -> dict[str, Any]:

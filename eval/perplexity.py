@@ -22,9 +22,8 @@ cut windows:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,29 +33,6 @@ from mha2gqa.eval.metrics import kl_divergence
 
 IGNORE = -100
 Window = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class Perplexity:
-    """Summed next-token NLL (nats) over ``tokens`` scored tokens."""
-
-    protocol: str
-    seq_len: int
-    nll_sum: float
-    tokens: int
-    windows: int
-    settings: dict = field(default_factory=dict)
-
-    @property
-    def nll(self) -> float:
-        return self.nll_sum / self.tokens
-
-    @property
-    def ppl(self) -> float:
-        return math.exp(self.nll)
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "nll": self.nll, "ppl": self.ppl}
 
 
 def _shifted(ids: torch.Tensor, scored: int) -> torch.Tensor:
@@ -199,19 +175,3 @@ def score_windows(
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def perplexity(
-    model: torch.nn.Module, windows: list[Window], protocol: str, seq_len: int, batch_size: int = 1, **settings
-) -> Perplexity:
-    """Perplexity of one model over prepared windows."""
-    res = score_windows([model], windows, batch_size)
-    return Perplexity(protocol, seq_len, res.nll_sum[0], res.tokens, res.windows, settings)
-
-
-def perplexity_disjoint(model: torch.nn.Module, ids: torch.Tensor, seq_len: int, batch_size: int = 1) -> Perplexity:
-    """Perplexity of ``model`` on the 1-D token tensor ``ids`` with disjoint windows."""
-    windows = disjoint_windows(ids, seq_len)
-    if not windows:
-        raise ValueError(f"need at least 2 tokens, got {ids.numel()}")
-    return perplexity(model, windows, "disjoint", seq_len, batch_size)

@@ -1,16 +1,13 @@
 """mha2gqa: convert multi-head-attention checkpoints to grouped-query attention and measure the cost.
 
-The conversion core lives in :mod:`mha2gqa.convert`, the evaluation harness in :mod:`mha2gqa.eval`
-and the command line in :mod:`mha2gqa.cli`.
+The shared ground floor (families, dimensions, checkpoint I/O, text, model loading, records, units,
+settings) is :mod:`mha2gqa.core`; the conversion is :mod:`mha2gqa.convert`, the evaluation harness
+:mod:`mha2gqa.eval`, uptraining :mod:`mha2gqa.uptrain`, and the command line :mod:`mha2gqa.cli`.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.records import version
 
-from mha2gqa.errors import Mha2GqaError
+__version__ = version()
 
-try:
-    __version__ = version("mha2gqa")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
-
-__all__ = ["Mha2GqaError", "__version__"]
+__all__ = ["Mha2GqaError", "SettingError", "__version__"]

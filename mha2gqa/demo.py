@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
+from mha2gqa.core.settings import setting
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 
@@ -23,17 +23,17 @@ SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 class DemoSettings:
     """Everything that determines the cached demo model (its hash names the cache folder)."""
 
-    vocab_size: int = 2048
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_layers: int = 4
-    num_heads: int = 8
-    seq_len: int = 128
-    batch_size: int = 16
-    steps: int = 400
-    lr: float = 3e-3
-    seed: int = 0
-    heldout_fraction: float = 0.1
+    vocab_size: int = setting(2048, help="BPE vocabulary size.", minimum=259)
+    hidden_size: int = setting(128, help="Hidden size.", minimum=1)
+    intermediate_size: int = setting(352, help="MLP size.", minimum=1)
+    num_layers: int = setting(4, help="Decoder layers.", minimum=1)
+    num_heads: int = setting(8, help="Attention heads (all of them KV heads: MHA).", minimum=1)
+    seq_len: int = setting(128, help="Training window (the model gets twice as many positions).", minimum=2)
+    batch_size: int = setting(16, help="Training batch.", minimum=1)
+    steps: int = setting(400, help="Training steps (~1 min on 2 cores).", minimum=1)
+    lr: float = setting(3e-3, help="Peak learning rate.", above=0)
+    seed: int = setting(0, help="Seed.", minimum=0, maximum=2**63 - 1)
+    heldout_fraction: float = setting(0.1, help="Share of the text held out for evaluation.", above=0, below=1)
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -85,9 +85,10 @@ def build_tokenizer(text: str, vocab_size: int):
 
 def train_demo_model(folder: Path, settings: DemoSettings, log=print) -> Path:
     """Train the demo MHA model and save it (safetensors, config, tokenizer) into ``folder``."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mha2gqa.convert.writer import staged_output
+    from mha2gqa.core.output import staged_output
 
     train_text, _ = cpython_text(settings.heldout_fraction)
     torch.manual_seed(settings.seed)

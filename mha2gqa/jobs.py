@@ -3,16 +3,20 @@
 ``mha2gqa run JOB.yaml`` converts ``source`` to every ``num_kv_heads`` x ``methods``, evaluates each
 conversion against the source, renders one report over all of them and checks the gates. The
 source ``demo`` is the embedded model (trained once, cached, from the ``demo`` section); its data
-``demo-heldout`` is the held-out CPython pydoc topics and ``demo-train`` (calibration) the training
-topics. With an ``uptrain`` section every conversion is also uptrained (the source as teacher, the
-eval data held out), evaluated in turn, and the report gains the recovery curves. Unknown keys are
-errors.
+``demo-heldout`` is the held-out CPython pydoc topics and ``demo-train`` (calibration, uptraining)
+the training topics. With an ``uptrain`` section every conversion is also uptrained (the source as
+teacher, the eval data held out), evaluated in turn, and the report gains the recovery curves.
+
+Each section is the settings dataclass of its command (:class:`ConvertSettings`,
+:class:`EvalSettings`, :class:`UptrainSettings`, :class:`GateSettings`, :class:`DemoSettings`), so
+its keys, defaults and checks are those of the command line; the whole file is checked before
+anything runs.
 
     source: demo                 # a folder, a hub id, or demo
     demo: {steps: 400, ...}      # DemoSettings fields (source: demo only)
-    convert: {num_kv_heads: [4, 2, 1], methods: [mean, svd], calibration: demo-train, max_shard_size: 5GB}
+    convert: {num_kv_heads: [4, 2, 1], methods: [mean, svd], calibration: demo-train, ...}
     eval: {data: demo-heldout, protocols: [disjoint], seq_len: 128, batch_size: 8, ...}
-    uptrain: {data: demo-train, max_steps: 100, lr: 1.0e-3, ...}  # optional: UptrainSettings fields
+    uptrain: {data: demo-train, max_steps: 100, lr: 1.0e-3, ...}  # optional
     gates: {max_ppl_ratio: 3.0, max_kl: 1.0, min_top1: 0.5}
     report: true
     output_dir: runs/demo        # relative to the job file's folder; demo: the cache folder
@@ -29,20 +33,19 @@ from typing import Any
 
 import yaml
 
+from mha2gqa.convert.settings import ConvertSettings
+from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.settings import Spec, check_value, from_mapping
 from mha2gqa.demo import DemoSettings
-from mha2gqa.errors import Mha2GqaError
+from mha2gqa.eval.gates import GateSettings
+from mha2gqa.eval.settings import EvalSettings
+from mha2gqa.uptrain.settings import UptrainSettings
 
-_TOP = {"name", "source", "demo", "convert", "eval", "uptrain", "gates", "report", "output_dir"}
-_CONVERT = {"num_kv_heads", "methods", "max_shard_size", "calibration", "calibration_tokens", "grouping"}
-_EVAL = {"data", "text_field", "doc_split", "protocols", "seq_len", "stride", "max_tokens", "batch_size", "device",
-         "dtype", "attention", "attention_seq_len"}  # fmt: skip
-_GATES = {"max_ppl_ratio", "max_kl", "min_top1"}
-#: UptrainSettings fields a job may set (output, teacher and eval data come from the job)
-_UPTRAIN = {"data", "text_field", "doc_split", "objective", "kd_weight", "temperature", "train", "lora_rank",
-            "lora_alpha", "lora_dropout", "max_steps", "max_tokens", "batch_size", "grad_accum", "seq_len", "lr",
-            "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta2", "max_grad_norm", "seed", "eval_every",
-            "eval_tokens", "eval_seq_len", "eval_batch_size", "save_every", "save_total_limit", "log_every", "device",
-            "mixed_precision", "gradient_checkpointing"}  # fmt: skip
+_TOP = ("name", "source", "demo", "convert", "eval", "uptrain", "gates", "report", "output_dir")
+#: settings the job decides itself (per conversion, or from other sections)
+_CONVERT_FIXED = ("num_kv_heads", "method", "overwrite", "progress")
+_EVAL_FIXED = ("progress",)
+_UPTRAIN_FIXED = ("output", "teacher", "eval_data", "resume", "overwrite", "progress", "stop_after")
 
 
 @dataclass
@@ -52,15 +55,18 @@ class Job:
     demo: DemoSettings
     num_kv_heads: tuple[int, ...]
     methods: tuple[str, ...]
-    max_shard_size: str = "5GB"
-    calibration: str | None = None
-    calibration_tokens: int = 16384
-    grouping: str = "contiguous"
-    eval: dict[str, Any] = field(default_factory=dict)
-    uptrain: dict[str, Any] = field(default_factory=dict)
-    gates: dict[str, float] = field(default_factory=dict)
+    convert: dict[str, Any] = field(default_factory=dict)  # further ConvertSettings fields
+    eval: EvalSettings | None = None
+    uptrain: dict[str, Any] = field(default_factory=dict)  # UptrainSettings fields ({}: no uptraining)
+    gates: GateSettings = field(default_factory=GateSettings)
     report: bool = True
     output_dir: Path | None = None
+
+    def convert_settings(self, num_kv_heads: int, method: str, calibration: str | None = None) -> ConvertSettings:
+        """The settings of one conversion of the sweep (checked)."""
+        options = {**self.convert, **({"calibration": calibration} if calibration else {})}
+        return ConvertSettings(num_kv_heads=num_kv_heads, method=method, overwrite=True, progress=False,
+                               **options).check()  # fmt: skip
 
 
 def shipped_jobs() -> dict[str, Path]:
@@ -69,64 +75,78 @@ def shipped_jobs() -> dict[str, Path]:
     return {p.name.removesuffix(".yaml"): Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
 
 
-def _check_keys(where: str, data: Any, allowed: set[str], path: Path) -> dict[str, Any]:
-    if data is None:
+def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key)
+    if value is None:
         return {}
-    if not isinstance(data, dict):
-        raise Mha2GqaError(f"{path}: '{where}' must be a mapping")
-    unknown = set(data) - allowed
-    if unknown:
-        raise Mha2GqaError(f"{path}: unknown keys in '{where}': {sorted(unknown)}; known: {sorted(allowed)}")
-    return data
+    if not isinstance(value, dict):
+        raise SettingError(key, "'{name}' must be a mapping")
+    return value
+
+
+def _sweep(conv: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, Any]]:
+    """``num_kv_heads`` and ``methods`` (one value or a list each) and the other convert settings."""
+    conv = dict(conv)
+    heads = conv.pop("num_kv_heads", None)
+    methods = conv.pop("methods", ["mean"])
+    spec = dataclasses.fields(ConvertSettings)
+    choices = next(f for f in spec if f.name == "method").metadata["mha2gqa"].choices
+    heads = check_value("convert.num_kv_heads", heads if isinstance(heads, list) else [heads], tuple[int, ...],
+                        Spec("", minimum=1))  # fmt: skip
+    methods = check_value("convert.methods", methods if isinstance(methods, list) else [methods], tuple[str, ...],
+                          Spec("", choices=choices))  # fmt: skip
+    return heads, methods, conv
 
 
 def load_job(path: Path) -> Job:
-    """Read and validate a job file."""
+    """Read a job file and check every section (types, values, combinations) before anything runs."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise Mha2GqaError(f"{path}: cannot read the job file: {e}") from None
-    data = _check_keys("top level", data, _TOP, path)
-    if "source" not in data:
-        raise Mha2GqaError(f"{path}: 'source' is required (a folder, a hub id, or demo)")
-    demo_fields = {f.name for f in dataclasses.fields(DemoSettings)}
-    demo = DemoSettings(**_check_keys("demo", data.get("demo"), demo_fields, path))
-    conv = _check_keys("convert", data.get("convert"), _CONVERT, path)
-    ev = _check_keys("eval", data.get("eval"), _EVAL, path)
-    gates = _check_keys("gates", data.get("gates"), _GATES, path)
-    up = _check_keys("uptrain", data.get("uptrain"), _UPTRAIN, path)
-    if up and "data" not in up:
-        raise Mha2GqaError(f"{path}: uptrain.data is required (the training text)")
-    g = conv.get("num_kv_heads", [])
-    heads = tuple(g if isinstance(g, list) else [g])
-    methods = tuple(conv.get("methods", ["mean"]))
-    if not heads or not all(isinstance(x, int) and x > 0 for x in heads):
-        raise Mha2GqaError(f"{path}: convert.num_kv_heads must be a positive integer or a list of them")
-    from mha2gqa.convert.converter import ALL_METHODS
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise Mha2GqaError(f"{path}: cannot read the job file: {str(e).splitlines()[0]}") from None
+    try:
+        return _parse(path, data)
+    except SettingError as e:
+        raise Mha2GqaError(f"{path}: {e}") from None
 
-    bad = [m for m in methods if m not in ALL_METHODS]
-    if bad:
-        raise Mha2GqaError(f"{path}: unknown methods {bad}; choose from {', '.join(ALL_METHODS)}")
+
+def _parse(path: Path, data: Any) -> Job:
+    if not isinstance(data, dict):
+        raise SettingError("job", "a job file is a mapping of sections")
+    unknown = sorted(set(data) - set(_TOP))
+    if unknown:
+        raise SettingError(unknown[0], f"unknown top-level key '{{name}}'; known: {', '.join(_TOP)}")
+    if "source" not in data or not isinstance(data["source"], str):
+        raise SettingError("source", "'{name}' is required (a folder, a hub id, or demo)")
+    demo = from_mapping(DemoSettings, _section(data, "demo"), "demo")
+    heads, methods, conv = _sweep(_section(data, "convert"))
+    ev = _section(data, "eval")
     if "data" not in ev:
-        raise Mha2GqaError(f"{path}: eval.data is required")
-    out = data.get("output_dir")
-    return Job(
-        name=str(data.get("name", path.stem)),
-        source=str(data["source"]),
-        demo=demo,
-        num_kv_heads=heads,
-        methods=methods,
-        max_shard_size=str(conv.get("max_shard_size", "5GB")),
-        calibration=conv.get("calibration"),
-        calibration_tokens=int(conv.get("calibration_tokens", 16384)),
-        grouping=str(conv.get("grouping", "contiguous")),
-        eval=ev,
-        uptrain=up,
-        gates={k: float(v) for k, v in gates.items()},
-        report=bool(data.get("report", True)),
-        output_dir=(path.parent / out) if out else None,
-    )
+        raise SettingError("eval.data", "{name} is required")
+    evaluation = from_mapping(EvalSettings, ev, "eval", exclude=_EVAL_FIXED).check()
+    up = _section(data, "uptrain")
+    if up and "data" not in up:
+        raise SettingError("uptrain.data", "{name} is required (the training text)")
+    if up:
+        fixed = {"output": "-", "teacher": data["source"]}  # the job's own
+        from_mapping(UptrainSettings, up, "uptrain", fixed=fixed, exclude=_UPTRAIN_FIXED).check()
+    gates = from_mapping(GateSettings, _section(data, "gates"), "gates")
+    for key, kind in (("report", bool), ("name", str), ("output_dir", str)):
+        if key in data and not isinstance(data[key], kind):
+            raise SettingError(key, f"'{{name}}' must be {'true or false' if kind is bool else 'a string'}")
+    job = Job(name=str(data.get("name", path.stem)), source=data["source"], demo=demo, num_kv_heads=heads,
+              methods=methods, convert=conv, eval=evaluation, uptrain=up, gates=gates,
+              report=data.get("report", True),
+              output_dir=(path.parent / data["output_dir"]) if data.get("output_dir") else None)  # fmt: skip
+    fixed = {"num_kv_heads": heads[0], "method": methods[0], "overwrite": True, "progress": False}
+    from_mapping(ConvertSettings, conv, "convert", fixed=fixed)  # keys and types
+    for method in methods:  # every conversion's settings, checked now
+        try:
+            job.convert_settings(heads[0], method).check_calibration()
+        except SettingError as e:
+            raise SettingError(e.setting, e.render(f"convert.{e.setting}")) from None
+    return job
 
 
 @dataclass
@@ -138,33 +158,51 @@ class RunResult:
     gates_passed: bool
 
 
+def _source(job: Job, log: Callable[[str], None]) -> tuple[str, Path]:
+    """The model to convert and the default output folder."""
+    from mha2gqa.demo import cache_root, demo_model
+
+    if job.source == "demo":
+        return str(demo_model(job.demo, log=log)), cache_root() / f"demo-{job.demo.key()}" / "run"
+    return job.source, Path.cwd() / "mha2gqa-runs" / job.name
+
+
+def _demo_text(job: Job, name: str | None) -> str | None:
+    """``demo-train`` / ``demo-heldout`` as the cached text files; other names as they are."""
+    from mha2gqa.demo import heldout_file, train_file
+
+    files = {"demo-train": train_file, "demo-heldout": heldout_file}
+    return str(files[name](job.demo)) if name in files else name
+
+
+def _check_heads(job: Job, source: str) -> None:
+    """Every KV-head count of the sweep must divide the source's, checked before the first conversion."""
+    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.planning import load_config
+
+    dims = AttentionDims.from_config(load_config(source))
+    for g in job.num_kv_heads:
+        try:
+            dims.check_kv_heads(g)
+        except SettingError as e:
+            raise Mha2GqaError(e.render("convert.num_kv_heads")) from None
+
+
 def run_job(
     job: Job, output_dir: Path | None = None, log: Callable[[str], None] = print, progress: bool = False
 ) -> RunResult:
     """Convert, evaluate, report and gate as the job says; returns where everything went."""
     from mha2gqa.convert import convert_checkpoint
-    from mha2gqa.demo import cache_root, demo_model, heldout_file, train_file
-    from mha2gqa.eval.harness import EvalSettings
     from mha2gqa.eval.report import load_results, load_runs, render
-    from mha2gqa.uptrain import UptrainSettings, uptrain
+    from mha2gqa.uptrain import uptrain
 
-    if job.source == "demo":
-        source = str(demo_model(job.demo, log=log))
-        default_out = cache_root() / f"demo-{job.demo.key()}" / "run"
-    else:
-        source = job.source
-        default_out = Path.cwd() / "mha2gqa-runs" / job.name
+    source, default_out = _source(job, log)
+    _check_heads(job, source)
     out = Path(output_dir or job.output_dir or default_out)
     out.mkdir(parents=True, exist_ok=True)
-    ev = dict(job.eval)
-    if ev["data"] == "demo-heldout":
-        ev["data"] = str(heldout_file(job.demo))
-    calibration = str(train_file(job.demo)) if job.calibration == "demo-train" else job.calibration
-    ev["protocols"] = tuple(ev.get("protocols", ("disjoint",)))
-    settings = EvalSettings(**ev, progress=progress)
-    up = dict(job.uptrain)
-    if up.get("data") == "demo-train":
-        up["data"] = str(train_file(job.demo))
+    settings = dataclasses.replace(job.eval, data=_demo_text(job, job.eval.data), progress=progress)
+    calibration = _demo_text(job, job.convert.get("calibration"))
+    up = {**job.uptrain, "data": _demo_text(job, job.uptrain.get("data"))} if job.uptrain else {}
     paths: list[Path] = []
     runs: list[Path] = []
     rows: list[dict[str, Any]] = []
@@ -173,15 +211,14 @@ def run_job(
         for g in job.num_kv_heads:
             tag = f"{method}-g{g}"
             model_dir = out / "models" / tag
-            conv = convert_checkpoint(source, model_dir, g, method, max_shard_size=job.max_shard_size, overwrite=True,
-                                      progress=progress, calibration=calibration,
-                                      calibration_tokens=job.calibration_tokens, grouping=job.grouping)  # fmt: skip
+            options = dataclasses.asdict(job.convert_settings(g, method, calibration))
+            conv = convert_checkpoint(source, model_dir, **{**options, "progress": progress})
             log(f"converted {tag}: {conv.summary()}")
             stages = [(tag, method, model_dir)]
             if up:
                 up_dir = out / "models" / f"{tag}-uptrained"
                 result = uptrain(str(model_dir), UptrainSettings(**up, output=str(up_dir), teacher=source,
-                                 eval_data=ev["data"], overwrite=True, progress=progress),
+                                 eval_data=settings.data, overwrite=True, progress=progress),
                                  log=lambda m: None)  # fmt: skip
                 log(f"uptrained {tag}: {result.summary()}")
                 stages.append((f"{tag}-uptrained", f"{method}+uptrain", up_dir))
@@ -201,22 +238,24 @@ def _evaluate_stage(source: str, model_dir: Path, tag: str, label: str, g: int, 
                     log: Callable[[str], None]) -> tuple[Path, dict[str, Any], bool]:  # fmt: skip
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed."""
+    from mha2gqa.core.output import write_json
     from mha2gqa.eval.gates import check_gates, gates_record, verdict
-    from mha2gqa.eval.harness import evaluate, write_results
+    from mha2gqa.eval.harness import evaluate
+    from mha2gqa.eval.results import Results
 
     results = evaluate(source, str(model_dir), settings)
-    gates = check_gates(results, **{k: job.gates.get(k) for k in ("max_ppl_ratio", "max_kl", "min_top1")})
+    gates = check_gates(Results.from_dict(results), job.gates)
     passed = True
     if gates:
         results["gates"] = gates_record(gates)
         passed = results["gates"]["passed"]
         log(f"  {tag}: {verdict(gates)}")
     path = out / "results" / f"{tag}.json"
-    write_results(results, path)
-    p = results["protocols"].get("disjoint") or next(iter(results["protocols"].values()))
-    row = {"tag": tag, "method": label, "num_kv_heads": g, "original_ppl": p["original"]["ppl"],
-           "converted_ppl": p["converted"]["ppl"], "ppl_ratio": p["ppl_ratio"],
-           "kl_mean": results["agreement"]["kl"]["mean"], "top1": results["agreement"]["top1_agreement"],
-           "kv_bytes_per_token": conv.kv_cache_bytes_per_token_after,
+    write_json(path, results)
+    typed = Results.from_dict(results, str(path))
+    p = typed.headline
+    row = {"tag": tag, "method": label, "num_kv_heads": g, "original_ppl": p.original.ppl,
+           "converted_ppl": p.converted.ppl, "ppl_ratio": p.ppl_ratio, "kl_mean": typed.agreement.kl["mean"],
+           "top1": typed.agreement.top1_agreement, "kv_bytes_per_token": conv.kv_cache_bytes_per_token_after,
            "kv_bytes_per_token_before": conv.kv_cache_bytes_per_token_before}  # fmt: skip
     return path, row, passed

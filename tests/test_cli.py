@@ -62,10 +62,10 @@ def test_every_shipped_job_file_loads(tmp_path):
     assert {"demo", "llama2-7b-gqa8"} <= set(jobs)
     for path in jobs.values():
         job = load_job(path)
-        assert job.num_kv_heads and job.methods and job.eval["data"]
+        assert job.num_kv_heads and job.methods and job.eval.data
     demo = load_job(jobs["demo"])
     assert demo.source == "demo" and demo.demo == DemoSettings() and demo.num_kv_heads == (4, 2, 1)
-    assert demo.methods == ("mean", "svd") and demo.calibration == "demo-train"
+    assert demo.methods == ("mean", "svd") and demo.convert["calibration"] == "demo-train"
     assert demo.uptrain["data"] == "demo-train" and demo.uptrain["max_steps"] > 0
 
 
@@ -74,18 +74,21 @@ def test_bad_job_files_are_refused(tmp_path):
     for text, message in [
         (
             "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2, methodz: [mean]}\n",
-            "unknown keys in 'convert': ['methodz']",
+            "unknown key 'convert.methodz'",
         ),
         ("eval: {data: x}\nconvert: {num_kv_heads: 2}\n", "'source' is required"),
-        ("source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2, methods: [magic]}\n", "unknown methods ['magic']"),
-        ("source: demo\ndemo: {hidden: 3}\neval: {data: x}\nconvert: {num_kv_heads: 2}\n", "unknown keys in 'demo'"),
+        (
+            "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2, methods: [magic]}\n",
+            "convert.methods 'magic': choose one of",
+        ),
+        ("source: demo\ndemo: {hidden: 3}\neval: {data: x}\nconvert: {num_kv_heads: 2}\n", "unknown key 'demo.hidden'"),
         (
             "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2}\nuptrain: {max_steps: 3}\n",
             "uptrain.data is required",
         ),
         (
             "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2}\nuptrain: {data: x, output: y}\n",
-            "unknown keys in 'uptrain'",
+            "unknown key 'uptrain.output'",
         ),
     ]:
         bad.write_text(text)

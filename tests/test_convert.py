@@ -10,7 +10,8 @@ from reference import reference_convert
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from mha2gqa.convert import convert_checkpoint, families
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.core.families import families
 
 FAMILIES = sorted(FAMILY_CONFIGS)
 IDS = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12, 3, 90]])

@@ -11,9 +11,11 @@ from conftest import FAMILY_CONFIGS, FIXTURES, random_model, requires_fixtures, 
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.eval.attention import _log_attention, _scores_mask, attention_similarity, capturing
-from mha2gqa.eval.harness import EvalSettings, evaluate
-from mha2gqa.eval.perplexity import IGNORE, disjoint_windows, perplexity, rolling_windows, stride_windows
+from mha2gqa.core.capture import capturing
+from mha2gqa.eval.attention import _log_attention, _scores_mask, attention_similarity
+from mha2gqa.eval.harness import evaluate
+from mha2gqa.eval.perplexity import IGNORE, disjoint_windows, rolling_windows, score_windows, stride_windows
+from mha2gqa.eval.settings import EvalSettings
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +38,17 @@ def naive_ppl(model, ids, seq_len):
 
 def test_disjoint_equals_the_naive_loop(llama):
     ids = torch.randint(0, 96, (1000,), generator=torch.Generator().manual_seed(1))
-    ours = perplexity(llama, disjoint_windows(ids, 64), "disjoint", 64, batch_size=4)
+    ours = score_windows([llama], disjoint_windows(ids, 64), batch_size=4)
     ref, n = naive_ppl(llama, ids, 64)
     assert ours.tokens == n == 1000 - math.ceil(1000 / 64)
-    assert math.isclose(ours.ppl, ref, rel_tol=1e-5)
+    assert math.isclose(math.exp(ours.nll_sum[0] / ours.tokens), ref, rel_tol=1e-5)
 
 
 def test_stride_equal_to_window_is_disjoint(llama):
     ids = torch.randint(0, 96, (700,), generator=torch.Generator().manual_seed(2))
-    a = perplexity(llama, stride_windows(ids, 64, 64), "stride", 64)
-    b = perplexity(llama, disjoint_windows(ids, 64), "disjoint", 64)
-    assert (a.tokens, a.windows) == (b.tokens, b.windows) and math.isclose(a.ppl, b.ppl, rel_tol=1e-9)
+    a = score_windows([llama], stride_windows(ids, 64, 64))
+    b = score_windows([llama], disjoint_windows(ids, 64))
+    assert (a.tokens, a.windows) == (b.tokens, b.windows) and math.isclose(a.nll_sum[0], b.nll_sum[0], rel_tol=1e-9)
 
 
 def test_stride_scores_each_token_once_after_the_first():

@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import FAMILY_CONFIGS, tiny_config
 
-from mha2gqa.convert.families import AttentionDims, detect_family, families, parse_family
-from mha2gqa.errors import Mha2GqaError
+from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.families import detect_family, families, parse_family
 
 
 def test_every_family_has_a_tiny_model_in_the_tests():

@@ -10,8 +10,14 @@ from test_convert import IDS, equalise_groups, read_all
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.convert.calibration import LayerStats, rotary_dim
-from mha2gqa.convert.merge import svd_merge_layer
+from mha2gqa.convert.calibration.stats import LayerStats
+from mha2gqa.convert.methods.svd import svd_merge_layer
+from mha2gqa.core.dims import AttentionDims
+
+
+def rotary_dim(cfg) -> int:
+    return AttentionDims.from_config(cfg).rotary
+
 
 SVD_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi", "phi3", "olmo", "starcoder2"]
 
@@ -53,7 +59,7 @@ def test_absorbed_bases_leave_the_model_unchanged_when_complete(family):
     """With one source head per group the V basis and the K plane coefficients are complete:
     absorbing them into q_proj and o_proj (RoPE-commuting complex coefficients per plane, the
     ordinary subspace on non-rotary dims) must leave every logit unchanged."""
-    from mha2gqa.convert.families import families
+    from mha2gqa.core.families import families
 
     model = random_model(tiny_config(family), seed=5)
     cfg = model.config
@@ -160,7 +166,8 @@ def test_random_is_seeded_fresh_init_and_loads(tiny_checkpoint, tmp_path):
 
 @requires_fixtures("stories260K", "text")
 def test_svd_beats_mean_by_a_wide_margin_on_a_real_model(tmp_path):
-    from mha2gqa.eval.harness import EvalSettings, evaluate
+    from mha2gqa.eval.harness import evaluate
+    from mha2gqa.eval.settings import EvalSettings
 
     src = FIXTURES / "stories260K"
     text = (FIXTURES / "text" / "tinystories_train_head.txt").read_text()
@@ -182,7 +189,7 @@ def relate_groups(model, family: str, groups: int, seed: int = 0, orthogonal: bo
     """Make each group's K/V heads exact transforms of its first head that svd must undo: complex
     coefficients per rotary plane, an invertible matrix on non-rotary key dims and on values
     (``orthogonal``: unit coefficients and orthogonal matrices, which ``aligned`` must undo)."""
-    from mha2gqa.convert.families import families
+    from mha2gqa.core.families import families
 
     equalise_groups(model, family, groups)
     fam, cfg = families()[family], model.config
@@ -280,8 +287,9 @@ def test_aligned_equalised_groups_and_same_count(calib_text, tmp_path):
 def test_layer_streamed_calibration_equals_a_whole_model_pass(family, calib_text, tmp_path):
     """Differential: statistics gathered layer by layer from the shards equal those of the loaded
     model run end to end (embedding scaling, partial rotary, fused qkv, biases included)."""
-    from mha2gqa.convert.calibration import CalibrationStats, accumulate, calibration_ids, collect
-    from mha2gqa.eval.attention import capturing
+    from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
+    from mha2gqa.convert.calibration.streaming import calibration_ids, collect
+    from mha2gqa.core.capture import capturing
 
     model = random_model(tiny_config(family, vocab_size=300), seed=2)
     src = save(model, tmp_path / "src")
@@ -340,9 +348,10 @@ def test_similarity_grouping_bad_input(calib_text, tmp_path):
 def test_streamed_calibration_of_a_bf16_checkpoint_runs_layers_in_float32(family, calib_text, tmp_path):
     """bf16 weights: embeddings are looked up as stored, layers and RoPE tables run in float32, so
     the statistics match a float32 pass over the same (upcast) weights."""
-    from mha2gqa.convert.calibration import CalibrationStats, accumulate, calibration_ids, collect
+    from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
+    from mha2gqa.convert.calibration.streaming import calibration_ids, collect
+    from mha2gqa.core.capture import capturing
     from mha2gqa.demo import build_tokenizer
-    from mha2gqa.eval.attention import capturing
 
     model = random_model(tiny_config(family, vocab_size=300), seed=4).to(torch.bfloat16)
     src = save(model, tmp_path / "bf16")
@@ -373,7 +382,7 @@ def test_svd_reads_a_pickle_checkpoint_only_with_allow_pickle(calib_text, tmp_pa
     kw = {"calibration": str(calib_text), "calibration_tokens": 256, "calibration_seq_len": 32, "progress": False}
     out = convert_checkpoint(src, tmp_path / "out", 2, "svd", allow_pickle=True, **kw).output
     assert load(out).config.num_key_value_heads == 2
-    from mha2gqa.errors import Mha2GqaError
+    from mha2gqa.core.errors import Mha2GqaError
 
     with pytest.raises(Mha2GqaError, match="--allow-pickle"):
         convert_checkpoint(src, tmp_path / "no", 2, "svd", **kw)
@@ -382,7 +391,7 @@ def test_svd_reads_a_pickle_checkpoint_only_with_allow_pickle(calib_text, tmp_pa
 def test_compact_statistics_keep_what_the_merges_read(calib_text, tmp_path):
     """Compacted per-layer statistics (eigenbasis and first block-row instead of the Grams) give the
     same subspaces and Procrustes inputs, and the same converted model, as the full Grams."""
-    from mha2gqa.convert.calibration import collect
+    from mha2gqa.convert.calibration.streaming import collect
 
     model = random_model(tiny_config("phi", vocab_size=300), seed=21)  # partial rotary: rest dims too
     src = with_tokenizer(model, tmp_path / "src", calib_text)
@@ -402,7 +411,8 @@ def test_compact_statistics_keep_what_the_merges_read(calib_text, tmp_path):
 
 
 def test_merge_residual_is_zero_for_one_or_identical_heads_and_grouping_never_loses_to_contiguous():
-    from mha2gqa.convert.calibration import CalibrationStats, accumulate, least_residual_groups, merge_residual
+    from mha2gqa.convert.calibration.grouping import least_residual_groups, merge_residual
+    from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
 
     torch.manual_seed(0)
     q = torch.randn(1, 8, 64, 8)

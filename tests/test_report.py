@@ -9,7 +9,8 @@ from conftest import FIXTURES, llama_with_tokenizer, requires_fixtures, story_te
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.convert.planning import model_shape, parse_size, plan
+from mha2gqa.core.planning import model_shape, plan
+from mha2gqa.core.units import parse_size
 from mha2gqa.eval.gates import GATE_EXIT_CODE
 
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -105,11 +106,15 @@ def test_report_has_every_section_and_image(pair, tmp_path):
 
 
 def test_kv_cache_table_saving(pair, tmp_path):
-    from mha2gqa.eval.report import kv_rows
+    from mha2gqa.eval.results import ModelInfo, Results
+    from mha2gqa.eval.tables import kv_rows
 
-    shape = {"num_layers": 32, "head_dim": 128, "dtype": "bfloat16"}
-    results = {"models": {"original": {**shape, "num_kv_heads": 32}, "converted": {**shape, "num_kv_heads": 8}}}
-    rows = kv_rows(results)
+    shape = {"num_layers": 32, "num_heads": 32, "head_dim": 128, "dtype": "bfloat16"}
+    models = {
+        "original": ModelInfo("a", num_kv_heads=32, **shape),
+        "converted": ModelInfo("b", num_kv_heads=8, **shape),
+    }
+    rows = kv_rows(Results("mha2gqa.eval/1", "", {}, models, {}, {}, {}))
     assert rows[0][3] == "524,288" and rows[1][3] == "131,072" and rows[2][3] == "75.0%"
 
 

@@ -13,13 +13,13 @@ from safetensors.torch import load_file
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.runlog import read_log
 from mha2gqa.uptrain import UptrainSettings, uptrain
 from mha2gqa.uptrain.checkpoints import checkpoint_dirs
 from mha2gqa.uptrain.data import WindowOrder, pack_windows
 from mha2gqa.uptrain.objectives import combined, cross_entropy, distillation
 from mha2gqa.uptrain.params import select_trainable
-from mha2gqa.uptrain.trainer import read_log
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,8 @@ def test_window_order_is_a_seeded_permutation_per_epoch():
 
 
 def test_train_kv_selects_only_the_key_value_projections(tiny_checkpoint):
-    from mha2gqa.convert.families import AttentionDims, detect_family
+    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.families import detect_family
 
     folder = tiny_checkpoint("qwen3", num_key_value_heads=2)  # has a shared k_norm, which trains with K
     model = load(folder)

@@ -1,5 +1,25 @@
-"""Uptraining converted GQA checkpoints: continued pretraining or distillation from the MHA parent."""
+"""Uptraining converted GQA checkpoints: continued pretraining or distillation from the MHA parent.
 
-from mha2gqa.uptrain.trainer import OBJECTIVES, TRAINABLE, UptrainResult, UptrainSettings, uptrain
+Settings in :mod:`mha2gqa.uptrain.settings`, the loop in :mod:`mha2gqa.uptrain.trainer`. Importing
+this package is cheap: the trainer (and torch) load on first use of its names."""
 
-__all__ = ["OBJECTIVES", "TRAINABLE", "UptrainResult", "UptrainSettings", "uptrain"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "UptrainSettings": "mha2gqa.uptrain.settings",
+    "OBJECTIVES": "mha2gqa.uptrain.settings",
+    "TRAINABLE": "mha2gqa.uptrain.settings",
+    "UptrainResult": "mha2gqa.uptrain.trainer",
+    "uptrain": "mha2gqa.uptrain.trainer",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

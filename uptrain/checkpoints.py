@@ -22,14 +22,10 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.card import RECORD_NAME as CONVERSION_RECORD
-from mha2gqa.convert.card import model_card
-from mha2gqa.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError
 
 CHECKPOINTS = "checkpoints"
 STATE_NAME = "trainer_state.json"
-LOG_NAME = "uptrain_log.jsonl"
-RECORD_NAME = "mha2gqa_uptrain.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -166,49 +162,3 @@ def save_final(accelerator, model, tokenizer, output: Path, dtype: torch.dtype |
             os.replace(tmp / name, output / name)
         tmp.rmdir()
     accelerator.wait_for_everyone()
-
-
-def conversion_record(folder: Path) -> dict[str, Any] | None:
-    """The ``mha2gqa convert`` record of a model folder, if it has one."""
-    path = folder / CONVERSION_RECORD
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
-
-
-def uptrain_card(record: dict[str, Any], conversion: dict[str, Any] | None) -> str:
-    """A model card (README.md) for an uptrained model: the uptraining, then the conversion."""
-    import yaml
-
-    up = record["uptrain"]
-    base = Path(up["student"]).name
-    front = {"base_model": base, "library_name": "transformers",
-             "tags": ["mha2gqa", "gqa", "grouped-query-attention", "uptrained"]}  # fmt: skip
-    s = up["settings"]
-    rows = [
-        ("student", f"`{base}`"),
-        ("objective", s["objective"] + (f" (teacher `{Path(s['teacher']).name}`)" if s.get("teacher") else "")),
-        ("trained", f"{s['train']} ({up['trainable_parameters']:,} parameters)"),
-        ("steps", f"{up['steps']:,} × batch {s['batch_size']} × {s['seq_len']} tokens = {up['tokens']:,} tokens"),
-        ("optimizer", f"AdamW lr {s['lr']:g}, warm-up {up['warmup_steps']}, cosine to {s['min_lr_ratio']:g}× lr"),
-        ("data", f"`{s['data']}`"),
-    ]
-    ev = up.get("last_eval")
-    if ev:
-        line = f"perplexity {ev['ppl']:.4f} on `{s['eval_data']}` ({ev['eval_tokens']:,} tokens)"
-        if "ppl_ratio" in ev:
-            line += f", ×{ev['ppl_ratio']:.3f} the teacher, KL {ev['kl_mean']:.4f}"
-        rows.append(("held-out", line))
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    text = (
-        "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
-        f"# {base}, uptrained\n\nA grouped-query-attention model uptrained with `mha2gqa uptrain`.\n\n"
-        f"| setting | value |\n|---|---|\n{table}\n\nExact settings and evaluations: `{RECORD_NAME}`.\n"
-    )
-    if conversion:
-        body = model_card(conversion).split("---\n", 2)[2]
-        text += "\n## Conversion\n" + body.replace("\n# ", "\n### ", 1)
-    return text

@@ -1,6 +1,6 @@
 """Training text packed into fixed windows, and a seeded, resumable order over them.
 
-The token stream (:func:`mha2gqa.eval.data.token_stream`: documents joined, one BOS) is cut into
+The token stream (:func:`mha2gqa.core.text.token_stream`: documents joined, one BOS) is cut into
 ``[seq_len + 1]`` windows that overlap by one token, so that every token after the first is a
 target exactly once per epoch: inputs ``w[:-1]``, targets ``w[1:]``. The order of windows is a
 fresh permutation per epoch drawn from ``(seed, epoch)`` alone, so the batch of any step is known
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mha2gqa.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError
 
 
 def pack_windows(ids: torch.Tensor, seq_len: int, source: str = "--data") -> torch.Tensor:

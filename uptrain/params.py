@@ -1,6 +1,6 @@
 """Which parameters train: all of them, the attention projections, or only the K/V projections.
 
-Names come from the model's family definition (``convert/architectures/*.json``), the same data
+Names come from the model's family definition (``core/architectures/*.json``), the same data
 the converter uses. For a fused ``qkv_proj`` (Phi-3) with ``kv``, the whole tensor trains but the
 query rows' gradient is masked to zero (and they get no weight decay), so they stay bit-exact.
 """
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha2gqa.convert.families import AttentionDims, Family
-from mha2gqa.errors import Mha2GqaError
-
-TRAINABLE = ("all", "attention", "kv")
+from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.families import Family
+from mha2gqa.uptrain.settings import TRAINABLE
 
 
 @dataclass

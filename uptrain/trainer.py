@@ -10,7 +10,6 @@ hold the optimizer, scheduler and RNG state, so a resumed run continues the same
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import json
 import math
 import time
@@ -20,79 +19,26 @@ from typing import Any
 
 import torch
 
-from mha2gqa.errors import Mha2GqaError
-from mha2gqa.eval.models import DTYPES
+from mha2gqa.core.cards import uptrain_card
+from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.dtypes import by_name
+from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.models import resolve_device
+from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG, UPTRAIN_RECORD, now, read_conversion_record, version
+from mha2gqa.core.runlog import RunLog, read_log
 from mha2gqa.uptrain.checkpoints import (
-    CONVERSION_RECORD,
-    LOG_NAME,
-    RECORD_NAME,
     check_output,
     checkpoint_dirs,
-    conversion_record,
     prepare_output,
     read_state,
     save_checkpoint,
     save_final,
     skip_model_weights,
-    uptrain_card,
 )
 from mha2gqa.uptrain.data import WindowOrder, pack_windows
 from mha2gqa.uptrain.objectives import combined
-from mha2gqa.uptrain.params import TRAINABLE, adapters, apply_lora, lora_targets, param_groups, select_trainable
-
-OBJECTIVES = ("ce", "kd", "mix")
-MIXED_PRECISION = ("auto", "no", "bf16")
-
-#: settings that define the trajectory: a resumed run must use the same ones
-RUN_FIELDS = ("data", "text_field", "doc_split", "objective", "teacher", "kd_weight", "temperature", "train",
-              "lora_rank", "lora_alpha", "lora_dropout", "max_steps", "max_tokens", "batch_size", "grad_accum",
-              "seq_len", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta2", "max_grad_norm",
-              "seed")  # fmt: skip
-
-
-@dataclass
-class UptrainSettings:
-    """Every knob of an uptraining run (recorded verbatim in the log, checkpoints and output)."""
-
-    data: str
-    output: str
-    objective: str = "ce"  # ce | kd | mix
-    teacher: str | None = None  # the MHA parent: kd/mix target, and KL in evaluations
-    kd_weight: float = 0.5  # mix: (1 - w) * ce + w * kd
-    temperature: float = 1.0
-    train: str = "all"  # all | attention | kv
-    lora_rank: int = 0  # > 0: LoRA adapters (peft) on what --train names, merged into the final model
-    lora_alpha: float | None = None  # default: 2 * rank
-    lora_dropout: float = 0.0
-    max_steps: int | None = None  # default: --max-tokens, else one epoch
-    max_tokens: int | None = None
-    batch_size: int = 8  # sequences per optimizer step, over all processes and micro-batches
-    grad_accum: int = 1
-    seq_len: int | None = None  # default: min(1024, the model's positions)
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * this
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta2: float = 0.999
-    max_grad_norm: float = 1.0  # 0: no clipping
-    seed: int = 0
-    text_field: str = "text"
-    doc_split: str = "file"
-    eval_data: str | None = None
-    eval_every: int | None = None  # default: a tenth of the run
-    eval_tokens: int | None = 65536
-    eval_seq_len: int | None = None  # default: --seq-len
-    eval_batch_size: int | None = None  # default: the training micro-batch
-    save_every: int | None = None  # default: as eval_every (and always at the end)
-    save_total_limit: int = 2
-    log_every: int = 10
-    stop_after: int | None = None  # stop after this many steps (checkpointed); continue with resume
-    resume: bool = False
-    overwrite: bool = False
-    device: str = "auto"
-    mixed_precision: str = "auto"  # bf16 autocast on GPUs that support it
-    gradient_checkpointing: bool = False
-    progress: bool = True
+from mha2gqa.uptrain.params import adapters, apply_lora, lora_targets, param_groups, select_trainable
+from mha2gqa.uptrain.settings import RUN_FIELDS, UptrainSettings
 
 
 @dataclass
@@ -118,42 +64,8 @@ class UptrainResult:
         return line
 
 
-def _check(s: UptrainSettings) -> None:
-    if s.objective not in OBJECTIVES:
-        raise Mha2GqaError(f"--objective {s.objective}: choose {', '.join(OBJECTIVES)}")
-    if s.objective in ("kd", "mix") and not s.teacher:
-        raise Mha2GqaError(f"--objective {s.objective} distils from a teacher: pass --teacher ORIGINAL_MODEL")
-    if s.train not in TRAINABLE:
-        raise Mha2GqaError(f"--train {s.train}: choose {', '.join(TRAINABLE)}")
-    if s.mixed_precision not in MIXED_PRECISION:
-        raise Mha2GqaError(f"--mixed-precision {s.mixed_precision}: choose {', '.join(MIXED_PRECISION)}")
-    positive = {"--batch-size": s.batch_size, "--grad-accum": s.grad_accum, "--log-every": s.log_every,
-                "--eval-batch-size": s.eval_batch_size, "--max-steps": s.max_steps, "--max-tokens": s.max_tokens,
-                "--eval-every": s.eval_every, "--save-every": s.save_every, "--stop-after": s.stop_after,
-                "--eval-tokens": s.eval_tokens}  # fmt: skip
-    for flag, value in positive.items():
-        if value is not None and value < 1:
-            raise Mha2GqaError(f"{flag} must be at least 1 (got {value})")
-    if s.max_steps and s.max_tokens:
-        raise Mha2GqaError("give --max-steps or --max-tokens, not both")
-    if not (s.lr > 0 and math.isfinite(s.lr)):
-        raise Mha2GqaError(f"--lr must be a positive number (got {s.lr})")
-    if s.lora_rank < 0 or not 0 <= s.lora_dropout < 1:
-        raise Mha2GqaError("--lora-rank must be >= 0 and --lora-dropout in [0, 1)")
-    if not 0 <= s.kd_weight <= 1:
-        raise Mha2GqaError(f"--kd-weight must be between 0 and 1 (got {s.kd_weight})")
-    if not s.temperature > 0:
-        raise Mha2GqaError(f"--temperature must be positive (got {s.temperature})")
-    if not 0 <= s.min_lr_ratio <= 1:
-        raise Mha2GqaError(f"--min-lr-ratio must be between 0 and 1 (got {s.min_lr_ratio})")
-    if s.warmup_steps < 0 or s.weight_decay < 0 or s.max_grad_norm < 0 or not 0 <= s.adam_beta2 < 1:
-        raise Mha2GqaError("--warmup-steps, --weight-decay and --max-grad-norm must be >= 0, --adam-beta2 in [0, 1)")
-
-
 def _accelerator(s: UptrainSettings):
     from accelerate import Accelerator
-
-    from mha2gqa.eval.models import resolve_device
 
     cpu = resolve_device(s.device).type == "cpu"
     mp = s.mixed_precision
@@ -162,40 +74,11 @@ def _accelerator(s: UptrainSettings):
     return Accelerator(cpu=cpu, mixed_precision=mp, step_scheduler_with_optimizer=False)
 
 
-def _tokens(tokenizer, source: str, s: UptrainSettings, max_tokens: int | None) -> torch.Tensor:
-    from mha2gqa.eval.data import load_text, token_stream
+def _tokens(tokenizer, setting: str, s: UptrainSettings, max_tokens: int | None) -> torch.Tensor:
+    """The token stream of the text in setting ``setting`` (``data`` or ``eval_data``)."""
+    from mha2gqa.core.text import load_text, token_stream
 
-    return token_stream(tokenizer, load_text(source, s.text_field, s.doc_split), max_tokens)
-
-
-class _Log:
-    """The JSON-lines log (main process only); resumed runs drop records after their checkpoint."""
-
-    def __init__(self, path: Path, main: bool, keep_until_step: int | None):
-        self.path, self.main = path, main
-        if main and keep_until_step is not None and path.is_file():
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= keep_until_step]  # fmt: skip
-            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        elif main:
-            path.unlink(missing_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.main:
-            with self.path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def read_log(path: Path) -> list[dict[str, Any]]:
-    """The records of an ``uptrain_log.jsonl`` (or of the one in an output folder)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / LOG_NAME
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
-        raise Mha2GqaError(f"{path}: cannot read the uptraining log ({e})") from None
+    return token_stream(tokenizer, load_text(getattr(s, setting), s.text_field, s.doc_split, setting), max_tokens)
 
 
 @dataclass
@@ -222,9 +105,9 @@ class _Plan:
 
 def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
     """Resolve and check the sizes, the tokenizers and the text of a run (raises :class:`Mha2GqaError`)."""
-    from mha2gqa.convert.checkpoint import read_config, resolve_folder
-    from mha2gqa.convert.families import detect_family
-    from mha2gqa.eval.models import check_same_tokenizer, load_tokenizer
+    from mha2gqa.core.checkpoint import read_config, resolve_folder
+    from mha2gqa.core.families import detect_family
+    from mha2gqa.core.models import check_same_tokenizer, load_tokenizer
     from mha2gqa.eval.perplexity import disjoint_windows
 
     student_folder, _, _ = resolve_folder(student)
@@ -238,17 +121,18 @@ def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
             raise Mha2GqaError(f"{flag} {n} is longer than the model's {max_pos} positions")
     per_step = s.grad_accum * processes
     if s.batch_size % per_step:
-        raise Mha2GqaError(f"--batch-size {s.batch_size} must be a multiple of --grad-accum x processes = {per_step}")
+        raise SettingError("batch_size", f"{{name}} {s.batch_size} must be a multiple of --grad-accum x processes = "
+                           f"{per_step}")  # fmt: skip
 
     tokenizer = load_tokenizer(student_folder)
     teacher_folder = None
     if s.teacher:
         teacher_folder, _, _ = resolve_folder(s.teacher)
         check_same_tokenizer(tokenizer, load_tokenizer(teacher_folder), student, s.teacher)
-    windows = pack_windows(_tokens(tokenizer, s.data, s, None), seq_len, f"--data {s.data}")
+    windows = pack_windows(_tokens(tokenizer, "data", s, None), seq_len, f"--data {s.data}")
     eval_windows = []
     if s.eval_data:
-        ids = _tokens(tokenizer, s.eval_data, s, s.eval_tokens)
+        ids = _tokens(tokenizer, "eval_data", s, s.eval_tokens)
         if ids.numel() < eval_seq_len:
             raise Mha2GqaError(
                 f"--eval-data {s.eval_data}: {ids.numel()} tokens, fewer than one window of {eval_seq_len}; "
@@ -259,7 +143,7 @@ def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
     total = s.max_steps or (math.ceil(s.max_tokens / tokens_per_step) if s.max_tokens else None)
     total = total or math.ceil(len(windows) / s.batch_size)
     if s.warmup_steps >= total:
-        raise Mha2GqaError(f"--warmup-steps {s.warmup_steps} must be fewer than the run's {total} steps")
+        raise SettingError("warmup_steps", f"{{name}} {s.warmup_steps} must be fewer than the run's {total} steps")
     eval_every = s.eval_every or max(1, total // 10)
     run = {**asdict(s), "seq_len": seq_len, "max_steps": total, "max_tokens": None, "eval_seq_len": eval_seq_len}
     return _Plan(student_folder, teacher_folder, _dims(student_folder), family,
@@ -271,7 +155,7 @@ def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
 def _models(plan: _Plan, s: UptrainSettings, acc, resume_from: Path | None):
     """The student in float32 (from the checkpoint being resumed, or with its LoRA adapters), what
     trains, and the frozen teacher on the device."""
-    from mha2gqa.eval.models import load_model
+    from mha2gqa.core.models import load_model
 
     lora = s.lora_rank > 0
     folder = resume_from if resume_from and not lora else plan.student_folder
@@ -292,143 +176,188 @@ def _models(plan: _Plan, s: UptrainSettings, acc, resume_from: Path | None):
     return model, trainable, teacher
 
 
-def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult:
-    """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+class _Trainer:
+    """One run's state and its named stages: log records, evaluations, checkpoints, the step loop."""
 
-    started = time.perf_counter()
-    s = settings
-    _check(s)
-    acc = _accelerator(s)
-    main = acc.is_main_process
-    say = log if main else (lambda *_: None)
-    output = Path(s.output)
-    plan = _plan(student, s, acc.num_processes)
-    run, total, seq_len, micro = plan.run, plan.total, plan.seq_len, plan.micro
-    windows, tokenizer, tokens_per_step = plan.windows, plan.tokenizer, s.batch_size * plan.seq_len
-    student_folder, teacher_folder = plan.student_folder, plan.teacher_folder
+    def __init__(self, student: str, s: UptrainSettings, log) -> None:
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    check_output(output, s.resume, s.overwrite, [student_folder] + ([teacher_folder] if teacher_folder else []))
-    resume_from, start_step = _resume_point(output, s.resume, run)
-    if resume_from is not None:
-        say(f"resuming from {resume_from} (step {start_step:,})")
-    elif s.resume:
-        say(f"--resume: no checkpoint in {output}; starting from step 0")
+        self.student, self.s, self.started = student, s, time.perf_counter()
+        self.acc = acc = _accelerator(s)
+        self.main = acc.is_main_process
+        self.say = log if self.main else (lambda *_: None)
+        self.output = Path(s.output)
+        self.plan = plan = _plan(student, s, acc.num_processes)
+        self.tokens_per_step = s.batch_size * plan.seq_len
+        check_output(self.output, s.resume, s.overwrite,
+                     [plan.student_folder] + ([plan.teacher_folder] if plan.teacher_folder else []))  # fmt: skip
+        self.resume_from, self.start_step = _resume_point(self.output, s.resume, plan.run)
+        from accelerate.utils import set_seed
 
-    set_seed(s.seed)
-    model, trainable, teacher = _models(plan, s, acc, resume_from)
-    conv_record = conversion_record(student_folder)
+        set_seed(s.seed)
+        model, self.trainable, self.teacher = _models(plan, s, acc, self.resume_from)
+        self.conv_record = read_conversion_record(plan.student_folder)
+        if self.main:  # everything is checked: now the output folder may be written
+            prepare_output(self.output, s.resume, s.overwrite)
+        acc.wait_for_everyone()
+        optimizer = torch.optim.AdamW(param_groups(self.trainable, s.weight_decay), lr=s.lr, betas=(0.9, s.adam_beta2))
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, s.warmup_steps, plan.total,
+                                                                min_lr_rate=s.min_lr_ratio)  # fmt: skip
+        model.train()
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        skip_model_weights(acc)
+        if self.resume_from is not None:
+            acc.load_state(str(self.resume_from))
+        self.order = WindowOrder(len(plan.windows), s.batch_size, s.seed)
+        self.log = RunLog(self.output / UPTRAIN_LOG, self.main, self.start_step if self.resume_from else None)
+        # every evaluation of the run so far (a resumed run's earlier ones come from its log)
+        resumed = self.start_step and self.main
+        self.evals = [r for r in read_log(self.output / UPTRAIN_LOG) if r.get("type") == "eval"] if resumed else []
 
-    if main:  # everything is checked: now the output folder may be written
-        prepare_output(output, s.resume, s.overwrite)
-    acc.wait_for_everyone()
+    def announce(self) -> None:
+        """The start (or resume) record and the opening lines."""
+        s, plan, acc = self.s, self.plan, self.acc
+        total_params = sum(p.numel() for p in self.model.parameters())
+        if self.resume_from is not None:
+            self.say(f"resuming from {self.resume_from} (step {self.start_step:,})")
+            self.log.write({"type": "resume", "step": self.start_step, "created": now(), "from": str(self.resume_from)})
+        else:
+            if s.resume:
+                self.say(f"--resume: no checkpoint in {self.output}; starting from step 0")
+            self.log.write({"type": "start", "created": now(), "student": self.student, "teacher": s.teacher,
+                            "settings": plan.run, "windows": len(plan.windows), "tokens_per_step": self.tokens_per_step,
+                            "total_steps": plan.total, "trainable_parameters": self.trainable.count,
+                            "parameters": total_params, "num_heads": plan.dims.num_heads,
+                            "num_kv_heads": plan.dims.num_kv_heads, "processes": acc.num_processes,
+                            "device": str(acc.device), "mixed_precision": acc.mixed_precision,
+                            "eval_seq_len": plan.eval_seq_len})  # fmt: skip
+        self.say(f"uptrain: {self.trainable.count:,} of {total_params:,} parameters ({s.train}), objective "
+                 f"{s.objective}, {len(plan.windows):,} windows of {plan.seq_len}, {plan.total:,} steps x "
+                 f"{s.batch_size} on {acc.num_processes} x {acc.device} ({acc.mixed_precision})")  # fmt: skip
+        if plan.max_positions and plan.seq_len < plan.max_positions:
+            self.say(f"note: training windows of {plan.seq_len} tokens do not reach positions {plan.seq_len}-"
+                     f"{plan.max_positions - 1}; evaluate at the model's full length (--eval-seq-len) to see "
+                     "them")  # fmt: skip
 
-    optimizer = torch.optim.AdamW(param_groups(trainable, s.weight_decay), lr=s.lr, betas=(0.9, s.adam_beta2))
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, s.warmup_steps, total,
-                                                            min_lr_rate=s.min_lr_ratio)  # fmt: skip
-    model.train()
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-    skip_model_weights(acc)
-    if resume_from is not None:
-        acc.load_state(str(resume_from))
-
-    order = WindowOrder(len(windows), s.batch_size, s.seed)
-    logf = _Log(output / LOG_NAME, main, start_step if resume_from is not None else None)
-    if start_step == 0:
-        logf.write({"type": "start", "created": _now(), "student": student, "teacher": s.teacher,
-                    "settings": run, "windows": len(windows), "tokens_per_step": tokens_per_step,
-                    "total_steps": total, "trainable_parameters": trainable.count,
-                    "parameters": sum(p.numel() for p in model.parameters()), "num_heads": plan.dims.num_heads,
-                    "num_kv_heads": plan.dims.num_kv_heads, "processes": acc.num_processes, "device": str(acc.device),
-                    "mixed_precision": acc.mixed_precision, "eval_seq_len": plan.eval_seq_len})  # fmt: skip
-    else:
-        logf.write({"type": "resume", "step": start_step, "created": _now(), "from": str(resume_from)})
-    say(f"uptrain: {trainable.count:,} of {sum(p.numel() for p in model.parameters()):,} parameters ({s.train}), "
-        f"objective {s.objective}, {len(windows):,} windows of {seq_len}, {total:,} steps x {s.batch_size} on "
-        f"{acc.num_processes} x {acc.device} ({acc.mixed_precision})")  # fmt: skip
-    if plan.max_positions and seq_len < plan.max_positions:
-        say(f"note: training windows of {seq_len} tokens do not reach positions {seq_len}-{plan.max_positions - 1}; "
-            "evaluate at the model's full length (--eval-seq-len) to see them")  # fmt: skip
-
-    # every evaluation of the run so far (a resumed run's earlier ones come from its log)
-    evals = [r for r in read_log(output / LOG_NAME) if r.get("type") == "eval"] if start_step and main else []
-
-    def evaluate(step: int) -> None:
-        if not plan.eval_windows:
+    def evaluate(self, step: int) -> None:
+        if not self.plan.eval_windows:
             return
-        record = _evaluate(acc, model, teacher, plan.eval_windows, s.eval_batch_size or micro)
-        record.update({"type": "eval", "step": step, "tokens": step * tokens_per_step, "seq_len": plan.eval_seq_len})
-        evals.append(record)
-        logf.write(record)
+        record = _evaluate(self.acc, self.model, self.teacher, self.plan.eval_windows,
+                           self.s.eval_batch_size or self.plan.micro)  # fmt: skip
+        record.update({"type": "eval", "step": step, "tokens": step * self.tokens_per_step,
+                       "seq_len": self.plan.eval_seq_len})  # fmt: skip
+        self.evals.append(record)
+        self.log.write(record)
 
-    def model_files(step: int) -> dict[str, str]:
+    def model_files(self, step: int) -> dict[str, str]:
         """Model card, uptraining record and conversion record of the model at ``step``."""
-        record = {"uptrain": {"student": student, "settings": run, "steps": step, "tokens": step * tokens_per_step,
-                              "warmup_steps": s.warmup_steps, "trainable_parameters": trainable.count,
+        s, evals = self.s, self.evals
+        record = {"uptrain": {"student": self.student, "settings": self.plan.run, "steps": step,
+                              "tokens": step * self.tokens_per_step, "warmup_steps": s.warmup_steps,
+                              "trainable_parameters": self.trainable.count,
                               "first_eval": evals[0] if evals else None, "last_eval": evals[-1] if evals else None,
-                              "processes": acc.num_processes, "mixed_precision": acc.mixed_precision},
-                  "mha2gqa_version": _version(), "created": _now()}  # fmt: skip
-        files = {RECORD_NAME: json.dumps(record, indent=2) + "\n", "README.md": uptrain_card(record, conv_record)}
-        if conv_record:
-            files[CONVERSION_RECORD] = json.dumps(conv_record, indent=2) + "\n"
+                              "processes": self.acc.num_processes, "mixed_precision": self.acc.mixed_precision},
+                  "mha2gqa_version": version(), "created": now()}  # fmt: skip
+        files = {
+            UPTRAIN_RECORD: json.dumps(record, indent=2) + "\n",
+            "README.md": uptrain_card(record, self.conv_record),
+        }
+        if self.conv_record:
+            files[CONVERSION_RECORD] = json.dumps(self.conv_record, indent=2) + "\n"
         return files
 
-    def checkpoint(step: int) -> None:
-        state = {"step": step, "tokens": step * tokens_per_step, "settings": run, "student": student,
-                 "source_dtype": plan.source_dtype, "created": _now()}  # fmt: skip
-        save_checkpoint(acc, model, tokenizer, output, step, state, model_files(step), s.save_total_limit)
+    def checkpoint(self, step: int) -> None:
+        state = {"step": step, "tokens": step * self.tokens_per_step, "settings": self.plan.run,
+                 "student": self.student, "source_dtype": self.plan.source_dtype, "created": now()}  # fmt: skip
+        save_checkpoint(self.acc, self.model, self.plan.tokenizer, self.output, step, state, self.model_files(step),
+                        self.s.save_total_limit)  # fmt: skip
 
-    if start_step == 0:
-        evaluate(0)
-    stop = min(total, start_step + s.stop_after) if s.stop_after else total
-    bar = tqdm(total=total, initial=start_step, unit="step", desc="uptrain", disable=not (s.progress and main))
-    device = acc.device
-    train_seconds = 0.0  # forward/backward/step time since the last train record (evals excluded)
-    sums: dict[str, float] = {}
-    count = 0
-    step = start_step
-    for step in range(start_step + 1, stop + 1):
-        t0 = time.perf_counter()
-        batch = order.batch(step - 1)
+    def step(self, step: int) -> tuple[float, dict[str, float], Any]:
+        """One optimizer step; returns its loss, the loss parts and the gradient norm."""
+        s, micro, acc = self.s, self.plan.micro, self.acc
+        batch = self.order.batch(step - 1)
         mine = batch[acc.process_index * micro * s.grad_accum : (acc.process_index + 1) * micro * s.grad_accum]
-        loss_sum, parts_sum = _accumulate(acc, model, teacher, windows, mine.split(micro), s)
-        grad_norm = acc.clip_grad_norm_(trainable.params, s.max_grad_norm) if s.max_grad_norm > 0 else None
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        stats = torch.tensor([loss_sum, *parts_sum.values()], device=device)
+        loss, parts = _accumulate(acc, self.model, self.teacher, self.plan.windows, mine.split(micro), s)
+        grad_norm = acc.clip_grad_norm_(self.trainable.params, s.max_grad_norm) if s.max_grad_norm > 0 else None
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = torch.tensor([loss, *parts.values()], device=acc.device)
         stats = acc.reduce(stats, "mean") if acc.num_processes > 1 else stats
-        sums["loss"] = sums.get("loss", 0.0) + float(stats[0])
-        for i, name in enumerate(parts_sum):
-            sums[name] = sums.get(name, 0.0) + float(stats[i + 1])
-        count += 1
-        train_seconds += time.perf_counter() - t0
-        bar.update(1)
-        if step % s.log_every == 0 or step == stop:
-            rec = {"type": "train", "step": step, "tokens": step * tokens_per_step,
-                   "epoch": round(order.epoch(step), 4), **{k: v / count for k, v in sums.items()},
-                   "lr": scheduler.get_last_lr()[0],
-                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                   "tokens_per_second": count * tokens_per_step / max(train_seconds, 1e-9)}  # fmt: skip
-            logf.write(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_second']:,.0f}")
-            sums, count, train_seconds = {}, 0, 0.0
-        if step % plan.eval_every == 0 or step == total:
-            evaluate(step)
-        if step % plan.save_every == 0 or step == stop:
-            checkpoint(step)
-    bar.close()
-    complete = step >= total
-    result = UptrainResult(output, step, total, step * tokens_per_step, complete, evals,
-                           time.perf_counter() - started)  # fmt: skip
-    if complete:
-        save_final(acc, model, tokenizer, output, DTYPES.get(plan.source_dtype), model_files(step))
-        logf.write({"type": "end", "step": step, "tokens": step * tokens_per_step, "created": _now(),
-                    "seconds": result.seconds})  # fmt: skip
-    return result
+        if not all(math.isfinite(float(x)) for x in stats):
+            raise Mha2GqaError(f"uptrain: the loss became {float(stats[0])} at step {step}; lower --lr or check the "
+                               "data and the model (nothing after the last checkpoint was kept)")  # fmt: skip
+        return float(stats[0]), {k: float(stats[i + 1]) for i, k in enumerate(parts)}, grad_norm
+
+    def train(self) -> int:
+        """The step loop from the start (or resume) step to the end or ``stop_after``; returns the last step."""
+        from tqdm.auto import tqdm
+
+        s, plan = self.s, self.plan
+        if self.start_step == 0:
+            self.evaluate(0)
+        stop = min(plan.total, self.start_step + s.stop_after) if s.stop_after else plan.total
+        bar = tqdm(total=plan.total, initial=self.start_step, unit="step", desc="uptrain",
+                   disable=not (s.progress and self.main))  # fmt: skip
+        window = _Window()
+        step = self.start_step
+        for step in range(self.start_step + 1, stop + 1):
+            t0 = time.perf_counter()
+            loss, parts, grad_norm = self.step(step)
+            window.add(loss, parts, time.perf_counter() - t0)
+            bar.update(1)
+            if step % s.log_every == 0 or step == stop:
+                rec = window.record(step, self.tokens_per_step, self.order.epoch(step),
+                                    self.scheduler.get_last_lr()[0], grad_norm)  # fmt: skip
+                self.log.write(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_second']:,.0f}")
+            if step % plan.eval_every == 0 or step == plan.total:
+                self.evaluate(step)
+            if step % plan.save_every == 0 or step == stop:
+                self.checkpoint(step)
+        bar.close()
+        return step
+
+    def finish(self, step: int) -> UptrainResult:
+        plan = self.plan
+        complete = step >= plan.total
+        result = UptrainResult(self.output, step, plan.total, step * self.tokens_per_step, complete, self.evals,
+                               time.perf_counter() - self.started)  # fmt: skip
+        if complete:
+            dtype = by_name(plan.source_dtype).torch if plan.source_dtype else None
+            save_final(self.acc, self.model, plan.tokenizer, self.output, dtype, self.model_files(step))
+            self.log.write({"type": "end", "step": step, "tokens": step * self.tokens_per_step, "created": now(),
+                            "seconds": result.seconds})  # fmt: skip
+        return result
+
+
+class _Window:
+    """Loss and timing sums between two train records (evaluations and checkpoints not timed)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.count, self.seconds = 0, 0.0
+
+    def add(self, loss: float, parts: dict[str, float], seconds: float) -> None:
+        for k, v in {"loss": loss, **parts}.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.seconds += seconds
+
+    def record(self, step: int, tokens_per_step: int, epoch: float, lr: float, grad_norm) -> dict[str, Any]:
+        rec = {"type": "train", "step": step, "tokens": step * tokens_per_step, "epoch": round(epoch, 4),
+               **{k: v / self.count for k, v in self.sums.items()}, "lr": lr,
+               "grad_norm": float(grad_norm) if grad_norm is not None else None,
+               "tokens_per_second": self.count * tokens_per_step / max(self.seconds, 1e-9)}  # fmt: skip
+        self.__init__()
+        return rec
+
+
+def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult:
+    """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
+    trainer = _Trainer(student, settings.check(), log)
+    trainer.announce()
+    return trainer.finish(trainer.train())
 
 
 def _enable_checkpointing(model) -> None:
@@ -513,22 +442,8 @@ def _with_lora(model, family, dims, s: UptrainSettings, resume_from: Path | None
     return PeftModel.from_pretrained(model, resume_from, is_trainable=True)
 
 
-def _dims(folder: Path):
+def _dims(folder: Path) -> AttentionDims:
     """Head counts through transformers' config class (its attribute maps cover GPT-2's ``n_head``...)."""
     from transformers import AutoConfig
 
-    from mha2gqa.convert.families import AttentionDims
-
-    cfg = AutoConfig.from_pretrained(folder)
-    keys = ("num_hidden_layers", "num_attention_heads", "hidden_size", "num_key_value_heads", "head_dim")
-    return AttentionDims.from_config({k: getattr(cfg, k, None) for k in keys})
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _version() -> str:
-    from mha2gqa import __version__
-
-    return __version__
+    return AttentionDims.from_config(AutoConfig.from_pretrained(folder))

@@ -1,0 +1,1 @@
+"""Calibration for activation-aware merging: statistics, the layer-by-layer engine, grouping."""

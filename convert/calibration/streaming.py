@@ -1,0 +1,202 @@
+"""The calibration engine: the original model reads calibration text layer by layer, streamed from its
+shards, while :func:`mha2gqa.core.capture.capturing` hands every layer's attention inputs to the
+statistics (:mod:`mha2gqa.convert.calibration.stats`). Memory: one layer plus the calibration
+activations, never the whole model."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
+from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
+from mha2gqa.core.errors import SettingError
+
+
+class _Stop(Exception):
+    """Raised by the stand-in first layer once it has seen its inputs."""
+
+
+class _Catch(torch.nn.Module):
+    """Stands in for the decoder layers: records the inputs of the first one, then stops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, dict]] = []
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:
+            raise RuntimeError("decoder layers are expected to be called with keyword arguments")
+        self.calls.append((hidden_states, kwargs))
+        raise _Stop
+
+
+def _materialize(module: torch.nn.Module, ckpt, prefix: str, device: torch.device,
+                 dtype: torch.dtype | None = torch.float32) -> None:  # fmt: skip
+    """Give ``module``'s parameters (on ``meta``) their weights from the checkpoint on ``device``, in
+    ``dtype`` (None: as stored); its buffers (real, computed at construction) move along."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        value = ckpt.load(prefix + name)
+        value = value if dtype is None else value.to(dtype=dtype)
+        set_module_tensor_to_device(module, name, device, value=value, dtype=value.dtype)  # else it casts back
+    for name, _ in module.named_buffers():
+        set_module_tensor_to_device(module, name, device)
+
+
+@contextlib.contextmanager
+def _float32_on_call(layer: torch.nn.Module):
+    """Run ``layer`` in float32 while its weights stay in their stored dtype: each submodule's own
+    parameters are upcast just before it runs and given back after, so a bf16 layer costs its bf16
+    size plus one float32 module (the largest projection) instead of twice its size. The values
+    are those of a float32 copy (bf16 -> fp32 is exact), so the outputs are too."""
+    stored: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
+
+    def up(module, args):
+        own = dict(module.named_parameters(recurse=False))
+        stored[module] = {n: p.data for n, p in own.items()}
+        for p in own.values():
+            p.data = p.data.float()
+
+    def down(module, args, output):
+        for n, p in module.named_parameters(recurse=False):
+            p.data = stored[module][n]
+        del stored[module]
+
+    handles = []
+    for m in layer.modules():
+        own = list(m.parameters(recurse=False))
+        if own and any(p.dtype != torch.float32 for p in own):
+            handles += [m.register_forward_pre_hook(up), m.register_forward_hook(down)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _release(module: torch.nn.Module) -> None:
+    """Send ``module``'s parameters back to ``meta`` and hand the freed memory back to the OS
+    (glibc keeps freed heap pages otherwise, and RSS would creep up layer after layer)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        set_module_tensor_to_device(module, name, "meta")
+    _trim()
+
+
+def _trim() -> None:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(name).malloc_trim(0)
+
+
+def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_field: str = "text") -> torch.Tensor:
+    """``[windows, seq_len]``: the first ``tokens`` tokens of ``data`` as disjoint windows."""
+    from mha2gqa.core.models import load_tokenizer
+    from mha2gqa.core.text import load_text, token_stream
+
+    ids = token_stream(load_tokenizer(model_dir), load_text(data, text_field, setting="calibration"), tokens)
+    if ids.numel() < seq_len:
+        raise SettingError("calibration", f"{{name}} {data}: {ids.numel()} tokens, fewer than one window of {seq_len}")
+    n = ids.numel() // seq_len
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
+def _skeleton(model_dir: Path):
+    """The model of ``model_dir`` with its parameters on ``meta`` (buffers such as RoPE tables real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
+    """Run everything before the decoder layers once per window (embeddings as stored: a lookup
+    loses nothing) and catch what the first layer receives, GPTQ-style; hidden states and RoPE
+    tables in float32."""
+    base = model.base_model
+    prefix = f"{model.base_model_prefix}."
+    layers, others = base.layers, [(n, c) for n, c in base.named_children() if n != "layers"]
+    for name, child in others:
+        _materialize(child, ckpt, f"{prefix}{name}.", device, dtype=None)
+    catcher = _Catch()
+    base.layers = torch.nn.ModuleList([catcher])
+    try:
+        for w in windows:
+            with contextlib.suppress(_Stop):
+                base(w[None], use_cache=False)
+    finally:
+        base.layers = layers
+    for _, child in others:
+        _release(child)
+    states = []
+    for h, kw in catcher.calls:
+        h = h.float()
+        if "position_embeddings" in kw and kw.get("position_ids") is not None:
+            kw = {**kw, "position_embeddings": base.rotary_emb(h, kw["position_ids"])}
+        states.append((h, kw))
+    return states
+
+
+@torch.inference_mode()
+def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int | None = None, device: str = "auto",
+            text_field: str = "text", grouping: str = "contiguous", allow_pickle: bool = False,
+            compact: bool = True, progress: bool = False) -> CalibrationStats:  # fmt: skip
+    """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
+    ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model layer by
+    layer from its shards: the model is built on ``meta``; the embeddings run once (the inputs of
+    the first decoder layer are caught), then each decoder layer in turn gets its weights,
+    processes every window and is emptied again. Memory: one layer plus the calibration
+    activations (``tokens x hidden``, float32), never the whole model.
+
+    With ``grouping="similarity"`` each layer's statistics are first gathered over all source KV
+    heads, which then form the equal groups that lose least in the merge
+    (:func:`~mha2gqa.convert.calibration.grouping.least_residual_groups`), recorded as ``perm`` on
+    the layer's statistics. With ``compact`` (the default) each finished layer keeps only what the
+    merges read (:meth:`LayerStats.compact`)."""
+    from tqdm.auto import tqdm
+
+    from mha2gqa.core.capture import capturing
+    from mha2gqa.core.checkpoint import open_checkpoint
+    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.models import resolve_device
+
+    dev = resolve_device(device)
+    ckpt = open_checkpoint(str(model_dir), allow_pickle=allow_pickle)
+    model = _skeleton(model_dir)
+    dims = AttentionDims.from_config(model.config)
+    seq_len = min(seq_len or 512, getattr(model.config, "max_position_embeddings", None) or 512)
+    windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
+    states = _first_layer_inputs(model, ckpt, windows, dev)
+    stats = CalibrationStats(groups, dims.head_dim, dims.rotary, source=data)
+    full = CalibrationStats(1, dims.head_dim, dims.rotary) if grouping == "similarity" else stats
+    prefix = f"{model.base_model_prefix}.layers."
+    layers = model.base_model.layers
+    bar = tqdm(total=len(layers), unit="layer", desc=f"calibrating ({windows.numel():,} tokens)", disable=not progress)
+    with capturing(model, lambda layer, q, k, v, *_: accumulate(full, layer, q, k, v)), bar:
+        for i, layer in enumerate(layers):
+            _materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored ...
+            with _float32_on_call(layer):  # ... and each module in float32 only while it runs
+                for n, (h, kw) in enumerate(states):
+                    out = layer(h, **kw)
+                    states[n] = (out[0] if isinstance(out, tuple) else out, kw)
+            _release(layer)
+            if full is not stats:  # choose this layer's groups, keep only their blocks
+                layer_full = full.layers.pop(i)
+                stats.layers[i] = regroup(layer_full, least_residual_groups(layer_full, groups), dims.num_heads)
+            if compact:
+                stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
+            bar.update(1)
+    stats.tokens = windows.numel()
+    return stats

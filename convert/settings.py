@@ -1,0 +1,59 @@
+"""Every setting of a conversion, with its default and help: the one source for
+:func:`~mha2gqa.convert.converter.convert_checkpoint`, ``mha2gqa convert`` and job files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mha2gqa.convert.methods import GROUPINGS, METHODS, get_grouping, get_method
+from mha2gqa.core.devices import DEVICE_HELP, check_device_name
+from mha2gqa.core.errors import SettingError
+from mha2gqa.core.settings import setting, validate
+from mha2gqa.core.units import parse_size
+
+_METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
+
+
+@dataclass
+class ConvertSettings:
+    """How a checkpoint is converted (``convert_checkpoint(src, dst, **fields)``)."""
+
+    num_kv_heads: int = setting(help="KV heads after conversion (a divisor of the current count).", short="-g")
+    method: str = setting("mean", help=f"How heads merge. {_METHODS_HELP}.", choices=tuple(METHODS))
+    grouping: str = setting("contiguous", help="Which heads share a KV head: " + "; ".join(
+        f"{g.name}: {g.summary}" for g in GROUPINGS.values()) + ".", choices=tuple(GROUPINGS))  # fmt: skip
+    calibration: str | None = setting(None, help="Calibration text for svd / aligned / similarity grouping "
+                                      "(a file or a datasets name, as for eval --data).")  # fmt: skip
+    calibration_tokens: int = setting(16384, help="Calibration tokens (the first N of the text).", minimum=1)
+    calibration_seq_len: int | None = setting(None, help="Calibration window [default: min(512, the model's "
+                                              "positions)].", minimum=2)  # fmt: skip
+    device: str = setting("auto", help=f"Where calibration runs: {DEVICE_HELP}")
+    seed: int = setting(0, help="Seed of --method random.", minimum=0, maximum=2**63 - 1)
+    max_shard_size: str = setting("5GB", help="Largest output shard, HF style ('5GB', '500MB').")
+    revision: str | None = setting(None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
+    overwrite: bool = setting(False, help="Replace DST if it exists and is not empty.")
+    allow_pickle: bool = setting(False, help="Read PyTorch .bin checkpoints (with torch.load(weights_only=True)).")
+    fsync: bool = setting(False, help="Flush every shard to disk before the output is renamed into place.")
+    progress: bool = setting(True, help="Progress bars.", cli=False)
+
+    def check(self) -> ConvertSettings:
+        """Every value checked (types, ranges, choices, how settings combine), before any work."""
+        validate(self)
+        check_device_name(self.device)
+        try:
+            parse_size(self.max_shard_size)
+        except Exception as e:
+            raise SettingError("max_shard_size", f"{{name}} {self.max_shard_size}: {e}") from None
+        method, grouping = get_method(self.method), get_grouping(self.grouping)
+        if grouping.reorders and method.kind == "fresh":
+            raise SettingError("grouping", f"{{name}} {grouping.name} does not apply to --method {method.name} "
+                               "(fresh K/V ignore the grouping)")  # fmt: skip
+        return self
+
+    def check_calibration(self) -> None:
+        """Calibration text must be given when the method or grouping needs it (checked once the
+        conversion is known to change the head count: an equal count is a copy and needs none)."""
+        method, grouping = get_method(self.method), get_grouping(self.grouping)
+        if not self.calibration and "required" in (method.calibration, grouping.calibration):
+            what = f"--grouping {grouping.name}" if grouping.calibration == "required" else f"--method {method.name}"
+            raise SettingError("calibration", f"{what} needs calibration text: pass {{name}} DATA")

@@ -1,0 +1,228 @@
+"""Which output tensor comes from where: every tensor of the converted checkpoint, planned before
+anything is written. Untouched tensors are byte copies; the method's tensors are computed one at a
+time when the writer reaches them, so memory stays at about one layer's attention weights."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from functools import partial
+from typing import Any
+
+import torch
+
+from mha2gqa.convert.methods import Method
+from mha2gqa.convert.methods.fresh import fresh_fused, fresh_tensor
+from mha2gqa.convert.methods.pooling import Reducer, reduce_rows, reduce_stacked
+from mha2gqa.core.checkpoint import Checkpoint
+from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.families import Family, split_fused_qkv
+from mha2gqa.core.safetensors_io import TensorInfo
+from mha2gqa.core.shard_writer import OutputTensor
+
+SUFFIXES = (".weight", ".bias")
+
+
+class LayerMerge:
+    """Computes one layer's merged q/k/v/o once (a ``layer`` method, or any method under similarity
+    grouping), hands the tensors out one by one and forgets them as they are written."""
+
+    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int,
+                 stats: Any, method: Method) -> None:  # fmt: skip
+        self.ckpt, self.family, self.dims, self.groups = ckpt, family, dims, groups
+        self.layer, self.stats, self.method = layer, stats, method
+        self.ready: dict[str, torch.Tensor] | None = None
+
+    def names(self) -> dict[str, str]:
+        """Role (``q``, ``k_bias``, ``qkv``...) -> tensor name, for this layer's tensors that exist."""
+        fam, fill = self.family, partial(str.format, layer=self.layer)
+        roles = {"o": fill(fam.o_proj) + ".weight"}
+        modules = {"qkv": fam.qkv_proj} if fam.fused else {"q": fam.q_proj, "k": fam.k_proj, "v": fam.v_proj}
+        for key, module in modules.items():
+            roles |= {key: fill(module) + ".weight", f"{key}_bias": fill(module) + ".bias"}
+        return {role: n for role, n in roles.items() if n in self.ckpt.tensors}
+
+    def get(self, name: str) -> torch.Tensor:
+        if self.ready is None:
+            self.ready = self._compute()
+        return self.ready.pop(name)
+
+    def _compute(self) -> dict[str, torch.Tensor]:
+        from mha2gqa.convert.methods.aligned import weight_stats
+        from mha2gqa.convert.methods.layer import permute_heads, pool_merge_layer
+
+        dims, names = self.dims, self.names()
+        src = {role: self.ckpt.load(n) for role, n in names.items()}
+        w = {role: t.float() for role, t in src.items()}  # float32 maths; the statistics stay float64
+        for suffix in ("", "_bias") if self.family.fused else ():
+            if "qkv" + suffix in w:
+                w["q" + suffix], w["k" + suffix], w["v" + suffix] = split_fused_qkv(
+                    w.pop("qkv" + suffix), dims.num_heads, dims.num_kv_heads, dims.head_dim
+                )
+        shape = (dims.num_heads, dims.num_kv_heads, self.groups, dims.head_dim, dims.rotary)
+        # a layer method without calibration (aligned): statistics from the weights alone
+        layer_stats = weight_stats(w, *shape) if self.stats is None else self.stats.layers[self.layer]
+        if layer_stats.perm is not None:  # similarity grouping: similar heads made contiguous
+            w = permute_heads(w, layer_stats.perm, dims.num_heads, dims.head_dim)
+        if self.method.layerwise:
+            merged = self.method.load()(w, layer_stats, *shape)
+        else:
+            merged = pool_merge_layer(w, self.groups, dims.head_dim, self.method.load())
+        for suffix in ("", "_bias") if self.family.fused else ():
+            if "q" + suffix in merged:
+                merged["qkv" + suffix] = torch.cat([merged.pop(x + suffix) for x in ("q", "k", "v")])
+        return {names[role]: merged[role].to(src[role].dtype) for role in names}
+
+
+class _Planner:
+    """The rules of one conversion: output tensor name -> how it is made."""
+
+    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, method: Method,
+                 stats: Any, seed: int) -> None:  # fmt: skip
+        self.ckpt, self.family, self.dims, self.g = ckpt, family, dims, groups
+        self.method, self.stats, self.seed = method, stats, seed
+        self.std = float(ckpt.config.get("initializer_range", 0.02))
+        self.rules: dict[str, OutputTensor] = {}
+        self.dropped: set[str] = set()
+
+    def need(self, name: str, rows: int) -> TensorInfo:
+        """The source tensor ``name``, whose rows must be ``rows`` (as the config implies)."""
+        info = self.ckpt.tensors[name]
+        if info.shape[0] != rows:
+            raise Mha2GqaError(
+                f"{name} has {info.shape[0]} rows, but the config implies {rows} ({self.dims.num_kv_heads} KV heads "
+                f"x head_dim {self.dims.head_dim} in the K/V part); check head_dim in config.json"
+            )
+        return info
+
+    def computed(self, name: str, shape: tuple[int, ...], produce) -> None:
+        self.rules[name] = OutputTensor(name, self.ckpt.tensors[name].dtype, shape, produce)
+
+    def fresh(self, name: str, shape: tuple[int, ...], kind: str) -> None:
+        tensor_seed = self.seed * 1_000_003 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+        self.computed(name, shape, partial(fresh_tensor, shape, self.ckpt.tensors[name].dtype, kind, self.std,
+                                           tensor_seed))  # fmt: skip
+
+    def layer_merge(self, layer: int) -> None:
+        """q/k/v/o of ``layer`` merged together."""
+        d, kv = self.dims.head_dim, self.dims.num_kv_heads
+        merge = LayerMerge(self.ckpt, self.family, self.dims, self.g, layer, self.stats, self.method)
+        for role, name in merge.names().items():
+            rows = self.ckpt.tensors[name].shape[0]
+            if role in ("k", "k_bias", "v", "v_bias"):
+                rows = self.need(name, kv * d).shape[0] // kv * self.g
+            elif role.startswith("qkv"):
+                self.need(name, (self.dims.num_heads + 2 * kv) * d)
+                rows = (self.dims.num_heads + 2 * self.g) * d
+            self.computed(name, (rows, *self.ckpt.tensors[name].shape[1:]), partial(merge.get, name))
+
+    def projections(self, layer: int, reducer: Reducer | None) -> None:
+        """K/V (or the fused qkv) of ``layer`` pooled by ``reducer``, or fresh when it is None."""
+        d, kv, g, dims = self.dims.head_dim, self.dims.num_kv_heads, self.g, self.dims
+        fam = self.family
+        for module in (fam.qkv_proj,) if fam.fused else (fam.k_proj, fam.v_proj):
+            for suffix in SUFFIXES:
+                name = module.format(layer=layer) + suffix
+                if name not in self.ckpt.tensors:
+                    continue
+                if fam.fused:
+                    info = self.need(name, (dims.num_heads + 2 * kv) * d)
+                    shape = ((dims.num_heads + 2 * g) * d, *info.shape[1:])
+                    self.computed(name, shape, partial(self._fused, name, reducer, self.seed + layer * 7919))
+                elif reducer is None:
+                    self.fresh(name, (g * d, *self.need(name, kv * d).shape[1:]), suffix[1:])
+                else:
+                    shape = (g * d, *self.need(name, kv * d).shape[1:])
+                    self.computed(name, shape, partial(self._pooled, name, reducer))
+
+    def k_norms(self, layer: int, reducer: Reducer | None) -> None:
+        """Per-head key norms of ``layer`` (``rows`` or ``indexed`` layout) pooled, or fresh."""
+        norm, d, kv, g = self.family.k_norm, self.dims.head_dim, self.dims.num_kv_heads, self.g
+        if norm is not None and norm.layout == "rows":
+            name = norm.name.format(layer=layer)
+            if name in self.ckpt.tensors:
+                self.need(name, kv * d)
+                if reducer is None:
+                    self.fresh(name, (g * d,), "norm")
+                else:
+                    self.computed(name, (g * d,), partial(self._pooled, name, reducer))
+        elif norm is not None and norm.layout == "indexed":
+            names = [norm.name.format(layer=layer, head=h) for h in range(kv)]
+            if all(n in self.ckpt.tensors for n in names):
+                self.dropped.update(names[g:])
+                for h in range(g):
+                    shape = self.ckpt.tensors[names[h]].shape
+                    if reducer is None:
+                        self.fresh(names[h], shape, "norm")
+                    else:
+                        self.computed(names[h], shape, partial(self._pooled_indexed, names, h, reducer))
+
+    def _pooled(self, name: str, reducer: Reducer) -> torch.Tensor:
+        return reduce_rows(self.ckpt.load(name), self.g, self.dims.head_dim, reducer)
+
+    def _fused(self, name: str, reducer: Reducer | None, seed: int) -> torch.Tensor:
+        dims = self.dims
+        if reducer is None:
+            kind = "weight" if name.endswith(".weight") else "bias"
+            return fresh_fused(self.ckpt.load(name), kind, dims.num_heads, dims.num_kv_heads, self.g, dims.head_dim,
+                               self.std, seed)  # fmt: skip
+        q, k, v = split_fused_qkv(self.ckpt.load(name), dims.num_heads, dims.num_kv_heads, dims.head_dim)
+        return torch.cat([q, reduce_rows(k, self.g, dims.head_dim, reducer),
+                          reduce_rows(v, self.g, dims.head_dim, reducer)])  # fmt: skip
+
+    def _pooled_indexed(self, names: list[str], head: int, reducer: Reducer) -> torch.Tensor:
+        per = len(names) // self.g
+        members = names[head * per : (head + 1) * per]
+        return reduce_stacked([self.ckpt.load(n) for n in members], 1, reducer)[0]
+
+    def outputs(self) -> list[OutputTensor]:
+        """Every output tensor in source storage order: a rule, else a copy."""
+        out: list[OutputTensor] = []
+        for info in sorted(self.ckpt.tensors.values(), key=lambda t: (str(t.file), t.start or 0, t.name)):
+            if info.name in self.dropped:
+                continue
+            if info.name in self.rules:
+                out.append(self.rules[info.name])
+            elif self.ckpt.format == "safetensors":
+                out.append(OutputTensor(info.name, info.dtype, info.shape, info, copy=True))
+            else:
+                out.append(
+                    OutputTensor(info.name, info.dtype, info.shape, partial(self.ckpt.load, info.name), copy=True)
+                )
+        return out
+
+
+def plan_conversion(ckpt: Checkpoint, family: Family, dims: AttentionDims, num_kv_heads: int, method: Method,
+                    stats: Any = None, seed: int = 0) -> list[OutputTensor]:  # fmt: skip
+    """Every output tensor, in source storage order: byte copies except what ``method`` changes
+    (K/V for ``pool``/``fresh`` methods; Q, K, V and O for ``layer`` methods and under similarity
+    grouping, whose permutation is in the calibration ``stats``).
+
+    Tensor shapes (head_dim x KV heads rows) are checked here, so a wrong config fails before
+    anything is written. ``num_kv_heads`` equal to the current count is an exact copy."""
+    planner = _Planner(ckpt, family, dims, num_kv_heads, method, stats, seed)
+    layers = range(dims.num_layers) if num_kv_heads != dims.num_kv_heads else range(0)
+    reducer = method.load() if method.kind == "pool" else None
+    for layer in layers:
+        if method.layerwise or (stats is not None and stats.layers[layer].perm is not None):
+            planner.layer_merge(layer)
+        else:
+            planner.projections(layer, reducer)
+            planner.k_norms(layer, reducer)
+    return planner.outputs()
+
+
+def rewritten(outputs: list[OutputTensor], family: Family) -> list[str]:
+    """The tensors a conversion computes (everything else is copied), named by the family's
+    templates (``model.layers.{layer}.self_attn.k_proj.weight``...); a name no template covers is
+    listed as it is."""
+    templates = [f"{m}{s}" for m in family.modules() for s in SUFFIXES]
+    templates += [n.name for n in (family.q_norm, family.k_norm) if n]
+    patterns = [(re.compile(re.escape(t).replace(r"\{layer\}", r"\d+").replace(r"\{head\}", r"\d+") + "$"), t)
+                for t in templates]  # fmt: skip
+    out = set()
+    for tensor in outputs:
+        if not tensor.copy:
+            out.add(next((t for regex, t in patterns if regex.match(tensor.name)), tensor.name))
+    return sorted(out)

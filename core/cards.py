@@ -1,0 +1,109 @@
+"""Model cards (README.md with YAML front matter) of converted and uptrained checkpoints, rendered
+from their records alone (``mha2gqa_conversion.json``, ``mha2gqa_uptrain.json``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
+
+
+def changes(conv: dict[str, Any]) -> str:
+    """What the conversion changed, in words: method, grouping, and every rewritten tensor."""
+    if conv["num_kv_heads_after"] == conv["num_kv_heads_before"]:
+        return "The KV-head count did not change: every tensor is a byte-for-byte copy of the source."
+    how = f"method `{conv['method']}`" + (f" ({conv['method_summary']})" if conv.get("method_summary") else "")
+    if conv.get("grouping") not in (None, "contiguous"):
+        summary = conv.get("grouping_summary", "")
+        how += f", grouping `{conv['grouping']}` ({summary}; query heads move with their KV heads)"
+    roles = conv.get("rewrites") or ["k", "v"]
+    scope = (
+        "Only the attention K/V" if set(roles) <= {"k", "v"} else "The attention " + "/".join(r.upper() for r in roles)
+    )
+    listed = ", ".join(f"`{t}`" for t in conv.get("rewritten") or [])
+    return (f"Converted with {how}. {scope} projections changed ({listed}), and `num_key_value_heads` in "
+            "`config.json`; every other tensor is a byte-for-byte copy of the source.")  # fmt: skip
+
+
+def model_card(record: dict[str, Any]) -> str:
+    """A Hugging Face model card describing the conversion in ``record``."""
+    src = record["source"]
+    base = src.get("repo_id") or Path(src["path"]).name
+    conv = record["conversion"]
+    front = {
+        "base_model": base,
+        "library_name": "transformers",
+        "tags": ["mha2gqa", "gqa", "grouped-query-attention", record["family"]],
+    }
+    groups = "; ".join(
+        f"KV {j}: q {g[0]}-{g[-1]}" if len(g) > 1 else f"KV {j}: q {g[0]}"
+        for j, g in enumerate(conv["query_heads_per_kv_head"])
+    )
+    rows = [
+        ("source", f"`{base}`" + (f" @ `{src['revision']}`" if src.get("revision") else "")),
+        ("family", record["family"]),
+        ("method", f"`{conv['method']}`"),
+        ("grouping", f"`{conv.get('grouping') or 'contiguous'}`"),
+        ("query heads", conv["num_heads"]),
+        ("KV heads", f"{conv['num_kv_heads_before']} → {conv['num_kv_heads_after']}"),
+        ("head_dim", conv["head_dim"]),
+        ("layers", conv["num_layers"]),
+        (
+            "KV cache per token",
+            f"{conv['kv_cache_bytes_per_token_before']:,} → {conv['kv_cache_bytes_per_token_after']:,} bytes "
+            f"({conv['kv_cache_dtype']})",
+        ),
+        ("head sharing", groups),
+        ("mha2gqa", record["mha2gqa_version"]),
+    ]
+    calibration = conv.get("calibration")
+    if calibration and calibration.get("data"):
+        rows.insert(4, ("calibration", f"`{calibration['data']}` ({calibration['tokens']:,} tokens)"))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    quality = (
+        "Training-free conversions lose quality (mean pooling on RoPE decoders especially); "
+        "evaluate with `mha2gqa eval` and uptrain before use."
+    )
+    return (
+        "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
+        f"# {base} as grouped-query attention ({conv['num_kv_heads_after']} KV heads)\n\n"
+        f"{changes(conv)}\n\n{quality}\n\n| setting | value |\n|---|---|\n{table}\n\n"
+        f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(conv, indent=2)}\n```\n"
+    )
+
+
+def uptrain_card(record: dict[str, Any], conversion: dict[str, Any] | None) -> str:
+    """A model card (README.md) for an uptrained model: the uptraining, then the conversion."""
+    up = record["uptrain"]
+    base = Path(up["student"]).name
+    front = {"base_model": base, "library_name": "transformers",
+             "tags": ["mha2gqa", "gqa", "grouped-query-attention", "uptrained"]}  # fmt: skip
+    s = up["settings"]
+    rows = [
+        ("student", f"`{base}`"),
+        ("objective", s["objective"] + (f" (teacher `{Path(s['teacher']).name}`)" if s.get("teacher") else "")),
+        ("trained", f"{s['train']} ({up['trainable_parameters']:,} parameters)"),
+        ("steps", f"{up['steps']:,} × batch {s['batch_size']} × {s['seq_len']} tokens = {up['tokens']:,} tokens"),
+        ("optimizer", f"AdamW lr {s['lr']:g}, warm-up {up['warmup_steps']}, cosine to {s['min_lr_ratio']:g}× lr"),
+        ("data", f"`{s['data']}`"),
+    ]
+    ev = up.get("last_eval")
+    if ev:
+        line = f"perplexity {ev['ppl']:.4f} on `{s['eval_data']}` ({ev['eval_tokens']:,} tokens)"
+        if "ppl_ratio" in ev:
+            line += f", ×{ev['ppl_ratio']:.3f} the teacher, KL {ev['kl_mean']:.4f}"
+        rows.append(("held-out", line))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    text = (
+        "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
+        f"# {base}, uptrained\n\nA grouped-query-attention model uptrained with `mha2gqa uptrain`.\n\n"
+        f"| setting | value |\n|---|---|\n{table}\n\nExact settings and evaluations: `{UPTRAIN_RECORD}`.\n"
+    )
+    if conversion:
+        body = model_card(conversion).split("---\n", 2)[2]
+        text += "\n## Conversion\n" + body.replace("\n# ", "\n### ", 1)
+    return text

@@ -1,0 +1,190 @@
+"""Finding a checkpoint (local folder or hub id) and indexing its tensors without loading them."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mha2gqa.core.dtypes import from_torch
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.safetensors_io import TensorInfo, load_tensor, read_shard_index
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+
+#: Files copied next to the converted weights (tokenizer, generation and chat-template files).
+AUX_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_HUB_PATTERNS = ["config.json", "*.safetensors", SAFE_INDEX, *AUX_FILES]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class Checkpoint:
+    """A model folder: its ``config.json``, where each tensor lives, and how to read it."""
+
+    folder: Path
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    files: list[Path]
+    format: str  # "safetensors" or "pickle"
+    repo_id: str | None = None
+    revision: str | None = None
+    _pickle_cache: tuple[Path, dict[str, Any]] | None = field(default=None, repr=False)
+
+    def load(self, name: str) -> Any:
+        """One tensor as a CPU ``torch.Tensor`` in its stored dtype."""
+        info = self.tensors[name]
+        if self.format == "safetensors":
+            return load_tensor(info)
+        if self._pickle_cache is None or self._pickle_cache[0] != info.file:
+            self._pickle_cache = (info.file, _torch_load(info.file))
+        return self._pickle_cache[1][name]
+
+
+def resolve_folder(
+    src: str, revision: str | None = None, allow_pickle: bool = False
+) -> tuple[Path, str | None, str | None]:
+    """Local folder for ``src`` (a path, or a hub id downloaded with huggingface_hub).
+
+    Returns ``(folder, repo_id, commit)``; ``repo_id``/``commit`` are None for local folders.
+    """
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise Mha2GqaError(f"{src} is a file: pass the model folder that holds config.json")
+        return path.resolve(), None, None
+    if not _REPO_ID.match(src) or src.startswith((".", "/", "~")):
+        raise Mha2GqaError(f"{src}: no such folder (and not a Hugging Face hub id like 'org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    patterns = [*_HUB_PATTERNS, *(["*.bin", PICKLE_INDEX] if allow_pickle else [])]
+    try:
+        folder = Path(snapshot_download(src, revision=revision, allow_patterns=patterns))
+    except (OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
+        raise Mha2GqaError(
+            f"{src} is not a local folder and the Hugging Face hub cannot be reached "
+            f"(offline: {type(e).__name__}); pass a local folder or go online"
+        ) from None
+    except GatedRepoError:
+        raise Mha2GqaError(f"{src} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise Mha2GqaError(f"{src}: no such folder, and no such repository on the Hugging Face hub") from None
+    except RevisionNotFoundError:
+        raise Mha2GqaError(f"{src}: revision {revision!r} does not exist on the hub") from None
+    except HfHubHTTPError as e:
+        raise Mha2GqaError(f"{src}: download failed: {str(e).splitlines()[0]}") from None
+    return folder.resolve(), src, folder.name
+
+
+def read_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
+    """``config.json`` (or ``name``) of ``folder`` as a dict, with a clear error when it is missing
+    or unreadable."""
+    path = Path(folder) / name
+    if not path.is_file():
+        raise Mha2GqaError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Mha2GqaError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise Mha2GqaError(f"{path}: expected a JSON object")
+    return config
+
+
+def open_checkpoint(src: str, revision: str | None = None, allow_pickle: bool = False) -> Checkpoint:
+    """Resolve ``src``, read its config and index every tensor (headers only)."""
+    folder, repo_id, commit = resolve_folder(src, revision, allow_pickle)
+    config = read_config(folder)
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "unknown")
+        raise Mha2GqaError(f"{folder}: quantized checkpoint ({method}); convert the unquantized model, then quantize")
+    files, fmt = _weight_files(folder, allow_pickle)
+    tensors = read_shard_index(files) if fmt == "safetensors" else _pickle_index(files)
+    if fmt == "safetensors" and (folder / SAFE_INDEX).is_file():
+        _check_index(folder / SAFE_INDEX, tensors)
+    return Checkpoint(folder, config, tensors, files, fmt, repo_id, commit)
+
+
+def _weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], str]:
+    for index, single, fmt in ((SAFE_INDEX, SAFE_SINGLE, "safetensors"), (PICKLE_INDEX, PICKLE_SINGLE, "pickle")):
+        if (folder / index).is_file():
+            files = sorted({folder / f for f in _weight_map(folder / index).values()})
+        elif (folder / single).is_file():
+            files = [folder / single]
+        else:
+            continue
+        if fmt == "pickle" and not allow_pickle:
+            raise Mha2GqaError(
+                f"{folder}: only PyTorch pickle weights (.bin) found; pickle can run code, so pass "
+                "--allow-pickle to read them with torch.load(weights_only=True)"
+            )
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise Mha2GqaError(f"{folder}: shard files listed in the index are missing: {', '.join(missing)}")
+        return files, fmt
+    raise Mha2GqaError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError):
+        raise Mha2GqaError(f"{index_path}: not a valid shard index (no 'weight_map')") from None
+    return weight_map
+
+
+def _check_index(index_path: Path, tensors: dict[str, TensorInfo]) -> None:
+    for name, file in _weight_map(index_path).items():
+        info = tensors.get(name)
+        if info is None or info.file.name != file:
+            raise Mha2GqaError(f"{index_path}: lists {name!r} in {file}, but that shard does not hold it")
+
+
+def _torch_load(path: Path) -> dict[str, Any]:
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise Mha2GqaError(f"{path}: cannot be read as a weights-only PyTorch checkpoint: {e}") from None
+
+
+def _pickle_index(files: list[Path]) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
+    for path in files:
+        for name, t in _torch_load(path).items():
+            try:
+                code = from_torch(t.dtype).code
+            except Mha2GqaError:
+                raise Mha2GqaError(f"{path}: tensor {name!r} has unsupported dtype {t.dtype}") from None
+            out[name] = TensorInfo(name, code, tuple(t.shape), path, None, None)
+    return out
+
+
+__all__ = ["AUX_FILES", "Checkpoint", "open_checkpoint", "read_config", "resolve_folder"]

@@ -1,0 +1,103 @@
+"""Attention dimensions of a decoder, read from its config once: head counts, head_dim, rotary
+dims, and the KV-cache arithmetic that follows from them. No torch.
+
+KV cache per token = ``2 (K and V) x layers x KV heads x head_dim x bytes per element``; e.g.
+Llama-2-7B (32 layers, 32 heads of 128) in fp16: 524,288 bytes as MHA, 131,072 with 8 KV heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mha2gqa.core.errors import Mha2GqaError, SettingError
+
+
+def config_value(config: Any, key: str, default: Any = None) -> Any:
+    """``key`` of a ``config.json`` dict or a transformers config object (whose attribute maps turn
+    e.g. GPT-2's ``n_head`` into ``num_attention_heads``)."""
+    value = config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+    return default if value is None else value
+
+
+def _positive_int(config: Any, key: str) -> int:
+    value = config_value(config, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        found = "missing" if value is None else f"{value!r}"
+        raise Mha2GqaError(f"config.json: {key} must be a positive integer (found {found})")
+    return value
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """Head counts and sizes of a decoder, read from its config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    rotary_dim: int | None = None  # None: the whole head (or no rotary)
+
+    @classmethod
+    def from_config(cls, config: Any) -> AttentionDims:
+        """From a ``config.json`` dict or a transformers config. ``head_dim`` is the config's own
+        when it has one (Gemma-7B: 256 with hidden 3072 and 16 heads), else ``hidden / heads``;
+        rotary dims are ``head_dim x partial_rotary_factor`` (transformers' rule)."""
+        layers = _positive_int(config, "num_hidden_layers")
+        heads = _positive_int(config, "num_attention_heads")
+        hidden = _positive_int(config, "hidden_size")
+        kv = config_value(config, "num_key_value_heads", heads)  # absent or null: MHA
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
+            raise Mha2GqaError(f"config.json: num_key_value_heads must be a positive integer (found {kv!r})")
+        if heads % kv:
+            raise Mha2GqaError(
+                f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+            )
+        head_dim = config_value(config, "head_dim") or hidden // heads
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise Mha2GqaError(f"config.json: head_dim must be a positive integer (found {head_dim!r})")
+        params = config_value(config, "rope_parameters", {})
+        factor = (params.get("partial_rotary_factor") if isinstance(params, dict) else None) or config_value(
+            config, "partial_rotary_factor", 1.0
+        )
+        if not isinstance(factor, int | float) or not 0 < factor <= 1:
+            raise Mha2GqaError(f"config.json: partial_rotary_factor must be in (0, 1] (found {factor!r})")
+        return cls(layers, heads, kv, head_dim, hidden, int(head_dim * factor))
+
+    @property
+    def rotary(self) -> int:
+        """Rotary dimensions per head (the whole head unless partial rotary)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def kv_cache_bytes_per_token(self, num_kv_heads: int | None = None, bytes_per_element: int = 2) -> int:
+        """K and V of every layer for one token: ``2 * layers * kv_heads * head_dim * bytes``
+        (``num_kv_heads``: the model's own when None)."""
+        g = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * self.num_layers * g * self.head_dim * bytes_per_element
+
+    def valid_kv_heads(self) -> list[int]:
+        """The KV-head counts this model converts to: divisors of its current count, largest first."""
+        cur = self.num_kv_heads
+        return [g for g in range(cur, 0, -1) if cur % g == 0]
+
+    def check_kv_heads(self, num_kv_heads: int, setting: str = "num_kv_heads") -> None:
+        """``num_kv_heads`` must divide the current KV-head count (and not exceed it)."""
+        cur = self.num_kv_heads
+        if (
+            isinstance(num_kv_heads, bool)
+            or not isinstance(num_kv_heads, int)
+            or num_kv_heads not in self.valid_kv_heads()
+        ):
+            valid = ", ".join(str(g) for g in sorted(self.valid_kv_heads()))
+            raise SettingError(
+                setting,
+                f"{{name}} {num_kv_heads} is not valid for a model with {cur} KV heads: "
+                f"choose a divisor of {cur} ({valid})",
+            )
+
+
+def query_heads_per_kv_head(num_heads: int, num_kv_heads: int) -> list[list[int]]:
+    """transformers' ``repeat_kv`` grouping: KV head ``j`` serves query heads ``[j*r, (j+1)*r)``."""
+    r = num_heads // num_kv_heads
+    return [list(range(j * r, (j + 1) * r)) for j in range(num_kv_heads)]

@@ -1,0 +1,25 @@
+"""The exception types for user errors: bad input, bad options, unsafe output paths."""
+
+from __future__ import annotations
+
+
+class Mha2GqaError(Exception):
+    """A problem with what the user asked for. The message is one line that says what is wrong
+    and how to fix it; the CLI prints it without a traceback and exits non-zero."""
+
+
+class SettingError(Mha2GqaError):
+    """A bad value of one named setting (a field of a settings dataclass).
+
+    ``message`` contains ``{name}`` where the setting is named: the library says ``calibration_tokens``,
+    the CLI ``--calibration-tokens``, a job file ``convert.calibration_tokens`` (:meth:`render`).
+    """
+
+    def __init__(self, setting: str, message: str) -> None:
+        self.setting = setting
+        self.template = message if "{name}" in message else "{name} " + message
+        super().__init__(self.render(setting))
+
+    def render(self, name: str) -> str:
+        """The message with the setting called ``name``."""
+        return self.template.replace("{name}", name)

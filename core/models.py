@@ -1,0 +1,125 @@
+"""Loading models and tokenizers for evaluation: devices, dtypes, placement, and checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mha2gqa.core.checkpoint import resolve_folder
+from mha2gqa.core.devices import check_device_name, check_dtype_name
+from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.dtypes import by_name, from_torch
+from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.records import read_conversion_record
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> this process's accelerator from ``accelerate`` (CUDA when present), else CPU.
+
+    Also sets up ``accelerate``'s process state, so that under ``accelerate launch`` / ``torchrun``
+    the processes form a group (NCCL on GPUs, gloo on CPUs).
+    """
+    from accelerate import PartialState
+
+    check_device_name(device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SettingError("device", f"{{name}} {device}: CUDA is not available on this machine; use cpu")
+    state = PartialState(cpu=device == "cpu" or (device == "auto" and not torch.cuda.is_available()))
+    return state.device if device == "auto" else torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 on GPU, float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    check_dtype_name(dtype)
+    return by_name(dtype).torch
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    model: torch.nn.Module
+    folder: Path
+
+    def describe(self) -> dict[str, Any]:
+        """Config summary, hashes and the conversion record when the folder has one."""
+        cfg = self.model.config
+        dims = AttentionDims.from_config(cfg)
+        dtype = next(self.model.parameters()).dtype
+        info: dict[str, Any] = {
+            "path": self.path,
+            "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
+            "num_layers": dims.num_layers,
+            "num_heads": dims.num_heads,
+            "num_kv_heads": dims.num_kv_heads,
+            "head_dim": dims.head_dim,
+            "max_positions": getattr(cfg, "max_position_embeddings", None),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_bytes_per_token": dims.kv_cache_bytes_per_token(None, from_torch(dtype).bytes),
+        }
+        config_file = self.folder / "config.json"
+        if config_file.is_file():
+            info["config_sha256"] = hashlib.sha256(config_file.read_bytes()).hexdigest()
+        record = read_conversion_record(self.folder)
+        if record and isinstance(record.get("conversion"), dict):
+            info["conversion"] = record["conversion"]
+        return info
+
+
+def load_model(
+    path: str, device: torch.device, dtype: torch.dtype, device_map: str | None = None, revision: str | None = None
+) -> LoadedModel:
+    """A causal LM in eval mode on ``device`` (or spread by ``device_map='auto'`` across GPUs)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    folder, _, _ = resolve_folder(path, revision)
+    logging.disable_progress_bar()
+    try:
+        kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+        if device_map:
+            kwargs["device_map"] = device_map
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError) as e:
+        raise Mha2GqaError(f"{path}: cannot be loaded as a causal LM: {str(e).splitlines()[0]}") from None
+    if not device_map:
+        model.to(device)
+    return LoadedModel(path, model.eval(), folder)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise Mha2GqaError(f"{folder}: no usable tokenizer: {str(e).splitlines()[0]}") from None
+
+
+def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:
+    """Both models must read text the same way: same vocabulary and special tokens."""
+    if a.get_vocab() != b.get_vocab() or (a.bos_token_id, a.eos_token_id) != (b.bos_token_id, b.eos_token_id):
+        raise Mha2GqaError(
+            f"tokenizer mismatch: {a_name} and {b_name} do not share a tokenizer (vocabulary or special "
+            "tokens differ); compare a model with its own conversion"
+        )
+
+
+def tokenizer_info(tok) -> dict[str, Any]:
+    vocab = tok.get_vocab()
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
+    return {
+        "name_or_path": str(tok.name_or_path),
+        "class": type(tok).__name__,
+        "vocab_size": len(vocab),
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "vocab_sha256": digest,
+    }

@@ -1,0 +1,142 @@
+"""Evaluation text: local files or ``datasets`` names, as documents, and their tokens.
+
+Sources: ``path.txt`` (``doc_split``: the whole file, paragraphs separated by blank lines, or
+lines), ``path.jsonl`` / ``path.json`` and ``path.parquet`` (one document per row, ``text_field``),
+or a ``datasets`` name ``name[:config]:split`` such as ``wikitext:wikitext-2-raw-v1:test`` (needs
+the hub, or a local ``datasets`` cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mha2gqa.core.errors import Mha2GqaError, SettingError
+
+if TYPE_CHECKING:
+    import torch
+
+DOC_SPLITS = {"file": "document", "paragraph": "paragraph", "line": "line"}
+_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class TextData:
+    """Documents in order, and where they came from."""
+
+    source: str
+    documents: list[str]
+    text_field: str | None
+    doc_split: str | None
+
+    @property
+    def characters(self) -> int:
+        return sum(map(len, self.documents))
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for d in self.documents:
+            h.update(d.encode("utf-8"))
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def describe(self) -> dict:
+        return {
+            "source": self.source,
+            "text_field": self.text_field,
+            "doc_split": self.doc_split,
+            "documents": len(self.documents),
+            "characters": self.characters,
+            "sha256": self.sha256(),
+        }
+
+
+def load_text(source: str, text_field: str = "text", doc_split: str = "file", setting: str = "data") -> TextData:
+    """Read ``source`` into documents (empty ones dropped). Raises :class:`SettingError` naming
+    ``setting`` (``data``, ``calibration``, ``eval_data``...)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in _BUILDERS or path.exists():
+        if not path.is_file():
+            raise SettingError(setting, f"{{name}} {source}: no such file")
+        if suffix not in _BUILDERS:
+            raise SettingError(
+                setting, f"{{name}} {source}: unsupported file type; use .txt, .jsonl, .json or .parquet"
+            )
+        if doc_split not in DOC_SPLITS:
+            raise SettingError("doc_split", f"{{name}} must be one of {', '.join(DOC_SPLITS)}")
+        kwargs = {"sample_by": DOC_SPLITS[doc_split]} if suffix == ".txt" else {}
+        try:
+            ds = datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split="train", **kwargs)
+        except Exception as e:
+            raise SettingError(
+                setting, f"{{name}} {source}: cannot be read as {suffix[1:]}: {str(e).splitlines()[0]}"
+            ) from None
+        field = "text" if suffix == ".txt" else text_field
+        split_used = doc_split if suffix == ".txt" else None
+    else:
+        parts = source.split(":")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise SettingError(
+                setting,
+                f"{{name}} {source}: not a file, and not a datasets name like 'wikitext:wikitext-2-raw-v1:test'",
+            )
+        name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
+        try:
+            ds = datasets.load_dataset(name, config, split=split)
+        except Exception as e:
+            raise SettingError(
+                setting,
+                f"{{name}} {source}: cannot load it with datasets ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+            ) from None
+        field, split_used = text_field, None
+    if field not in ds.column_names:
+        raise SettingError(
+            setting,
+            f"{{name}} {source}: no text field {field!r} (fields: {', '.join(ds.column_names)}); pass --text-field",
+        )
+    docs = [d for d in ds[field] if isinstance(d, str) and d.strip()]
+    if not docs:
+        raise SettingError(setting, f"{{name}} {source}: no text")
+    return TextData(source, docs, field, split_used)
+
+
+def token_stream(tokenizer, data: TextData, max_tokens: int | None = None) -> torch.Tensor:
+    """The documents joined by blank lines, tokenized once, with one BOS at the start when the
+    tokenizer has one; cut to ``max_tokens``. ``-> [N]`` int64."""
+    import torch
+
+    text = "\n\n".join(data.documents)
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    if tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id, *ids]
+    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+
+
+def document_tokens(tokenizer, data: TextData, max_tokens: int | None = None) -> tuple[list[list[int]], list[str]]:
+    """Per-document token lists (no special tokens), whole documents in order until their total
+    reaches ``max_tokens``. Returns ``(token lists, the documents used)``."""
+    out: list[list[int]] = []
+    used: list[str] = []
+    total = 0
+    for doc in data.documents:
+        if max_tokens and total >= max_tokens:
+            break
+        ids = tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]
+        out.append(ids)
+        used.append(doc)
+        total += len(ids)
+    return out, used
+
+
+def prefix_token(tokenizer) -> int:
+    """The token lm-evaluation-harness puts before each document: BOS, else EOS."""
+    token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if token is None:
+        raise Mha2GqaError("the tokenizer has neither a BOS nor an EOS token to start rolling windows with")
+    return token

@@ -1,0 +1,186 @@
+"""The results schema of ``mha2gqa eval`` (``mha2gqa.eval/1``), typed.
+
+The harness writes the JSON; everything that reads it (the terminal summary, gates, the report, job
+and demo tables) reads it through :meth:`Results.from_dict`, which checks the fields it needs and
+names a missing one. Files written before a field existed stay readable: such fields are optional
+here and derived where the numbers allow (e.g. a model's KV bytes per token from its dimensions).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.dtypes import by_name
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.records import EVAL_SCHEMA
+
+
+class _Missing(Mha2GqaError):
+    pass
+
+
+def _take(cls: type, data: Any, where: str) -> Any:
+    """``cls(**data)`` from the fields of ``data`` that ``cls`` declares; a missing required one
+    is an error naming ``where.field``."""
+    if not isinstance(data, dict):
+        raise _Missing(f"{where} is not an object")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in data:
+            kwargs[f.name] = data[f.name]
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise _Missing(f"{where}.{f.name} is missing")
+    return cls(**kwargs)
+
+
+@dataclass
+class ModelInfo:
+    """One evaluated model: what it is and its KV cache per token in the evaluated dtype."""
+
+    path: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    architecture: str = ""
+    parameters: int = 0
+    max_positions: int | None = None
+    kv_cache_bytes_per_token: int | None = None
+    config_sha256: str | None = None
+    conversion: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_bytes_per_token is None:  # files from before the field was recorded
+            dims = AttentionDims(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, 0)
+            self.kv_cache_bytes_per_token = dims.kv_cache_bytes_per_token(None, by_name(self.dtype).bytes)
+
+    @property
+    def method(self) -> str:
+        return (self.conversion or {}).get("method", "")
+
+
+@dataclass
+class Score:
+    """Perplexity of one model under one protocol."""
+
+    nll_sum: float
+    tokens: int
+    nll: float
+    ppl: float
+    word_perplexity: float | None = None
+    byte_perplexity: float | None = None
+    bits_per_byte: float | None = None
+
+
+@dataclass
+class Protocol:
+    name: str
+    settings: dict[str, Any]
+    original: Score
+    converted: Score | None = None
+    ppl_ratio: float | None = None
+    windows: int = 0
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+
+
+@dataclass
+class Agreement:
+    """Output agreement of the converted model with the original on the same scored tokens."""
+
+    tokens: int
+    kl: dict[str, float]
+    top1_agreement: float
+    nll_delta: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Results:
+    """One results file."""
+
+    schema: str
+    created: str
+    settings: dict[str, Any]
+    models: dict[str, ModelInfo]
+    data: dict[str, Any]
+    protocols: dict[str, Protocol]
+    device: dict[str, Any]
+    versions: dict[str, str] = field(default_factory=dict)
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    agreement: Agreement | None = None
+    attention: dict[str, Any] | None = None
+    gates: dict[str, Any] | None = None
+    git_revision: str | None = None
+    seconds: float = 0.0
+    path: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | None = None) -> Results:
+        """Read a results dict; raises :class:`Mha2GqaError` naming what is missing."""
+        where = path or "results"
+        try:
+            if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("mha2gqa.eval/"):
+                raise _Missing("not a results file of `mha2gqa eval --output`")
+            models = d.get("models")
+            if not isinstance(models, dict) or "original" not in models:
+                raise _Missing("models.original is missing")
+            protocols = d.get("protocols")
+            if not isinstance(protocols, dict) or not protocols:
+                raise _Missing("protocols is missing or empty")
+            out = _take(cls, {**d, "models": {}, "protocols": {}, "agreement": None}, "results")
+            out.models = {n: _take(ModelInfo, m, f"models.{n}") for n, m in models.items()}
+            out.protocols = {n: _protocol(n, p) for n, p in protocols.items()}
+            agreement = d.get("agreement")
+            out.agreement = _take(Agreement, agreement, "agreement") if agreement and agreement.get("kl") else None
+        except _Missing as e:
+            raise Mha2GqaError(f"{where}: {e}") from None
+        except (TypeError, ValueError, KeyError) as e:
+            raise Mha2GqaError(f"{where}: a field has the wrong type ({e})") from None
+        out.path = path
+        return out
+
+    @classmethod
+    def load(cls, path: Path) -> Results:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise Mha2GqaError(f"{path}: cannot read results JSON ({e})") from None
+        return cls.from_dict(data, str(path))
+
+    @property
+    def original(self) -> ModelInfo:
+        return self.models["original"]
+
+    @property
+    def converted(self) -> ModelInfo | None:
+        return self.models.get("converted")
+
+    @property
+    def headline(self) -> Protocol:
+        """The protocol tables lead with: ``disjoint`` when it ran, else the first."""
+        return self.protocols.get("disjoint") or next(iter(self.protocols.values()))
+
+    @property
+    def title(self) -> str:
+        if self.converted is None:
+            return Path(self.original.path).name
+        return f"{Path(self.converted.path).name} vs {Path(self.original.path).name}"
+
+
+def _protocol(name: str, p: Any) -> Protocol:
+    if not isinstance(p, dict):
+        raise _Missing(f"protocols.{name} is not an object")
+    out = _take(Protocol, {**p, "name": name, "original": None}, f"protocols.{name}")
+    out.original = _take(Score, p.get("original"), f"protocols.{name}.original")
+    if p.get("converted") is not None:
+        out.converted = _take(Score, p["converted"], f"protocols.{name}.converted")
+    return out
+
+
+__all__ = ["EVAL_SCHEMA", "Agreement", "ModelInfo", "Protocol", "Results", "Score"]

@@ -1,0 +1,70 @@
+"""Every setting of an evaluation and of the decode benchmark, with defaults and help: the one source
+for :func:`~mha2gqa.eval.harness.evaluate`, ``mha2gqa eval`` / ``bench`` and job files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mha2gqa.core.devices import DEVICE_HELP, DTYPE_HELP, check_device_name, check_dtype_name
+from mha2gqa.core.errors import SettingError
+from mha2gqa.core.settings import setting, validate
+from mha2gqa.core.text import DOC_SPLITS
+
+#: The perplexity protocols (:mod:`mha2gqa.eval.perplexity` says what each is).
+PROTOCOLS = ("disjoint", "stride", "rolling")
+
+
+@dataclass
+class EvalSettings:
+    """Every knob of an evaluation run (recorded verbatim in the results)."""
+
+    data: str = setting(help="Text: a .txt/.jsonl/.json/.parquet file or a datasets name 'name[:config]:split'.")
+    text_field: str = setting("text", help="Field holding the text in .jsonl/.parquet/datasets sources.")
+    doc_split: str = setting("file", help="How a .txt file is cut into documents (the rolling protocol's unit).",
+                             choices=tuple(DOC_SPLITS))  # fmt: skip
+    protocols: tuple[str, ...] = setting(
+        ("disjoint",), help="Perplexity protocols (repeatable).", choices=PROTOCOLS, flag="--protocol"
+    )
+    seq_len: int | None = setting(None, help="Window length [default: min(2048, the model's positions)].", minimum=2)
+    stride: int | None = setting(None, help="Stride of the 'stride' protocol [default: seq_len // 2].", minimum=1)
+    max_tokens: int | None = setting(None, help="Token budget (the first N tokens of the text).", minimum=2)
+    batch_size: int = setting(1, help="Windows per forward pass.", minimum=1)
+    device: str = setting("auto", help=DEVICE_HELP)
+    dtype: str = setting("auto", help=DTYPE_HELP)
+    device_map: str | None = setting(None, help="'auto' to spread a model too large for one GPU across devices.",
+                                     choices=("auto",))  # fmt: skip
+    attention: bool = setting(True, help="Per-layer, per-head attention similarity (pairs only).")
+    attention_seq_len: int | None = setting(None, help="Window for attention similarity [default: min(seq_len, "
+                                            "1024)].", minimum=2)  # fmt: skip
+    attention_windows: int = setting(1, help="Windows the attention similarity averages over.", minimum=1)
+    attention_chunk: int = setting(128, help="Query rows per attention chunk (memory).", minimum=1, cli=False)
+    revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
+    progress: bool = setting(True, help="Progress bars.", cli=False)
+
+    def check(self) -> EvalSettings:
+        validate(self)
+        check_device_name(self.device)
+        check_dtype_name(self.dtype)
+        if self.stride is not None and self.seq_len is not None and self.stride > self.seq_len:
+            raise SettingError("stride", f"{{name}} {self.stride} must be between 1 and --seq-len {self.seq_len}")
+        return self
+
+
+@dataclass
+class BenchSettings:
+    """The decode benchmark: same prompt for each model, greedy generation, medians of repeats."""
+
+    prompt_len: int | None = setting(None, help="Prompt tokens (seeded random ids, the same for both) [default: "
+                                     "512, or what fits the model's positions].", minimum=1)  # fmt: skip
+    new_tokens: int | None = setting(None, help="Tokens generated per run [default: 64, or what fits].", minimum=2)
+    batch_size: int = setting(1, help="Sequences per run.", minimum=1)
+    repeats: int = setting(5, help="Timed runs (median and min-max reported).", minimum=1)
+    warmup: int = setting(1, help="Untimed runs first.", minimum=0)
+    device: str = setting("auto", help=DEVICE_HELP)
+    dtype: str = setting("auto", help=DTYPE_HELP)
+
+    def check(self) -> BenchSettings:
+        validate(self)
+        check_device_name(self.device)
+        check_dtype_name(self.dtype)
+        return self

@@ -1,0 +1,144 @@
+"""Every table of evaluation results, built once as :class:`~mha2gqa.core.tables.Table` and shown by
+the terminal summary, the report (HTML and Markdown), the demo and job summaries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mha2gqa.core.tables import Table
+from mha2gqa.core.units import format_bytes
+from mha2gqa.eval.results import Results
+
+#: Sequence lengths of the KV-cache table (those past the model's positions are left out).
+SEQ_LENS = (2048, 8192, 32768)
+
+
+def perplexity_table(r: Results) -> Table:
+    """One row per protocol: perplexities, ratio, tokens scored, speed and settings."""
+    pair = r.converted is not None
+    t = Table(["protocol", "original PPL"] + (["converted PPL", "ratio"] if pair else []) + ["tokens", "tok/s",
+              "settings"])  # fmt: skip
+    for name, p in r.protocols.items():
+        row = [name, f"{p.original.ppl:.4f}"]
+        if pair:
+            row += [f"{p.converted.ppl:.4f}", f"{p.ppl_ratio:.3f}x"]
+        s = p.settings
+        detail = f"seq_len {s['seq_len']}" + (f", stride {s['stride']}" if "stride" in s else "")
+        if p.original.bits_per_byte is not None:
+            scores = [x for x in (p.original, p.converted) if x is not None]
+            detail += ", bits/byte " + " → ".join(f"{x.bits_per_byte:.4f}" for x in scores)
+        t.add(*row, f"{p.original.tokens:,}", f"{p.tokens_per_second:,.0f}", detail)
+    return t
+
+
+def agreement_table(r: Results) -> Table | None:
+    a = r.agreement
+    if a is None:
+        return None
+    kl = a.kl
+    t = Table(["KL mean", "median", "q90", "q95", "q99", "q99.9", "max", "top-1 agreement", "NLL delta", "tokens"])
+    t.add(*(f"{kl[k]:.4f}" for k in ("mean", "median", "q90", "q95", "q99", "q99_9", "max")),
+          f"{a.top1_agreement:.2%}", f"{a.nll_delta:+.4f}", f"{a.tokens:,}")  # fmt: skip
+    return t
+
+
+def attention_table(r: Results) -> Table | None:
+    att = r.attention
+    if not att or not att.get("layers"):
+        return None
+    t = Table(["layer", "KL", "JS", "row cosine", "entropy orig.", "entropy conv.", "uniform", "head output error",
+               "hidden cosine"])  # fmt: skip
+    for x in att["layers"]:
+        t.add(str(x["layer"]), f"{x['mean_kl']:.4f}", f"{x['mean_js']:.4f}", f"{x['mean_cosine']:.4f}",
+              f"{x['mean_entropy_original']:.3f}", f"{x['mean_entropy_converted']:.3f}", f"{x['entropy_uniform']:.3f}",
+              f"{x['mean_output_rel_error']:.4f}", f"{x['hidden_cosine']:.4f}")  # fmt: skip
+    return t
+
+
+def kv_rows(r: Results) -> list[list[str]]:
+    """KV cache per token (as recorded) and per sequence for each model, and the saving."""
+    lens = _seq_lens(r)
+    rows = []
+    for name, m in r.models.items():
+        per_token = m.kv_cache_bytes_per_token
+        rows.append(
+            [name, str(m.num_kv_heads), m.dtype, f"{per_token:,}"] + [format_bytes(per_token * n) for n in lens]
+        )
+    if r.converted is not None:
+        a, c = r.original.kv_cache_bytes_per_token, r.converted.kv_cache_bytes_per_token
+        rows.append(["saving", "", "", f"{1 - c / a:.1%}"] + [f"{1 - c / a:.1%}"] * len(lens))
+    return rows
+
+
+def _seq_lens(r: Results) -> list[int]:
+    limits = [m.max_positions for m in r.models.values() if m.max_positions]
+    top = min(limits) if limits else None
+    lens = [n for n in SEQ_LENS if top is None or n <= top]
+    return lens if top is None or top in lens else [*lens, top]
+
+
+def kv_table(r: Results) -> Table:
+    header = ["model", "KV heads", "dtype", "bytes/token"] + [f"at {n:,} tokens" for n in _seq_lens(r)]
+    return Table(header, kv_rows(r))
+
+
+def gates_table(r: Results) -> Table | None:
+    if not r.gates:
+        return None
+    t = Table(["gate", "value", "limit", "result"])
+    for g in r.gates["checks"]:
+        t.add(g["name"], f"{g['value']:.4g}", f"{g['op']} {g['limit']:.4g}", "pass" if g["passed"] else "FAIL")
+    return t
+
+
+def tables(r: Results) -> dict[str, Table]:
+    """Every table of one results file: title -> table."""
+    out = {"Perplexity": perplexity_table(r), "Output agreement": agreement_table(r),
+           "Attention per layer": attention_table(r), "KV cache": kv_table(r), "Gates": gates_table(r)}  # fmt: skip
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def overview_table(results: list[Results]) -> Table:
+    """One row per comparison: method, KV heads, perplexities, ratio, KL, top-1."""
+    t = Table(["comparison", "KV heads", "method", "original PPL", "converted PPL", "PPL ratio", "KL mean", "top-1"])
+    for r in results:
+        p, a, conv = r.headline, r.agreement, r.converted
+        t.add(r.title, str(conv.num_kv_heads) if conv else "", conv.method if conv else "",
+              f"{p.original.ppl:.3f}", f"{p.converted.ppl:.3f}" if p.converted else "",
+              f"{p.ppl_ratio or 1:.3f}x", f"{a.kl['mean']:.4f}" if a else "",
+              f"{a.top1_agreement:.2%}" if a else "")  # fmt: skip
+    return t
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> Table:
+    """The summary of a job or the demo: the original, then every conversion (and uptrained model)."""
+    t = Table(["model", "KV heads", "KV cache B/token", "perplexity", "ratio", "KL", "top-1"])
+    if rows:
+        first = rows[0]
+        t.add("original", "", f"{first['kv_bytes_per_token_before']:,}", f"{first['original_ppl']:.3f}", "1.00x",
+              "", "")  # fmt: skip
+    for r in rows:
+        label = f"{r['method']} -> {r['num_kv_heads']} KV heads"
+        t.add(label, str(r["num_kv_heads"]), f"{r['kv_bytes_per_token']:,}", f"{r['converted_ppl']:.3f}",
+              f"{r['ppl_ratio']:.2f}x", f"{r['kl_mean']:.3f}", f"{r['top1']:.1%}")  # fmt: skip
+    return t
+
+
+def recovery_table(runs: list[tuple[str, list[dict[str, Any]]]]) -> Table:
+    """One row per uptraining run: what trained, how long, and held-out quality before -> after."""
+    t = Table(["run", "objective", "trains", "steps", "tokens", "held-out PPL", "vs teacher", "KL"])
+    for label, records in runs:
+        s = records[0]["settings"]
+        evals = [r for r in records if r.get("type") == "eval"]
+        steps = max((r.get("step", 0) for r in records), default=0)
+        row = [label, s["objective"], s["train"], f"{steps:,} / {s['max_steps']:,}",
+               f"{steps * records[0]['tokens_per_step']:,}"]  # fmt: skip
+        if evals:
+            a, b = evals[0], evals[-1]
+            row.append(f"{a['ppl']:.3f} → {b['ppl']:.3f}")
+            row.append(f"{a['ppl_ratio']:.3f}x → {b['ppl_ratio']:.3f}x" if "ppl_ratio" in b else "")
+            row.append(f"{a['kl_mean']:.4f} → {b['kl_mean']:.4f}" if "kl_mean" in b else "")
+        else:
+            row += ["(no --eval-data)", "", ""]
+        t.add(*row)
+    return t
