@@ -205,7 +205,8 @@ def plan_conversion(ckpt: Checkpoint, family: Family, dims: AttentionDims, num_k
     layers = range(dims.num_layers) if num_kv_heads != dims.num_kv_heads else range(0)
     reducer = method.load() if method.kind == "pool" else None
     for layer in layers:
-        if method.layerwise or (stats is not None and stats.layers[layer].perm is not None):
+        perm = stats.layers[layer].perm if stats is not None else None
+        if method.layerwise or (perm is not None and perm != sorted(perm)):  # regrouped: q/o move too
             planner.layer_merge(layer)
         else:
             planner.projections(layer, reducer)

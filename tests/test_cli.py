@@ -94,3 +94,44 @@ def test_bad_job_files_are_refused(tmp_path):
         bad.write_text(text)
         result = CliRunner().invoke(main, ["run", str(bad)])
         assert result.exit_code == 1 and message in result.output, result.output
+
+
+def test_a_job_file_is_checked_whole_before_anything_is_written(tmp_path):
+    """Values of every section are checked against the same settings as the command line, and a
+    bad one is reported (named as the job file names it) before any model is trained or written."""
+    out = tmp_path / "out"
+    base = "source: demo\nconvert: {num_kv_heads: [2], methods: [mean]}\neval: {data: demo-heldout}\n"
+    for extra, message in [
+        ("eval: {data: x, seq_len: long}\n", "eval.seq_len must be an integer"),
+        ("uptrain: {data: demo-train, lr: fast}\n", "uptrain.lr must be a number"),
+        ("uptrain: {data: demo-train, weight_decay: .nan}\n", "uptrain.weight_decay must be a finite number"),
+        ("eval: {data: x, protocols: disjoint}\n", "eval.protocols must be a list"),
+        ("convert: {num_kv_heads: [4, 0]}\n", "convert.num_kv_heads must be at least 1"),
+        ("convert: {num_kv_heads: 2, calibration_tokens: 0}\n", "convert.calibration_tokens must be at least 1"),
+        ("convert: {num_kv_heads: 2, methods: [svd]}\n", "needs calibration text: pass convert.calibration"),
+        ("gates: {max_kl: -1}\n", "gates.max_kl must be at least 0"),
+        ("demo: {steps: 0}\n", "demo.steps must be at least 1"),
+        ("report: maybe\n", "'report' must be true or false"),
+    ]:
+        job = tmp_path / "job.yaml"
+        job.write_text(base + extra)
+        result = CliRunner().invoke(main, ["run", str(job), "--output-dir", str(out)])
+        assert result.exit_code == 1 and message in result.output, (extra, result.output)
+        assert not out.exists() and not list(tmp_path.glob("demo-*"))
+
+
+def test_library_errors_name_the_setting_and_the_cli_its_flag(tiny_checkpoint, tmp_path):
+    import pytest
+
+    from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.core.errors import SettingError
+
+    src = tiny_checkpoint("llama")
+    with pytest.raises(SettingError, match=r"^calibration_tokens must be at least 1") as e:
+        convert_checkpoint(src, tmp_path / "o", 2, "svd", calibration="x", calibration_tokens=0)
+    assert e.value.setting == "calibration_tokens"
+    result = CliRunner().invoke(
+        main, ["convert", str(src), str(tmp_path / "o"), "-g", "2", "--calibration-tokens", "-1"]
+    )
+    assert result.exit_code == 1 and "--calibration-tokens must be at least 1 (got -1)" in result.output
+    assert not (tmp_path / "o").exists()

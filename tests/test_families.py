@@ -78,3 +78,46 @@ def test_readme_table_lists_every_family():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     for fam in families().values():
         assert f"| {fam.family} | `{fam.architectures[0]}` |" in readme
+
+
+#: config switches that change which tensors exist, flipped for each family that has them
+SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_qkv_bias", "qk_layernorm",
+            "use_parallel_residual", "use_bias")  # fmt: skip
+
+
+def meta_parameters(config) -> int:
+    """Parameters of the model class itself (built on meta), tied weights counted once."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_declared_parameter_terms_count_exactly_what_transformers_builds(family):
+    """The planner counts parameters from the family's terms, without torch: for every family, with
+    each switch on and off, MHA and GQA, the count equals the model class's own."""
+    from mha2gqa.core.planning import count_parameters
+
+    fam = families()[family]
+    base = tiny_config(family)
+    variants = [{}, {"num_key_value_heads": 1 if base.num_attention_heads % 2 else 2}]
+    for key in SWITCHES:
+        if hasattr(base, key):
+            variants.append({key: not getattr(base, key)})
+    for overrides in variants:
+        config = tiny_config(family, **overrides)
+        as_dict = json.loads(config.to_json_string())
+        assert count_parameters(as_dict, fam) == meta_parameters(config), overrides
+
+
+def test_parameter_terms_use_the_model_class_defaults_for_absent_switches():
+    from mha2gqa.core.planning import count_parameters
+
+    fam = families()["starcoder2"]  # ties embeddings and uses biases unless told otherwise
+    config = tiny_config("starcoder2")
+    bare = {
+        k: v for k, v in json.loads(config.to_json_string()).items() if k not in ("tie_word_embeddings", "use_bias")
+    }
+    assert count_parameters(bare, fam) == meta_parameters(config)

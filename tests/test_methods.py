@@ -430,3 +430,51 @@ def test_merge_residual_is_zero_for_one_or_identical_heads_and_grouping_never_lo
     stats = CalibrationStats(1, 8, 8)
     accumulate(stats, 0, q, k, v)
     assert least_residual_groups(stats.layers[0], 2) == [[0, 1], [2, 3]]
+
+
+# ---- what the record and the model card say changed ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family,method,grouping,roles",
+    [
+        ("llama", "mean", "contiguous", {"k_proj", "v_proj"}),
+        ("llama", "first", "contiguous", {"k_proj", "v_proj"}),
+        ("llama", "random", "contiguous", {"k_proj", "v_proj"}),
+        ("llama", "svd", "contiguous", {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        ("llama", "aligned", "contiguous", {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        ("llama", "mean", "similarity", {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        ("phi3", "mean", "contiguous", {"qkv_proj"}),
+        ("phi3", "svd", "contiguous", {"qkv_proj", "o_proj"}),
+        ("stablelm", "mean", "contiguous", {"k_proj", "v_proj", "k_layernorm"}),
+    ],
+)  # fmt: skip
+def test_the_card_names_exactly_the_tensors_that_changed(family, method, grouping, roles, calib_text, tmp_path):
+    """The record's ``rewritten`` list is exactly the set of tensors whose bytes differ from the source
+    (as templates), and the card says it: only K/V for pooling methods, every projection otherwise."""
+    import re
+
+    extra = {"qk_layernorm": True} if family == "stablelm" else {}
+    model = random_model(tiny_config(family, vocab_size=300, **extra), seed=2)
+    if grouping == "similarity":  # heads h and h + 2 equal: the grouping pairs them, so q/o move
+        equalise_groups(model, family, 2, strided=True)
+    src = with_tokenizer(model, tmp_path / "s", calib_text)
+    calibrated = method == "svd" or grouping == "similarity"
+    options = (
+        {"calibration": str(calib_text), "calibration_tokens": 256, "calibration_seq_len": 32} if calibrated else {}
+    )
+    out = convert_checkpoint(src, tmp_path / "o", 2, method, grouping=grouping, progress=False, **options).output
+    a, b = read_all(src), read_all(out)
+    changed = {re.sub(r"\.\d+\.", ".{layer}.", n, count=1) for n in a if n not in b or not torch.equal(a[n], b[n])}
+    changed = {re.sub(r"\.norms\.\d+\.", ".norms.{head}.", n) for n in changed}
+    record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
+    assert set(record["rewritten"]) == changed
+    assert {t.split(".")[-2] if ".norms." not in t else t.split(".")[-4] for t in changed} == roles
+    card = (out / "README.md").read_text()
+    assert all(f"`{t}`" in card for t in changed)
+    if roles <= {"k_proj", "v_proj", "qkv_proj", "k_layernorm"} and method in ("mean", "first", "random"):
+        assert "Only the attention K/V projections changed" in card
+    else:
+        assert "The attention Q/K/V/O projections changed" in card and "Only the attention" not in card
+    if grouping == "similarity":
+        assert "grouping `similarity`" in card and "query heads move with their KV heads" in card
