@@ -9,8 +9,7 @@ the converter (and torch) load on first use of its names.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mha2gqa.core.lazy import lazy_names
 
 _LAZY = {
     "ConversionResult": "mha2gqa.convert.converter",
@@ -21,9 +20,4 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)

@@ -141,25 +141,6 @@ def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
-    files = []
-    for path in ckpt.files:
-        entry: dict[str, Any] = {"name": path.name, "size": path.stat().st_size}
-        if ckpt.format == "safetensors":
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                entry["header_sha256"] = hashlib.sha256(f.read(n)).hexdigest()
-        files.append(entry)
-    return {
-        "path": str(ckpt.folder),
-        "repo_id": ckpt.repo_id,
-        "revision": ckpt.revision,
-        "config_sha256": hashlib.sha256((ckpt.folder / "config.json").read_bytes()).hexdigest(),
-        "format": ckpt.format,
-        "files": files,
-    }
-
-
 def _record(source: _Source, s: ConvertSettings, stats: Any, calibration: dict[str, Any] | None,
             tensors: list[OutputTensor]) -> dict[str, Any]:  # fmt: skip
     """The conversion record (``mha2gqa_conversion.json``): settings, shapes, what changed, KV bytes."""
