@@ -20,10 +20,10 @@ from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint, open_checkpoint
 from mha2gqa.core.dims import AttentionDims, query_heads_per_kv_head
 from mha2gqa.core.dtypes import BY_CODE
-from mha2gqa.core.errors import SettingError
+from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
 from mha2gqa.core.families import Family, detect_family
-from mha2gqa.core.output import staged_output
+from mha2gqa.core.output import check_destination, staged_output
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
 from mha2gqa.core.shard_writer import OutputTensor, write_checkpoint
 
@@ -75,13 +75,20 @@ class _Source:
         return self.method.layerwise or self.grouping.reorders
 
 
-def _resolve(src: str | Path, s: ConvertSettings) -> _Source:
-    """Open the source (headers only) and check that the method applies to it."""
+def _inputs(ckpt: Checkpoint, s: ConvertSettings) -> dict[str, Path | str | None]:
+    """What this conversion reads, which its output may never replace."""
+    return {"the source model": ckpt.folder, "the --calibration text": s.calibration}
+
+
+def _resolve(src: str | Path, dst: Path, s: ConvertSettings) -> _Source:
+    """Open the source (headers only), check the destination and that the method applies."""
     method, grouping = get_method(s.method), get_grouping(s.grouping)
     ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle)
+    check_destination(dst, s.overwrite, _inputs(ckpt, s))
     family = detect_family(ckpt.config)
     dims = AttentionDims.from_config(ckpt.config)
     dims.check_kv_heads(s.num_kv_heads)
+    _check_layers(ckpt, family, dims)
     source = _Source(ckpt, family, dims, method, grouping)
     if s.num_kv_heads != dims.num_kv_heads:
         reason = refusal(method, grouping, family)
@@ -89,6 +96,18 @@ def _resolve(src: str | Path, s: ConvertSettings) -> _Source:
             raise SettingError("method", reason)
         s.check_calibration()
     return source
+
+
+def _check_layers(ckpt: Checkpoint, family: Family, dims: AttentionDims) -> None:
+    """The weights hold exactly the config's layers (a cheap check by name, before anything heavy)."""
+    name = family.o_proj + ".weight"
+    for layer in range(dims.num_layers):
+        if name.format(layer=layer) not in ckpt.tensors:
+            missing = name.format(layer=layer)
+            raise Mha2GqaError(f"{ckpt.folder}: config.json says {dims.num_layers} layers, but the weights have no "
+                               f"{missing} (layer {layer}); the config does not match the weights")  # fmt: skip
+    if name.format(layer=dims.num_layers) in ckpt.tensors:
+        raise Mha2GqaError(f"{ckpt.folder}: the weights have more layers than the {dims.num_layers} config.json says")
 
 
 def _calibrate(source: _Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] | None]:
@@ -189,7 +208,14 @@ class _Checks:
 
     @staticmethod
     def _run(source: dict, config: dict, what: str, output: dict, new_config: dict) -> None:
-        check_tensors(source, expected_tensors(config), what)
+        try:
+            expected = expected_tensors(config)
+        except Mha2GqaError:
+            raise
+        except Exception as e:  # transformers refuses the config: a bad value or type in it
+            raise Mha2GqaError(f"{what}/config.json: transformers cannot build this model from it "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None  # fmt: skip
+        check_tensors(source, expected, what)
         check_tensors(output, expected_tensors(new_config), "converted model (internal error)")
 
     def poll(self) -> None:
@@ -212,7 +238,8 @@ def _write(dst: Path, source: _Source, s: ConvertSettings, tensors: list[OutputT
     """Write the converted checkpoint into a staged folder beside ``dst`` and rename it into place."""
     ckpt = source.ckpt
     new_config = {**ckpt.config, "num_key_value_heads": s.num_kv_heads}
-    with _Checks(ckpt, tensors, new_config) as checks, staged_output(dst, s.overwrite, protect=ckpt.folder) as tmp:
+    staged = staged_output(dst, s.overwrite, _inputs(ckpt, s), remove_stale=s.remove_stale)
+    with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         written = write_checkpoint(tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync,
                                    after_each=checks.poll)  # fmt: skip
         checks.wait()
@@ -238,7 +265,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, num_kv_heads: int, meth
     """
     start = time.perf_counter()
     s = ConvertSettings(num_kv_heads=num_kv_heads, **({"method": method} if method else {}), **options).check()
-    source = _resolve(src, s)
+    source = _resolve(src, Path(dst), s)
     stats, calibration = _calibrate(source, s)
     tensors = plan_conversion(source.ckpt, source.family, source.dims, s.num_kv_heads, source.method, stats, s.seed)
     record = _record(source, s, stats, calibration, tensors)

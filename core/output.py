@@ -1,18 +1,56 @@
-"""Writing outputs so that nothing half-written ever has the final name: folders are built in a
-temporary sibling and renamed into place; single files are written beside and renamed."""
+"""Writing outputs so that nothing is ever lost and nothing half-written has the final name.
+
+One discipline for every command that writes:
+
+- **Check first.** An output may not be (or contain, or lie inside) one of the run's inputs; an
+  existing one is refused unless ``overwrite``, and even then only when this tool wrote it
+  (:func:`owned`): a folder holding one of our record files, or a file we recognise as ours.
+- **Build beside, publish atomically.** Folders are built in a temporary sibling
+  ``.<name>.mha2gqa-tmp-<pid>-<random>`` and files written to one; publishing is one
+  ``renameat2`` call: ``RENAME_NOREPLACE`` for a new output (a concurrent writer that got there
+  first makes this run fail with one line, and nothing of the winner is touched) or
+  ``RENAME_EXCHANGE`` to replace (the old output is never missing, not even for an instant).
+  Where the OS lacks ``renameat2`` (not Linux, or a filesystem without it), a new folder is claimed
+  with ``mkdir`` and renamed onto, and a replacement moves the old one aside to
+  ``.<name>.mha2gqa-old-<pid>-<random>`` first: a kill between the two renames leaves the old
+  output there, reported as stale by the next run.
+- **Clean up on every exit.** Errors, SIGINT, SIGTERM and SIGHUP remove the temporary sibling
+  (:mod:`mha2gqa.core.signals`); SIGKILL cannot be caught, so every run looks for siblings left by
+  dead processes and reports them (:func:`stale_temporaries`, removed with ``--remove-stale``).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Mapping
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.records import (
+    CONVERSION_RECORD,
+    EVAL_SCHEMA,
+    OWNED_FILE_MARKERS,
+    OWNED_FOLDER_MARKERS,
+)
+
+TMP_TAG = "mha2gqa-tmp"
+OLD_TAG = "mha2gqa-old"
+_AT_FDCWD = -100
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+__all__ = ["CONVERSION_RECORD", "EVAL_SCHEMA", "check_destination", "owned", "staged_output", "write_json",
+           "write_text"]  # fmt: skip
 
 
 def is_within(inner: Path, outer: Path) -> bool:
@@ -20,60 +58,265 @@ def is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-@contextlib.contextmanager
-def staged_output(dst: Path, overwrite: bool = False, protect: Path | None = None) -> Iterator[Path]:
-    """Yield a temporary folder beside ``dst``; rename it to ``dst`` only if the block succeeds.
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
 
-    An existing non-empty ``dst`` is refused unless ``overwrite``; ``protect`` (the source) may be
-    neither ``dst`` nor inside it. On any error the temporary folder is removed.
-    """
-    dst = Path(os.path.abspath(dst))
-    if protect is not None and is_within(Path(protect).resolve(), dst.resolve()):
-        raise Mha2GqaError(f"DST {dst} is (or contains) the source model: choose another output folder")
-    if dst.exists() and not dst.is_dir():
-        raise Mha2GqaError(f"DST {dst} exists and is not a folder: choose another output path")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise Mha2GqaError(f"DST {dst} exists and is not empty: pass --overwrite to replace it")
+
+def owned(path: Path) -> bool:
+    """Whether ``path`` is something this tool wrote (so ``--overwrite`` may replace it): an empty
+    folder, a folder holding one of our record files, or a file that carries our mark."""
+    path = Path(path)
+    if path.is_dir():
+        return not any(path.iterdir()) or any((path / m).exists() for m in OWNED_FOLDER_MARKERS)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        return isinstance(data, dict) and str(data.get("schema", "")).startswith("mha2gqa.")
+    return any(marker.encode() in head for marker in OWNED_FILE_MARKERS)
+
+
+Inputs = Mapping[str, "Path | str | None"]
+
+
+def check_overlap(dst: Path, inputs: Inputs | None, what: str, folder: bool = True) -> Path:
+    """Refuse a ``dst`` that is, contains or (a folder) lies inside one of ``inputs``."""
+    dst = Path(os.path.abspath(Path(dst).expanduser()))
+    real = _real(dst)
+    for label, item in (inputs or {}).items():
+        if item is None or not Path(item).exists():
+            continue
+        source = _real(Path(item))
+        if is_within(source, real) or (folder and is_within(real, source) and source.is_dir()):
+            kind = "is (or contains)" if is_within(source, real) else "lies inside"
+            raise Mha2GqaError(f"{what} {dst} {kind} {label} ({item}): choose another output path")
+    return dst
+
+
+def check_destination(dst: Path, overwrite: bool, inputs: Inputs | None = None, what: str = "DST",
+                      folder: bool = True) -> Path:  # fmt: skip
+    """Refuse ``dst`` before any work: it overlaps one of the run's ``inputs`` (label -> path, e.g.
+    ``{"the source model": folder}``), is of the wrong kind, exists without ``overwrite``, or exists
+    and is not ours. Returns the absolute path."""
+    dst = check_overlap(dst, inputs, what, folder)
+    if dst.is_symlink() and not dst.exists():
+        raise Mha2GqaError(f"{what} {dst} is a dangling symbolic link: remove it or choose another output path")
+    if dst.exists():
+        if folder and not dst.is_dir():
+            raise Mha2GqaError(f"{what} {dst} exists and is not a folder: choose another output path")
+        if not folder and dst.is_dir():
+            raise Mha2GqaError(f"{what} {dst} is a folder: give a file name")
+        empty_dir = dst.is_dir() and not any(dst.iterdir())
+        if not empty_dir and not overwrite:
+            state = "exists and is not empty" if folder else "exists"
+            raise Mha2GqaError(f"{what} {dst} {state}: pass --overwrite to replace it")
+        if not empty_dir and not owned(dst):
+            raise Mha2GqaError(f"{what} {dst} exists and was not written by mha2gqa: --overwrite replaces only "
+                               "mha2gqa's own outputs; choose another path or remove it yourself")  # fmt: skip
+    return dst
+
+
+@cache
+def _renameat2():
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    func = getattr(ctypes.CDLL(name, use_errno=True), "renameat2", None)
+    if func is not None:
+        func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return func
+
+
+def _rename2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; False where the OS or filesystem does not offer it."""
+    func = _renameat2()
+    if func is None:
+        return False
+    if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _lost_race(dst: Path, what: str) -> Mha2GqaError:
+    return Mha2GqaError(f"{what} {dst} was created by another process while this one was writing; it was left as it "
+                        "is and this run's output discarded")  # fmt: skip
+
+
+def _temp_name(dst: Path, tag: str) -> str:
+    return f".{dst.name}.{tag}-{os.getpid()}-"
+
+
+def publish(tmp: Path, dst: Path, overwrite: bool, what: str = "DST") -> None:
+    """Move the finished ``tmp`` (folder or file) to ``dst`` atomically (see the module doc)."""
+    if not dst.exists() and not dst.is_symlink():
+        try:
+            if _rename2(tmp, dst, _RENAME_NOREPLACE):
+                return
+        except FileExistsError:
+            raise _lost_race(dst, what) from None
+        if tmp.is_dir():  # fallback: claim the name with mkdir, then rename onto the empty folder
+            try:
+                os.mkdir(dst)
+            except FileExistsError:
+                raise _lost_race(dst, what) from None
+            os.rename(tmp, dst)
+        else:
+            try:
+                os.link(tmp, dst)  # fails if dst exists
+            except FileExistsError:
+                raise _lost_race(dst, what) from None
+            os.unlink(tmp)
+        return
+    empty_dir = dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())
+    if not overwrite and not empty_dir:
+        raise _lost_race(dst, what)
+    if not empty_dir and not owned(dst):  # someone put something else there meanwhile
+        raise _lost_race(dst, what)
+    if _rename2(tmp, dst, _RENAME_EXCHANGE):
+        old = tmp  # the previous output now has the temporary name
+    elif tmp.is_dir():
+        old = Path(tempfile.mkdtemp(prefix=_temp_name(dst, OLD_TAG), dir=dst.parent)) / "x"
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+    else:
+        os.replace(tmp, dst)
+        return
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+        if path.name == "x" and OLD_TAG in path.parent.name:
+            shutil.rmtree(path.parent, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+_TEMP = re.compile(rf"^\.(?P<name>.+)\.(?:{TMP_TAG}|{OLD_TAG})-(?P<pid>\d+)-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_temporaries(dst: Path) -> list[Path]:
+    """Temporary siblings of ``dst`` left by runs that died (SIGKILL, power loss)."""
+    parent = Path(dst).parent
+    if not parent.is_dir():
+        return []
+    found = []
+    for entry in parent.iterdir():
+        m = _TEMP.match(entry.name)
+        if m and m.group("name") == Path(dst).name and not _alive(int(m.group("pid"))):
+            found.append(entry)
+    return sorted(found)
+
+
+def handle_stale(dst: Path, remove: bool) -> None:
+    """Report (or with ``remove``, delete) what dead runs left beside ``dst``."""
+    stale = stale_temporaries(dst)
+    if not stale:
+        return
+    if remove:
+        for path in stale:
+            _remove(path)
+        return
+    names = ", ".join(p.name for p in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+    warnings.warn(f"{len(stale)} temporary output(s) beside {dst} were left by a run that was killed ({names}); "
+                  "pass --remove-stale to delete them", stacklevel=3)  # fmt: skip
+
+
+def _space_error(e: OSError, dst: Path, what: str, need: int | None = None) -> Mha2GqaError | None:
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    from mha2gqa.core.units import format_bytes
+
+    needed = f"; it needs {format_bytes(need)}" if need else ""
+    return Mha2GqaError(f"disk full while writing {what} {dst}{needed}: free space or choose another path")
+
+
+@contextlib.contextmanager
+def staged_output(dst: Path, overwrite: bool = False, inputs: Inputs | None = None, what: str = "DST",
+                  remove_stale: bool = False) -> Iterator[Path]:  # fmt: skip
+    """Yield a temporary folder beside ``dst``; publish it as ``dst`` only if the block succeeds.
+
+    ``inputs``: the run's inputs (label -> path), which ``dst`` may neither be, contain nor lie
+    inside. On any error or signal the temporary folder is removed and ``dst`` is untouched."""
+    dst = check_destination(dst, overwrite, inputs, what)
+    handle_stale(dst, remove_stale)
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_name(dst, TMP_TAG), dir=dst.parent))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should look like mkdir's
     except OSError as e:
-        raise Mha2GqaError(f"cannot write next to DST {dst}: {e.strerror or e}") from None
+        raise _space_error(e, dst, what) or Mha2GqaError(
+            f"cannot write next to {what} {dst}: {e.strerror or e}"
+        ) from None
     try:
         yield tmp
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.rename(dst, old / "x")
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
+        publish(tmp, dst, overwrite, what)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _space_error(e, dst, what) or e from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def write_text(path: Path, text: str | bytes, what: str = "--output") -> None:
-    """Write ``text`` to ``path`` atomically (a temporary sibling renamed into place); ``what``
-    names the option in errors."""
-    path = Path(path)
+def write_text(path: Path, text: str | bytes, what: str = "--output", overwrite: bool = True,
+               inputs: Inputs | None = None) -> Path:  # fmt: skip
+    """Write ``text`` to ``path`` through a temporary sibling published atomically; ``what`` names
+    the option in errors. The destination is checked first (:func:`check_destination`)."""
+    path = check_destination(path, overwrite, inputs, what, folder=False)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=_temp_name(path, TMP_TAG), dir=path.parent)
     except OSError as e:
-        raise Mha2GqaError(f"{what} {path}: cannot write there: {e.strerror or e}") from None
+        raise _space_error(e, path, what) or Mha2GqaError(
+            f"{what} {path}: cannot write there: {e.strerror or e}"
+        ) from None
+    tmp = Path(name)
+    data = text.encode("utf-8") if isinstance(text, str) else text
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8") if isinstance(text, str) else text)
-        os.replace(tmp, path)
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
+        publish(tmp, path, overwrite, what)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _space_error(e, path, what, len(data)) or e from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    return path
 
 
-def write_json(path: Path, obj: Any, what: str = "--output") -> None:
-    """Write ``obj`` as indented JSON to ``path`` atomically."""
-    write_text(path, json.dumps(obj, indent=2, allow_nan=True) + "\n", what)
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_json(path: Path, obj: Any, what: str = "--output", overwrite: bool = True,
+               inputs: Inputs | None = None) -> Path:  # fmt: skip
+    """Write ``obj`` as indented JSON to ``path`` (as :func:`write_text`)."""
+    return write_text(path, json.dumps(obj, indent=2, allow_nan=True) + "\n", what, overwrite, inputs)

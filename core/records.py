@@ -18,6 +18,15 @@ UPTRAIN_RECORD = "mha2gqa_uptrain.json"
 UPTRAIN_LOG = "uptrain_log.jsonl"
 #: Schema tag of ``eval --output`` results.
 EVAL_SCHEMA = "mha2gqa.eval/1"
+#: Written by ``run`` / ``demo`` into the folder a job owns.
+RUN_RECORD = "mha2gqa_run.json"
+#: The demo model's own settings, beside its weights.
+DEMO_RECORD = "demo_settings.json"
+#: Files whose presence marks a folder as written by mha2gqa (``--overwrite`` may replace it).
+OWNED_FOLDER_MARKERS = (CONVERSION_RECORD, UPTRAIN_RECORD, UPTRAIN_LOG, RUN_RECORD, DEMO_RECORD)
+#: Marks in the first bytes of the files mha2gqa writes (reports, figures).
+FILE_MARK = "<!-- written by mha2gqa -->"
+OWNED_FILE_MARKERS = (FILE_MARK, "Software\x00mha2gqa")
 
 
 def version() -> str:

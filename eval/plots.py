@@ -24,7 +24,7 @@ def _figure(width: float, height: float):
 def _png(plt, fig) -> bytes:
     buf = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata={"Software": "mha2gqa"})  # the mark --overwrite recognises
     plt.close(fig)
     return buf.getvalue()
 

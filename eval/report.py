@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.output import write_text
+from mha2gqa.core.output import check_destination, write_text
+from mha2gqa.core.records import FILE_MARK
 from mha2gqa.core.runlog import read_log
 from mha2gqa.eval import plots
 from mha2gqa.eval.results import Results
@@ -106,9 +107,16 @@ def render(
     html_path: Path | None = None,
     md_path: Path | None = None,
     runs: list[tuple[str, list[dict[str, Any]]]] | None = None,
+    overwrite: bool = True,
 ) -> dict[str, Path]:
     """Write the HTML page and/or the Markdown summary (its figures in ``<stem>_files/``);
-    ``runs`` (from :func:`load_runs`) add the uptraining recovery curves."""
+    ``runs`` (from :func:`load_runs`) add the uptraining recovery curves. Both destinations are
+    checked first: neither may be an input, and an existing one is replaced only with ``overwrite``
+    and only when mha2gqa wrote it."""
+    inputs = {f"the input {r.path}": r.path for r in results if r.path}
+    for path, what in ((html_path, "--html"), (md_path, "--md")):
+        if path is not None:
+            check_destination(path, overwrite, inputs, what, folder=False)
     written: dict[str, Path] = {}
     parts_html = ["<h1>mha2gqa conversion report</h1>"]
     parts_md = ["# mha2gqa conversion report", ""]
@@ -139,10 +147,10 @@ def render(
             _figure(name, png, f"{i}_{name}", fig_dir, parts_html, parts_md, element_id=f"{name}-{i}")
     if html_path is not None:
         head = f"<meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style>"
-        page = f"<!doctype html><html><head>{head}</head><body>"
+        page = f"<!doctype html>{FILE_MARK}<html><head>{head}</head><body>"
         write_text(html_path, page + "\n".join(parts_html) + "</body></html>\n", "--html")
         written["html"] = html_path
     if md_path is not None:
-        write_text(md_path, "\n".join(parts_md) + "\n", "--md")
+        write_text(md_path, FILE_MARK + "\n" + "\n".join(parts_md) + "\n", "--md")
         written["md"] = md_path
     return written

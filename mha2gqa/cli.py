@@ -7,6 +7,7 @@ defaults, choices and help are written once; values are checked before anything 
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -35,32 +36,55 @@ DEBUG_ENV = "MHA2GQA_DEBUG"
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn :class:`Mha2GqaError` into click's one-line ``Error: ...`` and exit code 1; a
-    :class:`SettingError` names the option (``--calibration-tokens``) rather than the field."""
+    """One error path: :class:`Mha2GqaError` becomes click's one-line ``Error: ...`` and exit code 1
+    (a :class:`SettingError` names the option, ``--calibration-tokens``, rather than the field); a
+    full disk says so in one line; SIGTERM/SIGHUP stop like SIGINT, after the cleanup, with exit code
+    128 + signal. ``--debug`` (or ``MHA2GQA_DEBUG=1``) shows the traceback instead."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from mha2gqa.core.signals import Terminated
+
         try:
             return fn(*args, **kwargs)
-        except SettingError as e:
+        except Terminated as e:
+            click.echo(f"Error: stopped by {e.name}; nothing partial was left behind", err=True)
+            sys.exit(128 + e.signum)
+        except Exception as e:
             if os.environ.get(DEBUG_ENV):
                 raise
-            raise click.ClickException(e.render(e.setting if "." in e.setting else flag(e.setting))) from None
-        except Mha2GqaError as e:
-            if os.environ.get(DEBUG_ENV):
-                raise
-            raise click.ClickException(str(e)) from None
+            raise click.ClickException(_one_line(e)) from None
 
     return wrapper
 
 
+def _one_line(e: Exception) -> str:
+    """The message of a user error (anything else is a bug and keeps its traceback)."""
+    if isinstance(e, SettingError):
+        return e.render(e.setting if "." in e.setting else flag(e.setting))
+    if isinstance(e, Mha2GqaError):
+        return str(e)
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" while writing {e.filename}" if e.filename else ""
+        return f"disk full{where}: free space or choose another output path"
+    raise e
+
+
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary.")
+overwrite_option = click.option("--overwrite", is_flag=True,
+                                help="Replace an existing output file (only one mha2gqa wrote).")  # fmt: skip
 
 
 @click.group(context_settings=CONTEXT)
 @click.version_option(package_name="mha2gqa")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the traceback of an error (for bug reports).")
+def main(debug: bool) -> None:
     """Convert multi-head-attention checkpoints to grouped-query attention, and measure the cost."""
+    from mha2gqa.core.signals import install
+
+    install()
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
 
 
 @main.command()
@@ -160,10 +184,12 @@ def demo(config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str
 @click_options(EvalSettings)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the results JSON here.")  # fmt: skip
+@overwrite_option
 @click_options(GateSettings)
 @quiet_option
 @user_errors
-def eval_cmd(original: str, converted: str | None, output: Path | None, quiet: bool, **options: Any) -> None:
+def eval_cmd(original: str, converted: str | None, output: Path | None, overwrite: bool, quiet: bool,
+             **options: Any) -> None:  # fmt: skip
     """Perplexity, output agreement and attention similarity: ORIGINAL vs CONVERTED.
 
     Gates (--max-ppl-ratio applies to every protocol run, --max-kl, --min-top1) print a one-line
@@ -175,7 +201,11 @@ def eval_cmd(original: str, converted: str | None, output: Path | None, quiet: b
     settings = EvalSettings(**options, progress=not quiet).check()
     if converted is None and limits.any:
         raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
-    from mha2gqa.core.output import write_json
+    from mha2gqa.core.output import check_destination, write_json
+
+    inputs = {"the --data text": settings.data, "the original model": original, "the converted model": converted}
+    if output is not None:
+        check_destination(output, overwrite, inputs, "--output", folder=False)
     from mha2gqa.eval.gates import check_gates, gates_record, verdict
     from mha2gqa.eval.harness import evaluate, is_main_process
     from mha2gqa.eval.results import Results
@@ -188,7 +218,7 @@ def eval_cmd(original: str, converted: str | None, output: Path | None, quiet: b
     if gates:
         results["gates"] = gates_record(gates)
     if output is not None:
-        write_json(output, results)
+        write_json(output, results, "--output", overwrite, inputs)
     if not quiet:
         for line in summary_lines(Results.from_dict(results)):
             click.echo(line)
@@ -226,8 +256,10 @@ def uptrain(converted: str, quiet: bool, **options: Any) -> None:
               help="Write the HTML page here [default: the first RESULTS (or run log) with .html].")  # fmt: skip
 @click.option("--md", "md_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write a Markdown summary here.")  # fmt: skip
+@overwrite_option
 @user_errors
-def report(results: tuple[Path, ...], runs: tuple[Path, ...], html_path: Path | None, md_path: Path | None) -> None:
+def report(results: tuple[Path, ...], runs: tuple[Path, ...], html_path: Path | None, md_path: Path | None,
+           overwrite: bool) -> None:  # fmt: skip
     """Render eval RESULTS files (and --uptrain runs) as an HTML page (figures embedded) and Markdown."""
     from mha2gqa.eval.report import load_results, load_runs, render
 
@@ -238,7 +270,7 @@ def report(results: tuple[Path, ...], runs: tuple[Path, ...], html_path: Path | 
     if html_path is None and md_path is None:
         first = results[0] if results else (runs[0] / "report" if runs[0].is_dir() else runs[0])
         html_path = first.with_suffix(".html")
-    for kind, path in render(loaded, html_path, md_path, logs).items():
+    for kind, path in render(loaded, html_path, md_path, logs, overwrite=overwrite).items():
         click.echo(f"{kind}: {path}")
 
 
@@ -258,17 +290,23 @@ def _bench_lengths(s: BenchSettings, limit: int | None) -> tuple[int, int]:
 @click_options(BenchSettings)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the figures as JSON here.")  # fmt: skip
+@overwrite_option
 @user_errors
-def bench(original: str, converted: str | None, output: Path | None, **options: Any) -> None:
+def bench(original: str, converted: str | None, output: Path | None, overwrite: bool, **options: Any) -> None:
     """Prefill latency, decode tokens/s and allocated KV cache: ORIGINAL vs CONVERTED."""
     s = BenchSettings(**options).check()
+    from mha2gqa.core.output import check_destination, write_json
+
+    inputs = {"the original model": original, "the converted model": converted}
+    if output is not None:
+        check_destination(output, overwrite, inputs, "--output", folder=False)
     from mha2gqa.core.models import load_model, resolve_device, resolve_dtype
-    from mha2gqa.core.output import write_json
     from mha2gqa.eval.bench import bench_model
 
     dev = resolve_device(s.device)
     dt = resolve_dtype(s.dtype, dev)
-    results: dict = {"settings": {**options, "device": str(dev), "dtype": str(dt)}, "models": {}}
+    results: dict = {"schema": "mha2gqa.bench/1", "settings": {**options, "device": str(dev), "dtype": str(dt)},
+                     "models": {}}  # fmt: skip
     for name, path in (("original", original), ("converted", converted)):
         if path is None:
             continue
@@ -296,7 +334,7 @@ def bench(original: str, converted: str | None, output: Path | None, **options: 
         results["converted_vs_original"] = {"decode_speedup": speed, "kv_cache_ratio": cache}
         click.echo(f"converted: decode {speed:.2f}x, KV cache {cache:.1%} of the original")
     if output is not None:
-        write_json(output, results)
+        write_json(output, results, "--output", overwrite, inputs)
 
 
 @main.command()

@@ -188,6 +188,23 @@ def _check_heads(job: Job, source: str) -> None:
             raise Mha2GqaError(e.render("convert.num_kv_heads")) from None
 
 
+def _claim_run_folder(out: Path, job: Job, source: str) -> Path:
+    """The job's output folder, owned by this run: a previous run's folder (ours) is replaced
+    wholly, in one exchange, so results of two runs never mix; a folder we did not write, or one
+    holding an input, is refused."""
+    import json
+
+    from mha2gqa.core.output import check_destination, staged_output
+    from mha2gqa.core.records import RUN_RECORD, now
+
+    inputs = {"the source model": source, "the eval data": job.eval.data, "the calibration text":
+              job.convert.get("calibration"), "the uptraining data": job.uptrain.get("data")}  # fmt: skip
+    out = check_destination(out, True, inputs, "--output-dir")
+    with staged_output(out, overwrite=True, inputs=inputs, what="--output-dir") as tmp:
+        (tmp / RUN_RECORD).write_text(json.dumps({"job": job.name, "source": source, "created": now()}) + "\n")
+    return out
+
+
 def run_job(
     job: Job, output_dir: Path | None = None, log: Callable[[str], None] = print, progress: bool = False
 ) -> RunResult:
@@ -198,8 +215,7 @@ def run_job(
 
     source, default_out = _source(job, log)
     _check_heads(job, source)
-    out = Path(output_dir or job.output_dir or default_out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _claim_run_folder(Path(output_dir or job.output_dir or default_out), job, source)
     settings = dataclasses.replace(job.eval, data=_demo_text(job, job.eval.data), progress=progress)
     calibration = _demo_text(job, job.convert.get("calibration"))
     up = {**job.uptrain, "data": _demo_text(job, job.uptrain.get("data"))} if job.uptrain else {}

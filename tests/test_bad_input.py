@@ -86,7 +86,19 @@ def test_extra_tensor(src, tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     assert_refused(
         run_cli("convert", src, tmp_path / "out", "-g", 2),
-        r"tensors the config does not describe: model.layers.1\.",
+        r"the weights have more layers than the 1 config.json says",
+        tmp_path,
+    )
+    from safetensors.torch import load_file, save_file
+
+    cfg["num_hidden_layers"] = 2
+    (src / "config.json").write_text(json.dumps(cfg))
+    state = load_file(src / "model.safetensors")
+    state["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2),
+        r"tensors the config does not describe: model.layers.0.self_attn.extra.weight",
         tmp_path,
     )
 
@@ -199,9 +211,13 @@ def test_existing_output_needs_overwrite(src, tmp_path):
     (out / "keep.txt").write_text("precious")
     assert_refused(run_cli("convert", src, out, "-g", 2), r"exists and is not empty: pass --overwrite", tmp_path)
     assert (out / "keep.txt").read_text() == "precious"
-    result = run_cli("convert", src, out, "-g", 2, "--overwrite", "-q")
+    assert_refused(run_cli("convert", src, out, "-g", 2, "--overwrite"), r"was not written by mha2gqa", tmp_path)
+    assert (out / "keep.txt").read_text() == "precious"  # --overwrite replaces only our own outputs
+    mine = tmp_path / "mine"
+    assert run_cli("convert", src, mine, "-g", 1, "-q").exit_code == 0
+    result = run_cli("convert", src, mine, "-g", 2, "--overwrite", "-q")
     assert result.exit_code == 0, result.output
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert json.loads((mine / "config.json").read_text())["num_key_value_heads"] == 2
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 

@@ -342,7 +342,7 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path):
     assert "pass --teacher" in _cli_error([student, *base, "--output", str(tmp_path / "d"), "--objective", "kd"])
     assert "multiple of --grad-accum" in _cli_error([student, *base, "--output", str(tmp_path / "e"),
                                                      "--batch-size", "6", "--grad-accum", "4"])  # fmt: skip
-    assert "overlaps the model folder" in _cli_error([student, *base, "--output", student])
+    assert "is (or contains) the student model" in _cli_error([student, *base, "--output", student])
     assert "choose auto, cpu, cuda or cuda:N" in _cli_error([student, *base, "--output", str(tmp_path / "f"),
                                                             "--device", "gpu0"])  # fmt: skip
     for name in ("a", "b", "c", "d", "e", "f"):
@@ -357,9 +357,17 @@ def test_an_existing_run_is_never_clobbered(models, tmp_path):
             "--output", str(out), "-q"]  # fmt: skip
     assert "pass --resume" in _cli_error(args)
     assert (out / "keep.txt").read_text() == "precious"
-    r = CliRunner().invoke(main, ["uptrain", *args, "--overwrite"])
+    assert "was not written by mha2gqa" in _cli_error([*args, "--overwrite"])  # not ours: never replaced
+    assert "was not written by mha2gqa" in _cli_error([*args, "--resume"])
+    assert (out / "keep.txt").read_text() == "precious"
+    ours = tmp_path / "ours"
+    r = CliRunner().invoke(main, ["uptrain", *args[:-3], "--output", str(ours), "-q"])
     assert r.exit_code == 0, r.output
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    (ours / "leftover.txt").write_text("from the previous run")
+    r = CliRunner().invoke(main, ["uptrain", *args[:-3], "--output", str(ours), "-q", "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert not (ours / "leftover.txt").exists() and (ours / "config.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_resume_with_other_settings_is_refused(models, tmp_path):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.output import Inputs, check_destination, check_overlap, staged_output
 
 CHECKPOINTS = "checkpoints"
 STATE_NAME = "trainer_state.json"
@@ -49,27 +50,23 @@ def read_state(folder: Path) -> dict[str, Any]:
         raise Mha2GqaError(f"{folder}: unreadable checkpoint state ({e}); delete that checkpoint to resume") from None
 
 
-def check_output(output: Path, resume: bool, overwrite: bool, protect: list[Path]) -> None:
-    """Refuse an ``output`` that overlaps a model being read, or holds something not to be clobbered."""
-    out = output.resolve()
-    for p in protect:
-        p = p.resolve()
-        if out == p or p.is_relative_to(out) or out.is_relative_to(p):
-            raise Mha2GqaError(f"--output {output} overlaps the model folder {p}: choose another output folder")
-    if out.exists() and not out.is_dir():
-        raise Mha2GqaError(f"--output {output} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (resume or overwrite):
-        raise Mha2GqaError(
-            f"--output {output} exists and is not empty: pass --resume to continue that run or --overwrite to "
-            "start over"
-        )
+def check_output(output: Path, resume: bool, overwrite: bool, inputs: Inputs) -> None:
+    """Refuse an ``output`` that overlaps one of the run's ``inputs`` (models, text), or holds
+    something not to be clobbered: a run folder is resumed or replaced only when it is ours."""
+    check_overlap(output, inputs, "--output")
+    if output.is_dir() and any(output.iterdir()) and not (resume or overwrite):
+        raise Mha2GqaError(f"--output {output} exists and is not empty: pass --resume to continue that run or "
+                           "--overwrite to start over")  # fmt: skip
+    check_destination(output, overwrite or resume, inputs, "--output")
 
 
 def prepare_output(output: Path, resume: bool, overwrite: bool) -> None:
-    """Create ``output`` (after :func:`check_output`); ``overwrite`` without ``resume`` empties it."""
-    if output.is_dir() and overwrite and not resume:
-        shutil.rmtree(output)
+    """Create ``output`` (after :func:`check_output`); ``overwrite`` without ``resume`` replaces a
+    previous run by an empty folder in one atomic exchange, then deletes the old run."""
     try:
+        if output.is_dir() and overwrite and not resume and any(output.iterdir()):
+            with staged_output(output, overwrite=True, what="--output"):
+                pass
         output.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise Mha2GqaError(f"--output {output}: cannot create it: {e.strerror or e}") from None

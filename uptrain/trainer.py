@@ -189,8 +189,9 @@ class _Trainer:
         self.output = Path(s.output)
         self.plan = plan = _plan(student, s, acc.num_processes)
         self.tokens_per_step = s.batch_size * plan.seq_len
-        check_output(self.output, s.resume, s.overwrite,
-                     [plan.student_folder] + ([plan.teacher_folder] if plan.teacher_folder else []))  # fmt: skip
+        inputs = {"the student model": plan.student_folder, "the --teacher model": plan.teacher_folder,
+                  "the --data text": s.data, "the --eval-data text": s.eval_data}  # fmt: skip
+        check_output(self.output, s.resume, s.overwrite, inputs)
         self.resume_from, self.start_step = _resume_point(self.output, s.resume, plan.run)
         from accelerate.utils import set_seed
 
