@@ -89,6 +89,8 @@ def _resolve(src: str | Path, dst: Path, s: ConvertSettings) -> _Source:
     dims = AttentionDims.from_config(ckpt.config)
     dims.check_kv_heads(s.num_kv_heads)
     _check_layers(ckpt, family, dims)
+    if s.check_finite:
+        ckpt.check_finite()
     source = _Source(ckpt, family, dims, method, grouping)
     if s.num_kv_heads != dims.num_kv_heads:
         reason = refusal(method, grouping, family)

@@ -34,6 +34,8 @@ class ConvertSettings:
     overwrite: bool = setting(False, help="Replace DST if it exists and is not empty.")
     allow_pickle: bool = setting(False, help="Read PyTorch .bin checkpoints (with torch.load(weights_only=True)).")
     fsync: bool = setting(False, help="Flush every shard to disk before the output is renamed into place.")
+    check_finite: bool = setting(False, help="Read every source tensor first and refuse NaN/Inf anywhere (tensors "
+                                 "the method reads are always checked, with a warning).")  # fmt: skip
     remove_stale: bool = setting(False, help="Delete temporary outputs beside DST left by killed runs (reported "
                                  "otherwise).")  # fmt: skip
     progress: bool = setting(True, help="Progress bars.", cli=False)

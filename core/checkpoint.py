@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import pickle
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mha2gqa.core.dtypes import from_torch
+from mha2gqa.core.dtypes import BY_CODE, from_torch
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.safetensors_io import TensorInfo, load_tensor, read_shard_index
 
@@ -49,14 +51,34 @@ class Checkpoint:
     revision: str | None = None
     _pickle_cache: tuple[Path, dict[str, Any]] | None = field(default=None, repr=False)
 
-    def load(self, name: str) -> Any:
-        """One tensor as a CPU ``torch.Tensor`` in its stored dtype."""
+    nonfinite: set[str] = field(default_factory=set, repr=False)
+
+    def load(self, name: str, warn: bool = True) -> Any:
+        """One tensor as a CPU ``torch.Tensor`` in its stored dtype. A floating tensor holding NaN
+        or Inf is reported once on stderr (and remembered in :attr:`nonfinite`)."""
         info = self.tensors[name]
         if self.format == "safetensors":
-            return load_tensor(info)
-        if self._pickle_cache is None or self._pickle_cache[0] != info.file:
-            self._pickle_cache = (info.file, _torch_load(info.file))
-        return self._pickle_cache[1][name]
+            tensor = load_tensor(info)
+        else:
+            if self._pickle_cache is None or self._pickle_cache[0] != info.file:
+                self._pickle_cache = (info.file, _torch_load(info.file))
+            tensor = self._pickle_cache[1][name]
+        if tensor.is_floating_point() and name not in self.nonfinite and not bool(tensor.isfinite().all()):
+            self.nonfinite.add(name)
+            if warn:
+                sys.stderr.write(f"warning: {self.folder}: {name} holds NaN or Inf values\n")
+        return tensor
+
+    def check_finite(self) -> None:
+        """Read every floating tensor (one at a time) and refuse the checkpoint if any holds NaN or Inf."""
+        for name, info in self.tensors.items():
+            if BY_CODE[info.dtype].floating:
+                self.load(name, warn=False)
+        if self.nonfinite:
+            bad = sorted(self.nonfinite)
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise Mha2GqaError(f"{self.folder}: {', '.join(bad[:3])}{more} hold NaN or Inf values; the checkpoint is "
+                               "damaged (or was saved mid-divergence)")  # fmt: skip
 
 
 def resolve_folder(
@@ -154,8 +176,13 @@ def _weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], str]:
 def _weight_map(index_path: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-    except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError):
         raise Mha2GqaError(f"{index_path}: not a valid shard index (no 'weight_map')") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v and "/" not in v and v not in (".", "..")
+        for k, v in weight_map.items()
+    ):
+        raise Mha2GqaError(f"{index_path}: 'weight_map' must map tensor names to shard file names in this folder")
     return weight_map
 
 
@@ -170,9 +197,20 @@ def _torch_load(path: Path) -> dict[str, Any]:
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = f" (it holds {found.group(1)})" if found else ""
+        raise Mha2GqaError(
+            f"{path}: refused as unsafe by torch.load(weights_only=True){what}: this pickle can run "
+            "code when loaded; get a safetensors copy of the model from its publisher"
+        ) from None
     except Exception as e:
-        raise Mha2GqaError(f"{path}: cannot be read as a weights-only PyTorch checkpoint: {e}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Mha2GqaError(f"{path}: cannot be read as a PyTorch checkpoint ({first})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise Mha2GqaError(f"{path}: not a state dict of tensors")
+    return state
 
 
 def _pickle_index(files: list[Path]) -> dict[str, TensorInfo]:

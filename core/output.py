@@ -29,8 +29,8 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
-import warnings
 from collections.abc import Iterator, Mapping
 from functools import cache
 from pathlib import Path
@@ -239,8 +239,8 @@ def handle_stale(dst: Path, remove: bool) -> None:
             _remove(path)
         return
     names = ", ".join(p.name for p in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
-    warnings.warn(f"{len(stale)} temporary output(s) beside {dst} were left by a run that was killed ({names}); "
-                  "pass --remove-stale to delete them", stacklevel=3)  # fmt: skip
+    sys.stderr.write(f"warning: {len(stale)} temporary output(s) beside {dst} were left by a run that was killed "
+                     f"({names}); pass --remove-stale to delete them\n")  # fmt: skip
 
 
 def _space_error(e: OSError, dst: Path, what: str, need: int | None = None) -> Mha2GqaError | None:

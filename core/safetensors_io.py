@@ -67,7 +67,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             dtype, shape, (lo, hi) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise Mha2GqaError(f"{path}: malformed header entry for {name!r}; {hint}") from None
-        if dtype not in BY_CODE:
+        if not all(_natural(x) for x in (lo, hi, *shape)):
+            raise Mha2GqaError(f"{path}: tensor {name!r} has a shape or data_offsets that are not non-negative "
+                               f"integers ({list(shape)}, {[lo, hi]}); {hint}")  # fmt: skip
+        if not isinstance(dtype, str) or dtype not in BY_CODE:
             raise Mha2GqaError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         if hi - lo != math.prod(shape) * BY_CODE[dtype].bytes or lo < 0:
             raise Mha2GqaError(f"{path}: tensor {name!r} byte range does not match its shape; {hint}")
@@ -83,6 +86,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     if pos < size:
         raise Mha2GqaError(f"{path}: {size - pos} unexpected bytes after the data; {hint}")
     return tensors, metadata
+
+
+def _natural(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def load_tensor(info: TensorInfo) -> Any:

@@ -70,6 +70,8 @@ def load_text(source: str, text_field: str = "text", doc_split: str = "file", se
             )
         if doc_split not in DOC_SPLITS:
             raise SettingError("doc_split", f"{{name}} must be one of {', '.join(DOC_SPLITS)}")
+        if suffix != ".parquet":
+            _check_utf8(path, source, setting)
         kwargs = {"sample_by": DOC_SPLITS[doc_split]} if suffix == ".txt" else {}
         try:
             ds = datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split="train", **kwargs)
@@ -104,6 +106,29 @@ def load_text(source: str, text_field: str = "text", doc_split: str = "file", se
     if not docs:
         raise SettingError(setting, f"{{name}} {source}: no text")
     return TextData(source, docs, field, split_used)
+
+
+def _check_utf8(path: Path, source: str, setting: str) -> None:
+    """Text files must be UTF-8 (checked in 1 MiB pieces, so memory stays small)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                bad = chunk[e.start : e.start + 1]
+                raise SettingError(
+                    setting,
+                    f"{{name}} {source}: file is not UTF-8 text (byte {done + e.start} is "
+                    f"{bad!r}); convert it, e.g. iconv -f latin1 -t utf-8",
+                ) from None
+            if not chunk:
+                return
+            done += len(chunk)
 
 
 def token_stream(tokenizer, data: TextData, max_tokens: int | None = None) -> torch.Tensor:

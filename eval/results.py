@@ -130,11 +130,12 @@ class Results:
             models = d.get("models")
             if not isinstance(models, dict) or "original" not in models:
                 raise _Missing("models.original is missing")
+            parsed = {n: _take(ModelInfo, m, f"models.{n}") for n, m in models.items()}
             protocols = d.get("protocols")
             if not isinstance(protocols, dict) or not protocols:
                 raise _Missing("protocols is missing or empty")
             out = _take(cls, {**d, "models": {}, "protocols": {}, "agreement": None}, "results")
-            out.models = {n: _take(ModelInfo, m, f"models.{n}") for n, m in models.items()}
+            out.models = parsed
             out.protocols = {n: _protocol(n, p) for n, p in protocols.items()}
             agreement = d.get("agreement")
             out.agreement = _take(Agreement, agreement, "agreement") if agreement and agreement.get("kl") else None

@@ -13,17 +13,19 @@ Only complete checkpoints have their final name, so ``--resume`` always finds a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.output import Inputs, check_destination, check_overlap, staged_output
+from mha2gqa.core.output import Inputs, check_destination, check_overlap, publish, staged_output
 
 CHECKPOINTS = "checkpoints"
 STATE_NAME = "trainer_state.json"
@@ -119,21 +121,32 @@ def save_checkpoint(
     root = output / CHECKPOINTS
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"
+    with _building(tmp, accelerator):
+        _save_model(accelerator, model, tokenizer, tmp, None, files)
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+            publish(tmp, final, overwrite=True, what="checkpoint")
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    _save_model(accelerator, model, tokenizer, tmp, None, files)
-    accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
-        (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
         for _, old in checkpoint_dirs(output)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+@contextlib.contextmanager
+def _building(tmp: Path, accelerator) -> Iterator[None]:
+    """A fresh temporary folder ``tmp`` (main process) that is removed again if the block fails."""
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    try:
+        yield
+    except BaseException:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def skip_model_weights(accelerator) -> None:
@@ -147,15 +160,13 @@ def save_final(accelerator, model, tokenizer, output: Path, dtype: torch.dtype |
     """The final model into ``output`` itself: written to a temporary folder, then moved in file by
     file with ``config.json`` last, so the folder loads as a model only once it is complete."""
     tmp = output / ".final.tmp"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        (output / "config.json").unlink(missing_ok=True)
-    accelerator.wait_for_everyone()
-    _save_model(accelerator, model, tokenizer, tmp, dtype, files, final=True)
-    if accelerator.is_main_process:
-        names = sorted(p.name for p in tmp.iterdir())
-        for name in [n for n in names if n != "config.json"] + ["config.json"]:
-            os.replace(tmp / name, output / name)
-        tmp.rmdir()
+    with _building(tmp, accelerator):
+        if accelerator.is_main_process:
+            (output / "config.json").unlink(missing_ok=True)
+        _save_model(accelerator, model, tokenizer, tmp, dtype, files, final=True)
+        if accelerator.is_main_process:
+            names = sorted(p.name for p in tmp.iterdir())
+            for name in [n for n in names if n != "config.json"] + ["config.json"]:
+                os.replace(tmp / name, output / name)
+            tmp.rmdir()
     accelerator.wait_for_everyone()
