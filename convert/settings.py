@@ -9,6 +9,7 @@ from mha2gqa.convert.methods import GROUPINGS, METHODS, get_grouping, get_method
 from mha2gqa.core.devices import DEVICE_HELP, check_device_name
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import setting, validate
+from mha2gqa.core.text import check_text_source
 from mha2gqa.core.units import parse_size
 
 _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
@@ -44,6 +45,7 @@ class ConvertSettings:
         """Every value checked (types, ranges, choices, how settings combine), before any work."""
         validate(self)
         check_device_name(self.device)
+        check_text_source(self.calibration, "calibration")
         try:
             parse_size(self.max_shard_size)
         except Exception as e:

@@ -43,6 +43,7 @@ from mha2gqa.core.records import (
     OWNED_FILE_MARKERS,
     OWNED_FOLDER_MARKERS,
 )
+from mha2gqa.core.signals import check as check_signals
 
 TMP_TAG = "mha2gqa-tmp"
 OLD_TAG = "mha2gqa-old"
@@ -273,6 +274,7 @@ def staged_output(dst: Path, overwrite: bool = False, inputs: Inputs | None = No
         ) from None
     try:
         yield tmp
+        check_signals()  # a stop asked for during the last step: do not publish
         publish(tmp, dst, overwrite, what)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.safetensors_io import TensorInfo, copy_range
+from mha2gqa.core.signals import check as check_signals
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -118,6 +119,7 @@ def write_checkpoint(
             try:
                 _write_all(fd, memoryview(_header(members)))
                 for t in members:
+                    check_signals()
                     _write_tensor(fd, t)
                     weight_map[t.name] = filename
                     bar.update(t.nbytes)

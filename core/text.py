@@ -9,6 +9,7 @@ the hub, or a local ``datasets`` cache).
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +52,26 @@ class TextData:
             "characters": self.characters,
             "sha256": self.sha256(),
         }
+
+
+def check_text_source(source: str | None, setting: str = "data") -> None:
+    """The cheap checks of a text source, before anything is loaded: a local file must exist and
+    be of a known type; anything else must look like a ``datasets`` name (``name[:config]:split``)."""
+    if source is None:
+        return
+    path = Path(source).expanduser()
+    if path.suffix.lower() in _BUILDERS or path.exists() or os.sep in source:
+        if not path.is_file():
+            raise SettingError(setting, f"{{name}} {source}: no such file")
+        if path.suffix.lower() not in _BUILDERS:
+            raise SettingError(
+                setting, f"{{name}} {source}: unsupported file type; use .txt, .jsonl, .json or .parquet"
+            )
+        return
+    parts = source.split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise SettingError(setting, f"{{name}} {source}: not a file, and not a datasets name like "
+                           "'wikitext:wikitext-2-raw-v1:test'")  # fmt: skip
 
 
 def load_text(source: str, text_field: str = "text", doc_split: str = "file", setting: str = "data") -> TextData:

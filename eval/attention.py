@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mha2gqa.core.capture import capturing
+from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.metrics import cosine, row_stats
 
 
@@ -139,6 +140,7 @@ def attention_similarity(
         stored[layer] = (q, k, v, mask, scaling, window)
 
     def compare(layer, q, k, v, mask, scaling, window, _output):
+        check_signals()
         qo, ko, vo, mask_o, scaling_o, window_o = stored.pop(layer)
         sums[layer] = HeadSums(qo.shape[1])
         compare_layer((qo, ko, vo), (q, k, v), mask_o, scaling_o, window_o, sums[layer], chunk)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.metrics import kl_divergence
 
 IGNORE = -100
@@ -145,6 +146,7 @@ def score_windows(
     total = sum(int((t != IGNORE).sum()) for _, t in windows)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress)
     for batch in _batches(windows, batch_size):
+        check_signals()
         inputs = torch.stack([w[0] for w in batch])
         targets = torch.stack([w[1] for w in batch])
         logits = [m(inputs.to(_device(m))).logits for m in models]

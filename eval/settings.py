@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from mha2gqa.core.devices import DEVICE_HELP, DTYPE_HELP, check_device_name, check_dtype_name
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import setting, validate
-from mha2gqa.core.text import DOC_SPLITS
+from mha2gqa.core.text import DOC_SPLITS, check_text_source
 
 #: The perplexity protocols (:mod:`mha2gqa.eval.perplexity` says what each is).
 PROTOCOLS = ("disjoint", "stride", "rolling")
@@ -45,6 +45,7 @@ class EvalSettings:
         validate(self)
         check_device_name(self.device)
         check_dtype_name(self.dtype)
+        check_text_source(self.data, "data")
         if self.stride is not None and self.seq_len is not None and self.stride > self.seq_len:
             raise SettingError("stride", f"{{name}} {self.stride} must be between 1 and --seq-len {self.seq_len}")
         return self

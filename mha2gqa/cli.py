@@ -82,7 +82,7 @@ def main(debug: bool) -> None:
     """Convert multi-head-attention checkpoints to grouped-query attention, and measure the cost."""
     from mha2gqa.core.signals import install
 
-    install()
+    click.get_current_context().call_on_close(install())
     if debug:
         os.environ[DEBUG_ENV] = "1"
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mha2gqa.core.settings import setting
+from mha2gqa.core.signals import check as check_signals
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 
@@ -108,6 +109,7 @@ def train_demo_model(folder: Path, settings: DemoSettings, log=print) -> Path:
     t0 = time.perf_counter()
     model.train()
     for step in range(settings.steps):
+        check_signals()
         starts = torch.randint(0, ids.numel() - settings.seq_len - 1, (settings.batch_size,), generator=gen)
         batch = torch.stack([ids[s : s + settings.seq_len] for s in starts.tolist()])
         loss = model(batch, labels=batch).loss
@@ -116,7 +118,7 @@ def train_demo_model(folder: Path, settings: DemoSettings, log=print) -> Path:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == settings.steps - 1:
+        if step % 25 == 0 or step == settings.steps - 1:
             log(f"  step {step + 1:4d}/{settings.steps}  loss {loss.item():.3f}  ({time.perf_counter() - t0:.0f} s)")
     model.eval()
     with staged_output(folder, overwrite=True) as tmp:

@@ -84,6 +84,16 @@ def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
+#: Texts a job may name that exist only once the demo model is built.
+DEMO_TEXTS = ("demo-train", "demo-heldout")
+
+
+def _checkable(section: dict[str, Any]) -> dict[str, Any]:
+    """``section`` with the demo's text names as datasets-like names, so its checks pass them."""
+    keys = ("data", "eval_data", "calibration")
+    return {k: f"demo:{v}" if k in keys and v in DEMO_TEXTS else v for k, v in section.items()}
+
+
 def _sweep(conv: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, Any]]:
     """``num_kv_heads`` and ``methods`` (one value or a list each) and the other convert settings."""
     conv = dict(conv)
@@ -121,16 +131,19 @@ def _parse(path: Path, data: Any) -> Job:
         raise SettingError("source", "'{name}' is required (a folder, a hub id, or demo)")
     demo = from_mapping(DemoSettings, _section(data, "demo"), "demo")
     heads, methods, conv = _sweep(_section(data, "convert"))
+    fixed = {"num_kv_heads": heads[0], "method": methods[0], "overwrite": True, "progress": False}
+    from_mapping(ConvertSettings, _checkable(conv), "convert", fixed=fixed)  # keys and types
     ev = _section(data, "eval")
     if "data" not in ev:
         raise SettingError("eval.data", "{name} is required")
-    evaluation = from_mapping(EvalSettings, ev, "eval", exclude=_EVAL_FIXED).check()
+    evaluation = from_mapping(EvalSettings, _checkable(ev), "eval", exclude=_EVAL_FIXED).check()
+    evaluation.data = ev["data"]
     up = _section(data, "uptrain")
     if up and "data" not in up:
         raise SettingError("uptrain.data", "{name} is required (the training text)")
     if up:
         fixed = {"output": "-", "teacher": data["source"]}  # the job's own
-        from_mapping(UptrainSettings, up, "uptrain", fixed=fixed, exclude=_UPTRAIN_FIXED).check()
+        from_mapping(UptrainSettings, _checkable(up), "uptrain", fixed=fixed, exclude=_UPTRAIN_FIXED).check()
     gates = from_mapping(GateSettings, _section(data, "gates"), "gates")
     for key, kind in (("report", bool), ("name", str), ("output_dir", str)):
         if key in data and not isinstance(data[key], kind):
@@ -139,11 +152,9 @@ def _parse(path: Path, data: Any) -> Job:
               methods=methods, convert=conv, eval=evaluation, uptrain=up, gates=gates,
               report=data.get("report", True),
               output_dir=(path.parent / data["output_dir"]) if data.get("output_dir") else None)  # fmt: skip
-    fixed = {"num_kv_heads": heads[0], "method": methods[0], "overwrite": True, "progress": False}
-    from_mapping(ConvertSettings, conv, "convert", fixed=fixed)  # keys and types
     for method in methods:  # every conversion's settings, checked now
         try:
-            job.convert_settings(heads[0], method).check_calibration()
+            job.convert_settings(heads[0], method, _checkable(conv).get("calibration")).check_calibration()
         except SettingError as e:
             raise SettingError(e.setting, e.render(f"convert.{e.setting}")) from None
     return job
@@ -171,7 +182,7 @@ def _demo_text(job: Job, name: str | None) -> str | None:
     """``demo-train`` / ``demo-heldout`` as the cached text files; other names as they are."""
     from mha2gqa.demo import heldout_file, train_file
 
-    files = {"demo-train": train_file, "demo-heldout": heldout_file}
+    files = dict(zip(DEMO_TEXTS, (train_file, heldout_file), strict=True))
     return str(files[name](job.demo)) if name in files else name
 
 

@@ -73,21 +73,25 @@ def test_bad_job_files_are_refused(tmp_path):
     bad = tmp_path / "bad.yaml"
     for text, message in [
         (
-            "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2, methodz: [mean]}\n",
+            "source: demo\neval: {data: demo-heldout}\nconvert: {num_kv_heads: 2, methodz: [mean]}\n",
             "unknown key 'convert.methodz'",
         ),
-        ("eval: {data: x}\nconvert: {num_kv_heads: 2}\n", "'source' is required"),
+        ("eval: {data: demo-heldout}\nconvert: {num_kv_heads: 2}\n", "'source' is required"),
         (
-            "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2, methods: [magic]}\n",
+            "source: demo\neval: {data: demo-heldout}\nconvert: {num_kv_heads: 2, methods: [magic]}\n",
             "convert.methods 'magic': choose one of",
         ),
-        ("source: demo\ndemo: {hidden: 3}\neval: {data: x}\nconvert: {num_kv_heads: 2}\n", "unknown key 'demo.hidden'"),
         (
-            "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2}\nuptrain: {max_steps: 3}\n",
+            "source: demo\ndemo: {hidden: 3}\neval: {data: demo-heldout}\nconvert: {num_kv_heads: 2}\n",
+            "unknown key 'demo.hidden'",
+        ),
+        (
+            "source: demo\neval: {data: demo-heldout}\nconvert: {num_kv_heads: 2}\nuptrain: {max_steps: 3}\n",
             "uptrain.data is required",
         ),
         (
-            "source: demo\neval: {data: x}\nconvert: {num_kv_heads: 2}\nuptrain: {data: x, output: y}\n",
+            "source: demo\neval: {data: demo-heldout}\nconvert: {num_kv_heads: 2}\n"
+            "uptrain: {data: demo-train, output: y}\n",
             "unknown key 'uptrain.output'",
         ),
     ]:
@@ -102,10 +106,10 @@ def test_a_job_file_is_checked_whole_before_anything_is_written(tmp_path):
     out = tmp_path / "out"
     base = "source: demo\nconvert: {num_kv_heads: [2], methods: [mean]}\neval: {data: demo-heldout}\n"
     for extra, message in [
-        ("eval: {data: x, seq_len: long}\n", "eval.seq_len must be an integer"),
+        ("eval: {data: demo-heldout, seq_len: long}\n", "eval.seq_len must be an integer"),
         ("uptrain: {data: demo-train, lr: fast}\n", "uptrain.lr must be a number"),
         ("uptrain: {data: demo-train, weight_decay: .nan}\n", "uptrain.weight_decay must be a finite number"),
-        ("eval: {data: x, protocols: disjoint}\n", "eval.protocols must be a list"),
+        ("eval: {data: demo-heldout, protocols: disjoint}\n", "eval.protocols must be a list"),
         ("convert: {num_kv_heads: [4, 0]}\n", "convert.num_kv_heads must be at least 1"),
         ("convert: {num_kv_heads: 2, calibration_tokens: 0}\n", "convert.calibration_tokens must be at least 1"),
         ("convert: {num_kv_heads: 2, methods: [svd]}\n", "needs calibration text: pass convert.calibration"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from mha2gqa.core.devices import DEVICE_HELP, check_device_name
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import setting, validate
-from mha2gqa.core.text import DOC_SPLITS
+from mha2gqa.core.text import DOC_SPLITS, check_text_source
 
 OBJECTIVES = ("ce", "kd", "mix")
 TRAINABLE = ("all", "attention", "kv")
@@ -76,6 +76,8 @@ class UptrainSettings:
         """Every value and combination checked before anything is loaded."""
         validate(self)
         check_device_name(self.device)
+        check_text_source(self.data, "data")
+        check_text_source(self.eval_data, "eval_data")
         if self.objective in ("kd", "mix") and not self.teacher:
             raise SettingError("teacher", f"objective {self.objective} distils from a teacher: pass {{name}} "
                                "ORIGINAL_MODEL")  # fmt: skip

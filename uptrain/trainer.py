@@ -26,6 +26,7 @@ from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.models import resolve_device
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG, UPTRAIN_RECORD, now, read_conversion_record, version
 from mha2gqa.core.runlog import RunLog, read_log
+from mha2gqa.core.signals import check as check_signals
 from mha2gqa.uptrain.checkpoints import (
     check_output,
     checkpoint_dirs,
@@ -303,6 +304,7 @@ class _Trainer:
         window = _Window()
         step = self.start_step
         for step in range(self.start_step + 1, stop + 1):
+            check_signals()
             t0 = time.perf_counter()
             loss, parts, grad_norm = self.step(step)
             window.add(loss, parts, time.perf_counter() - t0)

@@ -13,6 +13,7 @@ import torch
 from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
 from mha2gqa.core.errors import SettingError
+from mha2gqa.core.signals import check as check_signals
 
 
 class _Stop(Exception):
@@ -189,6 +190,7 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
             _materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored ...
             with _float32_on_call(layer):  # ... and each module in float32 only while it runs
                 for n, (h, kw) in enumerate(states):
+                    check_signals()
                     out = layer(h, **kw)
                     states[n] = (out[0] if isinstance(out, tuple) else out, kw)
             _release(layer)
