@@ -12,12 +12,10 @@ from __future__ import annotations
 from mha2gqa.core.lazy import lazy_names
 
 _LAZY = {
-    "ConversionResult": "mha2gqa.convert.converter",
-    "convert_checkpoint": "mha2gqa.convert.converter",
-    "ConvertSettings": "mha2gqa.convert.settings",
-    "METHODS": "mha2gqa.convert.methods",
-    "GROUPINGS": "mha2gqa.convert.methods",
+    "mha2gqa.convert.converter": ("ConversionResult", "convert_checkpoint"),
+    "mha2gqa.convert.settings": ("ConvertSettings",),
+    "mha2gqa.convert.methods": ("GROUPINGS", "METHODS"),
 }
 
-__all__ = sorted(_LAZY)
+__all__ = sorted(name for names in _LAZY.values() for name in names)
 __getattr__ = lazy_names(__name__, _LAZY)

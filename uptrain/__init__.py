@@ -8,12 +8,9 @@ from __future__ import annotations
 from mha2gqa.core.lazy import lazy_names
 
 _LAZY = {
-    "UptrainSettings": "mha2gqa.uptrain.settings",
-    "OBJECTIVES": "mha2gqa.uptrain.settings",
-    "TRAINABLE": "mha2gqa.uptrain.settings",
-    "UptrainResult": "mha2gqa.uptrain.trainer",
-    "uptrain": "mha2gqa.uptrain.trainer",
+    "mha2gqa.uptrain.settings": ("OBJECTIVES", "TRAINABLE", "UptrainSettings"),
+    "mha2gqa.uptrain.trainer": ("UptrainResult", "uptrain"),
 }
 
-__all__ = sorted(_LAZY)
+__all__ = sorted(name for names in _LAZY.values() for name in names)
 __getattr__ = lazy_names(__name__, _LAZY)
