@@ -13,17 +13,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mha2gqa.convert.methods import Grouping, Method, get_grouping, get_method, refusal
+from mha2gqa.convert.preflight import Source, inputs_of, preflight
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
-from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint, open_checkpoint
-from mha2gqa.core.dims import AttentionDims, query_heads_per_kv_head
+from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
+from mha2gqa.core.dims import query_heads_per_kv_head
 from mha2gqa.core.dtypes import BY_CODE
-from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
-from mha2gqa.core.families import Family, detect_family
-from mha2gqa.core.output import check_destination, staged_output
+from mha2gqa.core.families import Family
+from mha2gqa.core.output import staged_output
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
 from mha2gqa.core.shard_writer import OutputTensor, write_checkpoint
 
@@ -59,60 +59,7 @@ class ConversionResult:
         )
 
 
-@dataclass
-class _Source:
-    """A checked source and what it is converted with."""
-
-    ckpt: Checkpoint
-    family: Family
-    dims: AttentionDims
-    method: Method
-    grouping: Grouping
-
-    @property
-    def layered(self) -> bool:
-        """q/k/v/o are rewritten together (a layer method, or heads regrouped)."""
-        return self.method.layerwise or self.grouping.reorders
-
-
-def _inputs(ckpt: Checkpoint, s: ConvertSettings) -> dict[str, Path | str | None]:
-    """What this conversion reads, which its output may never replace."""
-    return {"the source model": ckpt.folder, "the --calibration text": s.calibration}
-
-
-def _resolve(src: str | Path, dst: Path, s: ConvertSettings) -> _Source:
-    """Open the source (headers only), check the destination and that the method applies."""
-    method, grouping = get_method(s.method), get_grouping(s.grouping)
-    ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle)
-    check_destination(dst, s.overwrite, _inputs(ckpt, s))
-    family = detect_family(ckpt.config)
-    dims = AttentionDims.from_config(ckpt.config)
-    dims.check_kv_heads(s.num_kv_heads)
-    _check_layers(ckpt, family, dims)
-    if s.check_finite:
-        ckpt.check_finite()
-    source = _Source(ckpt, family, dims, method, grouping)
-    if s.num_kv_heads != dims.num_kv_heads:
-        reason = refusal(method, grouping, family)
-        if reason:
-            raise SettingError("method", reason)
-        s.check_calibration()
-    return source
-
-
-def _check_layers(ckpt: Checkpoint, family: Family, dims: AttentionDims) -> None:
-    """The weights hold exactly the config's layers (a cheap check by name, before anything heavy)."""
-    name = family.o_proj + ".weight"
-    for layer in range(dims.num_layers):
-        if name.format(layer=layer) not in ckpt.tensors:
-            missing = name.format(layer=layer)
-            raise Mha2GqaError(f"{ckpt.folder}: config.json says {dims.num_layers} layers, but the weights have no "
-                               f"{missing} (layer {layer}); the config does not match the weights")  # fmt: skip
-    if name.format(layer=dims.num_layers) in ckpt.tensors:
-        raise Mha2GqaError(f"{ckpt.folder}: the weights have more layers than the {dims.num_layers} config.json says")
-
-
-def _calibrate(source: _Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] | None]:
+def _calibrate(source: Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] | None]:
     """Calibration statistics (None when the method needs none) and their record."""
     if not source.layered or s.num_kv_heads == source.dims.num_kv_heads:
         return None, None
@@ -162,7 +109,7 @@ def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _record(source: _Source, s: ConvertSettings, stats: Any, calibration: dict[str, Any] | None,
+def _record(source: Source, s: ConvertSettings, stats: Any, calibration: dict[str, Any] | None,
             tensors: list[OutputTensor]) -> dict[str, Any]:  # fmt: skip
     """The conversion record (``mha2gqa_conversion.json``): settings, shapes, what changed, KV bytes."""
     dims, g = source.dims, s.num_kv_heads
@@ -235,12 +182,12 @@ class _Checks:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _write(dst: Path, source: _Source, s: ConvertSettings, tensors: list[OutputTensor],
+def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTensor],
            record: dict[str, Any]) -> Any:  # fmt: skip
     """Write the converted checkpoint into a staged folder beside ``dst`` and rename it into place."""
     ckpt = source.ckpt
     new_config = {**ckpt.config, "num_key_value_heads": s.num_kv_heads}
-    staged = staged_output(dst, s.overwrite, _inputs(ckpt, s), remove_stale=s.remove_stale)
+    staged = staged_output(dst, s.overwrite, inputs_of(ckpt, s), remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         written = write_checkpoint(tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync,
                                    after_each=checks.poll)  # fmt: skip
@@ -267,7 +214,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, num_kv_heads: int, meth
     """
     start = time.perf_counter()
     s = ConvertSettings(num_kv_heads=num_kv_heads, **({"method": method} if method else {}), **options).check()
-    source = _resolve(src, Path(dst), s)
+    source = preflight(src, Path(dst), s)
     stats, calibration = _calibrate(source, s)
     tensors = plan_conversion(source.ckpt, source.family, source.dims, s.num_kv_heads, source.method, stats, s.seed)
     record = _record(source, s, stats, calibration, tensors)

@@ -20,7 +20,7 @@ def _capture_forward(module, query, key, value, attention_mask, **kwargs):
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if _recorder is not None:
         scaling, window = kwargs.get("scaling"), kwargs.get("sliding_window")
-        _recorder(module.layer_idx, query, key, value, attention_mask, scaling, window, out[0])
+        _recorder(module.layer_idx, query, key, value, attention_mask, scaling, window, out[0], module)
     return out
 
 
@@ -34,9 +34,10 @@ def _register() -> None:
 
 @contextlib.contextmanager
 def capturing(model: Any, recorder: Callable[..., None]) -> Iterator[None]:
-    """Within the block, ``recorder(layer, q, k, v, mask, scaling, sliding_window, output)`` sees
-    every attention call of ``model`` (which otherwise runs exactly as with SDPA): ``q``
-    ``[B, H, T, d]``, ``k``/``v`` ``[B, G, T, d]`` post-RoPE, ``output`` the SDPA result ``[B, T, H, d]``."""
+    """Within the block, ``recorder(layer, q, k, v, mask, scaling, sliding_window, output, module)``
+    sees every attention call of ``model`` (which otherwise runs exactly as with SDPA): ``q``
+    ``[B, H, T, d]``, ``k``/``v`` ``[B, G, T, d]`` post-RoPE, ``output`` the SDPA result ``[B, T, H, d]``,
+    ``module`` the attention module."""
     global _recorder
     _register()
     previous = model.config._attn_implementation

@@ -63,7 +63,7 @@ class Checkpoint:
             if self._pickle_cache is None or self._pickle_cache[0] != info.file:
                 self._pickle_cache = (info.file, _torch_load(info.file))
             tensor = self._pickle_cache[1][name]
-        if tensor.is_floating_point() and name not in self.nonfinite and not bool(tensor.isfinite().all()):
+        if tensor.is_floating_point() and name not in self.nonfinite and not _finite(tensor):
             self.nonfinite.add(name)
             if warn:
                 sys.stderr.write(f"warning: {self.folder}: {name} holds NaN or Inf values\n")
@@ -79,6 +79,12 @@ class Checkpoint:
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise Mha2GqaError(f"{self.folder}: {', '.join(bad[:3])}{more} hold NaN or Inf values; the checkpoint is "
                                "damaged (or was saved mid-divergence)")  # fmt: skip
+
+
+def _finite(tensor: Any, chunk: int = 1 << 20) -> bool:
+    """No NaN or Inf in ``tensor``, checked ``chunk`` elements at a time (bounded temporaries)."""
+    flat = tensor.reshape(-1)
+    return all(bool(part.isfinite().all()) for part in flat.split(chunk))
 
 
 def resolve_folder(

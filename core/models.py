@@ -15,7 +15,7 @@ from mha2gqa.core.devices import check_device_name, check_dtype_name
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name, from_torch
 from mha2gqa.core.errors import Mha2GqaError, SettingError
-from mha2gqa.core.records import read_conversion_record
+from mha2gqa.core.records import UPTRAIN_RECORD, read_conversion_record
 
 
 def resolve_device(device: str) -> torch.device:
@@ -70,6 +70,7 @@ class LoadedModel:
         record = read_conversion_record(self.folder)
         if record and isinstance(record.get("conversion"), dict):
             info["conversion"] = record["conversion"]
+        info["uptrained"] = (self.folder / UPTRAIN_RECORD).is_file()
         return info
 
 

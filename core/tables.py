@@ -7,8 +7,10 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-#: Cell texts the HTML rendering colours.
-VERDICT_CLASSES = {"FAIL": "fail", "pass": "pass"}
+
+def _verdict_class(cell: str) -> str | None:
+    """The HTML class that colours a verdict cell: ``pass`` green, ``FAIL...`` red."""
+    return "pass" if cell == "pass" else "fail" if cell.startswith("FAIL") else None
 
 
 @dataclass
@@ -17,9 +19,14 @@ class Table:
 
     header: list[str]
     rows: list[list[str]] = field(default_factory=list)
+    links: list[str | None] = field(default_factory=list)  # per row: where its first cell links to
 
-    def add(self, *cells: object) -> None:
+    def add(self, *cells: object, link: str | None = None) -> None:
         self.rows.append([str(c) for c in cells])
+        self.links.append(link)
+
+    def _link(self, i: int) -> str | None:
+        return self.links[i] if i < len(self.links) else None
 
     def text(self, indent: str = "") -> list[str]:
         """Lines of aligned columns (two spaces between columns)."""
@@ -33,14 +40,22 @@ class Table:
 
     def markdown(self) -> str:
         lines = ["| " + " | ".join(self.header) + " |", "|" + "---|" * len(self.header)]
-        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in self.rows]
+        for i, row in enumerate(self.rows):
+            cells = [c.replace("|", "\\|") for c in row]
+            if self._link(i) and cells:
+                cells[0] = f"[{cells[0]}]({self._link(i)})"
+            lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
     def html(self) -> str:
-        def cell(c: str) -> str:
-            cls = VERDICT_CLASSES.get(c)
-            return f'<td class="{cls}">{html.escape(c)}</td>' if cls else f"<td>{html.escape(c)}</td>"
+        def cell(c: str, link: str | None = None) -> str:
+            cls = _verdict_class(c)
+            text = f'<a href="{html.escape(link)}">{html.escape(c)}</a>' if link else html.escape(c)
+            return f'<td class="{cls}">{text}</td>' if cls else f"<td>{text}</td>"
 
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
-        body = "".join("<tr>" + "".join(cell(c) for c in row) + "</tr>" for row in self.rows)
+        body = "".join(
+            "<tr>" + "".join(cell(c, self._link(i) if j == 0 else None) for j, c in enumerate(row)) + "</tr>"
+            for i, row in enumerate(self.rows)
+        )
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

@@ -10,8 +10,11 @@ the converted model reaches the same layer, attention rows are rebuilt for both 
 Statistics per query head, averaged over all query rows: KL(original || converted) and
 Jensen-Shannon divergence of the attention rows, cosine of the rows, the entropy of each (and the
 uniform distribution's, to expose collapse toward uniform), and the relative error of the head's
-output ``||o_conv - o_orig|| / ||o_orig||``. Per layer: cosine of the decoder layer's output hidden
-states, averaged over tokens.
+contribution to the residual stream, its output through its columns of the output projection,
+``||o_conv W_conv^T - o_orig W_orig^T|| / ||o_orig W_orig^T||`` (``contribution_rel_error``): unlike
+the raw output error ``||o_conv - o_orig|| / ||o_orig||`` (``output_rel_error``, also kept), it does
+not change when a merge absorbs a basis change into ``q_proj``/``o_proj`` (``svd``, ``aligned``).
+Per layer: cosine of the decoder layer's output hidden states, averaged over tokens.
 """
 
 from __future__ import annotations
@@ -59,14 +62,19 @@ class HeadSums:
     ent_uniform: float = 0.0
     err_sq: torch.Tensor = field(init=False)
     ref_sq: torch.Tensor = field(init=False)
+    contrib_err_sq: torch.Tensor = field(init=False)
+    contrib_ref_sq: torch.Tensor = field(init=False)
+    contribution: bool = False  # whether both models' output projections were available
 
     def __post_init__(self) -> None:
-        for name in ("kl", "js", "cos", "ent_orig", "ent_conv", "err_sq", "ref_sq"):
+        for name in ("kl", "js", "cos", "ent_orig", "ent_conv", "err_sq", "ref_sq", "contrib_err_sq",
+                     "contrib_ref_sq"):  # fmt: skip
             setattr(self, name, torch.zeros(self.heads, dtype=torch.float64))
 
     def result(self) -> list[dict[str, float]]:
         n = max(self.rows, 1)
         rel = (self.err_sq / self.ref_sq.clamp_min(1e-30)).sqrt()
+        contrib = (self.contrib_err_sq / self.contrib_ref_sq.clamp_min(1e-30)).sqrt()
         return [
             {
                 "kl": self.kl[h].item() / n,
@@ -75,9 +83,29 @@ class HeadSums:
                 "entropy_original": self.ent_orig[h].item() / n,
                 "entropy_converted": self.ent_conv[h].item() / n,
                 "output_rel_error": rel[h].item(),
+                **({"contribution_rel_error": contrib[h].item()} if self.contribution else {}),
             }
             for h in range(self.heads)
         ]
+
+
+def head_projections(w_o: torch.Tensor, heads: int) -> torch.Tensor:
+    """The output projection ``[hidden, H*d]`` as one ``[H, hidden, d]`` block per query head."""
+    hidden = w_o.shape[0]
+    return w_o.float().reshape(hidden, heads, -1).permute(1, 0, 2)
+
+
+def _contribution_sums(out_o: torch.Tensor, out_c: torch.Tensor, w_o: torch.Tensor, w_c: torch.Tensor,
+                       sums: HeadSums, heads_per_step: int = 4) -> None:  # fmt: skip
+    """Add each head's contribution to the residual stream, ``o_h W_h^T`` (``[B, C, hidden]``), of
+    both models to the error sums: invariant to any basis a merge absorbs into q/o projections.
+    ``out_*`` ``[B, H, C, d]``, ``w_*`` ``[H, hidden, d]``; a few heads at a time bound the memory."""
+    for h0 in range(0, out_o.shape[1], heads_per_step):
+        hs = slice(h0, h0 + heads_per_step)
+        ref = torch.einsum("bhcd,hnd->bhcn", out_o[:, hs], w_o[hs])
+        diff = torch.einsum("bhcd,hnd->bhcn", out_c[:, hs], w_c[hs]) - ref
+        sums.contrib_err_sq[hs] += diff.pow(2).sum((0, 2, 3)).double().cpu()
+        sums.contrib_ref_sq[hs] += ref.pow(2).sum((0, 2, 3)).double().cpu()
 
 
 def compare_layer(
@@ -88,12 +116,16 @@ def compare_layer(
     sliding_window: int | None,
     sums: HeadSums,
     chunk: int = 128,
+    projections: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Add one layer's statistics to ``sums``.
 
     ``orig``/``conv``: ``(q [B,H,T,d], k [B,G,T,d], v [B,G,T,d])`` of each model; KV head ``j``
-    serves query heads ``[j*H/G, (j+1)*H/G)`` as in ``repeat_kv``.
+    serves query heads ``[j*H/G, (j+1)*H/G)`` as in ``repeat_kv``. ``projections``: both models'
+    output projections as ``[H, hidden, d]`` (:func:`head_projections`), for the heads'
+    contributions to the residual stream.
     """
+    sums.contribution = projections is not None
     (qo, ko, vo), (qc, kc, vc) = orig, conv
     heads, t = qo.shape[1], qo.shape[2]
     ko, vo = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (ko, vo))
@@ -117,9 +149,29 @@ def compare_layer(
         out_c = torch.matmul(lc.exp(), vc[:, :, :keys].float())
         sums.err_sq += (out_c - out_o).pow(2).sum((0, 2, 3)).double().cpu()
         sums.ref_sq += out_o.pow(2).sum((0, 2, 3)).double().cpu()
+        if projections is not None:
+            _contribution_sums(out_o, out_c, *projections, sums)
         visible = allowed.expand(qo.shape[0], 1, -1, -1).sum(-1).clamp_min(1)
         sums.ent_uniform += visible.double().log().sum().item()
         sums.rows += qo.shape[0] * (rows.stop - rows.start)
+
+
+def _output_projection_name(model: torch.nn.Module) -> str | None:
+    """The attribute of the attention module that holds the output projection, from the model's
+    family definition (``o_proj``, Phi's ``dense``...); None for a family we do not describe."""
+    from mha2gqa.core.errors import Mha2GqaError
+    from mha2gqa.core.families import detect_family
+
+    try:
+        return detect_family(model.config.to_dict()).o_proj.rsplit(".", 1)[-1]
+    except Mha2GqaError:
+        return None
+
+
+def _head_projections(module: torch.nn.Module, name: str | None, heads: int) -> torch.Tensor | None:
+    proj = getattr(module, name, None) if name else None
+    weight = getattr(proj, "weight", None)
+    return head_projections(weight.detach(), heads) if weight is not None else None
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -136,14 +188,19 @@ def attention_similarity(
     sums: dict[int, HeadSums] = {}
     hidden_cos: dict[int, float] = {}
 
-    def keep_original(layer, q, k, v, mask, scaling, window, _output):
-        stored[layer] = (q, k, v, mask, scaling, window)
+    names = (_output_projection_name(original), _output_projection_name(converted))
 
-    def compare(layer, q, k, v, mask, scaling, window, _output):
+    def keep_original(layer, q, k, v, mask, scaling, window, _output, module):
+        w_o = _head_projections(module, names[0], q.shape[1])
+        stored[layer] = (q, k, v, mask, scaling, window, w_o)
+
+    def compare(layer, q, k, v, mask, scaling, window, _output, module):
         check_signals()
-        qo, ko, vo, mask_o, scaling_o, window_o = stored.pop(layer)
+        qo, ko, vo, mask_o, scaling_o, window_o, w_o = stored.pop(layer)
+        w_c = _head_projections(module, names[1], q.shape[1])
+        projections = (w_o, w_c.to(w_o.device)) if w_o is not None and w_c is not None else None
         sums[layer] = HeadSums(qo.shape[1])
-        compare_layer((qo, ko, vo), (q, k, v), mask_o, scaling_o, window_o, sums[layer], chunk)
+        compare_layer((qo, ko, vo), (q, k, v), mask_o, scaling_o, window_o, sums[layer], chunk, projections)
 
     def hook(store: bool):
         def fn(module, args, output):

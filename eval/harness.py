@@ -204,6 +204,30 @@ def _attention(run: _Run) -> dict:
     return out
 
 
+@torch.inference_mode()
+def _samples(run: _Run) -> list[dict[str, Any]]:
+    """Greedy continuations by both models of the same prompts: the first quarter of the first
+    windows (at most 32 tokens), ``sample_tokens`` new tokens each, cut to the models' positions."""
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:
+        return []
+    s, tok = run.settings, run.tokenizer
+    prompt_len = max(1, min(32, run.seq_len // 4))
+    limit = min(p for p in (getattr(m.config, "max_position_embeddings", None) or 10**9 for m in run.models))
+    new = max(1, min(s.sample_tokens, limit - prompt_len))
+    out = []
+    for w, _ in disjoint_windows(run.ids, run.seq_len)[: s.samples]:
+        prompt = w[:prompt_len][None]
+        entry = {"prompt": tok.decode(prompt[0], skip_special_tokens=True)}
+        for name, model in zip(run.names, run.models, strict=True):
+            ids = model.generate(prompt.to(next(model.parameters()).device), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id or 0)  # fmt: skip
+            entry[name] = tok.decode(ids[0, prompt_len:], skip_special_tokens=True)
+        out.append(entry)
+    return out
+
+
 def evaluate(original: str, converted: str | None, settings: EvalSettings) -> dict[str, Any]:
     """Evaluate ``original`` (and ``converted`` against it) on ``settings.data``; see module doc."""
     started = time.perf_counter()
@@ -234,6 +258,8 @@ def evaluate(original: str, converted: str | None, settings: EvalSettings) -> di
         _rolling(run, results)
     if converted and settings.attention:
         results["attention"] = _attention(run)
+    if converted and settings.samples:
+        results["samples"] = _samples(run)
     results["seconds"] = time.perf_counter() - started
     return results
 

@@ -29,21 +29,24 @@ def _png(plt, fig) -> bytes:
     return buf.getvalue()
 
 
-def heatmap(layers: list[dict[str, Any]], key: str, title: str, unit: str) -> bytes:
-    """Layer x query-head heat map of ``heads[h][key]``."""
+def heatmap(layers: list[dict[str, Any]], key: str, title: str, unit: str,
+            scale: tuple[float, float] | None = None) -> bytes:  # fmt: skip
+    """Layer x query-head heat map of ``heads[h][key]``; ``scale`` ``(vmin, vmax)`` shared across
+    the report's sections so that a bad conversion looks worse than a good one at a glance."""
     import numpy as np
 
     values = np.array([[h[key] for h in layer["heads"]] for layer in layers])
     plt, fig = _figure(1.8 + 0.45 * values.shape[1], 1.4 + 0.32 * values.shape[0])
     ax = fig.add_subplot()
-    im = ax.imshow(values, cmap="cividis", aspect="auto", interpolation="nearest")
+    vmin, vmax = scale or (None, None)
+    im = ax.imshow(values, cmap="cividis", aspect="auto", interpolation="nearest", vmin=vmin, vmax=vmax)
     ax.set_xlabel("query head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(values.shape[1]))
     ax.set_yticks(range(values.shape[0]))
     ax.set_title(title)
     if values.size <= 256:
-        mid = (values.max() + values.min()) / 2
+        mid = ((vmax if vmax is not None else values.max()) + (vmin if vmin is not None else values.min())) / 2
         for (i, j), v in np.ndenumerate(values):
             ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7, color="black" if v > mid else "white")
     fig.colorbar(im, ax=ax, label=unit)
@@ -132,4 +135,27 @@ def recovery_curves(runs: list[tuple[str, list[dict[str, Any]]]]) -> bytes:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
     axes[0].legend(frameon=False, fontsize=8)
+    return _png(plt, fig)
+
+
+def quality_vs_kv(points: list[tuple[str, float, float]]) -> bytes:
+    """Perplexity ratio against KV-cache bytes per token (share of the original's), one line per
+    method: ``points`` are ``(method, KV share, ratio)``. The trade a conversion buys, at a glance."""
+    plt, fig = _figure(6.4, 3.6)
+    ax = fig.add_subplot()
+    methods = sorted({m for m, _, _ in points}, key=lambda m: (m.endswith("+uptrain"), m))
+    for i, method in enumerate(methods):
+        xs, ys = zip(*sorted((x, y) for m, x, y in points if m == method), strict=True)
+        ax.plot([x * 100 for x in xs], ys, "osD^v<>p"[i % 8] + ("--" if method.endswith("+uptrain") else "-"),
+                color=OKABE_ITO[i % len(OKABE_ITO)], label=method or "(unknown)")  # fmt: skip
+    ax.axhline(1.0, ls=":", color=OKABE_ITO[7], lw=1, label="original (MHA)")
+    ax.set_xlabel("KV cache per token, % of the original")
+    ax.set_ylabel("perplexity / original's")
+    ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
+    ax.set_title("Quality against KV-cache size (lower left is better)")
+    ax.legend(frameon=False, fontsize=8)
     return _png(plt, fig)

@@ -20,21 +20,40 @@ from mha2gqa.core.records import FILE_MARK
 from mha2gqa.core.runlog import read_log
 from mha2gqa.eval import plots
 from mha2gqa.eval.results import Results
-from mha2gqa.eval.tables import overview_table, recovery_table, tables
+from mha2gqa.eval.tables import gate_cell, overview_table, recovery_table, tables, worst
 
 
 def load_results(paths: list[Path]) -> list[Results]:
     return [Results.load(p) for p in paths]
 
 
-def figures(r: Results) -> dict[str, bytes]:
-    """Figure name -> PNG bytes for one results file (pairs only)."""
-    att = r.attention
+def _head_key(layers: list[dict[str, Any]]) -> str:
+    heads = layers[0]["heads"][0]
+    return "contribution_rel_error" if "contribution_rel_error" in heads else "output_rel_error"
+
+
+def shared_scales(results: list[Results]) -> dict[str, tuple[float, float]]:
+    """One colour scale per heat-map metric over every comparison of the report."""
+    values: dict[str, list[float]] = {}
+    for r in results:
+        layers = (r.attention or {}).get("layers") or []
+        if layers:
+            for key in ("kl", _head_key(layers)):
+                values.setdefault(key, []).extend(h[key] for x in layers for h in x["heads"])
+    return {k: (min(v), max(v)) for k, v in values.items() if v}
+
+
+def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) -> dict[str, bytes]:
+    """Figure name -> PNG bytes for one results file (pairs only), heat maps on ``scales``."""
+    att, scales = r.attention, scales or {}
     out: dict[str, bytes] = {}
     if att and att.get("layers"):
         layers = att["layers"]
-        out["attention_kl"] = plots.heatmap(layers, "kl", "Attention KL(original ‖ converted) per head", "KL (nats)")
-        out["head_output_error"] = plots.heatmap(layers, "output_rel_error", "Head output relative error", "‖Δo‖ / ‖o‖")
+        out["attention_kl"] = plots.heatmap(layers, "kl", "Attention KL(original ‖ converted) per head", "KL (nats)",
+                                            scales.get("kl"))  # fmt: skip
+        key = _head_key(layers)
+        out["head_output_error"] = plots.heatmap(layers, key, "Head contribution error (output through o_proj)",
+                                                 "‖Δ(o·W_o)‖ / ‖o·W_o‖", scales.get(key))  # fmt: skip
         out["entropy"] = plots.entropy_curves(layers)
         out["hidden_cosine"] = plots.hidden_cosine_curve(layers)
     conv = r.converted
@@ -47,6 +66,16 @@ def figures(r: Results) -> dict[str, bytes]:
     return out
 
 
+def quality_chart(results: list[Results]) -> bytes | None:
+    """Perplexity ratio against KV share, one line per method (pairs only)."""
+    points = [
+        (r.converted.method, r.converted.kv_cache_bytes_per_token / r.original.kv_cache_bytes_per_token,
+         r.headline.ppl_ratio)
+        for r in results if r.converted is not None and r.headline.ppl_ratio is not None
+    ]  # fmt: skip
+    return plots.quality_vs_kv(points) if points else None
+
+
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:2px solid #0072B2;padding-bottom:.2em;margin-top:2em}
@@ -54,6 +83,9 @@ table{border-collapse:collapse;margin:.6em 0;font-size:.92em}
 th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}th{background:#eef4fa}
 td:first-child,th:first-child{text-align:left}img{max-width:100%;margin:.4em 0;border:1px solid #eee}
 .meta{color:#555;font-size:.9em}.fail{color:#D55E00;font-weight:bold}.pass{color:#009E73;font-weight:bold}
+.verdict{padding:.6em 1em;border-radius:6px;font-weight:bold;margin:1em 0}.verdict.pass{background:#e3f5ee}
+.verdict.fail{background:#fbe9e1}details{border:1px solid #ddd;border-radius:6px;padding:.3em .8em;margin:.8em 0}
+summary{cursor:pointer;font-size:1.15em;font-weight:600;padding:.3em 0}nav a{margin-right:1em}ul.worst{font-size:.92em}
 """
 
 
@@ -66,7 +98,9 @@ def _meta(r: Results) -> str:
 
 FIGURE_CAPTIONS = {
     "attention_kl": "Where attention changed: KL divergence of each head's attention rows (darker = closer).",
-    "head_output_error": "What each head now returns: relative error of its output.",
+    "quality": "What the KV-cache saving cost: perplexity ratio against KV bytes per token, one line per method.",
+    "head_output_error": "What each head now adds to the residual stream: the relative error of its output "
+    "through its columns of the output projection (comparable across methods that rewrite q_proj/o_proj).",
     "entropy": "Attention entropy per layer; converted rows drifting toward the uniform line have lost focus.",
     "hidden_cosine": "How far the residual stream drifts, layer by layer.",
     "head_sharing": "Which query heads share each KV head.",
@@ -102,6 +136,17 @@ def _figure(name: str, png: bytes, stem: str, fig_dir: Path | None, parts_html: 
         parts_md += [f"![{caption}]({fig_dir.name}/{stem}.png)", ""]
 
 
+def _verdict(results: list[Results]) -> tuple[str, str] | None:
+    """``(css class, sentence)`` over every comparison's gates; None when no gate was asked for."""
+    gated = [r for r in results if r.gates]
+    if not gated:
+        return None
+    failed = [f"{r.title} ({gate_cell(r).removeprefix('FAIL: ')})" for r in gated if not r.gates["passed"]]
+    if failed:
+        return "fail", f"GATES FAILED in {len(failed)} of {len(gated)}: " + "; ".join(failed)
+    return "pass", f"All gates passed ({len(gated)} comparison{'s' if len(gated) > 1 else ''})"
+
+
 def render(
     results: list[Results],
     html_path: Path | None = None,
@@ -112,45 +157,89 @@ def render(
     """Write the HTML page and/or the Markdown summary (its figures in ``<stem>_files/``);
     ``runs`` (from :func:`load_runs`) add the uptraining recovery curves. Both destinations are
     checked first: neither may be an input, and an existing one is replaced only with ``overwrite``
-    and only when mha2gqa wrote it."""
+    and only when mha2gqa wrote it.
+
+    The first screen decides: the gates' verdict, one overview table of every comparison (linked to
+    its section), the quality-vs-KV-cache chart and the worst layers and heads; the sections below
+    are collapsed, and heat maps share one colour scale per metric across them."""
     inputs = {f"the input {r.path}": r.path for r in results if r.path}
     for path, what in ((html_path, "--html"), (md_path, "--md")):
         if path is not None:
             check_destination(path, overwrite, inputs, what, folder=False)
-    written: dict[str, Path] = {}
-    parts_html = ["<h1>mha2gqa conversion report</h1>"]
-    parts_md = ["# mha2gqa conversion report", ""]
-    fig_dir = md_path.with_name(md_path.stem + "_files") if md_path else None
+    page = _Page(md_path.with_name(md_path.stem + "_files") if md_path else None)
+    page.overview(results, runs)
     if runs:
-        table = recovery_table(runs)
-        curves = [(label, [r for r in recs if r.get("type") == "eval"]) for label, recs in runs]
-        parts_html += ['<h2 id="uptraining">Uptraining recovery</h2>', table.html()]
-        parts_md += ["## Uptraining recovery", "", table.markdown(), ""]
-        if any(evals for _, evals in curves):
-            png = plots.recovery_curves([c for c in curves if c[1]])
-            _figure("recovery", png, "recovery", fig_dir, parts_html, parts_md)
-    if len(results) > 1:
-        table = overview_table(results)
-        parts_html += ['<h2 id="overview">Overview</h2>', table.html()]
-        parts_md += ["## Overview", "", table.markdown(), ""]
+        page.recovery(runs)
+    scales = shared_scales(results)
     for i, r in enumerate(results):
-        parts_html += [
-            f'<h2 id="result-{i}">{html.escape(r.title)}</h2>',
-            f'<p class="meta">{html.escape(_meta(r))}</p>',
-        ]
-        parts_md += [f"## {r.title}", "", f"_{_meta(r)}_", ""]
-        for name, table in tables(r).items():
-            anchor = name.lower().replace(" ", "-")
-            parts_html += [f'<h3 id="{anchor}-{i}">{html.escape(name)}</h3>', table.html()]
-            parts_md += [f"### {name}", "", table.markdown(), ""]
-        for name, png in figures(r).items():
-            _figure(name, png, f"{i}_{name}", fig_dir, parts_html, parts_md, element_id=f"{name}-{i}")
+        page.comparison(i, r, scales)
+    written: dict[str, Path] = {}
     if html_path is not None:
         head = f"<meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style>"
-        page = f"<!doctype html>{FILE_MARK}<html><head>{head}</head><body>"
-        write_text(html_path, page + "\n".join(parts_html) + "</body></html>\n", "--html")
+        body = "\n".join(page.html)
+        write_text(html_path, f"<!doctype html>{FILE_MARK}<html><head>{head}</head><body>{body}</body></html>\n",
+                   "--html")  # fmt: skip
         written["html"] = html_path
     if md_path is not None:
-        write_text(md_path, FILE_MARK + "\n" + "\n".join(parts_md) + "\n", "--md")
+        write_text(md_path, FILE_MARK + "\n" + "\n".join(page.md) + "\n", "--md")
         written["md"] = md_path
     return written
+
+
+class _Page:
+    """The report's HTML and Markdown, built side by side."""
+
+    def __init__(self, fig_dir: Path | None) -> None:
+        self.fig_dir = fig_dir
+        self.html = ["<h1>mha2gqa conversion report</h1>"]
+        self.md = ["# mha2gqa conversion report", ""]
+
+    def figure(self, name: str, png: bytes, stem: str, element_id: str | None = None) -> None:
+        _figure(name, png, stem, self.fig_dir, self.html, self.md, element_id)
+
+    def table(self, title: str, anchor: str, table) -> None:
+        self.html += [f'<h3 id="{anchor}">{html.escape(title)}</h3>', table.html()]
+        self.md += [f"### {title}", "", table.markdown(), ""]
+
+    def overview(self, results: list[Results], runs) -> None:
+        if results:
+            self.html.append(f'<p class="meta">{html.escape(_meta(results[0]))}</p>')
+        verdict = _verdict(results)
+        if verdict:
+            self.html.append(f'<div class="verdict {verdict[0]}">{html.escape(verdict[1])}</div>')
+            self.md += [f"**{verdict[1]}**", ""]
+        links = [("#overview", "Overview")] + ([("#uptraining", "Uptraining")] if runs else [])
+        links += [(f"#result-{i}", r.title) for i, r in enumerate(results)]
+        self.html.append("<nav>" + "".join(f'<a href="{h}">{html.escape(t)}</a>' for h, t in links) + "</nav>")
+        table = overview_table(results)
+        self.html += ['<h2 id="overview">Overview</h2>', table.html()]
+        self.md += ["## Overview", "", table.markdown(), ""]
+        chart = quality_chart(results)
+        if chart is not None:
+            self.figure("quality", chart, "quality")
+        notes = [(r.title, worst(r)) for r in results if worst(r)]
+        if notes:
+            self.html.append('<ul class="worst">' + "".join(
+                f"<li><b>{html.escape(t)}</b>: {html.escape(n)}</li>" for t, n in notes) + "</ul>")  # fmt: skip
+            self.md += [f"- **{t}**: {n}" for t, n in notes] + [""]
+
+    def recovery(self, runs) -> None:
+        table = recovery_table(runs)
+        curves = [(label, [r for r in recs if r.get("type") == "eval"]) for label, recs in runs]
+        self.html += ['<details id="uptraining"><summary>Uptraining recovery</summary>', table.html()]
+        self.md += ["## Uptraining recovery", "", table.markdown(), ""]
+        if any(evals for _, evals in curves):
+            self.figure("recovery", plots.recovery_curves([c for c in curves if c[1]]), "recovery")
+        self.html.append("</details>")
+
+    def comparison(self, i: int, r: Results, scales: dict[str, tuple[float, float]]) -> None:
+        self.html += [f'<details id="result-{i}"><summary>{html.escape(r.title)}</summary>',
+                      f'<p class="meta">{html.escape(_meta(r))}</p>']  # fmt: skip
+        self.md += [f"## {r.title}", "", f"_{_meta(r)}_", ""]
+        if worst(r):
+            self.html.append(f'<p class="meta">{html.escape(worst(r))}</p>')
+        for name, table in tables(r).items():
+            self.table(name, f"{name.lower().replace(' ', '-')}-{i}", table)
+        for name, png in figures(r, scales).items():
+            self.figure(name, png, f"{i}_{name}", element_id=f"{name}-{i}")
+        self.html.append("</details>")

@@ -53,6 +53,7 @@ class ModelInfo:
     kv_cache_bytes_per_token: int | None = None
     config_sha256: str | None = None
     conversion: dict[str, Any] | None = None
+    uptrained: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes_per_token is None:  # files from before the field was recorded
@@ -61,7 +62,9 @@ class ModelInfo:
 
     @property
     def method(self) -> str:
-        return (self.conversion or {}).get("method", "")
+        """The conversion method, ``+uptrain`` when the model was uptrained after it."""
+        method = (self.conversion or {}).get("method", "")
+        return f"{method}+uptrain" if method and self.uptrained else method
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Results:
     agreement: Agreement | None = None
     attention: dict[str, Any] | None = None
     gates: dict[str, Any] | None = None
+    samples: list[dict[str, str]] = field(default_factory=list)
     git_revision: str | None = None
     seconds: float = 0.0
     path: str | None = None

@@ -37,6 +37,9 @@ class EvalSettings:
     attention_seq_len: int | None = setting(None, help="Window for attention similarity [default: min(seq_len, "
                                             "1024)].", minimum=2)  # fmt: skip
     attention_windows: int = setting(1, help="Windows the attention similarity averages over.", minimum=1)
+    samples: int = setting(3, help="Greedy generations side by side in the results and report (pairs; 0: none).",
+                           minimum=0)  # fmt: skip
+    sample_tokens: int = setting(32, help="New tokens per generation.", minimum=1)
     attention_chunk: int = setting(128, help="Query rows per attention chunk (memory).", minimum=1, cli=False)
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
     progress: bool = setting(True, help="Progress bars.", cli=False)

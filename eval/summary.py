@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mha2gqa.eval.results import Results
-from mha2gqa.eval.tables import perplexity_table
+from mha2gqa.eval.tables import head_error, perplexity_table
 
 
 def summary_lines(results: Results) -> list[str]:
@@ -27,7 +27,7 @@ def summary_lines(results: Results) -> list[str]:
         lines.append(
             f"attention ({attention['seq_len']} tokens): KL {s['mean_kl']:.4f}, JS {s['mean_js']:.4f}, "
             f"row cosine {s['mean_cosine']:.4f}, entropy {s['mean_entropy_original']:.3f} -> "
-            f"{s['mean_entropy_converted']:.3f} (uniform {s['entropy_uniform']:.3f}), head output error "
-            f"{s['mean_output_rel_error']:.4f}, hidden cosine {s['mean_hidden_cosine']:.4f}"
+            f"{s['mean_entropy_converted']:.3f} (uniform {s['entropy_uniform']:.3f}), head contribution error "
+            f"{head_error(s):.4f}, hidden cosine {s['mean_hidden_cosine']:.4f}"
         )
     return lines

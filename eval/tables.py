@@ -3,11 +3,12 @@ the terminal summary, the report (HTML and Markdown), the demo and job summaries
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from mha2gqa.core.tables import Table
 from mha2gqa.core.units import format_bytes
-from mha2gqa.eval.results import Results
+from mha2gqa.eval.results import ModelInfo, Results
 
 #: Sequence lengths of the KV-cache table (those past the model's positions are left out).
 SEQ_LENS = (2048, 8192, 32768)
@@ -46,13 +47,19 @@ def attention_table(r: Results) -> Table | None:
     att = r.attention
     if not att or not att.get("layers"):
         return None
-    t = Table(["layer", "KL", "JS", "row cosine", "entropy orig.", "entropy conv.", "uniform", "head output error",
-               "hidden cosine"])  # fmt: skip
+    t = Table(["layer", "KL", "JS", "row cosine", "entropy orig.", "entropy conv.", "uniform",
+               "head contribution error", "hidden cosine"])  # fmt: skip
     for x in att["layers"]:
         t.add(str(x["layer"]), f"{x['mean_kl']:.4f}", f"{x['mean_js']:.4f}", f"{x['mean_cosine']:.4f}",
               f"{x['mean_entropy_original']:.3f}", f"{x['mean_entropy_converted']:.3f}", f"{x['entropy_uniform']:.3f}",
-              f"{x['mean_output_rel_error']:.4f}", f"{x['hidden_cosine']:.4f}")  # fmt: skip
+              f"{head_error(x):.4f}", f"{x['hidden_cosine']:.4f}")  # fmt: skip
     return t
+
+
+def head_error(entry: dict[str, Any]) -> float:
+    """A layer's (or the summary's) mean per-head contribution error; files written before it was
+    measured give the raw output error."""
+    return entry.get("mean_contribution_rel_error", entry["mean_output_rel_error"])
 
 
 def kv_rows(r: Results) -> list[list[str]]:
@@ -94,19 +101,64 @@ def gates_table(r: Results) -> Table | None:
 def tables(r: Results) -> dict[str, Table]:
     """Every table of one results file: title -> table."""
     out = {"Perplexity": perplexity_table(r), "Output agreement": agreement_table(r),
-           "Attention per layer": attention_table(r), "KV cache": kv_table(r), "Gates": gates_table(r)}  # fmt: skip
+           "Attention per layer": attention_table(r), "KV cache": kv_table(r), "Gates": gates_table(r),
+           "Sample generations": samples_table(r)}  # fmt: skip
     return {k: v for k, v in out.items() if v is not None}
 
 
 def overview_table(results: list[Results]) -> Table:
-    """One row per comparison: method, KV heads, perplexities, ratio, KL, top-1."""
-    t = Table(["comparison", "KV heads", "method", "original PPL", "converted PPL", "PPL ratio", "KL mean", "top-1"])
-    for r in results:
+    """The first screen: one row per comparison with everything that decides it (perplexities on
+    how many tokens, ratio, KL, top-1, KV bytes and the saving, calibration, each gate's verdict),
+    its first cell linking to the comparison's section."""
+    t = Table(["comparison", "method", "KV heads", "calibration", "original PPL", "converted PPL", "tokens",
+               "PPL ratio", "KL mean", "top-1", "KV B/token", "KV saving", "gates"])  # fmt: skip
+    for i, r in enumerate(results):
         p, a, conv = r.headline, r.agreement, r.converted
-        t.add(r.title, str(conv.num_kv_heads) if conv else "", conv.method if conv else "",
-              f"{p.original.ppl:.3f}", f"{p.converted.ppl:.3f}" if p.converted else "",
-              f"{p.ppl_ratio or 1:.3f}x", f"{a.kl['mean']:.4f}" if a else "",
-              f"{a.top1_agreement:.2%}" if a else "")  # fmt: skip
+        kv = conv.kv_cache_bytes_per_token if conv else r.original.kv_cache_bytes_per_token
+        saving = 1 - kv / r.original.kv_cache_bytes_per_token
+        t.add(r.title, conv.method if conv else "", str(conv.num_kv_heads) if conv else "", calibration(conv),
+              f"{p.original.ppl:.3f}", f"{p.converted.ppl:.3f}" if p.converted else "", f"{p.original.tokens:,}",
+              f"{p.ppl_ratio or 1:.3f}x", f"{a.kl['mean']:.4f}" if a else "", f"{a.top1_agreement:.2%}" if a else "",
+              f"{kv:,}", f"{saving:.1%}" if conv else "", gate_cell(r), link=f"#result-{i}")  # fmt: skip
+    return t
+
+
+def calibration(model: ModelInfo | None) -> str:
+    """What a conversion was calibrated on: ``file (N tokens)``, ``weights only``, or ``-``."""
+    cal = ((model.conversion or {}).get("calibration") if model else None) or {}
+    if cal.get("data"):
+        return f"{Path(str(cal['data'])).name} ({cal.get('tokens', 0):,} tok)"
+    return "weights only" if cal.get("weights_only") else "-"
+
+
+def gate_cell(r: Results) -> str:
+    """``pass``, ``FAIL: <failed gates>`` or empty when no gate was asked for."""
+    if not r.gates:
+        return ""
+    failed = [g["name"] for g in r.gates["checks"] if not g["passed"]]
+    return "FAIL: " + ", ".join(failed) if failed else "pass"
+
+
+def worst(r: Results, count: int = 3) -> str:
+    """The layers with the highest attention KL and the heads with the highest contribution error."""
+    att = r.attention
+    if not att or not att.get("layers"):
+        return ""
+    layers = sorted(att["layers"], key=lambda x: -x["mean_kl"])[:count]
+    key = "contribution_rel_error" if "contribution_rel_error" in att["layers"][0]["heads"][0] else "output_rel_error"
+    heads = sorted(((h[key], x["layer"], i) for x in att["layers"] for i, h in enumerate(x["heads"])), reverse=True)
+    return ("worst layers by attention KL: " + ", ".join(f"{x['layer']} ({x['mean_kl']:.3g})" for x in layers)
+            + "; worst heads by contribution error: "
+            + ", ".join(f"layer {layer} head {h} ({v:.3g})" for v, layer, h in heads[:count]))  # fmt: skip
+
+
+def samples_table(r: Results) -> Table | None:
+    """Greedy continuations of the same prompts by both models."""
+    if not r.samples:
+        return None
+    t = Table(["prompt", "original", "converted"])
+    for s in r.samples:
+        t.add(s["prompt"], s.get("original", ""), s.get("converted", ""))
     return t
 
 
@@ -135,7 +187,7 @@ def recovery_table(runs: list[tuple[str, list[dict[str, Any]]]]) -> Table:
                f"{steps * records[0]['tokens_per_step']:,}"]  # fmt: skip
         if evals:
             a, b = evals[0], evals[-1]
-            row.append(f"{a['ppl']:.3f} → {b['ppl']:.3f}")
+            row.append(f"{a['ppl']:.3f} → {b['ppl']:.3f} ({b.get('eval_tokens', 0):,} tok)")
             row.append(f"{a['ppl_ratio']:.3f}x → {b['ppl_ratio']:.3f}x" if "ppl_ratio" in b else "")
             row.append(f"{a['kl_mean']:.4f} → {b['kl_mean']:.4f}" if "kl_mean" in b else "")
         else:

@@ -70,6 +70,21 @@ def _one_line(e: Exception) -> str:
     raise e
 
 
+def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--threads N`` for a command that computes: applied before any work (see core/threads.py)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, threads: int | None = None, **kwargs: Any) -> Any:
+        from mha2gqa.core.threads import use_threads
+
+        use_threads(threads)
+        return fn(*args, **kwargs)
+
+    option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                          help="CPU threads for torch [default: OMP_NUM_THREADS, else the idle cores].")  # fmt: skip
+    return option(wrapper)
+
+
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary.")
 overwrite_option = click.option("--overwrite", is_flag=True,
                                 help="Replace an existing output file (only one mha2gqa wrote).")  # fmt: skip
@@ -92,15 +107,31 @@ def main(debug: bool) -> None:
 @click.argument("dst", type=click.Path(path_type=Path))
 @click_options(ConvertSettings)
 @quiet_option
+@threads_option
 @user_errors
 def convert(src: str, dst: Path, quiet: bool, **options: Any) -> None:
     """Convert the checkpoint SRC (local folder or hub id) into DST with fewer KV heads."""
-    ConvertSettings(**options, progress=not quiet).check()  # before the converter (and torch) load
+    from mha2gqa.convert.preflight import preflight
+
+    preflight(src, dst, ConvertSettings(**options, progress=not quiet).check())  # before torch loads
     from mha2gqa.convert import convert_checkpoint
 
     result = convert_checkpoint(src, dst, **options, progress=not quiet)
     if not quiet:
         click.echo(result.summary())
+
+
+def _check_models(**models: str | None) -> None:
+    """Each model (label -> folder or hub id) resolves and has a readable config.json: checked
+    before torch and transformers load, so a typing mistake is reported at once."""
+    from mha2gqa.core.checkpoint import read_config, resolve_folder
+
+    for label, model in models.items():
+        if model is not None:
+            try:
+                read_config(resolve_folder(model)[0])
+            except Mha2GqaError as e:
+                raise Mha2GqaError(f"{label} {e}") from None
 
 
 def _run_and_print(job, output_dir: Path | None, quiet: bool) -> None:
@@ -124,6 +155,7 @@ def _run_and_print(job, output_dir: Path | None, quiet: bool) -> None:
 @click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where models, results and the report go [default: the job's output_dir].")  # fmt: skip
 @click.option("-q", "--quiet", is_flag=True, help="No summary.")
+@threads_option
 @user_errors
 def run(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
     """Run a job file: convert a model to every KV-head count and method it lists, evaluate each
@@ -148,6 +180,7 @@ def run(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
 @click.option("--uptrain-steps", type=int, default=None,
               help="Uptraining steps per conversion [default: the job's]; 0: none.")  # fmt: skip
 @click.option("--rebuild", is_flag=True, help="Retrain the cached demo model.")
+@threads_option
 @user_errors
 def demo(config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str, ...], steps: int | None,
          output_dir: Path | None, uptrain_steps: int | None, rebuild: bool) -> None:  # fmt: skip
@@ -187,6 +220,7 @@ def demo(config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str
 @overwrite_option
 @click_options(GateSettings)
 @quiet_option
+@threads_option
 @user_errors
 def eval_cmd(original: str, converted: str | None, output: Path | None, overwrite: bool, quiet: bool,
              **options: Any) -> None:  # fmt: skip
@@ -206,6 +240,7 @@ def eval_cmd(original: str, converted: str | None, output: Path | None, overwrit
     inputs = {"the --data text": settings.data, "the original model": original, "the converted model": converted}
     if output is not None:
         check_destination(output, overwrite, inputs, "--output", folder=False)
+    _check_models(**{"--original": original, "--converted": converted})
     from mha2gqa.eval.gates import check_gates, gates_record, verdict
     from mha2gqa.eval.harness import evaluate, is_main_process
     from mha2gqa.eval.results import Results
@@ -234,11 +269,13 @@ def eval_cmd(original: str, converted: str | None, output: Path | None, overwrit
 @click.argument("converted")
 @click_options(UptrainSettings)
 @quiet_option
+@threads_option
 @user_errors
 def uptrain(converted: str, quiet: bool, **options: Any) -> None:
     """Uptrain CONVERTED (a GQA checkpoint) on --data by continued pretraining or distillation, and
     write a stock Hugging Face model to --output (run with `accelerate launch` for several GPUs)."""
     settings = UptrainSettings(**options, progress=not quiet).check()
+    _check_models(CONVERTED=converted, **{"--teacher": settings.teacher})
     from mha2gqa.eval.harness import is_main_process
     from mha2gqa.uptrain import uptrain as run_uptrain
 
@@ -291,6 +328,7 @@ def _bench_lengths(s: BenchSettings, limit: int | None) -> tuple[int, int]:
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the figures as JSON here.")  # fmt: skip
 @overwrite_option
+@threads_option
 @user_errors
 def bench(original: str, converted: str | None, output: Path | None, overwrite: bool, **options: Any) -> None:
     """Prefill latency, decode tokens/s and allocated KV cache: ORIGINAL vs CONVERTED."""
@@ -300,6 +338,7 @@ def bench(original: str, converted: str | None, output: Path | None, overwrite: 
     inputs = {"the original model": original, "the converted model": converted}
     if output is not None:
         check_destination(output, overwrite, inputs, "--output", folder=False)
+    _check_models(**{"--original": original, "--converted": converted})
     from mha2gqa.core.models import load_model, resolve_device, resolve_dtype
     from mha2gqa.eval.bench import bench_model
 

@@ -478,3 +478,22 @@ def test_the_card_names_exactly_the_tensors_that_changed(family, method, groupin
         assert "The attention Q/K/V/O projections changed" in card and "Only the attention" not in card
     if grouping == "similarity":
         assert "grouping `similarity`" in card and "query heads move with their KV heads" in card
+
+
+def test_head_contribution_error_sees_through_the_basis_svd_absorbs(calib_text, tmp_path):
+    """Heads that differ by RoPE-commuting transforms: svd converts them exactly, so each head's
+    contribution to the residual stream is unchanged (error ~0), while its raw output, expressed in
+    the new value basis, differs; mean pooling cannot undo the transforms and shows real error."""
+    from mha2gqa.eval.attention import attention_similarity
+
+    model = random_model(tiny_config("llama", vocab_size=300), seed=7)
+    relate_groups(model, "llama", 2)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    svd = convert_checkpoint(src, tmp_path / "svd", 2, "svd", calibration=str(calib_text), calibration_tokens=512,
+                             calibration_seq_len=32, progress=False).output  # fmt: skip
+    mean = convert_checkpoint(src, tmp_path / "mean", 2, "mean", progress=False).output
+    batch = torch.randint(3, 300, (1, 48), generator=torch.Generator().manual_seed(0))
+    exact = attention_similarity(load(src), load(svd), batch, chunk=16)["summary"]
+    pooled = attention_similarity(load(src), load(mean), batch, chunk=16)["summary"]
+    assert exact["mean_contribution_rel_error"] < 1e-4 < exact["mean_output_rel_error"]
+    assert pooled["mean_contribution_rel_error"] > 1e-2

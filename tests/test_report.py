@@ -96,7 +96,15 @@ def test_report_has_every_section_and_image(pair, tmp_path):
     for fig in ("attention_kl", "head_output_error", "entropy", "hidden_cosine", "head_sharing"):
         m = re.search(rf'<figure id="{fig}-0"><img alt="{fig}" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
         assert m and len(m.group(1)) > 1000, fig
-    assert page.count("<img ") == 10  # two results x five figures
+    assert page.count("<img ") == 11  # two results x five figures, and the quality-vs-KV chart
+    assert '<figure id="quality"><img alt="quality"' in page
+    overview = page[page.index('id="overview"') : page.index('id="result-0"')]  # the first screen
+    for column in ("original PPL", "converted PPL", "tokens", "PPL ratio", "KL mean", "top-1", "KV B/token",
+                   "KV saving", "gates"):  # fmt: skip
+        assert f"<th>{column}</th>" in overview, column
+    assert overview.count('<a href="#result-0">') >= 1 and '<a href="#result-1">' in overview
+    assert "worst layers by attention KL" in overview and "worst heads by contribution error" in overview
+    assert page.count("<details") == 2 and "<summary>" in page  # sections collapsed below the overview
     text = md.read_text()
     assert "| protocol | original PPL | converted PPL | ratio |" in text and "rolling" in text
     assert (tmp_path / "report_files" / "0_attention_kl.png").stat().st_size > 1000
@@ -144,4 +152,20 @@ def test_report_renders_for_a_real_fixture_pair(tmp_path):
     assert CliRunner().invoke(main, args).exit_code == 0
     assert CliRunner().invoke(main, ["report", str(out), "--html", str(tmp_path / "r.html")]).exit_code == 0
     page = (tmp_path / "r.html").read_text()
-    assert page.count("<img ") == 5 and "g2 vs stories260K-mha-expanded" in page
+    assert page.count("<img ") == 6 and "g2 vs stories260K-mha-expanded" in page
+
+
+def test_the_first_screen_gives_the_gate_verdict(pair, tmp_path):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    assert CliRunner().invoke(main, eval_args(pair, "--output", str(good), "--max-ppl-ratio", "1000")).exit_code == 0
+    assert CliRunner().invoke(main, eval_args(pair, "--output", str(bad), "--max-kl", "0")).exit_code == 3
+    html = tmp_path / "r.html"
+    assert CliRunner().invoke(main, ["report", str(good), "--html", str(html)]).exit_code == 0
+    assert '<div class="verdict pass">All gates passed (1 comparison)</div>' in html.read_text()
+    assert CliRunner().invoke(main, ["report", str(good), str(bad), "--html", str(html), "--overwrite"]).exit_code == 0
+    page = html.read_text()
+    first = page[: page.index('id="result-0"')]
+    assert '<div class="verdict fail">GATES FAILED in 1 of 2: ' in first and "(kl_mean)" in first
+    assert '<td class="pass">pass</td>' in first and '<td class="fail">FAIL: kl_mean</td>' in first
+    samples = page[page.index('id="sample-generations-0"') :]
+    assert "<th>prompt</th><th>original</th><th>converted</th>" in samples
