@@ -13,6 +13,7 @@ import math
 import platform
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -228,10 +229,17 @@ def _samples(run: _Run) -> list[dict[str, Any]]:
     return out
 
 
-def evaluate(original: str, converted: str | None, settings: EvalSettings) -> dict[str, Any]:
-    """Evaluate ``original`` (and ``converted`` against it) on ``settings.data``; see module doc."""
+def evaluate(original: str, converted: str | None, settings: EvalSettings,
+             log: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Evaluate ``original`` (and ``converted`` against it) on ``settings.data``; see module doc.
+    ``log`` hears, before the scoring starts, how much will be scored."""
     started = time.perf_counter()
     run = _prepare(original, converted, settings.check())
+    if log is not None:
+        passes = len(settings.protocols) + (1 if converted and "disjoint" not in settings.protocols else 0)
+        log(f"scoring {run.ids.numel():,} tokens of {settings.data} with {len(run.models)} model(s): {passes} "
+            f"pass(es) of windows of {run.seq_len} ({', '.join(settings.protocols)})"
+            + (", then attention similarity" if converted and settings.attention else ""))  # fmt: skip
     device = next(run.models[0].parameters()).device
     results: dict[str, Any] = {
         "schema": SCHEMA,

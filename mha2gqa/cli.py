@@ -246,7 +246,7 @@ def eval_cmd(original: str, converted: str | None, output: Path | None, overwrit
     from mha2gqa.eval.results import Results
     from mha2gqa.eval.summary import summary_lines
 
-    results = evaluate(original, converted, settings)
+    results = evaluate(original, converted, settings, log=None if quiet else lambda m: click.echo(m, err=True))
     if not is_main_process():
         return
     gates = check_gates(Results.from_dict(results), limits)

@@ -270,6 +270,7 @@ def _evaluate_stage(source: str, model_dir: Path, tag: str, label: str, g: int, 
     from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.results import Results
 
+    log(f"evaluating {tag} against the original")
     results = evaluate(source, str(model_dir), settings)
     gates = check_gates(Results.from_dict(results), job.gates)
     passed = True
@@ -285,4 +286,8 @@ def _evaluate_stage(source: str, model_dir: Path, tag: str, label: str, g: int, 
            "converted_ppl": p.converted.ppl, "ppl_ratio": p.ppl_ratio, "kl_mean": typed.agreement.kl["mean"],
            "top1": typed.agreement.top1_agreement, "kv_bytes_per_token": conv.kv_cache_bytes_per_token_after,
            "kv_bytes_per_token_before": conv.kv_cache_bytes_per_token_before}  # fmt: skip
+    log(
+        f"  {tag}: perplexity {row['converted_ppl']:.3f} (x{row['ppl_ratio']:.3f} the original's, "
+        f"{p.original.tokens:,} tokens), KL {row['kl_mean']:.4f}, top-1 {row['top1']:.1%}"
+    )
     return path, row, passed
