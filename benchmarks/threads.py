@@ -2,8 +2,8 @@
 idle machine and with every core but one kept busy by other processes.
 
 torch uses every core by default; when other processes hold them, each parallel step waits for the
-thread that shares a busy core. mha2gqa's default (``core/threads.py``) takes the cores minus the
-load average, so it falls back to fewer threads under load.
+thread that shares a busy core. mha2gqa's default (``core/threads.py``) takes the cores other
+processes leave idle, so it falls back to fewer threads under load.
 
     python benchmarks/threads.py [--tokens 256] [--repeats 5]
 """
@@ -66,7 +66,7 @@ def main() -> None:
         for s in spinners:
             s.start()
         if busy:
-            time.sleep(65)  # let the 1-minute load average see the other processes
+            time.sleep(2)
         try:
             rows = {t: run(t, args.tokens, args.repeats) for t in ("1", "2", "default")}
         finally:
