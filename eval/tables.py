@@ -110,8 +110,9 @@ def overview_table(results: list[Results]) -> Table:
     """The first screen: one row per comparison with everything that decides it (perplexities on
     how many tokens, ratio, KL, top-1, KV bytes and the saving, calibration, each gate's verdict),
     its first cell linking to the comparison's section."""
+    gated = any(r.gates for r in results)
     t = Table(["comparison", "method", "KV heads", "calibration", "original PPL", "converted PPL", "tokens",
-               "PPL ratio", "KL mean", "top-1", "KV B/token", "KV saving", "gates"])  # fmt: skip
+               "PPL ratio", "KL mean", "top-1", "KV B/token", "KV saving"] + (["gates"] if gated else []))  # fmt: skip
     for i, r in enumerate(results):
         p, a, conv = r.headline, r.agreement, r.converted
         kv = conv.kv_cache_bytes_per_token if conv else r.original.kv_cache_bytes_per_token
@@ -119,7 +120,8 @@ def overview_table(results: list[Results]) -> Table:
         t.add(r.title, conv.method if conv else "", str(conv.num_kv_heads) if conv else "", calibration(conv),
               f"{p.original.ppl:.3f}", f"{p.converted.ppl:.3f}" if p.converted else "", f"{p.original.tokens:,}",
               f"{p.ppl_ratio or 1:.3f}x", f"{a.kl['mean']:.4f}" if a else "", f"{a.top1_agreement:.2%}" if a else "",
-              f"{kv:,}", f"{saving:.1%}" if conv else "", gate_cell(r), link=f"#result-{i}")  # fmt: skip
+              f"{kv:,}", f"{saving:.1%}" if conv else "", *([gate_cell(r)] if gated else []),
+              link=f"#result-{i}")  # fmt: skip
     return t
 
 

@@ -100,8 +100,9 @@ def test_report_has_every_section_and_image(pair, tmp_path):
     assert '<figure id="quality"><img alt="quality"' in page
     overview = page[page.index('id="overview"') : page.index('id="result-0"')]  # the first screen
     for column in ("original PPL", "converted PPL", "tokens", "PPL ratio", "KL mean", "top-1", "KV B/token",
-                   "KV saving", "gates"):  # fmt: skip
+                   "KV saving"):  # fmt: skip
         assert f"<th>{column}</th>" in overview, column
+    assert "<th>gates</th>" not in overview  # no gate was asked for
     assert overview.count('<a href="#result-0">') >= 1 and '<a href="#result-1">' in overview
     assert "worst layers by attention KL" in overview and "worst heads by contribution error" in overview
     assert page.count("<details") == 2 and "<summary>" in page  # sections collapsed below the overview
@@ -167,5 +168,6 @@ def test_the_first_screen_gives_the_gate_verdict(pair, tmp_path):
     first = page[: page.index('id="result-0"')]
     assert '<div class="verdict fail">GATES FAILED in 1 of 2: ' in first and "(kl_mean)" in first
     assert '<td class="pass">pass</td>' in first and '<td class="fail">FAIL: kl_mean</td>' in first
+    assert "<th>gates</th>" in first
     samples = page[page.index('id="sample-generations-0"') :]
     assert "<th>prompt</th><th>original</th><th>converted</th>" in samples
