@@ -139,3 +139,22 @@ def test_library_errors_name_the_setting_and_the_cli_its_flag(tiny_checkpoint, t
     )
     assert result.exit_code == 1 and "--calibration-tokens must be at least 1 (got -1)" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_job_rerun_replaces_its_previous_run_wholly(tmp_path, monkeypatch):
+    """A re-run with other settings never leaves the previous run's results beside the new ones."""
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
+    out = tmp_path / "run"
+    base = ["demo", "--steps", "3", "--uptrain-steps", "0", "--output-dir", str(out)]
+    assert CliRunner().invoke(main, [*base, "-g", "2", "--method", "mean"]).exit_code == 0
+    assert (out / "results" / "mean-g2.json").is_file()
+    assert CliRunner().invoke(main, [*base, "-g", "4", "--method", "first"]).exit_code == 0
+    assert sorted(p.name for p in (out / "results").iterdir()) == ["first-g4.json"]
+    assert sorted(p.name for p in (out / "models").iterdir()) == ["first-g4"]
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    result = CliRunner().invoke(main, ["demo", "--steps", "3", "--uptrain-steps", "0", "-g", "2", "--output-dir",
+                                       str(foreign)])  # fmt: skip
+    assert result.exit_code == 1 and "was not written by mha2gqa" in result.output
+    assert (foreign / "notes.txt").read_text() == "keep"

@@ -171,3 +171,16 @@ def test_the_first_screen_gives_the_gate_verdict(pair, tmp_path):
     assert "<th>gates</th>" in first
     samples = page[page.index('id="sample-generations-0"') :]
     assert "<th>prompt</th><th>original</th><th>converted</th>" in samples
+
+
+def test_bench_defaults_fit_a_short_model(tmp_path):
+    """512 prompt + 64 new tokens do not fit 64 positions: the defaults shrink to fit."""
+    text = story_text(tmp_path / "t.txt")
+    src = llama_with_tokenizer(tmp_path / "mha", text, max_positions=64)
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--original", str(src), "--repeats", "1", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["prompt_len"] + settings["new_tokens"] <= 64 and settings["new_tokens"] >= 2
+    too_long = ["bench", "--original", str(src), "--prompt-len", "60", "--new-tokens", "8"]
+    assert "exceeds the model's 64 positions" in CliRunner().invoke(main, too_long).output

@@ -184,7 +184,8 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if grouping == "similarity" else stats
     prefix = f"{model.base_model_prefix}.layers."
     layers = model.base_model.layers
-    bar = tqdm(total=len(layers), unit="layer", desc=f"calibrating ({windows.numel():,} tokens)", disable=not progress)
+    desc = f"calibrating {len(layers)} layers on {windows.numel():,} tokens"
+    bar = tqdm(total=len(layers) * len(states), unit="window", desc=desc, disable=not progress)
     with capturing(model, lambda layer, q, k, v, *_: accumulate(full, layer, q, k, v)), bar:
         for i, layer in enumerate(layers):
             _materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored ...
@@ -193,12 +194,12 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
                     check_signals()
                     out = layer(h, **kw)
                     states[n] = (out[0] if isinstance(out, tuple) else out, kw)
+                    bar.update(1)
             _release(layer)
             if full is not stats:  # choose this layer's groups, keep only their blocks
                 layer_full = full.layers.pop(i)
                 stats.layers[i] = regroup(layer_full, least_residual_groups(layer_full, groups), dims.num_heads)
             if compact:
                 stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
-            bar.update(1)
     stats.tokens = windows.numel()
     return stats
