@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.settings import Spec, check_value, from_mapping
@@ -98,13 +99,11 @@ def _sweep(conv: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...], dict
     """``num_kv_heads`` and ``methods`` (one value or a list each) and the other convert settings."""
     conv = dict(conv)
     heads = conv.pop("num_kv_heads", None)
-    methods = conv.pop("methods", ["mean"])
-    spec = dataclasses.fields(ConvertSettings)
-    choices = next(f for f in spec if f.name == "method").metadata["mha2gqa"].choices
+    methods = conv.pop("methods", [ConvertSettings.method])  # the command line's default method
     heads = check_value("convert.num_kv_heads", heads if isinstance(heads, list) else [heads], tuple[int, ...],
                         Spec("", minimum=1))  # fmt: skip
     methods = check_value("convert.methods", methods if isinstance(methods, list) else [methods], tuple[str, ...],
-                          Spec("", choices=choices))  # fmt: skip
+                          Spec("", choices=tuple(METHODS)))  # fmt: skip
     return heads, methods, conv
 
 
