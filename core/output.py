@@ -37,12 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.records import (
-    CONVERSION_RECORD,
-    EVAL_SCHEMA,
-    OWNED_FILE_MARKERS,
-    OWNED_FOLDER_MARKERS,
-)
+from mha2gqa.core.records import OWNED_FILE_MARKERS, OWNED_FOLDER_MARKERS
 from mha2gqa.core.signals import check as check_signals
 
 TMP_TAG = "mha2gqa-tmp"
@@ -50,8 +45,7 @@ OLD_TAG = "mha2gqa-old"
 _AT_FDCWD = -100
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 
-__all__ = ["CONVERSION_RECORD", "EVAL_SCHEMA", "check_destination", "owned", "staged_output", "write_json",
-           "write_text"]  # fmt: skip
+__all__ = ["check_destination", "check_overlap", "owned", "publish", "staged_output", "write_json", "write_text"]
 
 
 def is_within(inner: Path, outer: Path) -> bool:

@@ -38,7 +38,6 @@ class Spec:
     short: str | None = None  # e.g. "-g"
     flag: str | None = None  # the option's name when it is not --field-name (e.g. --protocol)
     cli: bool = True  # offered as a command-line option
-    default_text: str | None = None  # shown instead of the default in --help
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", **spec: Any) -> Any:
@@ -57,10 +56,6 @@ _FLAGS: dict[str, str] = {}  # settings whose option is not --field-name (filled
 def flag(name: str) -> str:
     """The command-line flag of setting ``name``."""
     return _FLAGS.get(name) or "--" + name.replace("_", "-")
-
-
-def default_of(field: dataclasses.Field) -> Any:
-    return field.default
 
 
 @cache
@@ -164,14 +159,14 @@ def from_mapping(cls: type, data: Mapping[str, Any] | None, where: str, fixed: M
         raise SettingError(e.setting, e.render(f"{where}.{e.setting}")) from None
     except TypeError as e:  # a required key is missing
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.name not in (fixed or {})
-                   and default_of(f) is dataclasses.MISSING]  # fmt: skip
+                   and f.default is dataclasses.MISSING]  # fmt: skip
         raise SettingError(missing[0] if missing else where, f"'{where}.{{name}}' is required ({e})") from None
 
 
-def click_options(cls: type, exclude: tuple[str, ...] = (), names: Mapping[str, str] | None = None) -> Callable:
+def click_options(cls: type, exclude: tuple[str, ...] = ()) -> Callable:
     """A decorator adding one click option per field of ``cls`` (but ``exclude`` and fields with
-    ``cli=False``): ``--field-name`` (``names`` may rename the parameter), its type, choices,
-    default and help from the field. Bools become ``--x/--no-x`` flags (plain ``--x`` when the
+    ``cli=False``): ``--field-name`` (or the field's ``flag``), its type, choices, default and help
+    from the field. Bools become ``--x/--no-x`` flags (plain ``--x`` when the
     default is False); tuple fields are repeatable."""
     import click
 
@@ -183,11 +178,10 @@ def click_options(cls: type, exclude: tuple[str, ...] = (), names: Mapping[str, 
             if field.name in exclude or not spec.cli:
                 continue
             kinds, _, element = _kinds(hints[field.name])
-            default = default_of(field)
+            default = field.default
             if spec.flag:
                 _FLAGS[field.name] = spec.flag
             decls = [flag(field.name)] + ([spec.short] if spec.short else [])
-            param = (names or {}).get(field.name, field.name)
             kwargs: dict[str, Any] = {"help": spec.help}
             base = element if tuple in kinds else (kinds[0] if kinds else str)
             if base is bool:
@@ -202,16 +196,9 @@ def click_options(cls: type, exclude: tuple[str, ...] = (), names: Mapping[str, 
                 kwargs["required"] = True
             else:
                 kwargs["default"] = default
-                if spec.default_text:
-                    kwargs["show_default"] = spec.default_text
-                elif default is None:
+                if default is None:
                     kwargs["show_default"] = False
-            fn = click.option(*decls, param, **kwargs)(fn)
+            fn = click.option(*decls, field.name, **kwargs)(fn)
         return fn
 
     return decorate
-
-
-def cli_fields(cls: type, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Names of the fields :func:`click_options` turns into options."""
-    return [f.name for f in dataclasses.fields(cls) if f.name not in exclude and spec_of(f).cli]

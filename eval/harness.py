@@ -36,8 +36,6 @@ from mha2gqa.eval.metrics import summarize
 from mha2gqa.eval.perplexity import Window, disjoint_windows, rolling_windows, score_windows, stride_windows
 from mha2gqa.eval.settings import EvalSettings
 
-SCHEMA = EVAL_SCHEMA
-
 
 def _split_for_rank(windows: list[Window]) -> tuple[list[Window], Any]:
     from accelerate import PartialState
@@ -242,7 +240,7 @@ def evaluate(original: str, converted: str | None, settings: EvalSettings,
             + (", then attention similarity" if converted and settings.attention else ""))  # fmt: skip
     device = next(run.models[0].parameters()).device
     results: dict[str, Any] = {
-        "schema": SCHEMA,
+        "schema": EVAL_SCHEMA,
         "created": now(),
         "settings": {
             **asdict(settings),

@@ -16,7 +16,6 @@ from typing import Any
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.records import EVAL_SCHEMA
 
 
 class _Missing(Mha2GqaError):
@@ -188,4 +187,4 @@ def _protocol(name: str, p: Any) -> Protocol:
     return out
 
 
-__all__ = ["EVAL_SCHEMA", "Agreement", "ModelInfo", "Protocol", "Results", "Score"]
+__all__ = ["Agreement", "ModelInfo", "Protocol", "Results", "Score"]

@@ -22,7 +22,7 @@ def test_two_processes_equal_one(tmp_path):
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     subprocess.run([sys.executable, *args, "--output", str(one)], check=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
-    subprocess.run([*torchrun, *args, "--output", str(two)], check=True, capture_output=True)
+    run_ok([*torchrun, *args, "--output", str(two)])
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert (a["device"]["processes"], b["device"]["processes"]) == (1, 2)
     for p in ("disjoint", "rolling"):
@@ -41,6 +41,12 @@ def test_two_processes_equal_one(tmp_path):
     )  # thread counts differ: float noise only
 
 
+def run_ok(cmd: list[str]) -> None:
+    """Run ``cmd``; on failure the assertion shows what it printed (torchrun's ranks included)."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
 def test_uptraining_on_two_processes_follows_the_one_process_run(tmp_path):
     """DDP over 2 gloo processes, each reading half of every global batch, reaches the weights a
     single process reaches with the same --batch-size (gradients are averaged: float noise only)."""
@@ -54,7 +60,7 @@ def test_uptraining_on_two_processes_follows_the_one_process_run(tmp_path):
             "--teacher", str(src), "--objective", "mix", "--device", "cpu", "-q"]  # fmt: skip
     subprocess.run([sys.executable, *args, "--output", str(tmp_path / "one")], check=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534"]
-    subprocess.run([*torchrun, *args, "--output", str(tmp_path / "two")], check=True, capture_output=True)
+    run_ok([*torchrun, *args, "--output", str(tmp_path / "two")])
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     assert a.keys() == b.keys()
     assert any(not torch.equal(a[k], load_file(student / "model.safetensors")[k]) for k in a)
