@@ -7,6 +7,7 @@ import pickle
 import re
 import sys
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,6 @@ def resolve_folder(
         return path.resolve(), None, None
     if not _REPO_ID.match(src) or src.startswith((".", "/", "~")):
         raise Mha2GqaError(f"{src}: no such folder (and not a Hugging Face hub id like 'org/name')")
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -113,7 +113,7 @@ def resolve_folder(
 
     patterns = [*_HUB_PATTERNS, *(["*.bin", PICKLE_INDEX] if allow_pickle else [])]
     try:
-        folder = Path(snapshot_download(src, revision=revision, allow_patterns=patterns))
+        folder = _snapshot(src, revision, tuple(patterns))
     except (OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
         raise Mha2GqaError(
             f"{src} is not a local folder and the Hugging Face hub cannot be reached "
@@ -128,6 +128,15 @@ def resolve_folder(
     except HfHubHTTPError as e:
         raise Mha2GqaError(f"{src}: download failed: {str(e).splitlines()[0]}") from None
     return folder.resolve(), src, folder.name
+
+
+@cache
+def _snapshot(repo_id: str, revision: str | None, patterns: tuple[str, ...]) -> Path:
+    """The local snapshot of a hub repository, fetched once per process (the CLI's checks before
+    work and the run itself resolve the same id)."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns)))
 
 
 def read_config(folder: Path, name: str = "config.json") -> dict[str, Any]:

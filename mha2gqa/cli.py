@@ -249,13 +249,14 @@ def eval_cmd(original: str, converted: str | None, output: Path | None, overwrit
     results = evaluate(original, converted, settings, log=None if quiet else lambda m: click.echo(m, err=True))
     if not is_main_process():
         return
-    gates = check_gates(Results.from_dict(results), limits)
+    typed = Results.from_dict(results)
+    gates = check_gates(typed, limits)
     if gates:
         results["gates"] = gates_record(gates)
     if output is not None:
         write_json(output, results, "--output", overwrite, inputs)
     if not quiet:
-        for line in summary_lines(Results.from_dict(results)):
+        for line in summary_lines(typed):
             click.echo(line)
         if output is not None:
             click.echo(f"results: {output}")
