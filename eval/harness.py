@@ -32,7 +32,7 @@ from mha2gqa.core.models import (
 from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
 from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
 from mha2gqa.eval.attention import attention_similarity
-from mha2gqa.eval.metrics import summarize
+from mha2gqa.eval.metrics import agreement_stats
 from mha2gqa.eval.perplexity import Window, disjoint_windows, rolling_windows, score_windows, stride_windows
 from mha2gqa.eval.settings import EvalSettings
 
@@ -63,15 +63,10 @@ def scored_pass(
     seconds = max(p[2] for p in parts)
     out: dict[str, Any] = {"nll_sum": nll, "tokens": tokens, "windows": len(windows), "seconds": seconds}
     agreements = [p[3] for p in parts if p[3] is not None]
-    if agreements:
-        kl = torch.cat([k for a in agreements for k in a.kl]) if any(a.kl for a in agreements) else torch.zeros(0)
-        n = sum(a.tokens for a in agreements)
-        out["agreement"] = {
-            "tokens": n,
-            "kl": summarize(kl) if n else {},
-            "top1_agreement": sum(a.top1_same for a in agreements) / max(n, 1),
-            "nll_delta": sum(a.nll_delta_sum for a in agreements) / max(n, 1),
-        }
+    if agreements and sum(a.tokens for a in agreements):
+        per_token = {key: torch.cat([t for a in agreements for t in getattr(a, key)])
+                     for key in ("kl", "kl_reverse", "delta_p", "nll")}  # fmt: skip
+        out["agreement"] = agreement_stats(**per_token, top1_same=sum(a.top1_same for a in agreements))
     return out
 
 
@@ -162,7 +157,7 @@ def _disjoint(run: _Run, results: dict[str, Any]) -> None:
     res = run.scored(disjoint_windows(run.ids, run.seq_len), "disjoint")
     if "disjoint" in run.settings.protocols:
         results["protocols"]["disjoint"] = _protocol_result(run.names, res, {**run.common, "stream": run.stream})
-    if len(run.names) == 2:
+    if len(run.names) == 2 and "agreement" in res:
         results["agreement"] = {**res["agreement"], "settings": {"protocol": "disjoint", **run.common}}
 
 

@@ -58,14 +58,16 @@ def row_stats(logp: torch.Tensor, logq: torch.Tensor, allowed: torch.Tensor) -> 
     }
 
 
-QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
+#: llama.cpp's KL report's percentiles (its --kl-divergence output), median included.
+QUANTILES = (0.001, 0.01, 0.05, 0.1, 0.5, 0.9, 0.95, 0.99, 0.999)
 
 
 def summarize(values: torch.Tensor) -> dict[str, float]:
-    """Mean, max and the quantiles in :data:`QUANTILES` of a 1-D tensor (exact, via sorting)."""
+    """Mean with its standard error, min, max and the quantiles in :data:`QUANTILES` of a 1-D tensor
+    (exact, via sorting; keys ``q0_1`` ... ``median`` ... ``q99_9``)."""
     v = values.double().flatten().sort().values
     n = v.numel()
-    out = {"mean": v.mean().item(), "max": v[-1].item(), "count": n}
+    out = {"mean": v.mean().item(), "std_error": _std_error(v), "min": v[0].item(), "max": v[-1].item(), "count": n}
     for q in QUANTILES:
         # linear interpolation between closest ranks, as numpy's default
         pos = q * (n - 1)
@@ -73,3 +75,40 @@ def summarize(values: torch.Tensor) -> dict[str, float]:
         out[f"q{q * 100:g}".replace(".", "_")] = (v[lo] + (v[hi] - v[lo]) * (pos - lo)).item()
     out["median"] = out.pop("q50")
     return out
+
+
+def _std_error(v: torch.Tensor) -> float:
+    """Standard error of the mean of ``v`` (sample standard deviation / sqrt(n)); 0 for one value."""
+    n = v.numel()
+    return (v.std(unbiased=True) / math.sqrt(n)).item() if n > 1 else 0.0
+
+
+def agreement_stats(kl: torch.Tensor, kl_reverse: torch.Tensor, delta_p: torch.Tensor, nll: torch.Tensor,
+                    top1_same: int) -> dict[str, object]:  # fmt: skip
+    """llama.cpp's KL-divergence report over per-token values of one pass (float64):
+
+    KL(original || converted) and KL(converted || original) with mean +- error and percentiles; Δp,
+    the change of the correct token's probability, with the same and its RMS +- error; the same-top
+    rate +- error; the correlation of the two models' per-token NLLs (llama.cpp's "Cor(ln PPL(Q),
+    ln PPL(base))") and their mean difference, ln(PPL(converted)/PPL(original)), +- error.
+    ``nll``: ``[n, 2]`` per-token NLL of (original, converted)."""
+    n = kl.numel()
+    dp = delta_p.double()
+    squares = dp.pow(2)
+    rms = squares.mean().sqrt().item()
+    nll = nll.double()
+    diff = nll[:, 1] - nll[:, 0]
+    top1 = top1_same / max(n, 1)
+    centred = nll - nll.mean(0)
+    corr = (centred[:, 0] * centred[:, 1]).sum() / (centred.pow(2).sum(0).prod().sqrt()).clamp_min(1e-300)
+    return {
+        "tokens": n,
+        "kl": summarize(kl),
+        "kl_reverse": summarize(kl_reverse),
+        "delta_p": {**summarize(dp), "rms": rms, "rms_error": _std_error(squares) / (2 * rms) if rms else 0.0},
+        "top1_agreement": top1,
+        "top1_error": math.sqrt(top1 * (1 - top1) / n) if n else 0.0,
+        "nll_delta": diff.mean().item(),
+        "nll_delta_error": _std_error(diff),
+        "nll_correlation": corr.item(),
+    }

@@ -98,6 +98,9 @@ class Agreement:
     """Per-token agreement of a converted model with the original on the same scored tokens."""
 
     kl: list[torch.Tensor] = field(default_factory=list)  # per-token KL(original || converted)
+    kl_reverse: list[torch.Tensor] = field(default_factory=list)  # per-token KL(converted || original)
+    delta_p: list[torch.Tensor] = field(default_factory=list)  # p_converted - p_original of the correct token
+    nll: list[torch.Tensor] = field(default_factory=list)  # [n, 2] per-token NLL of (original, converted)
     top1_same: int = 0
     nll_delta_sum: float = 0.0
     tokens: int = 0
@@ -166,8 +169,12 @@ def score_windows(
                 nll[0] += F.nll_loss(lo, ids, reduction="sum").item()
                 nll[1] += F.nll_loss(lc, ids, reduction="sum").item()
                 agree.kl.append(kl_divergence(lo, lc).cpu())
+                agree.kl_reverse.append(kl_divergence(lc, lo).cpu())
                 agree.top1_same += int((lo.argmax(-1) == lc.argmax(-1)).sum())
-                agree.nll_delta_sum += (lo.gather(1, ids[:, None]) - lc.gather(1, ids[:, None])).sum().item()
+                target_o, target_c = lo.gather(1, ids[:, None])[:, 0], lc.gather(1, ids[:, None])[:, 0]
+                agree.nll_delta_sum += (target_o - target_c).sum().item()
+                agree.delta_p.append((target_c.exp() - target_o.exp()).cpu())
+                agree.nll.append(torch.stack([-target_o, -target_c], 1).cpu())
                 agree.tokens += n
             tokens += n
             bar.update(n)

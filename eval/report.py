@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +240,7 @@ class _Page:
         if worst(r):
             self.html.append(f'<p class="meta">{html.escape(worst(r))}</p>')
         for name, table in tables(r).items():
-            self.table(name, f"{name.lower().replace(' ', '-')}-{i}", table)
+            self.table(name, f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-{i}", table)
         for name, png in figures(r, scales).items():
             self.figure(name, png, f"{i}_{name}", element_id=f"{name}-{i}")
         self.html.append("</details>")

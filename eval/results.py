@@ -100,6 +100,12 @@ class Agreement:
     top1_agreement: float
     nll_delta: float
     settings: dict[str, Any] = field(default_factory=dict)
+    # llama.cpp's KL report (files written before it was recorded lack these)
+    kl_reverse: dict[str, float] | None = None
+    delta_p: dict[str, float] | None = None
+    top1_error: float | None = None
+    nll_delta_error: float | None = None
+    nll_correlation: float | None = None
 
 
 @dataclass

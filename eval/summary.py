@@ -21,6 +21,14 @@ def summary_lines(results: Results) -> list[str]:
             f"agreement: KL mean {kl['mean']:.4f} (median {kl['median']:.4f}, q99 {kl['q99']:.4f}) nats, "
             f"top-1 {a.top1_agreement:.2%}, NLL delta {a.nll_delta:+.4f}"
         )
+        if a.delta_p is not None and a.kl_reverse is not None:
+            dp = a.delta_p
+            lines.append(
+                f"  llama.cpp-style: KL reverse {a.kl_reverse['mean']:.4f}, "
+                f"Δp {dp['mean']:+.2%} ± {dp['std_error']:.2%} "
+                f"(RMS {dp['rms']:.2%}), same top {a.top1_agreement:.2%} ± {a.top1_error:.2%}, "
+                f"ln PPL ratio {a.nll_delta:+.4f} ± {a.nll_delta_error:.4f}, NLL correlation {a.nll_correlation:.4f}"
+            )
     attention = results.attention
     if attention:
         s = attention["summary"]

@@ -43,6 +43,31 @@ def agreement_table(r: Results) -> Table | None:
     return t
 
 
+#: The rows of llama.cpp's KL report: (label, summary key).
+KL_REPORT_ROWS = (("max", "max"), ("99.9%", "q99_9"), ("99%", "q99"), ("95%", "q95"), ("90%", "q90"),
+                  ("median", "median"), ("10%", "q10"), ("5%", "q5"), ("1%", "q1"), ("0.1%", "q0_1"),
+                  ("min", "min"))  # fmt: skip
+
+
+def kl_report_table(r: Results) -> Table | None:
+    """llama.cpp's KL-divergence report: KL both ways and Δp of the correct token, mean ± error and
+    percentiles, then the same-top rate, RMS Δp, mean ln(PPL ratio) and the NLL correlation."""
+    a = r.agreement
+    if a is None or a.kl_reverse is None or a.delta_p is None:
+        return None
+    t = Table(["statistic", "KL(original ‖ converted)", "KL(converted ‖ original)", "Δp (correct token)"])
+    kl, rev, dp = a.kl, a.kl_reverse, a.delta_p
+    t.add("mean ± error", f"{kl['mean']:.5f} ± {kl['std_error']:.5f}", f"{rev['mean']:.5f} ± {rev['std_error']:.5f}",
+          f"{dp['mean']:+.3%} ± {dp['std_error']:.3%}")  # fmt: skip
+    for label, key in KL_REPORT_ROWS:
+        t.add(label, f"{kl[key]:.5f}", f"{rev[key]:.5f}", f"{dp[key]:+.3%}")
+    t.add("RMS Δp", "", "", f"{dp['rms']:.3%} ± {dp['rms_error']:.3%}")
+    t.add("same top token", f"{a.top1_agreement:.3%} ± {a.top1_error:.3%}", "", "")
+    t.add("mean ln(PPL(converted) / PPL(original))", f"{a.nll_delta:.5f} ± {a.nll_delta_error:.5f}", "", "")
+    t.add("correlation of per-token NLLs", f"{a.nll_correlation:.4f}", "", "")
+    return t
+
+
 def attention_table(r: Results) -> Table | None:
     att = r.attention
     if not att or not att.get("layers"):
@@ -101,6 +126,7 @@ def gates_table(r: Results) -> Table | None:
 def tables(r: Results) -> dict[str, Table]:
     """Every table of one results file: title -> table."""
     out = {"Perplexity": perplexity_table(r), "Output agreement": agreement_table(r),
+           "KL report (llama.cpp style)": kl_report_table(r),
            "Attention per layer": attention_table(r), "KV cache": kv_table(r), "Gates": gates_table(r),
            "Sample generations": samples_table(r)}  # fmt: skip
     return {k: v for k, v in out.items() if v is not None}

@@ -66,3 +66,50 @@ def test_fused_row_stats_equal_the_reference_definitions():
     torch.testing.assert_close(s["cosine"], cosine(lo.exp(), lc.exp()))
     torch.testing.assert_close(s["entropy_p"], entropy(lo))
     torch.testing.assert_close(s["entropy_q"], entropy(lc))
+
+
+def test_agreement_statistics_equal_an_independent_float64_computation():
+    """llama.cpp's KL report from one scoring pass, against numpy in float64 from the same logits."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import random_model, tiny_config
+
+    from mha2gqa.eval.harness import scored_pass
+    from mha2gqa.eval.perplexity import disjoint_windows
+
+    a, b = random_model(tiny_config("llama"), seed=1), random_model(tiny_config("llama"), seed=2)
+    ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(3))
+    windows = disjoint_windows(ids, 64)
+    got = scored_pass([a, b], windows, batch_size=2)["agreement"]
+    lo, lc, target = [], [], []
+    with torch.no_grad():
+        for inputs, targets in windows:
+            keep = targets != -100
+            lo.append(torch.log_softmax(a(inputs[None]).logits[0][keep].double(), -1).numpy())
+            lc.append(torch.log_softmax(b(inputs[None]).logits[0][keep].double(), -1).numpy())
+            target.append(targets[keep].numpy())
+    lo, lc, target = np.concatenate(lo), np.concatenate(lc), np.concatenate(target)
+    po, pc = np.exp(lo), np.exp(lc)
+    kl, kl_rev = (po * (lo - lc)).sum(1), (pc * (lc - lo)).sum(1)
+    rows = np.arange(len(target))
+    dp = pc[rows, target] - po[rows, target]
+    nll_o, nll_c = -lo[rows, target], -lc[rows, target]
+    n = len(target)
+    same = (lo.argmax(1) == lc.argmax(1)).mean()
+    expected = {
+        ("kl", "mean"): kl.mean(), ("kl", "std_error"): kl.std(ddof=1) / np.sqrt(n), ("kl", "median"): np.median(kl),
+        ("kl", "q0_1"): np.quantile(kl, 0.001), ("kl", "q99_9"): np.quantile(kl, 0.999), ("kl", "min"): kl.min(),
+        ("kl_reverse", "mean"): kl_rev.mean(), ("kl_reverse", "q90"): np.quantile(kl_rev, 0.9),
+        ("delta_p", "mean"): dp.mean(), ("delta_p", "q1"): np.quantile(dp, 0.01), ("delta_p", "max"): dp.max(),
+        ("delta_p", "rms"): np.sqrt((dp**2).mean()),
+        ("delta_p", "rms_error"): (dp**2).std(ddof=1) / np.sqrt(n) / (2 * np.sqrt((dp**2).mean())),
+        ("top1_agreement",): same, ("top1_error",): np.sqrt(same * (1 - same) / n),
+        ("nll_delta",): (nll_c - nll_o).mean(), ("nll_delta_error",): (nll_c - nll_o).std(ddof=1) / np.sqrt(n),
+        ("nll_correlation",): np.corrcoef(nll_o, nll_c)[0, 1],
+    }  # fmt: skip
+    assert got["tokens"] == n
+    for key, value in expected.items():
+        actual = got[key[0]] if len(key) == 1 else got[key[0]][key[1]]
+        assert abs(actual - value) < 1e-6, (key, actual, value)

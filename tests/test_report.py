@@ -91,8 +91,10 @@ def test_report_has_every_section_and_image(pair, tmp_path):
     result = CliRunner().invoke(main, ["report", str(out), str(out), "--html", str(html), "--md", str(md)])
     assert result.exit_code == 0, result.output
     page = html.read_text()
-    for section in ("overview", "perplexity-0", "output-agreement-0", "attention-per-layer-0", "kv-cache-0"):
+    for section in ("overview", "perplexity-0", "output-agreement-0", "kl-report-llama-cpp-style-0",
+                    "attention-per-layer-0", "kv-cache-0"):  # fmt: skip
         assert f'id="{section}"' in page, section
+    assert "<th>KL(converted ‖ original)</th>" in page and "correlation of per-token NLLs" in page
     for fig in ("attention_kl", "head_output_error", "entropy", "hidden_cosine", "head_sharing"):
         m = re.search(rf'<figure id="{fig}-0"><img alt="{fig}" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
         assert m and len(m.group(1)) > 1000, fig
