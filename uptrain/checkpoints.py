@@ -123,7 +123,8 @@ def save_checkpoint(
     tmp = root / f".step-{step:07d}.tmp"
     with _building(tmp, accelerator):
         _save_model(accelerator, model, tokenizer, tmp, None, files)
-        accelerator.save_state(str(tmp))
+        accelerator.save_state(str(tmp))  # every process writes its own RNG state into tmp ...
+        accelerator.wait_for_everyone()  # ... so tmp is published only once all of them have
         if accelerator.is_main_process:
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
             publish(tmp, final, overwrite=True, what="checkpoint")
