@@ -9,7 +9,6 @@ the hub, or a local ``datasets`` cache).
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,7 +59,7 @@ def check_text_source(source: str | None, setting: str = "data") -> None:
     if source is None:
         return
     path = Path(source).expanduser()
-    if path.suffix.lower() in _BUILDERS or path.exists() or os.sep in source:
+    if path.suffix.lower() in _BUILDERS or path.exists():  # a file ("org/name:split" is a datasets name)
         if not path.is_file():
             raise SettingError(setting, f"{{name}} {source}: no such file")
         if path.suffix.lower() not in _BUILDERS:
@@ -79,16 +78,11 @@ def load_text(source: str, text_field: str = "text", doc_split: str = "file", se
     ``setting`` (``data``, ``calibration``, ``eval_data``...)."""
     import datasets
 
+    check_text_source(source, setting)
     datasets.disable_progress_bars()
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
-    if suffix in _BUILDERS or path.exists():
-        if not path.is_file():
-            raise SettingError(setting, f"{{name}} {source}: no such file")
-        if suffix not in _BUILDERS:
-            raise SettingError(
-                setting, f"{{name}} {source}: unsupported file type; use .txt, .jsonl, .json or .parquet"
-            )
+    if path.is_file():
         if doc_split not in DOC_SPLITS:
             raise SettingError("doc_split", f"{{name}} must be one of {', '.join(DOC_SPLITS)}")
         if suffix != ".parquet":
@@ -104,11 +98,6 @@ def load_text(source: str, text_field: str = "text", doc_split: str = "file", se
         split_used = doc_split if suffix == ".txt" else None
     else:
         parts = source.split(":")
-        if len(parts) not in (2, 3) or not all(parts):
-            raise SettingError(
-                setting,
-                f"{{name}} {source}: not a file, and not a datasets name like 'wikitext:wikitext-2-raw-v1:test'",
-            )
         name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
         try:
             ds = datasets.load_dataset(name, config, split=split)

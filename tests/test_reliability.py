@@ -405,3 +405,17 @@ def test_nan_in_source_weights_is_reported_and_refused_on_request(src, tmp_path)
     assert result.exit_code == 0 and "k_proj.weight holds NaN or Inf values" in result.output
     assert_refused(run_cli("convert", src, tmp_path / "out2", "-g", 2, "--check-finite"),
                    r"k_proj.weight, model.layers.1.mlp.up_proj.weight hold NaN or Inf", tmp_path)  # fmt: skip
+
+
+def test_text_sources_are_checked_before_loading_and_hub_dataset_ids_pass():
+    from mha2gqa.core.errors import SettingError
+    from mha2gqa.core.text import check_text_source
+    from mha2gqa.eval.settings import EvalSettings
+
+    for name in ("wikitext:wikitext-2-raw-v1:test", "Salesforce/wikitext:wikitext-2-raw-v1:test", "org/name:train"):
+        check_text_source(name)
+        EvalSettings(data=name).check()
+    for bad, message in [("missing.txt", "no such file"), ("pyproject.toml", "unsupported file type"),
+                         ("just-a-word", "not a file, and not a datasets name")]:  # fmt: skip
+        with pytest.raises(SettingError, match=message):
+            check_text_source(str(Path(__file__).parents[1] / bad) if bad == "pyproject.toml" else bad)
