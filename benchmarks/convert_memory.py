@@ -40,7 +40,7 @@ model.save_pretrained(dst, max_shard_size="1GB")
 """
 
 
-def make_checkpoint(folder: Path, layers: int) -> int:
+def make_checkpoint(folder: Path, layers: int, max_shard_size: str = "1GB") -> int:
     """A random bf16 Llama-2-7B-shaped MHA checkpoint with ``layers`` layers; returns its bytes."""
     import torch
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -53,7 +53,9 @@ def make_checkpoint(folder: Path, layers: int) -> int:
     )  # fmt: skip
     with torch.device("meta"):
         meta = LlamaForCausalLM(config).to(torch.bfloat16).state_dict()
-    split = split_torch_state_dict_into_shards(meta, max_shard_size="1GB", filename_pattern="model{suffix}.safetensors")
+    split = split_torch_state_dict_into_shards(
+        meta, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors"
+    )
     folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
     for filename, names in split.filename_to_tensors.items():
@@ -77,8 +79,9 @@ def measure(cmd: list[str]) -> tuple[float, float]:
     os.sync()
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}, stderr=subprocess.DEVNULL
-    )
+        cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:

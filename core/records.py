@@ -22,8 +22,10 @@ EVAL_SCHEMA = "mha2gqa.eval/1"
 RUN_RECORD = "mha2gqa_run.json"
 #: The demo model's own settings, beside its weights.
 DEMO_RECORD = "demo_settings.json"
+#: The manifest of an ``eval`` reference cache entry (the original's scores, one model at a time).
+REFERENCE_RECORD = "mha2gqa_reference.json"
 #: Files whose presence marks a folder as written by mha2gqa (``--overwrite`` may replace it).
-OWNED_FOLDER_MARKERS = (CONVERSION_RECORD, UPTRAIN_RECORD, UPTRAIN_LOG, RUN_RECORD, DEMO_RECORD)
+OWNED_FOLDER_MARKERS = (CONVERSION_RECORD, UPTRAIN_RECORD, UPTRAIN_LOG, RUN_RECORD, DEMO_RECORD, REFERENCE_RECORD)
 #: Marks in the first bytes of the files mha2gqa writes (reports, figures).
 FILE_MARK = "<!-- written by mha2gqa -->"
 OWNED_FILE_MARKERS = (FILE_MARK, "Software\x00mha2gqa")

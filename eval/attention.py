@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -168,64 +169,107 @@ def _output_projection_name(model: torch.nn.Module) -> str | None:
         return None
 
 
-def _head_projections(module: torch.nn.Module, name: str | None, heads: int) -> torch.Tensor | None:
-    proj = getattr(module, name, None) if name else None
-    weight = getattr(proj, "weight", None)
-    return head_projections(weight.detach(), heads) if weight is not None else None
+def _output_weight(module: torch.nn.Module, name: str | None) -> torch.Tensor | None:
+    """The attention module's output projection weight ``[hidden, H*d]``, if it has one we know."""
+    weight = getattr(getattr(module, name, None) if name else None, "weight", None)
+    return weight.detach() if weight is not None else None
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return model.base_model.layers
 
 
+class LayerStore(Protocol):
+    """Where the original's per-layer tensors wait for the converted model: in memory when both
+    models are loaded, on disk (:class:`mha2gqa.eval.reference.Reference`) when one is at a time."""
+
+    def put(self, layer: int, tensors: dict[str, torch.Tensor], scaling: float, window: int | None) -> None: ...
+
+    def take(self, layer: int, device: torch.device) -> tuple[dict[str, torch.Tensor], float, int | None]: ...
+
+
+class MemoryStore(dict):
+    """A :class:`LayerStore` in memory."""
+
+    def put(self, layer: int, tensors: dict[str, torch.Tensor], scaling: float, window: int | None) -> None:
+        self[layer] = (tensors, scaling, window)
+
+    def take(self, layer: int, device: torch.device) -> tuple[dict[str, torch.Tensor], float, int | None]:
+        tensors, scaling, window = self.pop(layer)
+        return {k: v.to(device) for k, v in tensors.items()}, scaling, window
+
+
+def _run_layers(model: torch.nn.Module, batch: torch.Tensor, recorder, after_layer) -> None:
+    """Run ``model``'s decoder (no logits) on ``batch`` with ``recorder`` seeing every attention call
+    and ``after_layer(layer, hidden [B, T, hidden])`` every decoder layer's output."""
+
+    def hook(module, args, output):
+        after_layer(module._mha2gqa_index, output[0] if isinstance(output, tuple) else output)
+
+    handles = []
+    for i, layer in enumerate(_decoder_layers(model)):
+        layer._mha2gqa_index = i
+        handles.append(layer.register_forward_hook(hook))
+    try:
+        with capturing(model, recorder):
+            model.base_model(batch.to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
-def attention_similarity(
-    original: torch.nn.Module, converted: torch.nn.Module, batch: torch.Tensor, chunk: int = 128
-) -> dict:
-    """Compare ``original`` and ``converted`` on ``batch`` ``[B, T]`` token ids (see module doc)."""
-    stored: dict[int, tuple] = {}
-    hidden: dict[int, torch.Tensor] = {}
+def record_attention(original: torch.nn.Module, batch: torch.Tensor, store: LayerStore) -> None:
+    """Put each layer of ``original`` on ``batch`` ``[B, T]`` into ``store``: post-RoPE ``q``
+    ``[B,H,T,d]``, ``k``/``v`` ``[B,G,T,d]``, the mask, the output projection ``o_weight``
+    ``[hidden, H*d]`` (when the family names it) and the layer's output ``hidden`` ``[B,T,hidden]``."""
+    name = _output_projection_name(original)
+    pending: dict[int, tuple] = {}
+
+    def keep(layer, q, k, v, mask, scaling, window, _output, module):
+        tensors = {"q": q, "k": k, "v": v}
+        w_o = _output_weight(module, name)
+        if w_o is not None:
+            tensors["o_weight"] = w_o
+        if mask is not None:
+            tensors["mask"] = mask
+        pending[layer] = (tensors, scaling, window)
+
+    def done(layer, hidden):
+        check_signals()
+        tensors, scaling, window = pending.pop(layer)
+        store.put(layer, {**tensors, "hidden": hidden}, scaling, window)
+
+    _run_layers(original, batch, keep, done)
+
+
+@torch.no_grad()
+def compare_attention(converted: torch.nn.Module, batch: torch.Tensor, store: LayerStore, chunk: int = 128) -> dict:
+    """Compare ``converted`` on ``batch`` ``[B, T]`` with the original's layers in ``store`` (put
+    there by :func:`record_attention` on the same batch); see the module doc."""
+    name = _output_projection_name(converted)
     sums: dict[int, HeadSums] = {}
     hidden_cos: dict[int, float] = {}
-
-    names = (_output_projection_name(original), _output_projection_name(converted))
-
-    def keep_original(layer, q, k, v, mask, scaling, window, _output, module):
-        w_o = _head_projections(module, names[0], q.shape[1])
-        stored[layer] = (q, k, v, mask, scaling, window, w_o)
+    hidden_orig: dict[int, torch.Tensor] = {}
 
     def compare(layer, q, k, v, mask, scaling, window, _output, module):
         check_signals()
-        qo, ko, vo, mask_o, scaling_o, window_o, w_o = stored.pop(layer)
-        w_c = _head_projections(module, names[1], q.shape[1])
-        projections = (w_o, w_c.to(w_o.device)) if w_o is not None and w_c is not None else None
-        sums[layer] = HeadSums(qo.shape[1])
-        compare_layer((qo, ko, vo), (q, k, v), mask_o, scaling_o, window_o, sums[layer], chunk, projections)
+        o, scaling_o, window_o = store.take(layer, q.device)
+        hidden_orig[layer] = o["hidden"]
+        heads = o["q"].shape[1]
+        w_o, w_c = o.get("o_weight"), _output_weight(module, name)
+        projections = None
+        if w_o is not None and w_c is not None:
+            projections = (head_projections(w_o, heads), head_projections(w_c, heads).to(w_o.device))
+        sums[layer] = HeadSums(heads)
+        compare_layer((o["q"], o["k"], o["v"]), (q, k, v), o.get("mask"), scaling_o, window_o, sums[layer], chunk,
+                      projections)  # fmt: skip
 
-    def hook(store: bool):
-        def fn(module, args, output):
-            h = output[0] if isinstance(output, tuple) else output
-            idx = module._mha2gqa_index
-            if store:
-                hidden[idx] = h
-            else:
-                hidden_cos[idx] = cosine(hidden.pop(idx).float(), h.float().to(hidden_device)).mean().item()
+    def done(layer, hidden):
+        ref = hidden_orig.pop(layer)
+        hidden_cos[layer] = cosine(ref.float(), hidden.float().to(ref.device)).mean().item()
 
-        return fn
-
-    hidden_device = next(original.parameters()).device
-    runs = ((original, keep_original, True), (converted, compare, False))
-    for model, recorder, store in runs:
-        handles = []
-        for i, layer in enumerate(_decoder_layers(model)):
-            layer._mha2gqa_index = i
-            handles.append(layer.register_forward_hook(hook(store)))
-        try:
-            with capturing(model, recorder):
-                model.base_model(batch.to(next(model.parameters()).device))  # no logits needed
-        finally:
-            for h in handles:
-                h.remove()
+    _run_layers(converted, batch, compare, done)
     layers = []
     for layer in sorted(sums):
         s = sums[layer]
@@ -243,3 +287,13 @@ def attention_similarity(
     summary["entropy_uniform"] = layers[0]["entropy_uniform"]
     summary["mean_hidden_cosine"] = sum(x["hidden_cosine"] for x in layers) / len(layers)
     return {"layers": layers, "summary": summary, "tokens": batch.numel(), "seq_len": batch.shape[1], "chunk": chunk}
+
+
+def attention_similarity(
+    original: torch.nn.Module, converted: torch.nn.Module, batch: torch.Tensor, chunk: int = 128
+) -> dict:
+    """Compare ``original`` and ``converted`` (both in memory) on ``batch`` ``[B, T]`` token ids:
+    the original's layers are kept in memory until the converted model reaches them."""
+    store = MemoryStore()
+    record_attention(original, batch, store)
+    return compare_attention(converted, batch, store, chunk)

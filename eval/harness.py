@@ -12,14 +12,18 @@ from __future__ import annotations
 import math
 import platform
 import re
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from mha2gqa.core.errors import SettingError
+from mha2gqa.core.checkpoint import read_config, resolve_folder
+from mha2gqa.core.dims import config_value
+from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.models import (
     LoadedModel,
     check_same_tokenizer,
@@ -51,14 +55,16 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def scored_pass(
-    models: list[torch.nn.Module], windows: list[Window], batch_size: int = 1, progress: bool = False, desc: str = ""
-) -> dict[str, Any]:
+    models: list[torch.nn.Module], windows: list[Window], batch_size: int = 1, progress: bool = False, desc: str = "",
+    **replay: Any,
+) -> dict[str, Any]:  # fmt: skip
     """One :func:`score_windows` pass split across ``accelerate`` processes, sums reduced on all:
-    ``nll_sum`` per model, ``tokens``, ``windows``, ``seconds`` and (two models) ``agreement``."""
+    ``nll_sum`` per model, ``tokens``, ``windows``, ``seconds`` and (a pair) ``agreement``.
+    ``replay``: ``record=`` or ``replay=`` for a pair one model at a time (see score_windows)."""
     mine, state = _split_for_rank(windows)
-    res = score_windows(models, mine, batch_size, progress=progress and state.is_main_process, desc=desc)
+    res = score_windows(models, mine, batch_size, progress=progress and state.is_main_process, desc=desc, **replay)
     parts = _gather((res.nll_sum, res.tokens, res.seconds, res.agreement))
-    nll = [sum(p[0][i] for p in parts) for i in range(len(models))]
+    nll = [sum(p[0][i] for p in parts) for i in range(len(res.nll_sum))]
     tokens = sum(p[1] for p in parts)
     seconds = max(p[2] for p in parts)
     out: dict[str, Any] = {"nll_sum": nll, "tokens": tokens, "windows": len(windows), "seconds": seconds}
@@ -95,20 +101,27 @@ def _protocol_result(
 
 @dataclass
 class _Run:
-    """What every protocol of one evaluation shares."""
+    """What every protocol of one evaluation shares: settings, text, tokenizer and the windows of
+    every pass, fixed before any model is loaded."""
 
     settings: EvalSettings
-    names: list[str]
-    loaded: list[LoadedModel]
+    paths: list[str]
+    folders: list[Path]
+    limit: int | None  # the models' smallest max_position_embeddings
     tokenizer: Any
     data: TextData
     ids: torch.Tensor  # [N] the token stream
     seq_len: int
     stride: int
+    passes: dict[str, list[Window]]
+    rolling_text: list[str]  # the documents the rolling protocol scored
+    attention_batch: torch.Tensor | None  # [B, T] (pairs with attention similarity)
+    prompts: list[torch.Tensor]  # sample prompts [1, P] (pairs)
+    new_tokens: int
 
     @property
-    def models(self) -> list[torch.nn.Module]:
-        return [m.model for m in self.loaded]
+    def names(self) -> list[str]:
+        return ["original", "converted"][: len(self.paths)]
 
     @property
     def common(self) -> dict[str, Any]:
@@ -119,23 +132,31 @@ class _Run:
     def stream(self) -> str:
         return "one BOS at the start" if self.tokenizer.bos_token_id is not None else "no BOS (tokenizer has none)"
 
-    def scored(self, windows: list[Window], desc: str) -> dict[str, Any]:
-        return scored_pass(self.models, windows, self.settings.batch_size, self.settings.progress, desc)
+    def score(self, models: list[torch.nn.Module], name: str, **kw: Any) -> dict[str, Any]:
+        return scored_pass(models, self.passes[name], self.settings.batch_size, self.settings.progress, name, **kw)
+
+
+def _max_positions(folder: Path) -> int | None:
+    from transformers import AutoConfig
+
+    try:
+        return getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+    except (OSError, ValueError) as e:
+        raise Mha2GqaError(f"{folder}: cannot read its config: {str(e).splitlines()[0]}") from None
 
 
 def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
-    """Load the models, tokenizer and text and fix the window sizes (all checked)."""
-    device = resolve_device(s.device)
-    dtype = resolve_dtype(s.dtype, device)
+    """Read the configs, tokenizer and text and cut every pass into windows (all checked), before
+    any weights are loaded."""
     data = load_text(s.data, s.text_field, s.doc_split)
     paths = [original] + ([converted] if converted else [])
-    loaded = [load_model(p, device, dtype, s.device_map, s.revision) for p in paths]
-    tok = load_tokenizer(loaded[0].folder)
+    folders = [resolve_folder(p, s.revision)[0] for p in paths]
+    tok = load_tokenizer(folders[0])
     if converted:
         files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        if any((loaded[1].folder / f).is_file() for f in files):
-            check_same_tokenizer(tok, load_tokenizer(loaded[1].folder), original, converted)
-    limits = [p for p in (getattr(m.model.config, "max_position_embeddings", None) for m in loaded) if p]
+        if any((folders[1] / f).is_file() for f in files):
+            check_same_tokenizer(tok, load_tokenizer(folders[1]), original, converted)
+    limits = [p for p in map(_max_positions, folders) if p]
     max_pos = min(limits) if limits else None
     seq_len = s.seq_len or min(2048, max_pos or 2048)
     if max_pos and seq_len > max_pos:
@@ -148,78 +169,210 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     if ids.numel() < seq_len:
         raise SettingError("data", f"{{name}} {s.data}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
                            "give more text or a smaller --seq-len")  # fmt: skip
-    names = ["original", "converted"][: len(paths)]
-    return _Run(s, names, loaded, tok, data, ids, seq_len, stride)
+    passes: dict[str, list[Window]] = {}
+    if "disjoint" in s.protocols or converted:
+        passes["disjoint"] = disjoint_windows(ids, seq_len)
+    if "stride" in s.protocols:
+        passes["stride"] = stride_windows(ids, seq_len, stride)
+    used: list[str] = []
+    if "rolling" in s.protocols:
+        docs, used = document_tokens(tok, data, s.max_tokens)
+        prefix = prefix_token(tok)
+        passes["rolling"] = [w for d in docs for w in rolling_windows(d, prefix, seq_len)]
+    batch = None
+    if converted and s.attention:
+        t = min(s.attention_seq_len or min(seq_len, 1024), seq_len)
+        windows = [w for w, _ in disjoint_windows(ids, t) if w.numel() == t][: s.attention_windows]
+        batch = torch.stack(windows) if windows else None
+    # Samples: the first quarter of the first windows (at most 32 tokens), cut to the positions.
+    prompt_len = max(1, min(32, seq_len // 4))
+    prompts = [w[:prompt_len][None] for w, _ in disjoint_windows(ids, seq_len)[: s.samples]] if converted else []
+    new = max(1, min(s.sample_tokens, (max_pos or 10**9) - prompt_len))
+    return _Run(s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, batch, prompts, new)
 
 
-def _disjoint(run: _Run, results: dict[str, Any]) -> None:
-    """Disjoint windows; their pass also gives the output agreement of a pair."""
-    res = run.scored(disjoint_windows(run.ids, run.seq_len), "disjoint")
+def _protocols(run: _Run, scored: dict[str, dict[str, Any]], results: dict[str, Any]) -> None:
+    """Protocol entries (and a pair's output agreement) from each pass's scored sums."""
+    common = run.common
     if "disjoint" in run.settings.protocols:
-        results["protocols"]["disjoint"] = _protocol_result(run.names, res, {**run.common, "stream": run.stream})
-    if len(run.names) == 2 and "agreement" in res:
-        results["agreement"] = {**res["agreement"], "settings": {"protocol": "disjoint", **run.common}}
-
-
-def _stride(run: _Run, results: dict[str, Any]) -> None:
-    res = run.scored(stride_windows(run.ids, run.seq_len, run.stride), "stride")
-    settings = {**run.common, "stride": run.stride, "stream": run.stream}
-    results["protocols"]["stride"] = _protocol_result(run.names, res, settings)
-
-
-def _rolling(run: _Run, results: dict[str, Any]) -> None:
-    """lm-evaluation-harness rolling windows per document, with word and byte perplexity."""
-    docs, used = document_tokens(run.tokenizer, run.data, run.settings.max_tokens)
-    prefix = prefix_token(run.tokenizer)
-    res = run.scored([w for d in docs for w in rolling_windows(d, prefix, run.seq_len)], "rolling")
-    words = sum(len(re.split(r"\s+", d)) for d in used)
-    nbytes = sum(len(d.encode("utf-8")) for d in used)
-    extra = []
-    for i in range(len(run.names)):
-        ll = -res["nll_sum"][i]
-        extra.append({"word_perplexity": math.exp(-ll / words), "byte_perplexity": math.exp(-ll / nbytes),
-                      "bits_per_byte": -ll / nbytes / math.log(2)})  # fmt: skip
-    settings = {**run.common, "documents": len(used), "words": words, "bytes": nbytes, "prefix_token": prefix,
-                "context_len": 1}  # fmt: skip
-    results["protocols"]["rolling"] = _protocol_result(run.names, res, settings, extra)
-
-
-def _attention(run: _Run) -> dict:
-    from accelerate import PartialState
-
-    s = run.settings
-    t = min(s.attention_seq_len or min(run.seq_len, 1024), run.seq_len)
-    windows = [w for w, _ in disjoint_windows(run.ids, t) if w.numel() == t][: s.attention_windows]
-    if not windows or not PartialState().is_main_process:
-        return {}
-    start = time.perf_counter()
-    out = attention_similarity(run.models[0], run.models[1], torch.stack(windows), s.attention_chunk)
-    out["seconds"] = time.perf_counter() - start
-    return out
+        results["protocols"]["disjoint"] = _protocol_result(run.names, scored["disjoint"],
+                                                            {**common, "stream": run.stream})  # fmt: skip
+    if len(run.names) == 2 and "agreement" in scored["disjoint"]:
+        results["agreement"] = {**scored["disjoint"]["agreement"], "settings": {"protocol": "disjoint", **common}}
+    if "stride" in run.settings.protocols:
+        settings = {**common, "stride": run.stride, "stream": run.stream}
+        results["protocols"]["stride"] = _protocol_result(run.names, scored["stride"], settings)
+    if "rolling" in run.settings.protocols:
+        res, used = scored["rolling"], run.rolling_text
+        words = sum(len(re.split(r"\s+", d)) for d in used)
+        nbytes = sum(len(d.encode("utf-8")) for d in used)
+        extra = []
+        for i in range(len(run.names)):
+            ll = -res["nll_sum"][i]
+            extra.append({"word_perplexity": math.exp(-ll / words), "byte_perplexity": math.exp(-ll / nbytes),
+                          "bits_per_byte": -ll / nbytes / math.log(2)})  # fmt: skip
+        settings = {**common, "documents": len(used), "words": words, "bytes": nbytes,
+                    "prefix_token": prefix_token(run.tokenizer), "context_len": 1}  # fmt: skip
+        results["protocols"]["rolling"] = _protocol_result(run.names, res, settings, extra)
 
 
 @torch.inference_mode()
-def _samples(run: _Run) -> list[dict[str, Any]]:
-    """Greedy continuations by both models of the same prompts: the first quarter of the first
-    windows (at most 32 tokens), ``sample_tokens`` new tokens each, cut to the models' positions."""
+def _generate(run: _Run, model: torch.nn.Module) -> list[str]:
+    """Greedy continuations of the sample prompts, ``run.new_tokens`` each."""
+    tok = run.tokenizer
+    out = []
+    for prompt in run.prompts:
+        ids = model.generate(prompt.to(next(model.parameters()).device), max_new_tokens=run.new_tokens,
+                             min_new_tokens=run.new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id or tok.eos_token_id or 0)  # fmt: skip
+        out.append(tok.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True))
+    return out
+
+
+def _samples(run: _Run, original: list[str], converted: list[str]) -> list[dict[str, Any]]:
+    """The sample generations of both models side by side."""
+    return [{"prompt": run.tokenizer.decode(p[0], skip_special_tokens=True), "original": o, "converted": c}
+            for p, o, c in zip(run.prompts, original, converted, strict=True)]  # fmt: skip
+
+
+def _load(run: _Run, index: int) -> LoadedModel:
+    s = run.settings
+    device = resolve_device(s.device)
+    return load_model(run.paths[index], device, resolve_dtype(s.dtype, device), s.device_map, s.revision)
+
+
+def _free(loaded: LoadedModel) -> None:
+    """Let go of a model's weights before the next one is loaded."""
+    import gc
+
+    device = next(loaded.model.parameters()).device
+    loaded.model = None  # type: ignore[assignment]
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def _together(run: _Run, results: dict[str, Any]) -> list[LoadedModel]:
+    """One model, or a pair with both models in memory (``load_both``)."""
+    loaded = [_load(run, i) for i in range(len(run.paths))]
+    models = [m.model for m in loaded]
+    _protocols(run, {name: run.score(models, name) for name in run.passes}, results)
+    main = is_main_process()
+    if len(models) == 2 and run.attention_batch is not None and main:
+        out, seconds = _timed(lambda: attention_similarity(*models, run.attention_batch, run.settings.attention_chunk))
+        results["attention"] = {**out, "seconds": seconds}
+    if len(models) == 2 and run.prompts and main:
+        results["samples"] = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
+    return loaded
+
+
+def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
     from accelerate import PartialState
 
-    if not PartialState().is_main_process:
-        return []
-    s, tok = run.settings, run.tokenizer
-    prompt_len = max(1, min(32, run.seq_len // 4))
-    limit = min(p for p in (getattr(m.config, "max_position_embeddings", None) or 10**9 for m in run.models))
-    new = max(1, min(s.sample_tokens, limit - prompt_len))
-    out = []
-    for w, _ in disjoint_windows(run.ids, run.seq_len)[: s.samples]:
-        prompt = w[:prompt_len][None]
-        entry = {"prompt": tok.decode(prompt[0], skip_special_tokens=True)}
-        for name, model in zip(run.names, run.models, strict=True):
-            ids = model.generate(prompt.to(next(model.parameters()).device), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id or 0)  # fmt: skip
-            entry[name] = tok.decode(ids[0, prompt_len:], skip_special_tokens=True)
-        out.append(entry)
-    return out
+    from mha2gqa.eval.reference import key_material, model_identity, reference_key, windows_digest
+
+    s, state = run.settings, PartialState()
+    extra = [t for t in (run.attention_batch, *run.prompts) if t is not None]
+    digest = windows_digest(run.passes, *extra)
+    settings = {"batch_size": s.batch_size, "device": str(device), "dtype": loaded_dtype, "device_map": s.device_map,
+                "revision": s.revision, "process": [state.process_index, state.num_processes],
+                "attention": run.attention_batch is not None and list(run.attention_batch.shape),
+                "samples": len(run.prompts), "new_tokens": run.new_tokens}  # fmt: skip
+    material = key_material(model_identity(run.paths[0], run.folders[0]), digest, settings)
+    return reference_key(material), material
+
+
+def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes the original's cached scores will take (from its config, before loading it)."""
+    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.dtypes import from_torch
+    from mha2gqa.eval.perplexity import IGNORE
+    from mha2gqa.eval.reference import estimate_bytes
+
+    config = read_config(run.folders[0])
+    dims = AttentionDims.from_config(config)
+    vocab = int(config_value(config, "vocab_size") or len(run.tokenizer))
+    scored = sum(int((t != IGNORE).sum()) for windows in run.passes.values() for _, t in windows)
+    attention = None
+    if run.attention_batch is not None:
+        b, t = run.attention_batch.shape
+        attention = {"layers": dims.num_layers, "tokens": b * t, "seq_len": t, "batch": b, "heads": dims.num_heads,
+                     "kv_heads": dims.num_kv_heads, "head_dim": dims.head_dim, "hidden": dims.hidden_size}  # fmt: skip
+    return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention)
+
+
+def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None] | None) -> list[LoadedModel]:
+    """A pair, one model in memory at a time: the original's scores come from (or go to) the
+    reference cache, then the converted model is scored against them."""
+    import tempfile
+
+    from mha2gqa.eval.attention import compare_attention, record_attention
+    from mha2gqa.eval.reference import build, find
+
+    s = run.settings
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    key, material = _reference_key(run, str(dtype).removeprefix("torch."), device)
+    temporary = s.reference_cache is None
+    root = Path(tempfile.mkdtemp(prefix="mha2gqa-reference-")) if temporary else Path(s.reference_cache)
+    main = is_main_process()
+    try:
+        ref = find(root, key)
+        if ref is not None:
+            if log:
+                log(f"the original's scores: reusing {ref.folder}")
+        else:
+            inputs = {"the original model": run.paths[0], "the converted model": run.paths[1],
+                      "the --data text": s.data}  # fmt: skip
+            need = _reference_size(run, device, dtype)
+            with build(root, key, material, need, inputs) as ref:
+                if log:
+                    log(f"scoring the original once, its scores cached in {root if temporary else root / key}")
+                original = _load(run, 0)
+                for name in run.passes:
+                    res = run.score([original.model], name, record=ref.recorder(name))
+                    ref.add_seconds(name, res["seconds"])
+                if run.attention_batch is not None and main:
+                    _, seconds = _timed(lambda: record_attention(original.model, run.attention_batch, ref))
+                    ref.add_seconds("attention", seconds)
+                if run.prompts and main:
+                    ref.manifest["samples"] = _generate(run, original.model)
+                ref.manifest["model"] = original.describe()
+                _free(original)
+        converted = _load(run, 1)
+        scored = {}
+        for name in run.passes:
+            res = run.score([converted.model], name, replay=ref.replayer(name))
+            scored[name] = {**res, "seconds": res["seconds"] + ref.seconds(name)}
+        _protocols(run, scored, results)
+        if run.attention_batch is not None and main:
+            out, seconds = _timed(lambda: compare_attention(converted.model, run.attention_batch, ref,
+                                                            s.attention_chunk))  # fmt: skip
+            results["attention"] = {**out, "seconds": seconds + ref.seconds("attention")}
+        if run.prompts and main:
+            results["samples"] = _samples(run, ref.manifest["samples"], _generate(run, converted.model))
+        results["reference"] = {"key": key, "folder": None if temporary else str(ref.folder), "bytes": ref.size()}
+        return [_Reference(run.paths[0], ref.manifest["model"]), converted]
+    finally:
+        if temporary:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class _Reference:
+    """The original of a pair evaluated one model at a time: its description, from the cache."""
+
+    path: str
+    description: dict[str, Any]
+
+    def describe(self) -> dict[str, Any]:
+        return self.description
 
 
 def evaluate(original: str, converted: str | None, settings: EvalSettings,
@@ -228,12 +381,12 @@ def evaluate(original: str, converted: str | None, settings: EvalSettings,
     ``log`` hears, before the scoring starts, how much will be scored."""
     started = time.perf_counter()
     run = _prepare(original, converted, settings.check())
+    pair = converted is not None
     if log is not None:
-        passes = len(settings.protocols) + (1 if converted and "disjoint" not in settings.protocols else 0)
-        log(f"scoring {run.ids.numel():,} tokens of {settings.data} with {len(run.models)} model(s): {passes} "
-            f"pass(es) of windows of {run.seq_len} ({', '.join(settings.protocols)})"
-            + (", then attention similarity" if converted and settings.attention else ""))  # fmt: skip
-    device = next(run.models[0].parameters()).device
+        how = "" if not pair else " both in memory" if settings.load_both else " one at a time"
+        log(f"scoring {run.ids.numel():,} tokens of {settings.data} with {len(run.paths)} model(s){how}: "
+            f"{len(run.passes)} pass(es) of windows of {run.seq_len} ({', '.join(settings.protocols)})"
+            + (", then attention similarity" if run.attention_batch is not None else ""))  # fmt: skip
     results: dict[str, Any] = {
         "schema": EVAL_SCHEMA,
         "created": now(),
@@ -243,24 +396,17 @@ def evaluate(original: str, converted: str | None, settings: EvalSettings,
             "stride": run.stride,
             "protocols": list(settings.protocols),
         },
-        "models": {n: m.describe() for n, m in zip(run.names, run.loaded, strict=True)},
+        "models": {},
         "tokenizer": tokenizer_info(run.tokenizer),
         "data": {**run.data.describe(), "stream_tokens": run.ids.numel()},
         "protocols": {},
-        "device": _device_info(device, next(run.models[0].parameters()).dtype, settings.device_map),
-        "versions": versions(),
-        "git_revision": git_revision(),
     }
-    if "disjoint" in settings.protocols or converted:
-        _disjoint(run, results)
-    if "stride" in settings.protocols:
-        _stride(run, results)
-    if "rolling" in settings.protocols:
-        _rolling(run, results)
-    if converted and settings.attention:
-        results["attention"] = _attention(run)
-    if converted and settings.samples:
-        results["samples"] = _samples(run)
+    loaded = _one_at_a_time(run, results, log) if pair and not settings.load_both else _together(run, results)
+    results["models"] = {n: m.describe() for n, m in zip(run.names, loaded, strict=True)}
+    last = next(loaded[-1].model.parameters())
+    results["device"] = _device_info(last.device, last.dtype, settings.device_map)
+    results["versions"] = versions()
+    results["git_revision"] = git_revision()
     results["seconds"] = time.perf_counter() - started
     return results
 

@@ -22,7 +22,7 @@ cut windows:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -127,6 +127,27 @@ def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
             yield group[i : i + batch_size]
 
 
+#: Saves the original's log-probability inputs of one batch: ``(batch index, {chunk start: logits})``.
+Record = Callable[[int, dict[str, torch.Tensor]], None]
+#: Gives back what a :data:`Record` saved for a batch index.
+Replay = Callable[[int], dict[str, torch.Tensor]]
+
+
+def _compare(lo: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, nll: list[float], agree: Agreement) -> None:
+    """Add one chunk of scored tokens, ``lo``/``lc`` ``[n, vocab]`` float32 log-probabilities of the
+    original and the converted model and ``ids`` ``[n]`` their targets, to ``nll`` and ``agree``."""
+    nll[0] += F.nll_loss(lo, ids, reduction="sum").item()
+    nll[1] += F.nll_loss(lc, ids, reduction="sum").item()
+    agree.kl.append(kl_divergence(lo, lc).cpu())
+    agree.kl_reverse.append(kl_divergence(lc, lo).cpu())
+    agree.top1_same += int((lo.argmax(-1) == lc.argmax(-1)).sum())
+    target_o, target_c = lo.gather(1, ids[:, None])[:, 0], lc.gather(1, ids[:, None])[:, 0]
+    agree.nll_delta_sum += (target_o - target_c).sum().item()
+    agree.delta_p.append((target_c.exp() - target_o.exp()).cpu())
+    agree.nll.append(torch.stack([-target_o, -target_c], 1).cpu())
+    agree.tokens += ids.numel()
+
+
 @torch.inference_mode()
 def score_windows(
     models: Sequence[torch.nn.Module],
@@ -135,49 +156,60 @@ def score_windows(
     chunk: int = 512,
     progress: bool = False,
     desc: str = "scoring",
+    record: Record | None = None,
+    replay: Replay | None = None,
 ) -> PassResult:
-    """Run one or two models on every window; sum NLL per model and, for two models, per-token KL,
-    top-1 agreement and NLL delta (all from float32 log-softmax, ``chunk`` positions at a time)."""
+    """Run one or two models on every window; sum NLL per model and, for a pair, per-token KL,
+    top-1 agreement and NLL delta (all from float32 log-softmax, ``chunk`` positions at a time).
+
+    A pair is either two ``models`` in memory, or one model at a time: a pass over the original
+    with ``record`` (its logits at the scored positions are handed over, batch by batch, in the
+    model's dtype) and a later pass over the converted model with ``replay`` giving them back. The
+    log-softmax of the replayed logits is the same computation on the same values, so the replayed
+    pass returns exactly what the two-model pass returns."""
     import time
 
     start = time.perf_counter()
-    if len(models) not in (1, 2):
-        raise ValueError("score_windows compares at most two models")
-    nll = [0.0] * len(models)
+    if len(models) not in (1, 2) or (len(models) == 2 and (record or replay)) or (record and replay):
+        raise ValueError("score_windows scores one model, a pair, or one model against a replayed original")
+    pair = len(models) == 2 or replay is not None
+    nll = [0.0] * (2 if pair else 1)
     tokens = 0
-    agree = Agreement() if len(models) == 2 else None
+    agree = Agreement() if pair else None
     total = sum(int((t != IGNORE).sum()) for _, t in windows)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress)
-    for batch in _batches(windows, batch_size):
+    for index, batch in enumerate(_batches(windows, batch_size)):
         check_signals()
         inputs = torch.stack([w[0] for w in batch])
         targets = torch.stack([w[1] for w in batch])
         logits = [m(inputs.to(_device(m))).logits for m in models]
+        saved = replay(index) if replay is not None else None
+        kept: dict[str, torch.Tensor] = {}
         for s in range(0, inputs.shape[1], chunk):
             tgt = targets[:, s : s + chunk].to(logits[0].device)
             n = int((tgt != IGNORE).sum())
             if n == 0:
                 continue
-            if agree is None:  # one model: fused cross-entropy, no log-probs kept
+            keep = tgt != IGNORE
+            if record is not None:
+                kept[str(s)] = logits[0][:, s : s + chunk][keep].cpu()
+            if agree is None and record is None:  # one model: fused cross-entropy, no log-probs kept
                 flat = logits[0][:, s : s + chunk].flatten(0, 1).float()
                 nll[0] += F.cross_entropy(flat, tgt.flatten(), ignore_index=IGNORE, reduction="sum").item()
-            else:
-                keep = tgt != IGNORE
-                ids = tgt[keep]
+            elif agree is None:
                 lo = torch.log_softmax(logits[0][:, s : s + chunk][keep].float(), -1)
-                lc = torch.log_softmax(logits[1][:, s : s + chunk][keep].float(), -1).to(lo.device)
-                nll[0] += F.nll_loss(lo, ids, reduction="sum").item()
-                nll[1] += F.nll_loss(lc, ids, reduction="sum").item()
-                agree.kl.append(kl_divergence(lo, lc).cpu())
-                agree.kl_reverse.append(kl_divergence(lc, lo).cpu())
-                agree.top1_same += int((lo.argmax(-1) == lc.argmax(-1)).sum())
-                target_o, target_c = lo.gather(1, ids[:, None])[:, 0], lc.gather(1, ids[:, None])[:, 0]
-                agree.nll_delta_sum += (target_o - target_c).sum().item()
-                agree.delta_p.append((target_c.exp() - target_o.exp()).cpu())
-                agree.nll.append(torch.stack([-target_o, -target_c], 1).cpu())
-                agree.tokens += n
+                nll[0] += F.nll_loss(lo, tgt[keep], reduction="sum").item()
+            else:
+                original = (
+                    saved[str(s)].to(logits[0].device) if saved is not None else logits[0][:, s : s + chunk][keep]
+                )
+                lo = torch.log_softmax(original.float(), -1)
+                lc = torch.log_softmax(logits[-1][:, s : s + chunk][keep].float(), -1).to(lo.device)
+                _compare(lo, lc, tgt[keep].to(lo.device), nll, agree)
             tokens += n
             bar.update(n)
+        if record is not None:
+            record(index, kept)
     bar.close()
     return PassResult(nll, tokens, len(windows), agree, time.perf_counter() - start)
 

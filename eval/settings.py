@@ -41,6 +41,11 @@ class EvalSettings:
                            minimum=0)  # fmt: skip
     sample_tokens: int = setting(32, help="New tokens per generation.", minimum=1)
     attention_chunk: int = setting(128, help="Query rows per attention chunk (memory).", minimum=1, cli=False)
+    load_both: bool = setting(False, help="Keep both models of a pair in memory and compare them directly, instead "
+                              "of one at a time with the original's scores cached on disk (same numbers).")  # fmt: skip
+    reference_cache: str | None = setting(None, help="Folder for the original's cached scores, reused by every "
+                                          "conversion of it evaluated with the same text and settings [default: a "
+                                          "temporary folder, removed afterwards].")  # fmt: skip
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
     progress: bool = setting(True, help="Progress bars.", cli=False)
 

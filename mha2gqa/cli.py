@@ -240,6 +240,12 @@ def eval_cmd(original: str, converted: str | None, output: Path | None, overwrit
     inputs = {"the --data text": settings.data, "the original model": original, "the converted model": converted}
     if output is not None:
         check_destination(output, overwrite, inputs, "--output", folder=False)
+    if settings.reference_cache is not None and converted is not None:
+        from mha2gqa.core.output import check_overlap
+
+        cache = check_overlap(Path(settings.reference_cache), inputs, "--reference-cache")
+        if cache.exists() and not cache.is_dir():
+            raise Mha2GqaError(f"--reference-cache {cache} is a file: give a folder")
     _check_models(**{"--original": original, "--converted": converted})
     from mha2gqa.eval.gates import check_gates, gates_record, verdict
     from mha2gqa.eval.harness import evaluate, is_main_process

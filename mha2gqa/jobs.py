@@ -25,6 +25,7 @@ anything runs.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -226,7 +227,10 @@ def run_job(
     source, default_out = _source(job, log)
     _check_heads(job, source)
     out = _claim_run_folder(Path(output_dir or job.output_dir or default_out), job, source)
-    settings = dataclasses.replace(job.eval, data=_demo_text(job, job.eval.data), progress=progress)
+    # Every stage is scored against one cached copy of the source's scores (one model in memory).
+    cache = job.eval.reference_cache or str(out / ".reference")
+    settings = dataclasses.replace(job.eval, data=_demo_text(job, job.eval.data), progress=progress,
+                                   reference_cache=cache)  # fmt: skip
     calibration = _demo_text(job, job.convert.get("calibration"))
     up = {**job.uptrain, "data": _demo_text(job, job.uptrain.get("data"))} if job.uptrain else {}
     paths: list[Path] = []
@@ -254,6 +258,8 @@ def run_job(
                 paths.append(path)
                 rows.append(row)
                 passed &= ok
+    if job.eval.reference_cache is None:
+        shutil.rmtree(cache, ignore_errors=True)
     report = None
     if job.report and paths:
         report = render(load_results(paths), out / "report.html", out / "report.md", load_runs(runs))["html"]

@@ -245,3 +245,78 @@ def test_real_fixture_pooled_to_4_is_exact_and_to_2_is_not(tmp_path):
     lossy = evaluate(str(src), str(g2), settings)
     assert lossy["agreement"]["kl"]["mean"] > 0.5 and lossy["protocols"]["disjoint"]["ppl_ratio"] > 5
     assert lossy["attention"]["summary"]["mean_kl"] > 0.1
+
+
+def _numbers(r: dict) -> dict:
+    """Everything an evaluation measured, without timings, paths and the reference cache's record."""
+    drop = {"seconds", "tokens_per_second", "created", "reference", "settings", "versions", "git_revision", "device"}
+    return {k: v for k, v in r.items() if k not in drop} | {
+        "protocols": {p: {k: v for k, v in e.items() if k not in ("seconds", "tokens_per_second")}
+                      for p, e in r["protocols"].items()},
+        "attention": {k: v for k, v in r["attention"].items() if k != "seconds"},
+    }  # fmt: skip
+
+
+def test_one_model_at_a_time_equals_both_in_memory_and_its_cache_serves_several(trained_pair, tmp_path):
+    """Every protocol, the agreement statistics, the attention statistics and the samples of a pair
+    scored one model at a time (the original's scores cached) equal the two-model pass exactly; a
+    second conversion reuses the cached original without loading it."""
+    import mha2gqa.eval.harness as harness
+
+    src, same, pooled, text = trained_pair
+    kw = dict(data=str(text), seq_len=64, stride=24, max_tokens=900, batch_size=2, doc_split="paragraph",
+              protocols=("disjoint", "stride", "rolling"), attention_windows=2, samples=2, sample_tokens=5,
+              progress=False)  # fmt: skip
+    both = evaluate(str(src), str(pooled), EvalSettings(**kw, load_both=True))
+    cache = tmp_path / "cache"
+    messages: list[str] = []
+    one = evaluate(str(src), str(pooled), EvalSettings(**kw, reference_cache=str(cache)), log=messages.append)
+    assert _numbers(one) == _numbers(both)
+    assert one["agreement"]["kl"]["mean"] > 0 and len(one["samples"]) == 2
+    assert one["reference"]["bytes"] > 0 and any("scoring the original once" in m for m in messages)
+    entries = list(cache.iterdir())
+    assert len(entries) == 1 and (entries[0] / "mha2gqa_reference.json").is_file()
+
+    loads: list[int] = []
+    real_load = harness._load
+    harness._load, messages[:] = (lambda run, i: loads.append(i) or real_load(run, i)), []
+    try:
+        again = evaluate(str(src), str(same), EvalSettings(**kw, reference_cache=str(cache)), log=messages.append)
+    finally:
+        harness._load = real_load
+    assert loads == [1], "the cached original must not be loaded again"
+    assert any("reusing" in m for m in messages) and list(cache.iterdir()) == entries
+    assert again["agreement"]["kl"]["max"] < 1e-5 and again["models"]["original"] == one["models"]["original"]
+    assert _numbers(again)["protocols"]["disjoint"]["original"] == _numbers(one)["protocols"]["disjoint"]["original"]
+
+    # Other settings make another entry beside it; a temporary cache leaves nothing behind.
+    evaluate(str(src), str(same), EvalSettings(**{**kw, "seq_len": 32}, reference_cache=str(cache)))
+    assert len(list(cache.iterdir())) == 2
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    before, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
+        evaluate(str(src), str(same), EvalSettings(**{**kw, "seq_len": 32}))
+    finally:
+        tempfile.tempdir = before
+    assert not any(scratch.iterdir())
+
+
+def test_reference_cache_refuses_what_is_not_its_own(trained_pair, tmp_path):
+    from mha2gqa.core.errors import Mha2GqaError
+    from mha2gqa.eval import reference
+
+    src, _, pooled, text = trained_pair
+    kw = dict(data=str(text), seq_len=64, max_tokens=300, samples=0, attention=False, progress=False)
+    with pytest.raises(Mha2GqaError, match="lies inside"):
+        evaluate(str(src), str(pooled), EvalSettings(**kw, reference_cache=str(src / "cache")))
+    evaluate(str(src), str(pooled), EvalSettings(**kw, reference_cache=str(tmp_path)))
+    (entry,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (entry / "mha2gqa_reference.json").write_text("{}")
+    with pytest.raises(Mha2GqaError, match="does not match"):
+        evaluate(str(src), str(pooled), EvalSettings(**kw, reference_cache=str(tmp_path)))
+    assert reference.estimate_bytes(10, 100, 2, None) == int(2000 * 1.01) + 2**20
+    with pytest.raises(Mha2GqaError, match="need about"), reference.build(tmp_path / "c", "k", {}, 2**62, {}):
+        pass

@@ -1,0 +1,184 @@
+"""The original's side of a pair evaluation, kept on disk, so only one model is in memory at a time.
+
+As llama.cpp's KL workflow does (``--kl-divergence-base``), the original is scored once and what the
+comparison needs is saved; each converted model is then scored against it. An entry is a folder
+``<cache>/<key>`` holding
+
+``mha2gqa_reference.json``
+    The manifest, written last: the key and what it was made from, the original's description, the
+    seconds and token counts of its passes, and its sample generations.
+``logits/<pass>/<batch>.safetensors``
+    Per batch of windows, ``{chunk start: logits [n, vocab]}`` at the scored positions, in the
+    model's own dtype: exact, so the replayed comparison equals the two-model pass bit for bit.
+    Size: scored tokens x vocab x dtype bytes (Llama-2: 64 KB per token in bf16).
+``attention/<layer>.safetensors``
+    The original's post-RoPE ``q``, ``k``, ``v``, its mask, output projection and layer output on
+    the attention batch (one layer at a time is read back).
+
+The key is a hash of everything that decides those numbers: the original (path, config, weight
+files' names, sizes and modification times), the exact windows of every pass, batch size, device,
+dtype, process rank, the attention batch and sample prompts, and the library versions. An entry
+with the same key is reused (several conversions of one original score it once); another key gets
+its own entry, so nothing is ever overwritten. Entries are published atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.output import Inputs, staged_output
+from mha2gqa.core.records import REFERENCE_RECORD, versions
+from mha2gqa.core.units import format_bytes
+from mha2gqa.eval.perplexity import Record, Replay, Window
+
+SCHEMA = "mha2gqa.reference/1"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json")
+
+
+def model_identity(path: str, folder: Path) -> dict[str, Any]:
+    """What identifies a model's weights without reading them: its path, and every weight and
+    config file's name, size and modification time."""
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
+    return {"path": path, "folder": str(folder), "files": [[f.name, (st := f.stat()).st_size, st.st_mtime_ns]
+                                                             for f in files]}  # fmt: skip
+
+
+def windows_digest(passes: dict[str, list[Window]], *extra: torch.Tensor) -> str:
+    """sha256 of every window's inputs and targets, pass by pass, and of ``extra`` tensors."""
+    h = hashlib.sha256()
+    for name, windows in sorted(passes.items()):
+        h.update(name.encode())
+        for inputs, targets in windows:
+            h.update(inputs.numpy().tobytes())
+            h.update(targets.numpy().tobytes())
+            h.update(b"|")
+    for t in extra:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def reference_key(material: dict[str, Any]) -> str:
+    """The entry name for ``material`` (JSON-able): 24 hex digits of its sha256."""
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def key_material(original: dict[str, Any], digest: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Everything an entry's numbers depend on (see the module doc)."""
+    lib = versions()
+    return {"schema": SCHEMA, "original": original, "windows": digest, "settings": settings,
+            "versions": {k: lib.get(k) for k in ("mha2gqa", "torch", "transformers")}}  # fmt: skip
+
+
+@dataclass
+class Reference:
+    """One entry: being written (in its temporary folder) or complete (read only)."""
+
+    folder: Path
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    # -- logits -------------------------------------------------------------------------------
+    def recorder(self, name: str) -> Record:
+        """Saves each batch of pass ``name`` (for :func:`~mha2gqa.eval.perplexity.score_windows`)."""
+        from safetensors.torch import save_file
+
+        folder = self.folder / "logits" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return lambda index, chunks: save_file({k: v.contiguous() for k, v in chunks.items()},
+                                               folder / f"{index:06d}.safetensors")  # fmt: skip
+
+    def replayer(self, name: str) -> Replay:
+        """Gives back what :meth:`recorder` saved for pass ``name``."""
+        from safetensors.torch import load_file
+
+        folder = self.folder / "logits" / name
+        if not folder.is_dir():
+            raise Mha2GqaError(f"reference cache {self.folder} has no '{name}' pass: it is damaged; remove it")
+        return lambda index: load_file(folder / f"{index:06d}.safetensors")
+
+    # -- attention (a LayerStore) -------------------------------------------------------------
+    def put(self, layer: int, tensors: dict[str, torch.Tensor], scaling: float, window: int | None) -> None:
+        from safetensors.torch import save_file
+
+        folder = self.folder / "attention"
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"scaling": repr(float(scaling)), "window": "" if window is None else str(int(window))}
+        copies = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+        save_file(copies, folder / f"{layer:04d}.safetensors", metadata=meta)
+
+    def take(self, layer: int, device: torch.device) -> tuple[dict[str, torch.Tensor], float, int | None]:
+        from safetensors import safe_open
+
+        with safe_open(self.folder / "attention" / f"{layer:04d}.safetensors", "pt", device=str(device)) as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        return tensors, float(meta["scaling"]), int(meta["window"]) if meta["window"] else None
+
+    # -- manifest -----------------------------------------------------------------------------
+    def seconds(self, name: str) -> float:
+        return float(self.manifest.get("seconds", {}).get(name, 0.0))
+
+    def add_seconds(self, name: str, seconds: float) -> None:
+        self.manifest.setdefault("seconds", {})[name] = seconds
+
+    def size(self) -> int:
+        return sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file())
+
+
+def find(root: Path, key: str) -> Reference | None:
+    """The complete entry ``key`` under ``root``, or None. A folder of that name that is not a
+    complete entry is refused (never overwritten)."""
+    folder = root / key
+    if not folder.exists():
+        return None
+    manifest_path = folder / REFERENCE_RECORD
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise Mha2GqaError(f"--reference-cache {folder} exists but is not a complete reference entry: remove it, "
+                           "or choose another --reference-cache") from None  # fmt: skip
+    if manifest.get("schema") != SCHEMA or manifest.get("key") != key:
+        raise Mha2GqaError(f"--reference-cache {folder}: its manifest does not match its name: remove it")
+    return Reference(folder, manifest)
+
+
+@contextmanager
+def build(root: Path, key: str, material: dict[str, Any], need: int, inputs: Inputs) -> Iterator[Reference]:
+    """A new entry ``key`` under ``root``, written in a temporary folder beside it and published,
+    manifest last, when the block succeeds (removed on any error or signal). Refused before any work
+    when the disk has not ``need`` bytes free."""
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise Mha2GqaError(f"--reference-cache {root}: the original's scores need about {format_bytes(need)} and "
+                           f"{format_bytes(free)} is free; point --reference-cache at a bigger disk, lower "
+                           "--max-tokens, or pass --load-both if both models fit in memory")  # fmt: skip
+    with staged_output(root / key, inputs=inputs, what="--reference-cache") as tmp:
+        ref = Reference(tmp, {"schema": SCHEMA, "key": key, "material": material, "created": time.time()})
+        yield ref
+        (tmp / REFERENCE_RECORD).write_text(json.dumps(ref.manifest, indent=1) + "\n", encoding="utf-8")
+    ref.folder = root / key
+
+
+def estimate_bytes(scored_tokens: int, vocab: int, element: int, attention: dict[str, int] | None) -> int:
+    """Bytes an entry needs: the logits of every scored token, and (``attention``: ``layers``,
+    ``tokens`` B*T, ``seq_len`` T, ``batch`` B, ``heads``, ``kv_heads``, ``head_dim``, ``hidden``) each
+    layer's q, k, v, layer output, output projection and a boolean mask, plus 1% for headers."""
+    total = scored_tokens * vocab * element
+    if attention:
+        a = attention
+        per_token = (a["heads"] + 2 * a["kv_heads"]) * a["head_dim"] + a["hidden"]
+        per_layer = a["tokens"] * per_token * element + a["hidden"] * a["heads"] * a["head_dim"] * element
+        per_layer += a["batch"] * a["seq_len"] ** 2
+        total += a["layers"] * per_layer
+    return int(total * 1.01) + 2**20
