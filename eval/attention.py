@@ -14,14 +14,17 @@ contribution to the residual stream, its output through its columns of the outpu
 ``||o_conv W_conv^T - o_orig W_orig^T|| / ||o_orig W_orig^T||`` (``contribution_rel_error``): unlike
 the raw output error ``||o_conv - o_orig|| / ||o_orig||`` (``output_rel_error``, also kept), it does
 not change when a merge absorbs a basis change into ``q_proj``/``o_proj`` (``svd``, ``aligned``).
-Per layer: cosine of the decoder layer's output hidden states, averaged over tokens.
+Per layer: cosine of the decoder layer's output hidden states, averaged over tokens, and head
+diversity: the ``H x H`` cosine similarity of the heads' attention patterns (each head's rows over the
+causal triangle as one vector, accumulated as a Gram matrix chunk by chunk) for both models, with its
+mean off the diagonal and within and across the converted model's KV groups.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -66,11 +69,24 @@ class HeadSums:
     contrib_err_sq: torch.Tensor = field(init=False)
     contrib_ref_sq: torch.Tensor = field(init=False)
     contribution: bool = False  # whether both models' output projections were available
+    gram_orig: torch.Tensor = field(init=False)  # [H, H] sums of <p_h, p_g> over every attention row
+    gram_conv: torch.Tensor = field(init=False)
+    kv_heads: int = 0  # the converted layer's KV heads (its groups)
 
     def __post_init__(self) -> None:
         for name in ("kl", "js", "cos", "ent_orig", "ent_conv", "err_sq", "ref_sq", "contrib_err_sq",
                      "contrib_ref_sq"):  # fmt: skip
             setattr(self, name, torch.zeros(self.heads, dtype=torch.float64))
+        self.gram_orig = torch.zeros(self.heads, self.heads, dtype=torch.float64)
+        self.gram_conv = torch.zeros(self.heads, self.heads, dtype=torch.float64)
+
+    def head_similarity(self) -> dict[str, dict[str, Any]]:
+        """Head diversity of both models: per model, the ``H x H`` cosine similarity of the heads'
+        attention patterns (all rows of the causal triangle, as one vector per head), its mean off
+        the diagonal, and the means within and across the converted model's KV groups."""
+        per = self.heads // max(self.kv_heads, 1)
+        return {"original": similarity_summary(self.gram_orig, per),
+                "converted": similarity_summary(self.gram_conv, per)}  # fmt: skip
 
     def result(self) -> list[dict[str, float]]:
         n = max(self.rows, 1)
@@ -88,6 +104,22 @@ class HeadSums:
             }
             for h in range(self.heads)
         ]
+
+
+def similarity_summary(gram: torch.Tensor, group_size: int) -> dict[str, Any]:
+    """Cosine matrix of a Gram matrix ``[H, H]`` and its means: off the diagonal, within groups of
+    ``group_size`` consecutive heads and across them (None where there is no such pair)."""
+    norm = gram.diagonal().clamp_min(1e-300).sqrt()
+    cos = gram / (norm[:, None] * norm[None, :])
+    idx = torch.arange(cos.shape[0])
+    off = idx[:, None] != idx[None, :]
+    same = (idx[:, None] // group_size == idx[None, :] // group_size) & off
+
+    def mean(mask: torch.Tensor) -> float | None:
+        return cos[mask].mean().item() if mask.any() else None
+
+    return {"mean": mean(off), "within_groups": mean(same), "across_groups": mean(off & ~same),
+            "matrix": [[round(v, 6) for v in row] for row in cos.tolist()]}  # fmt: skip
 
 
 def head_projections(w_o: torch.Tensor, heads: int) -> torch.Tensor:
@@ -127,6 +159,7 @@ def compare_layer(
     contributions to the residual stream.
     """
     sums.contribution = projections is not None
+    sums.kv_heads = conv[1].shape[1]
     (qo, ko, vo), (qc, kc, vc) = orig, conv
     heads, t = qo.shape[1], qo.shape[2]
     ko, vo = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (ko, vo))
@@ -146,8 +179,11 @@ def compare_layer(
         sums.cos += stats["cosine"].sum(dims).double().cpu()
         sums.ent_orig += stats["entropy_p"].sum(dims).double().cpu()
         sums.ent_conv += stats["entropy_q"].sum(dims).double().cpu()
-        out_o = torch.matmul(lo.exp(), vo[:, :, :keys].float())
-        out_c = torch.matmul(lc.exp(), vc[:, :, :keys].float())
+        po, pc = lo.exp(), lc.exp()  # [B, H, C, keys], 0 where masked
+        sums.gram_orig += torch.einsum("bhck,bgck->hg", po, po).double().cpu()
+        sums.gram_conv += torch.einsum("bhck,bgck->hg", pc, pc).double().cpu()
+        out_o = torch.matmul(po, vo[:, :, :keys].float())
+        out_c = torch.matmul(pc, vc[:, :, :keys].float())
         sums.err_sq += (out_c - out_o).pow(2).sum((0, 2, 3)).double().cpu()
         sums.ref_sq += out_o.pow(2).sum((0, 2, 3)).double().cpu()
         if projections is not None:
@@ -243,10 +279,27 @@ def record_attention(original: torch.nn.Module, batch: torch.Tensor, store: Laye
     _run_layers(original, batch, keep, done)
 
 
+def reorder_heads(o: dict[str, torch.Tensor], order: list[int]) -> dict[str, torch.Tensor]:
+    """The original's layer tensors with its KV heads in ``order`` (the source KV heads in the
+    converted model's layout, from a similarity grouping) and each KV head's query heads moved with
+    it: ``q``, ``k``, ``v`` along their head dimension and ``o_weight``'s columns per head."""
+    heads, kv = o["q"].shape[1], o["k"].shape[1]
+    per = heads // kv
+    q_order = [k * per + i for k in order for i in range(per)]
+    out = {**o, "q": o["q"][:, q_order], "k": o["k"][:, order], "v": o["v"][:, order]}
+    if "o_weight" in o:
+        w = o["o_weight"]
+        out["o_weight"] = w.reshape(w.shape[0], heads, -1)[:, q_order].reshape(w.shape[0], -1)
+    return out
+
+
 @torch.no_grad()
-def compare_attention(converted: torch.nn.Module, batch: torch.Tensor, store: LayerStore, chunk: int = 128) -> dict:
+def compare_attention(converted: torch.nn.Module, batch: torch.Tensor, store: LayerStore, chunk: int = 128,
+                      head_order: dict[int, list[int]] | None = None) -> dict:  # fmt: skip
     """Compare ``converted`` on ``batch`` ``[B, T]`` with the original's layers in ``store`` (put
-    there by :func:`record_attention` on the same batch); see the module doc."""
+    there by :func:`record_attention` on the same batch); see the module doc. ``head_order``: per
+    layer, the source KV heads in the converted model's order when the conversion moved heads
+    (similarity grouping), so that each converted head is compared with the head it came from."""
     name = _output_projection_name(converted)
     sums: dict[int, HeadSums] = {}
     hidden_cos: dict[int, float] = {}
@@ -255,6 +308,8 @@ def compare_attention(converted: torch.nn.Module, batch: torch.Tensor, store: La
     def compare(layer, q, k, v, mask, scaling, window, _output, module):
         check_signals()
         o, scaling_o, window_o = store.take(layer, q.device)
+        if head_order and head_order.get(layer):
+            o = reorder_heads(o, head_order[layer])
         hidden_orig[layer] = o["hidden"]
         heads = o["q"].shape[1]
         w_o, w_c = o.get("o_weight"), _output_weight(module, name)
@@ -281,19 +336,32 @@ def compare_attention(converted: torch.nn.Module, batch: torch.Tensor, store: La
                 "entropy_uniform": s.ent_uniform / max(s.rows, 1),
                 "heads": heads,
                 **{f"mean_{k}": sum(h[k] for h in heads) / len(heads) for k in heads[0]},
+                "head_similarity": s.head_similarity(),
             }
         )
     summary = {f"mean_{k}": sum(x[f"mean_{k}"] for x in layers) / len(layers) for k in layers[0]["heads"][0]}
+    for model in ("original", "converted"):
+        for part in ("mean", "within_groups", "across_groups"):
+            values = [v for x in layers if (v := x["head_similarity"][model][part]) is not None]
+            summary[f"head_similarity_{model}_{part}"] = sum(values) / len(values) if values else None
     summary["entropy_uniform"] = layers[0]["entropy_uniform"]
     summary["mean_hidden_cosine"] = sum(x["hidden_cosine"] for x in layers) / len(layers)
     return {"layers": layers, "summary": summary, "tokens": batch.numel(), "seq_len": batch.shape[1], "chunk": chunk}
 
 
+def head_order_of(description: dict) -> dict[int, list[int]] | None:
+    """Per layer, the source KV heads in the converted model's order, from a model description's
+    conversion record (similarity grouping); None when the conversion kept the heads in place."""
+    groups = (description.get("conversion") or {}).get("source_kv_heads_per_kv_head_by_layer") or {}
+    return {int(layer): [h for g in gs for h in g] for layer, gs in groups.items() if gs} or None
+
+
 def attention_similarity(
-    original: torch.nn.Module, converted: torch.nn.Module, batch: torch.Tensor, chunk: int = 128
-) -> dict:
+    original: torch.nn.Module, converted: torch.nn.Module, batch: torch.Tensor, chunk: int = 128,
+    head_order: dict[int, list[int]] | None = None,
+) -> dict:  # fmt: skip
     """Compare ``original`` and ``converted`` (both in memory) on ``batch`` ``[B, T]`` token ids:
     the original's layers are kept in memory until the converted model reaches them."""
     store = MemoryStore()
     record_attention(original, batch, store)
-    return compare_attention(converted, batch, store, chunk)
+    return compare_attention(converted, batch, store, chunk, head_order)

@@ -35,7 +35,7 @@ from mha2gqa.core.models import (
 )
 from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
 from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
-from mha2gqa.eval.attention import attention_similarity
+from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.metrics import agreement_stats
 from mha2gqa.eval.perplexity import Window, disjoint_windows, rolling_windows, score_windows, stride_windows
 from mha2gqa.eval.settings import EvalSettings
@@ -265,7 +265,9 @@ def _together(run: _Run, results: dict[str, Any]) -> list[LoadedModel]:
     _protocols(run, {name: run.score(models, name) for name in run.passes}, results)
     main = is_main_process()
     if len(models) == 2 and run.attention_batch is not None and main:
-        out, seconds = _timed(lambda: attention_similarity(*models, run.attention_batch, run.settings.attention_chunk))
+        order = head_order_of(loaded[1].describe())
+        out, seconds = _timed(lambda: attention_similarity(*models, run.attention_batch, run.settings.attention_chunk,
+                                                           order))  # fmt: skip
         results["attention"] = {**out, "seconds": seconds}
     if len(models) == 2 and run.prompts and main:
         results["samples"] = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
@@ -352,8 +354,9 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             scored[name] = {**res, "seconds": res["seconds"] + ref.seconds(name)}
         _protocols(run, scored, results)
         if run.attention_batch is not None and main:
+            order = head_order_of(converted.describe())
             out, seconds = _timed(lambda: compare_attention(converted.model, run.attention_batch, ref,
-                                                            s.attention_chunk))  # fmt: skip
+                                                            s.attention_chunk, order))  # fmt: skip
             results["attention"] = {**out, "seconds": seconds + ref.seconds("attention")}
         if run.prompts and main:
             results["samples"] = _samples(run, ref.manifest["samples"], _generate(run, converted.model))

@@ -84,6 +84,54 @@ def hidden_cosine_curve(layers: list[dict[str, Any]]) -> bytes:
     return _png(plt, fig)
 
 
+def head_similarity_maps(layers: list[dict[str, Any]], per_row: int = 4) -> bytes:
+    """Per layer, the heads' H x H attention-pattern cosine: original | converted side by side,
+    ``per_row`` layers to a row, one colour scale (0 to 1) for every panel."""
+    import numpy as np
+
+    n = len(layers)
+    rows, cols = -(-n // per_row), 2 * min(per_row, n)
+    plt, fig = _figure(1.5 * cols + 1.2, 1.7 * rows + 0.6)
+    im = None
+    for i, layer in enumerate(layers):
+        for j, model in enumerate(("original", "converted")):
+            ax = fig.add_subplot(rows, cols, (i // per_row) * cols + 2 * (i % per_row) + j + 1)
+            matrix = np.array(layer["head_similarity"][model]["matrix"])
+            im = ax.imshow(matrix, cmap="cividis", vmin=0, vmax=1, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(f"L{layer['layer']} {'orig' if j == 0 else 'conv'}", fontsize=8)
+    fig.suptitle("Head diversity: cosine of the heads' attention patterns (1 = identical)", fontsize=10)
+    fig.colorbar(im, ax=fig.axes, shrink=0.8, label="cosine")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": "mha2gqa"})  # no tight_layout: the colour bar spans all
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def head_similarity_curve(layers: list[dict[str, Any]]) -> bytes:
+    """Mean head similarity per layer: original, converted, and the converted within / across KV groups."""
+    x = [layer["layer"] for layer in layers]
+    plt, fig = _figure(6, 3.2)
+    ax = fig.add_subplot()
+    sim = [layer["head_similarity"] for layer in layers]
+    ax.plot(x, [s["original"]["mean"] for s in sim], "o-", color=OKABE_ITO[0], label="original")
+    ax.plot(x, [s["converted"]["mean"] for s in sim], "s-", color=OKABE_ITO[1], label="converted")
+    if all(s["converted"]["within_groups"] is not None for s in sim):
+        ax.plot(x, [s["converted"]["within_groups"] for s in sim], "^--", color=OKABE_ITO[2],
+                label="converted, within KV groups")  # fmt: skip
+    if all(s["converted"]["across_groups"] is not None for s in sim):
+        ax.plot(x, [s["converted"]["across_groups"] for s in sim], "v:", color=OKABE_ITO[3],
+                label="converted, across KV groups")  # fmt: skip
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean cosine between heads")
+    ax.set_xticks(x)
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Head similarity per layer (higher = heads more alike)")
+    ax.legend(frameon=False, fontsize=8)
+    return _png(plt, fig)
+
+
 def head_sharing(groups: list[list[int]], num_heads: int) -> bytes:
     """Which query heads read each KV head: query heads on top, KV heads below, same colour."""
     plt, fig = _figure(max(5.5, 0.55 * num_heads + 1), 2.4)

@@ -57,6 +57,9 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
                                                  "‖Δ(o·W_o)‖ / ‖o·W_o‖", scales.get(key))  # fmt: skip
         out["entropy"] = plots.entropy_curves(layers)
         out["hidden_cosine"] = plots.hidden_cosine_curve(layers)
+        if "head_similarity" in layers[0]:
+            out["head_similarity_curve"] = plots.head_similarity_curve(layers)
+            out["head_similarity"] = plots.head_similarity_maps(layers)
     conv = r.converted
     if conv:
         h, g = conv.num_heads, conv.num_kv_heads
@@ -105,6 +108,10 @@ FIGURE_CAPTIONS = {
     "entropy": "Attention entropy per layer; converted rows drifting toward the uniform line have lost focus.",
     "hidden_cosine": "How far the residual stream drifts, layer by layer.",
     "head_sharing": "Which query heads share each KV head.",
+    "head_similarity_curve": "Did the heads lose their diversity? Mean cosine between the heads' attention "
+    "patterns per layer; sharing K/V makes the heads of a group alike.",
+    "head_similarity": "Head diversity per layer: the cosine of every pair of heads' attention patterns, "
+    "original | converted (bright off the diagonal = heads that attend alike).",
     "recovery": "Held-out perplexity and KL to the MHA parent as uptraining proceeds (log scale).",
 }
 

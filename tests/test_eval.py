@@ -320,3 +320,65 @@ def test_reference_cache_refuses_what_is_not_its_own(trained_pair, tmp_path):
     assert reference.estimate_bytes(10, 100, 2, None) == int(2000 * 1.01) + 2**20
     with pytest.raises(Mha2GqaError, match="need about"), reference.build(tmp_path / "c", "k", {}, 2**62, {}):
         pass
+
+
+def _eager_head_similarity(model, batch) -> list[torch.Tensor]:
+    """Per layer, the H x H cosine of the heads' full attention matrices from ``output_attentions``."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(batch, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+    out = []
+    for a in attentions:
+        gram = torch.einsum("bhqk,bgqk->hg", a.double(), a.double())
+        norm = gram.diagonal().sqrt()
+        out.append(gram / (norm[:, None] * norm[None, :]))
+    return out
+
+
+def test_head_diversity_matches_eager_and_sees_identical_heads_and_equalised_groups(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    orig = random_model(tiny_config("llama", max_position_embeddings=128, attention_bias=False), seed=3)
+    conv = random_model(tiny_config("llama", max_position_embeddings=128, attention_bias=False,
+                                    num_key_value_heads=2), seed=4)  # fmt: skip
+    batch = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(5))
+    att = attention_similarity(orig, conv, batch, chunk=16)
+    for layer, ref_o, ref_c in zip(att["layers"], _eager_head_similarity(orig, batch),
+                                   _eager_head_similarity(conv, batch), strict=True):  # fmt: skip
+        sim = layer["head_similarity"]
+        torch.testing.assert_close(
+            torch.tensor(sim["original"]["matrix"], dtype=torch.float64), ref_o, atol=2e-6, rtol=0
+        )
+        torch.testing.assert_close(torch.tensor(sim["converted"]["matrix"], dtype=torch.float64), ref_c, atol=2e-6,
+                                   rtol=0)  # fmt: skip
+        within = (ref_c[0, 1] + ref_c[1, 0] + ref_c[2, 3] + ref_c[3, 2]) / 4  # groups {0, 1}, {2, 3}
+        assert sim["converted"]["within_groups"] == pytest.approx(within.item(), abs=2e-6)
+        off = ref_o[~torch.eye(4, dtype=torch.bool)].mean()
+        assert sim["original"]["mean"] == pytest.approx(off.item(), abs=2e-6) and sim["original"]["mean"] < 0.99
+    assert att["summary"]["head_similarity_converted_within_groups"] is not None
+
+    # Heads made identical (q, k, v of every head = head 0's): similarity 1 off the diagonal.
+    same = random_model(tiny_config("llama", max_position_embeddings=128, attention_bias=False), seed=6)
+    d = 8
+    with torch.no_grad():
+        for layer in same.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight[d:] = proj.weight[:d].repeat(3, 1)
+    s = attention_similarity(same, same, batch, chunk=16)["summary"]
+    assert s["head_similarity_original_mean"] == pytest.approx(1.0, abs=1e-6)
+
+    # Groups equalised (q, k, v within each pair of heads) and converted to 2 KV heads: within 1.
+    eq = random_model(tiny_config("llama", max_position_embeddings=128, attention_bias=False), seed=7)
+    with torch.no_grad():
+        for layer in eq.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for j in (0, 2):
+                    proj.weight[(j + 1) * d : (j + 2) * d] = proj.weight[j * d : (j + 1) * d]
+    src = save(eq, tmp_path / "eq")
+    g2 = AutoModelForCausalLM.from_pretrained(convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output).eval()
+    s = attention_similarity(eq, g2, batch, chunk=16)["summary"]
+    assert s["head_similarity_converted_within_groups"] == pytest.approx(1.0, abs=1e-6)
+    assert s["head_similarity_converted_across_groups"] < 0.99 and s["mean_kl"] < 1e-6

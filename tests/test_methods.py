@@ -329,6 +329,15 @@ def test_similarity_grouping_finds_heads_that_repeat_kv_order_would_not_pair(fam
     assert record["source_kv_heads_per_kv_head_by_layer"] == {"0": [[0, 2], [1, 3]], "1": [[0, 2], [1, 3]]}
     contiguous = convert_checkpoint(src, tmp_path / "cont", 2, method, **kw).output
     assert (logits(load(contiguous), IDS) - before).abs().max() > 1e-2
+    # Attention similarity compares each converted head with the head it came from: exact here.
+    from mha2gqa.eval.attention import attention_similarity, head_order_of
+
+    order = head_order_of({"conversion": record})
+    assert order == {0: [0, 2, 1, 3], 1: [0, 2, 1, 3]}
+    same = attention_similarity(load(src), load(out), IDS, chunk=8, head_order=order)["summary"]
+    assert same["mean_kl"] < 1e-6 and same["mean_contribution_rel_error"] < 1e-3
+    unaligned = attention_similarity(load(src), load(out), IDS, chunk=8)["summary"]
+    assert unaligned["mean_kl"] > 1e-3
 
 
 def test_similarity_grouping_bad_input(calib_text, tmp_path):

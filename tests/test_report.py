@@ -95,10 +95,12 @@ def test_report_has_every_section_and_image(pair, tmp_path):
                     "attention-per-layer-0", "kv-cache-0"):  # fmt: skip
         assert f'id="{section}"' in page, section
     assert "<th>KL(converted ‖ original)</th>" in page and "correlation of per-token NLLs" in page
-    for fig in ("attention_kl", "head_output_error", "entropy", "hidden_cosine", "head_sharing"):
+    figures = ("attention_kl", "head_output_error", "entropy", "hidden_cosine", "head_similarity_curve",
+               "head_similarity", "head_sharing")  # fmt: skip
+    for fig in figures:
         m = re.search(rf'<figure id="{fig}-0"><img alt="{fig}" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
         assert m and len(m.group(1)) > 1000, fig
-    assert page.count("<img ") == 11  # two results x five figures, and the quality-vs-KV chart
+    assert page.count("<img ") == 2 * len(figures) + 1  # two results x the figures, and the quality-vs-KV chart
     assert '<figure id="quality"><img alt="quality"' in page
     overview = page[page.index('id="overview"') : page.index('id="result-0"')]  # the first screen
     for column in ("original PPL", "converted PPL", "tokens", "PPL ratio", "KL mean", "top-1", "KV B/token",
@@ -155,7 +157,7 @@ def test_report_renders_for_a_real_fixture_pair(tmp_path):
     assert CliRunner().invoke(main, args).exit_code == 0
     assert CliRunner().invoke(main, ["report", str(out), "--html", str(tmp_path / "r.html")]).exit_code == 0
     page = (tmp_path / "r.html").read_text()
-    assert page.count("<img ") == 6 and "g2 vs stories260K-mha-expanded" in page
+    assert page.count("<img ") == 8 and "g2 vs stories260K-mha-expanded" in page
 
 
 def test_the_first_screen_gives_the_gate_verdict(pair, tmp_path):

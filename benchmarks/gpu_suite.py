@@ -1,0 +1,260 @@
+"""Every GPU path proven, and the speed figures taken, in one command.
+
+    python benchmarks/gpu_suite.py --out gpu-out                  # on a CUDA machine (~10 min on an H100)
+    python benchmarks/gpu_suite.py --out gpu-out --wheels wheels  # a bare machine: install what it lacks
+    python benchmarks/gpu_suite.py --out smoke --device cpu --tiny   # CPU smoke mode (in the test suite)
+
+1. Installs what the machine lacks of mha2gqa's dependencies from ``--wheels`` (no network: ``pip
+   install --no-index --find-links``), and mha2gqa itself (editable, no build isolation).
+2. Runs ``pytest -m gpu`` (tests/test_gpu.py: CUDA eval vs CPU in fp32 and bf16, one model at a time
+   vs both, ``--device-map auto``, calibration and ``svd`` on CUDA vs CPU, bf16-autocast uptraining
+   vs CPU, ``bench`` cache bytes vs the planner). Not in ``--tiny`` mode (CPU has no GPU tests).
+3. Speed figures on a random ~1.2B-parameter Llama (22 layers, hidden 2048, 32 heads, vocabulary
+   32,000; ``--tiny``: 2 layers, hidden 64) in bf16 (fp32 on CPU):
+   - perplexity tokens/s of mha2gqa's pass vs a plain ``model(x, labels=x)`` loop (target >= 1.0x);
+   - attention similarity vs the eager ``output_attentions`` route: wall time and peak memory;
+   - decode tokens/s and KV cache bytes with H, H/4 and 1 KV heads at batch 1, 8, 32, 64 with a
+     2,048-token context (prompt + new tokens), and where a batch runs out of memory;
+   - calibration seconds per layer (``svd`` with 512 calibration tokens on the device).
+4. Writes ``gpu_suite.md`` (one table) and ``gpu_suite.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+#: import name -> distribution of what mha2gqa needs at run time (pyproject.toml's dependencies).
+NEEDED = {"torch": "torch", "transformers": "transformers", "accelerate": "accelerate", "safetensors": "safetensors",
+          "datasets": "datasets", "click": "click", "yaml": "pyyaml", "tqdm": "tqdm", "matplotlib": "matplotlib",
+          "huggingface_hub": "huggingface_hub", "psutil": "psutil", "pytest": "pytest"}  # fmt: skip
+
+FULL = {"layers": 22, "hidden": 2048, "heads": 32, "vocab": 32000, "context": 2048, "new_tokens": 64,
+        "batches": (1, 8, 32, 64), "ppl_tokens": 32768, "seq_len": 2048, "ppl_batch": 4, "attn_seq_len": 1024,
+        "calibration_tokens": 512}  # fmt: skip
+TINY = {"layers": 2, "hidden": 64, "heads": 8, "vocab": 512, "context": 64, "new_tokens": 8, "batches": (1, 4),
+        "ppl_tokens": 1024, "seq_len": 128, "ppl_batch": 2, "attn_seq_len": 64, "calibration_tokens": 128}  # fmt: skip
+
+
+def ensure_installed(wheels: Path | None) -> list[str]:
+    """Install the missing dependencies from ``wheels`` (offline) and mha2gqa; returns what it installed."""
+    missing = [dist for mod, dist in NEEDED.items() if importlib.util.find_spec(mod) is None]
+    installed = []
+    if missing:
+        if wheels is None:
+            raise SystemExit(f"missing {', '.join(missing)}: pass --wheels DIR holding their wheels "
+                             "(pip download -d DIR ... on a machine with network)")  # fmt: skip
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
+        subprocess.check_call([*pip, *missing])
+        installed += missing
+    if importlib.util.find_spec("mha2gqa") is None:
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                               "--no-index", "-e", str(ROOT)])  # fmt: skip
+        installed.append("mha2gqa")
+    return installed
+
+
+def run_gpu_tests(out: Path) -> dict:
+    """``pytest -m gpu``: counts of passed/failed/skipped and the tail of its output."""
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                           str(ROOT / "tests" / "test_gpu.py"), f"--junitxml={out / 'gpu_tests.xml'}"],
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    (out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
+    import xml.etree.ElementTree as ET
+
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    try:
+        suite = ET.parse(out / "gpu_tests.xml").getroot().find("testsuite")
+        total, fail = int(suite.get("tests", 0)), int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped = int(suite.get("skipped", 0))
+        counts = {"passed": total - fail - skipped, "failed": fail, "skipped": skipped}
+    except (OSError, ET.ParseError, AttributeError):
+        counts["failed"] = 1
+    return {**counts, "seconds": time.perf_counter() - t, "tail": proc.stdout.strip().splitlines()[-1:]}
+
+
+def _config(size: dict, kv_heads: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["hidden"] * 11 // 4,
+                       num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                       num_key_value_heads=kv_heads, max_position_embeddings=max(4096, size["context"]),
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+
+
+def _model(size: dict, kv_heads: int, device, dtype):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(_config(size, kv_heads))
+    return model.to(dtype).eval()
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_figures(size: dict, device, dtype) -> list[dict]:
+    """Decode tokens/s and KV bytes for H, H/4 and 1 KV heads at each batch size (OOM recorded)."""
+    import torch
+
+    from mha2gqa.eval.bench import bench_model
+
+    rows = []
+    heads = size["heads"]
+    for kv in (heads, heads // 4, 1):
+        model = _model(size, kv, device, dtype)
+        params = sum(p.numel() for p in model.parameters())
+        for batch in size["batches"]:
+            row = {"kv_heads": kv, "batch": batch, "parameters": params}
+            try:
+                out = bench_model(model, size["context"] - size["new_tokens"], size["new_tokens"], repeats=3, warmup=1,
+                                  batch_size=batch)  # fmt: skip
+                kv_bytes = out["kv_cache"]["measured_bytes"]
+                row.update(decode_tokens_per_second=out["decode_tokens_per_second"]["median"],
+                           prefill_seconds=out["prefill_seconds"]["median"], kv_cache_bytes=kv_bytes,
+                           kv_matches_plan=kv_bytes == out["kv_cache"]["planned_bytes"])  # fmt: skip
+            except torch.OutOfMemoryError:
+                row["oom"] = True
+            if device.type == "cuda":
+                row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            rows.append(row)
+            print(f"  decode kv={kv:3d} batch={batch:3d}: {_decode_cell(row)}", flush=True)
+        del model
+    return rows
+
+
+def speed_figures(size: dict, device_name: str, dtype_name: str) -> dict:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import eval_speed
+
+    device = torch.device(device_name)
+    dtype = getattr(torch, dtype_name)
+    args = {"device": device_name, "dtype": dtype_name, "hidden": size["hidden"], "layers": size["layers"],
+            "heads": size["heads"], "kv": size["heads"] // 4, "vocab": size["vocab"], "seq_len": size["seq_len"],
+            "ppl_tokens": size["ppl_tokens"], "batch_size": size["ppl_batch"], "attn_seq_len": size["attn_seq_len"],
+            "repeats": 3}  # fmt: skip
+    out: dict = {}
+    t = time.perf_counter()
+    out["perplexity"] = eval_speed.perplexity_bench(args)
+    print(f"  perplexity: {out['perplexity']} ({time.perf_counter() - t:.0f} s)", flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    out["attention"] = {k: {"wall": v["wall"], "peak_bytes": v["peak_bytes"]}
+                        for k, v in eval_speed.attention_bench(args).items()}  # fmt: skip
+    print(f"  attention: {out['attention']}", flush=True)
+    out["decode"] = decode_figures(size, device, dtype)
+    out["calibration"] = calibration_figure(size, device_name)
+    return out
+
+
+def calibration_figure(size: dict, device_name: str) -> dict:
+    """Seconds per layer of an ``svd`` conversion to H/4 KV heads with calibration on the device."""
+    import tempfile
+
+    import torch
+
+    from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.demo import build_tokenizer, cpython_text
+
+    with tempfile.TemporaryDirectory(prefix="mha2gqa-gpu-suite-") as tmp:
+        src = Path(tmp) / "mha"
+        _model(size, size["heads"], "cpu", torch.bfloat16).save_pretrained(src)
+        train, _ = cpython_text(0.1)
+        build_tokenizer(train, min(size["vocab"], 4096)).save_pretrained(src)
+        (Path(tmp) / "calibration.txt").write_text(train)
+        t = time.perf_counter()
+        convert_checkpoint(src, Path(tmp) / "svd", size["heads"] // 4, method="svd", device=device_name,
+                           calibration=str(Path(tmp) / "calibration.txt"),
+                           calibration_tokens=size["calibration_tokens"],
+                           calibration_seq_len=min(512, size["calibration_tokens"]), progress=False)  # fmt: skip
+        seconds = time.perf_counter() - t
+    print(f"  calibration: {seconds / size['layers']:.2f} s per layer", flush=True)
+    return {"seconds": seconds, "seconds_per_layer": seconds / size["layers"], "tokens": size["calibration_tokens"]}
+
+
+def _decode_cell(row: dict) -> str:
+    from mha2gqa.core.units import format_bytes
+
+    if row.get("oom"):
+        return "out of memory"
+    plan = "" if row["kv_matches_plan"] else " (differs from the planner's)"
+    return f"{row['decode_tokens_per_second']:,.0f} tok/s, KV cache {format_bytes(row['kv_cache_bytes'])}{plan}"
+
+
+def markdown(results: dict) -> str:
+    s, sp = results["size"], results["speed"]
+    lines = [f"GPU suite, {results['date']}, {results['device']} ({results['dtype']}); random Llama "
+             f"{s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, vocabulary {s['vocab']}.", "",
+             "| figure | value |", "|---|---|"]  # fmt: skip
+    t = results.get("tests")
+    if t:
+        lines.append(f"| `pytest -m gpu` | {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped "
+                     f"({t['seconds']:.0f} s) |")  # fmt: skip
+    p = sp["perplexity"]
+    ratio = p["mha2gqa"]["tokens_per_s"] / p["plain"]["tokens_per_s"]
+    lines.append(f"| perplexity tok/s, mha2gqa vs plain loop | {p['mha2gqa']['tokens_per_s']:,.0f} vs "
+                 f"{p['plain']['tokens_per_s']:,.0f} ({ratio:.2f}x; ppl {p['mha2gqa']['ppl']:.4f} vs "
+                 f"{p['plain']['ppl']:.4f}) |")  # fmt: skip
+    a = sp["attention"]
+    lines.append(f"| attention similarity at {s['attn_seq_len']} tokens, mha2gqa vs eager | {a['ours']['wall']:.2f} s "
+                 f"vs {a['eager']['wall']:.2f} s; {a['ours']['peak_bytes'] / 2**20:,.0f} vs "
+                 f"{a['eager']['peak_bytes'] / 2**20:,.0f} MiB |")  # fmt: skip
+    for row in sp["decode"]:
+        lines.append(f"| decode, {row['kv_heads']} KV heads, batch {row['batch']}, context {s['context']} | "
+                     f"{_decode_cell(row)} |")  # fmt: skip
+    c = sp["calibration"]
+    lines.append(f"| svd calibration ({c['tokens']} tokens) | {c['seconds_per_layer']:.2f} s per layer |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny model and batches: the CPU smoke mode")
+    parser.add_argument("--wheels", type=Path, default=None, help="wheels of missing dependencies (offline)")
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    installed = ensure_installed(args.wheels)
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: run on a GPU machine, or --device cpu --tiny for the smoke mode")
+    size = TINY if args.tiny else FULL
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "device": name, "dtype": dtype, "installed": installed,
+                     "size": size, "versions": {"torch": torch.__version__}}  # fmt: skip
+    if not args.tiny and not args.skip_tests:
+        results["tests"] = run_gpu_tests(args.out)
+        print(f"pytest -m gpu: {results['tests']}", flush=True)
+    results["speed"] = speed_figures(size, args.device, dtype)
+    (args.out / "gpu_suite.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    table = markdown(results)
+    (args.out / "gpu_suite.md").write_text(table)
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main()

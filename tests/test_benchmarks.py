@@ -1,0 +1,28 @@
+"""The benchmark scripts run (their smoke modes), so they never rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_gpu_suite_cpu_smoke_mode_writes_its_table_and_json(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--out", str(tmp_path), "--device", "cpu",
+                           "--tiny"], capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_suite.json").read_text())
+    speed = results["speed"]
+    ppl = speed["perplexity"]
+    assert abs(ppl["mha2gqa"]["ppl"] / ppl["plain"]["ppl"] - 1) < 1e-4  # same perplexity both ways
+    decode = speed["decode"]
+    assert {(r["kv_heads"], r["batch"]) for r in decode} == {(kv, b) for kv in (8, 2, 1) for b in (1, 4)}
+    assert all(r["kv_matches_plan"] and r["decode_tokens_per_second"] > 0 for r in decode)
+    by = {(r["kv_heads"], r["batch"]): r["kv_cache_bytes"] for r in decode}
+    assert by[(2, 4)] * 4 == by[(8, 4)] and by[(1, 1)] * 8 == by[(8, 1)]  # the cache shrinks as H/G
+    assert speed["calibration"]["seconds_per_layer"] > 0 and speed["attention"]["ours"]["wall"] > 0
+    table = (tmp_path / "gpu_suite.md").read_text()
+    assert "perplexity tok/s" in table and "decode, 1 KV heads, batch 4" in table

@@ -1,0 +1,123 @@
+"""CUDA paths against their CPU runs (``-m gpu``; skipped without a CUDA device, never in CI).
+
+Tolerances: fp32 on CUDA equals fp32 on CPU to 1e-4 (TF32 off); bf16 on CUDA is within 2% of fp32
+on perplexity and 0.05 nats of mean KL (bf16 keeps 8 bits of mantissa: logits of a tiny random model
+move by ~1e-2); calibration statistics and the ``svd`` merge on CUDA equal CPU to 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import llama_with_tokenizer, story_text
+from safetensors.torch import load_file
+
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.eval.harness import evaluate
+from mha2gqa.eval.settings import EvalSettings
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu")
+    text = story_text(root / "text.txt", 400)
+    src = llama_with_tokenizer(root / "mha", text, max_positions=128)
+    mean = convert_checkpoint(src, root / "mean", 2, progress=False).output
+    return {"root": root, "text": text, "src": src, "mean": mean}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _eval(pair, **kw) -> dict:
+    base = dict(data=str(pair["text"]), seq_len=64, max_tokens=2000, protocols=("disjoint", "stride", "rolling"),
+                doc_split="paragraph", samples=1, sample_tokens=4, progress=False)  # fmt: skip
+    return evaluate(str(pair["src"]), str(pair["mean"]), EvalSettings(**{**base, **kw}))
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=rel)
+
+
+def test_cuda_eval_equals_cpu_in_fp32_and_bf16_stays_within_tolerance(pair):
+    cpu = _eval(pair, device="cpu", dtype="float32")
+    gpu = _eval(pair, device="cuda", dtype="float32")
+    for p in ("disjoint", "stride", "rolling"):
+        for m in ("original", "converted"):
+            assert _close(gpu["protocols"][p][m]["nll"], cpu["protocols"][p][m]["nll"], 1e-4), (p, m)
+    for k in ("mean", "median", "q99"):
+        assert _close(gpu["agreement"]["kl"][k], cpu["agreement"]["kl"][k], 1e-4), k
+    assert abs(gpu["agreement"]["top1_agreement"] - cpu["agreement"]["top1_agreement"]) < 2e-3
+    for k in ("mean_kl", "mean_js", "mean_contribution_rel_error", "mean_hidden_cosine"):
+        assert _close(gpu["attention"]["summary"][k], cpu["attention"]["summary"][k], 1e-4), k
+    bf16 = _eval(pair, device="cuda", dtype="bfloat16")
+    assert bf16["device"]["dtype"] == "bfloat16"
+    for m in ("original", "converted"):
+        assert _close(bf16["protocols"]["disjoint"][m]["ppl"], cpu["protocols"]["disjoint"][m]["ppl"], 0.02)
+    assert abs(bf16["agreement"]["kl"]["mean"] - cpu["agreement"]["kl"]["mean"]) < 0.05
+
+
+def test_one_model_at_a_time_equals_both_in_memory_on_cuda(pair, tmp_path):
+    one = _eval(pair, device="cuda", dtype="bfloat16", reference_cache=str(tmp_path))
+    both = _eval(pair, device="cuda", dtype="bfloat16", load_both=True)
+    assert one["protocols"]["disjoint"]["converted"] == both["protocols"]["disjoint"]["converted"]
+    assert one["agreement"]["kl"] == both["agreement"]["kl"]
+    assert one["attention"]["summary"] == both["attention"]["summary"]
+
+
+def test_device_map_auto_evaluates(pair):
+    out = _eval(pair, device="cuda", dtype="float32", device_map="auto", protocols=("disjoint",))
+    cpu = _eval(pair, device="cpu", dtype="float32", protocols=("disjoint",))
+    assert out["device"]["device_map"] == "auto"
+    assert _close(out["protocols"]["disjoint"]["converted"]["nll"], cpu["protocols"]["disjoint"]["converted"]["nll"],
+                  1e-4)  # fmt: skip
+
+
+def test_calibration_and_svd_on_cuda_equal_cpu(pair, tmp_path):
+    kw = dict(method="svd", calibration=str(pair["text"]), calibration_tokens=512, calibration_seq_len=64,
+              progress=False)  # fmt: skip
+    cpu = convert_checkpoint(pair["src"], tmp_path / "cpu", 2, device="cpu", **kw).output
+    gpu = convert_checkpoint(pair["src"], tmp_path / "gpu", 2, device="cuda", **kw).output
+    a, b = load_file(cpu / "model.safetensors"), load_file(gpu / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        err = (a[name].double() - b[name].double()).norm() / a[name].double().norm().clamp_min(1e-12)
+        assert err < 1e-4, name
+
+
+def test_uptraining_with_bf16_autocast_reaches_the_cpu_loss(pair, tmp_path):
+    from mha2gqa.core.runlog import read_log
+    from mha2gqa.uptrain import UptrainSettings, uptrain
+
+    def run(device: str, precision: str) -> float:
+        out = tmp_path / device
+        s = UptrainSettings(data=str(pair["text"]), output=str(out), seq_len=32, batch_size=4, lr=3e-3, max_steps=20,
+                            log_every=20, device=device, mixed_precision=precision, progress=False)  # fmt: skip
+        uptrain(str(pair["mean"]), s, log=lambda *_: None)
+        return [r for r in read_log(out) if r["type"] == "train"][-1]["loss"]
+
+    cpu, gpu = run("cpu", "no"), run("cuda", "bf16")
+    assert abs(gpu - cpu) / cpu < 0.05, (gpu, cpu)
+
+
+def test_bench_cache_bytes_equal_the_planners(pair):
+    from mha2gqa.core.models import load_model
+    from mha2gqa.eval.bench import bench_model
+
+    for folder in (pair["src"], pair["mean"]):
+        model = load_model(str(folder), torch.device("cuda"), torch.bfloat16).model
+        out = bench_model(model, 16, 8, repeats=1, warmup=0, batch_size=2)
+        assert out["kv_cache"]["measured_bytes"] == out["kv_cache"]["planned_bytes"]
