@@ -16,14 +16,86 @@ from mha2gqa.core.families import TERM_NAMES, Family, detect_family
 from mha2gqa.core.settings import setting
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """An accelerator as its datasheet gives it: memory (bytes, as marketed: 10^9), memory bandwidth
+    (bytes/s) and dense bf16 tensor throughput (FLOP/s, without sparsity)."""
+
+    name: str
+    memory: int
+    bandwidth: float
+    bf16_flops: float
+
+
+#: Presets for ``plan --gpu``; each figure is from the vendor's datasheet named beside it.
+GPUS: dict[str, Gpu] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5: 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity)
+    "h100-sxm": Gpu("H100 SXM 80GB", 80 * 10**9, 3.35e12, 989e12),
+    # same datasheet (PCIe: 80 GB HBM2e, 2.0 TB/s, BF16 1,513 TFLOPS with sparsity)
+    "h100-pcie": Gpu("H100 PCIe 80GB", 80 * 10**9, 2.0e12, 756e12),
+    # same datasheet (NVL: 94 GB HBM3, 3.9 TB/s, BF16 1,671 TFLOPS with sparsity)
+    "h100-nvl": Gpu("H100 NVL 94GB", 94 * 10**9, 3.9e12, 835e12),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity)
+    "h200": Gpu("H200 SXM 141GB", 141 * 10**9, 4.8e12, 989e12),
+    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: 2,039 GB/s; BF16 312 TFLOPS dense)
+    "a100-80gb": Gpu("A100 SXM 80GB", 80 * 10**9, 2.039e12, 312e12),
+    # same datasheet (40GB: 1,555 GB/s; BF16 312 TFLOPS dense)
+    "a100-40gb": Gpu("A100 40GB", 40 * 10**9, 1.555e12, 312e12),
+    # NVIDIA L40S datasheet (48 GB GDDR6, 864 GB/s, BF16 362.05 TFLOPS dense)
+    "l40s": Gpu("L40S 48GB", 48 * 10**9, 864e9, 362e12),
+    # NVIDIA L4 datasheet (24 GB GDDR6, 300 GB/s, BF16 242 TFLOPS with sparsity)
+    "l4": Gpu("L4 24GB", 24 * 10**9, 300e9, 121e12),
+    # NVIDIA A10 datasheet (24 GB GDDR6, 600 GB/s, BF16 125 TFLOPS dense)
+    "a10": Gpu("A10 24GB", 24 * 10**9, 600e9, 125e12),
+    # NVIDIA Ada GPU architecture whitepaper, RTX 4090 (24 GB GDDR6X, 1,008 GB/s, BF16 165.2 TFLOPS FP32 accumulate)
+    "rtx-4090": Gpu("GeForce RTX 4090", 24 * 10**9, 1.008e12, 165.2e12),
+    # NVIDIA Ampere GA102 whitepaper, RTX 3090 (24 GB GDDR6X, 936 GB/s, BF16 71 TFLOPS FP32 accumulate)
+    "rtx-3090": Gpu("GeForce RTX 3090", 24 * 10**9, 936e9, 71e12),
+    # AMD Instinct MI300X datasheet (192 GB HBM3, 5.3 TB/s, BF16 1,307.4 TFLOPS dense)
+    "mi300x": Gpu("Instinct MI300X", 192 * 10**9, 5.3e12, 1307.4e12),
+}
+
+
 @dataclass
 class PlanSettings:
     """What ``mha2gqa plan`` sizes a model for."""
 
-    gpu_memory: str = setting("80GB", help="Accelerator memory, e.g. 80GB, 24GiB.")
+    gpu: str | None = setting(
+        None, help="A GPU preset: its memory, bandwidth and bf16 throughput.", choices=tuple(GPUS)
+    )
+    gpu_memory: str | None = setting(None, help="Accelerator memory, e.g. 80GB, 24GiB [default: the --gpu preset's, "
+                                     "else 80GB].")  # fmt: skip
+    bandwidth: str | None = setting(None, help="Memory bandwidth per second, e.g. 3.35TB, 900GB [default: the --gpu "
+                                    "preset's; without either, no throughput estimate].")  # fmt: skip
+    tflops: float | None = setting(None, help="Dense bf16 TFLOP/s for the prefill estimate [default: the --gpu "
+                                   "preset's].", above=0)  # fmt: skip
+    utilization: float = setting(0.5, help="Share of --tflops prefill reaches (model FLOPs utilisation).", above=0,
+                                 maximum=1)  # fmt: skip
     seq_len: int = setting(4096, help="Tokens per sequence (prompt + generation).", minimum=1)
     dtype: str = setting("bf16", help="KV-cache dtype.", choices=KV_DTYPES)
     weights_dtype: str | None = setting(None, help="Weights dtype [default: --dtype].", choices=KV_DTYPES)
+
+    def hardware(self) -> Gpu | None:
+        """The GPU to plan for (preset, overridden by the explicit values), None for memory-only
+        plans (no --gpu and no --bandwidth)."""
+        from mha2gqa.core.errors import SettingError
+        from mha2gqa.core.units import parse_size
+
+        preset = GPUS.get(self.gpu) if self.gpu else None
+
+        def size(name: str, text: str | None, default: float | None) -> float | None:
+            if text is None:
+                return default
+            try:
+                return parse_size(text.removesuffix("/s"))
+            except Mha2GqaError as e:
+                raise SettingError(name, f"{{name}}: {e}") from None
+
+        memory = size("gpu_memory", self.gpu_memory, preset.memory if preset else 80 * 10**9)
+        bandwidth = size("bandwidth", self.bandwidth, preset.bandwidth if preset else None)
+        flops = self.tflops * 1e12 if self.tflops else preset.bf16_flops if preset else None
+        name = preset.name if preset else "custom"
+        return Gpu(name, int(memory), bandwidth or 0.0, flops or 0.0)
 
 
 def load_config(model: str, revision: str | None = None) -> dict[str, Any]:
@@ -101,6 +173,7 @@ class ModelShape:
     parameters: int
     kv_parameters_per_head: int  # parameters that exist once per KV head (all layers)
     weights_dtype: str
+    lookup_parameters: int = 0  # an untied input embedding: read per token, never multiplied
 
     def parameters_at(self, num_kv_heads: int) -> int:
         return self.parameters - (self.dims.num_kv_heads - num_kv_heads) * self.kv_parameters_per_head
@@ -118,7 +191,10 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         params, per_head = _meta_counts(config, family, dims)
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     arch = (config.get("architectures") or [family.architectures[0]])[0]
-    return ModelShape(family.family, arch, dims, params, per_head, dtype)
+    tied = bool(config_value(config, "tie_word_embeddings", dict(family.parameter_defaults).get("tie_word_embeddings")))
+    vocab = config_value(config, "vocab_size")
+    lookup = 0 if tied or not isinstance(vocab, int) else vocab * dims.hidden_size
+    return ModelShape(family.family, arch, dims, params, per_head, dtype, lookup)
 
 
 def _meta_counts(config: dict[str, Any], family: Family, dims: AttentionDims) -> tuple[int, int]:
@@ -178,3 +254,72 @@ def describe(shape: ModelShape) -> dict[str, Any]:
             name: shape.dims.kv_cache_bytes_per_token(None, by_name(name).bytes) for name in KV_DTYPES
         },
     }
+
+
+@dataclass
+class Throughput:
+    """Estimated decode and prefill speed of one KV-head count on one GPU (bandwidth roofline)."""
+
+    num_kv_heads: int
+    max_batch: int
+    step_seconds_batch1: float
+    tokens_per_second_batch1: float
+    step_seconds_max: float | None  # at the max batch (None when not even one sequence fits)
+    tokens_per_second_per_sequence_max: float | None
+    tokens_per_second_aggregate_max: float | None
+    prefill_seconds: float | None  # one sequence of seq_len tokens, None without a FLOP rate
+
+
+def decode_step_seconds(row: PlanRow, batch: int, mean_context: float, bandwidth: float) -> float:
+    """One decode step reads every weight once and each sequence's KV cache at its context:
+    ``(weights + batch x KV bytes/token x mean_context) / bandwidth``."""
+    return (row.weights_bytes + batch * row.kv_bytes_per_token * mean_context) / bandwidth
+
+
+def prefill_flops(shape: ModelShape, num_kv_heads: int, tokens: int) -> float:
+    """FLOPs of one forward pass over ``tokens`` tokens: ``2 x`` the matmul parameters per token (an
+    untied input embedding is a lookup, not counted; a tied one is the output projection) plus causal
+    attention, ``2 x L x H x d x T^2`` (QK^T and PV over the lower triangle)."""
+    d = shape.dims
+    matmul = shape.parameters_at(num_kv_heads) - shape.lookup_parameters
+    return 2.0 * matmul * tokens + 2.0 * d.num_layers * d.num_heads * d.head_dim * tokens**2
+
+
+def throughput(shape: ModelShape, rows: list[PlanRow], gpu: Gpu, seq_len: int, utilization: float) -> list[Throughput]:
+    """For each row: decode tokens/s at batch 1 and at the largest batch that fits, with the KV
+    cache read at the mean context ``seq_len / 2`` (a sequence's average over its generation, or a
+    server's sequences spread over their lifetimes), and prefill seconds of one ``seq_len`` prompt at
+    ``utilization`` of the GPU's FLOP rate. A roofline: kernels, scheduling and activations are not
+    modelled, so real decode is slower (typically 60-85% of it at batch 1)."""
+    mean_context = seq_len / 2
+    out = []
+    for r in rows:
+        one = decode_step_seconds(r, 1, mean_context, gpu.bandwidth)
+        full = decode_step_seconds(r, r.max_sequences, mean_context, gpu.bandwidth) if r.max_sequences else None
+        prefill = None
+        if gpu.bf16_flops:
+            prefill = prefill_flops(shape, r.num_kv_heads, seq_len) / (gpu.bf16_flops * utilization)
+        out.append(Throughput(r.num_kv_heads, r.max_sequences, one, 1 / one, full, 1 / full if full else None,
+                              r.max_sequences / full if full else None, prefill))  # fmt: skip
+    return out
+
+
+def throughput_plot(rows: list[PlanRow], gpu: Gpu, seq_len: int, model: str) -> bytes:
+    """Aggregate decode tokens/s against batch size (1 up to what fits), one line per KV-head count."""
+    from mha2gqa.core.figures import OKABE_ITO, figure, png
+
+    plt, fig = figure(6.4, 3.8)
+    ax = fig.add_subplot()
+    for i, r in enumerate(rows):
+        if not r.max_sequences:
+            continue
+        batches = sorted({1, r.max_sequences, *(b for b in (2**k for k in range(20)) if b < r.max_sequences)})
+        agg = [b / decode_step_seconds(r, b, seq_len / 2, gpu.bandwidth) for b in batches]
+        ax.plot(batches, agg, "-", marker="o", ms=3, color=OKABE_ITO[i % len(OKABE_ITO)],
+                label=f"{r.num_kv_heads} KV heads (max batch {r.max_sequences:,})")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent sequences (batch)")
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    ax.set_title(f"{model} on {gpu.name}, {seq_len:,}-token sequences (bandwidth roofline)", fontsize=9)
+    ax.legend(frameon=False, fontsize=8)
+    return png(plt, fig)

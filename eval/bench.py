@@ -83,4 +83,5 @@ def bench_model(
             "dtype_bytes": element,
         },
         "num_kv_heads": dims.num_kv_heads,
+        "parameters": sum(p.numel() for p in model.parameters()),
     }

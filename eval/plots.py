@@ -5,28 +5,11 @@ Colour-blind-safe choices: the cividis colour map for heat maps and the Okabe-It
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
-OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
-
-
-def _figure(width: float, height: float):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"font.size": 10, "axes.spines.top": False, "axes.spines.right": False})
-    return plt, plt.figure(figsize=(width, height), dpi=110)
-
-
-def _png(plt, fig) -> bytes:
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", metadata={"Software": "mha2gqa"})  # the mark --overwrite recognises
-    plt.close(fig)
-    return buf.getvalue()
+from mha2gqa.core.figures import OKABE_ITO
+from mha2gqa.core.figures import figure as _figure
+from mha2gqa.core.figures import png as _png
 
 
 def heatmap(layers: list[dict[str, Any]], key: str, title: str, unit: str,
@@ -103,10 +86,7 @@ def head_similarity_maps(layers: list[dict[str, Any]], per_row: int = 4) -> byte
             ax.set_title(f"L{layer['layer']} {'orig' if j == 0 else 'conv'}", fontsize=8)
     fig.suptitle("Head diversity: cosine of the heads' attention patterns (1 = identical)", fontsize=10)
     fig.colorbar(im, ax=fig.axes, shrink=0.8, label="cosine")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": "mha2gqa"})  # no tight_layout: the colour bar spans all
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(plt, fig, tight=False)  # tight_layout would fight the colour bar that spans every panel
 
 
 def head_similarity_curve(layers: list[dict[str, Any]]) -> bytes:

@@ -346,13 +346,16 @@ def bench(original: str, converted: str | None, output: Path | None, overwrite: 
     if output is not None:
         check_destination(output, overwrite, inputs, "--output", folder=False)
     _check_models(**{"--original": original, "--converted": converted})
+    import torch
+
     from mha2gqa.core.models import load_model, resolve_device, resolve_dtype
     from mha2gqa.eval.bench import bench_model
 
     dev = resolve_device(s.device)
     dt = resolve_dtype(s.dtype, dev)
-    results: dict = {"schema": "mha2gqa.bench/1", "settings": {**options, "device": str(dev), "dtype": str(dt)},
-                     "models": {}}  # fmt: skip
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    results: dict = {"schema": "mha2gqa.bench/1", "settings": {**options, "device": str(dev), "device_name": name,
+                     "dtype": str(dt)}, "models": {}}  # fmt: skip
     for name, path in (("original", original), ("converted", converted)):
         if path is None:
             continue
@@ -385,7 +388,9 @@ def bench(original: str, converted: str | None, output: Path | None, overwrite: 
 
 @main.command()
 @click.argument("model")
-@click_options(PlanSettings, exclude=("gpu_memory", "dtype", "weights_dtype"))
+@click_options(
+    PlanSettings, exclude=("gpu", "gpu_memory", "bandwidth", "tflops", "utilization", "dtype", "weights_dtype")
+)
 @click.option(
     "--batch-size", type=click.IntRange(min=1), default=1, help="Concurrent sequences for the KV-cache total."
 )
@@ -423,37 +428,107 @@ def inspect(model: str, seq_len: int, batch_size: int, revision: str | None, as_
 @click.argument("model")
 @click_options(PlanSettings)
 @click.option("--revision", default=None, help="Hub revision when MODEL is a hub id.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG of decode tokens/s against batch size for each KV-head count.")  # fmt: skip
+@click.option("--bench", "bench_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A `bench --output` JSON of this model: its measured decode speed beside the estimate.")  # fmt: skip
+@overwrite_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @user_errors
-def plan(model: str, revision: str | None, as_json: bool, **options: Any) -> None:
-    """For every valid KV-head count: KV cache, weights and how many sequences fit (config only)."""
+def plan(model: str, revision: str | None, plot_path: Path | None, bench_path: Path | None, overwrite: bool,
+         as_json: bool, **options: Any) -> None:  # fmt: skip
+    """For every valid KV-head count: KV cache, weights, how many sequences fit and (with --gpu or
+    --bandwidth) estimated decode tokens/s and prefill time (config only)."""
     import dataclasses
 
     from mha2gqa.core.dtypes import by_name
-    from mha2gqa.core.planning import load_config, model_shape
+    from mha2gqa.core.output import check_destination, write_text
+    from mha2gqa.core.planning import load_config, model_shape, throughput, throughput_plot
     from mha2gqa.core.planning import plan as make_plan
     from mha2gqa.core.settings import validate
-    from mha2gqa.core.units import parse_size
 
     s = validate(PlanSettings(**options))
-    try:
-        memory = parse_size(s.gpu_memory)
-    except Mha2GqaError as e:
-        raise SettingError("gpu_memory", f"{{name}}: {e}") from None
+    gpu = s.hardware()
+    if plot_path is not None:
+        if not gpu.bandwidth:
+            raise SettingError("gpu", "--plot draws decode throughput: give {name} or --bandwidth")
+        check_destination(plot_path, overwrite, {"MODEL": model}, "--plot", folder=False)
+    bench = _read_bench(bench_path) if bench_path else None
     shape = model_shape(load_config(model, revision))
-    rows = make_plan(shape, memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes)
+    rows = make_plan(shape, gpu.memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes)
+    speed = throughput(shape, rows, gpu, s.seq_len, s.utilization) if gpu.bandwidth else []
     if as_json:
-        click.echo(json.dumps({"model": model, "gpu_memory": memory, "seq_len": s.seq_len, "dtype": s.dtype,
-                               "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))  # fmt: skip
-        return
-    click.echo(f"{model}: {shape.dims.num_heads} query heads, {s.seq_len}-token sequences, {s.gpu_memory} memory, "
-               f"{s.dtype} KV cache")  # fmt: skip
-    table = Table(["KV heads", "KV bytes/token", "KV/sequence", "weights", "sequences that fit"])
-    for r in rows:
-        table.add(r.num_kv_heads, f"{r.kv_bytes_per_token:,}", format_bytes(r.kv_bytes_per_sequence),
-                  format_bytes(r.weights_bytes), f"{r.max_sequences:,}")  # fmt: skip
-    for line in table.text(indent="  "):
-        click.echo(line)
+        click.echo(json.dumps({"model": model, "gpu": dataclasses.asdict(gpu), "gpu_memory": gpu.memory,
+                               "seq_len": s.seq_len, "dtype": s.dtype, "utilization": s.utilization,
+                               "rows": [dataclasses.asdict(r) for r in rows],
+                               "throughput": [dataclasses.asdict(t) for t in speed]}, indent=2))  # fmt: skip
+    else:
+        hw = f"{gpu.name}: {format_bytes(gpu.memory)}" + (f", {gpu.bandwidth / 1e12:.3g} TB/s" if gpu.bandwidth else "")
+        click.echo(f"{model}: {shape.dims.num_heads} query heads, {s.seq_len}-token sequences, {hw}, {s.dtype} KV "
+                   "cache")  # fmt: skip
+        table = Table(["KV heads", "KV bytes/token", "KV/sequence", "weights", "sequences that fit"]
+                      + (["tok/s @1", "tok/s/seq @max", "tok/s total @max", "prefill"] if speed else []))  # fmt: skip
+        for i, r in enumerate(rows):
+            cells = [r.num_kv_heads, f"{r.kv_bytes_per_token:,}", format_bytes(r.kv_bytes_per_sequence),
+                     format_bytes(r.weights_bytes), f"{r.max_sequences:,}"]  # fmt: skip
+            if speed:
+                t = speed[i]
+                pre = f"{t.prefill_seconds * 1e3:,.0f} ms" if t.prefill_seconds is not None else "-"
+                cells += [f"{t.tokens_per_second_batch1:,.1f}",
+                          f"{t.tokens_per_second_per_sequence_max:,.1f}" if t.max_batch else "-",
+                          f"{t.tokens_per_second_aggregate_max:,.0f}" if t.max_batch else "-", pre]  # fmt: skip
+            table.add(*cells)
+        for line in table.text(indent="  "):
+            click.echo(line)
+        if speed:
+            prefill = "prefill: give --tflops"
+            if gpu.bf16_flops:
+                rate = f"{gpu.bf16_flops / 1e12:,.0f} TFLOP/s"
+                prefill = f"prefill: one {s.seq_len:,}-token prompt at {s.utilization:.0%} of {rate}"
+            click.echo(f"  decode: bandwidth roofline, each step reads the weights and every sequence's KV cache at "
+                       f"the mean context ({s.seq_len // 2:,} tokens); {prefill}. Real decode is slower.")  # fmt: skip
+    if bench:
+        _bench_beside_estimate(bench, shape, rows, gpu, s)
+    if plot_path is not None:
+        write_text(plot_path, throughput_plot(rows, gpu, s.seq_len, Path(model).name or model), "--plot", overwrite,
+                   {"MODEL": model})  # fmt: skip
+        click.echo(f"plot: {plot_path}")
+
+
+def _read_bench(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise Mha2GqaError(f"--bench {path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("schema") != "mha2gqa.bench/1":
+        raise Mha2GqaError(f"--bench {path}: not a `mha2gqa bench --output` file")
+    return data
+
+
+def _bench_beside_estimate(bench: dict[str, Any], shape, rows, gpu, s: PlanSettings) -> None:
+    """Each benchmarked model's measured decode tokens/s beside the roofline estimate for the same
+    batch and context (refused when the benchmark is of another model)."""
+    from mha2gqa.core.planning import decode_step_seconds
+
+    if not gpu.bandwidth:
+        raise SettingError("gpu", "--bench compares with the estimate: give {name} or --bandwidth")
+    settings = bench.get("settings", {})
+    by_heads = {r.num_kv_heads: r for r in rows}
+    context = settings.get("prompt_len", 0) + settings.get("new_tokens", 0) / 2
+    batch = settings.get("batch_size", 1)
+    click.echo(f"  bench ({settings.get('device_name') or settings.get('device')}, batch {batch}, mean context "
+               f"{context:,.0f}) beside the estimate on {gpu.name}:")  # fmt: skip
+    for name, m in bench.get("models", {}).items():
+        row = by_heads.get(m.get("num_kv_heads"))
+        if row is None or (
+            m.get("parameters") is not None and m["parameters"] != shape.parameters_at(row.num_kv_heads)
+        ):
+            raise Mha2GqaError(f"--bench: its {name} model is not this model at {m.get('num_kv_heads')} KV heads; "
+                               "benchmark this model, or plan the benchmarked one")  # fmt: skip
+        measured = m["decode_tokens_per_second"]["median"]
+        estimate = batch / decode_step_seconds(row, batch, context, gpu.bandwidth)
+        click.echo(f"    {name} ({row.num_kv_heads} KV heads): measured {measured:,.1f} tok/s, estimate "
+                   f"{estimate:,.1f} tok/s ({measured / estimate:.0%} of the roofline)")  # fmt: skip
 
 
 if __name__ == "__main__":  # pragma: no cover

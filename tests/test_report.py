@@ -31,6 +31,37 @@ def test_planner_matches_hand_calculations_for_llama2_7b():
     assert parse_size("24GiB") == 24 * 2**30 and parse_size("500MB") == 500 * 10**6
 
 
+def test_throughput_estimate_matches_a_hand_calculation_and_plots(tmp_path):
+    """Llama-2-7B, bf16 weights and KV cache, 80 GB at 3.35 TB/s, 4,096-token sequences."""
+    from mha2gqa.core.planning import GPUS, throughput
+
+    shape = model_shape(LLAMA2_7B)
+    gpu = GPUS["h100-sxm"]
+    assert (gpu.memory, gpu.bandwidth) == (80 * 10**9, 3.35e12)
+    rows = plan(shape, gpu.memory, 4096, "bf16", 2)
+    speed = {t.num_kv_heads: t for t in throughput(shape, rows, gpu, 4096, 0.5)}
+    weights = 6_738_415_616 * 2  # 13.48 GB
+    kv_read = 524_288 * 2048  # MHA: 512 KiB per token at the mean context of 2,048 tokens
+    assert speed[32].max_batch == 30  # (80e9 - 13.48e9) // 2 GiB per sequence
+    assert speed[32].step_seconds_batch1 == pytest.approx((weights + kv_read) / 3.35e12)  # 4.343 ms
+    assert speed[32].tokens_per_second_batch1 == pytest.approx(230.2, abs=0.05)
+    assert speed[32].tokens_per_second_aggregate_max == pytest.approx(30 * 3.35e12 / (weights + 30 * kv_read))
+    assert speed[32].tokens_per_second_aggregate_max == pytest.approx(2199.7, abs=0.1)
+    g8_weights = weights - 2 * 32 * 24 * 128 * 4096 * 2
+    assert speed[8].tokens_per_second_batch1 == pytest.approx(3.35e12 / (g8_weights + kv_read / 4))
+    # prefill: 2 x (parameters - the untied input embedding) x T + 2 x L x H x d x T^2 at 50% of 989 TFLOP/s
+    flops = 2 * (6_738_415_616 - 32000 * 4096) * 4096 + 2 * 32 * 32 * 128 * 4096**2
+    assert speed[32].prefill_seconds == pytest.approx(flops / (989e12 * 0.5))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    out = CliRunner().invoke(main, ["plan", str(tmp_path), "--gpu", "h100-sxm", "--plot", str(tmp_path / "t.png")])
+    assert out.exit_code == 0, out.output
+    assert re.search(r"^\s+32\s.*\s30\s+230\.2\s+73\.3\s+2,200\s+118 ms$", out.output, re.M), out.output
+    png = (tmp_path / "t.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    bad = CliRunner().invoke(main, ["plan", str(tmp_path), "--plot", str(tmp_path / "u.png")])
+    assert bad.exit_code == 1 and "--gpu" in bad.output and "Traceback" not in bad.output
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "stablelm", "olmo2", "gemma"])
 def test_parameter_count_per_kv_head_matches_the_real_model(family):
     cfg = tiny_config(family)
@@ -144,6 +175,17 @@ def test_bench_measures_a_cache_of_g_heads_as_planned(pair, tmp_path):
         assert abs(kv["measured_bytes"] / kv["planned_bytes"] - 1) < 0.05
         assert kv["bytes_per_token"] == 2 * 2 * heads * 8 * 4  # K and V, 2 layers, head_dim 8, fp32
     assert b["converted_vs_original"]["kv_cache_ratio"] == pytest.approx(0.5, rel=0.05)
+    # plan --bench puts the measurement beside the roofline estimate of the same model
+    text = CliRunner().invoke(main, ["plan", str(src), "--bandwidth", "50GB/s", "--seq-len", "64", "--dtype", "fp32",
+                                     "--bench", str(out)])  # fmt: skip
+    assert text.exit_code == 0, text.output
+    assert re.search(r"original \(4 KV heads\): measured [\d,.]+ tok/s, estimate [\d,.]+ tok/s", text.output)
+    assert "converted (2 KV heads)" in text.output
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(LLAMA2_7B))
+    wrong = CliRunner().invoke(main, ["plan", str(other), "--bandwidth", "50GB", "--bench", str(out)])
+    assert wrong.exit_code == 1 and "is not this model" in wrong.output
 
 
 @requires_fixtures("stories260K-mha-expanded", "text")
