@@ -153,16 +153,18 @@ def token_stream(tokenizer, data: TextData, max_tokens: int | None = None) -> to
     return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
 
 
-def document_tokens(tokenizer, data: TextData, max_tokens: int | None = None) -> tuple[list[list[int]], list[str]]:
-    """Per-document token lists (no special tokens), whole documents in order until their total
-    reaches ``max_tokens``. Returns ``(token lists, the documents used)``."""
+def document_tokens(tokenizer, data: TextData, max_tokens: int | None = None,
+                    special_tokens: bool = False) -> tuple[list[list[int]], list[str]]:  # fmt: skip
+    """Per-document token lists (without the tokenizer's special tokens, or with them), whole
+    documents in order until their total reaches ``max_tokens``. Returns ``(token lists, the
+    documents used)``."""
     out: list[list[int]] = []
     used: list[str] = []
     total = 0
     for doc in data.documents:
         if max_tokens and total >= max_tokens:
             break
-        ids = tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]
+        ids = tokenizer(doc, add_special_tokens=special_tokens, verbose=False)["input_ids"]
         out.append(ids)
         used.append(doc)
         total += len(ids)

@@ -141,6 +141,14 @@ def _contribution_sums(out_o: torch.Tensor, out_c: torch.Tensor, w_o: torch.Tens
         sums.contrib_ref_sq[hs] += ref.pow(2).sum((0, 2, 3)).double().cpu()
 
 
+def _add_gram(gram: torch.Tensor, p: torch.Tensor) -> None:
+    """``gram[h, g] += <p_h, p_g>`` over every row and key of ``p`` ``[B, H, C, keys]``, one batch
+    element at a time as a view ``[H, C*keys]`` (no copy of the chunk)."""
+    for b in range(p.shape[0]):
+        x = p[b].reshape(p.shape[1], -1)
+        gram += (x @ x.T).double().cpu()
+
+
 def compare_layer(
     orig: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -180,8 +188,8 @@ def compare_layer(
         sums.ent_orig += stats["entropy_p"].sum(dims).double().cpu()
         sums.ent_conv += stats["entropy_q"].sum(dims).double().cpu()
         po, pc = lo.exp(), lc.exp()  # [B, H, C, keys], 0 where masked
-        sums.gram_orig += torch.einsum("bhck,bgck->hg", po, po).double().cpu()
-        sums.gram_conv += torch.einsum("bhck,bgck->hg", pc, pc).double().cpu()
+        _add_gram(sums.gram_orig, po)
+        _add_gram(sums.gram_conv, pc)
         out_o = torch.matmul(po, vo[:, :, :keys].float())
         out_c = torch.matmul(pc, vc[:, :, :keys].float())
         sums.err_sq += (out_c - out_o).pow(2).sum((0, 2, 3)).double().cpu()

@@ -115,6 +115,7 @@ class _Run:
     stride: int
     passes: dict[str, list[Window]]
     rolling_text: list[str]  # the documents the rolling protocol scored
+    rolling_len: int  # the rolling protocol's window
     attention_batch: torch.Tensor | None  # [B, T] (pairs with attention similarity)
     prompts: list[torch.Tensor]  # sample prompts [1, P] (pairs)
     new_tokens: int
@@ -166,7 +167,8 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     if not 1 <= stride <= seq_len:
         raise SettingError("stride", f"{{name}} {stride} must be between 1 and --seq-len {seq_len}")
     ids = token_stream(tok, data, s.max_tokens)
-    if ids.numel() < seq_len:
+    streamed = converted is not None or "disjoint" in s.protocols or "stride" in s.protocols
+    if streamed and ids.numel() < seq_len:
         raise SettingError("data", f"{{name}} {s.data}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
                            "give more text or a smaller --seq-len")  # fmt: skip
     passes: dict[str, list[Window]] = {}
@@ -175,10 +177,12 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     if "stride" in s.protocols:
         passes["stride"] = stride_windows(ids, seq_len, stride)
     used: list[str] = []
+    rolling_len = s.seq_len or max_pos or 2048  # lm-eval: the model's full length (2048 when unknown)
     if "rolling" in s.protocols:
-        docs, used = document_tokens(tok, data, s.max_tokens)
+        special = s.rolling_convention == "lm-eval-0.4.10"
+        docs, used = document_tokens(tok, data, s.max_tokens, special_tokens=special)
         prefix = prefix_token(tok)
-        passes["rolling"] = [w for d in docs for w in rolling_windows(d, prefix, seq_len)]
+        passes["rolling"] = [w for d in docs for w in rolling_windows(d, prefix, rolling_len)]
     batch = None
     if converted and s.attention:
         t = min(s.attention_seq_len or min(seq_len, 1024), seq_len)
@@ -188,7 +192,8 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     prompt_len = max(1, min(32, seq_len // 4))
     prompts = [w[:prompt_len][None] for w, _ in disjoint_windows(ids, seq_len)[: s.samples]] if converted else []
     new = max(1, min(s.sample_tokens, (max_pos or 10**9) - prompt_len))
-    return _Run(s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, batch, prompts, new)
+    return _Run(s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, rolling_len, batch, prompts,
+                new)  # fmt: skip
 
 
 def _protocols(run: _Run, scored: dict[str, dict[str, Any]], results: dict[str, Any]) -> None:
@@ -211,8 +216,9 @@ def _protocols(run: _Run, scored: dict[str, dict[str, Any]], results: dict[str, 
             ll = -res["nll_sum"][i]
             extra.append({"word_perplexity": math.exp(-ll / words), "byte_perplexity": math.exp(-ll / nbytes),
                           "bits_per_byte": -ll / nbytes / math.log(2)})  # fmt: skip
-        settings = {**common, "documents": len(used), "words": words, "bytes": nbytes,
-                    "prefix_token": prefix_token(run.tokenizer), "context_len": 1}  # fmt: skip
+        settings = {**common, "seq_len": run.rolling_len, "documents": len(used), "words": words, "bytes": nbytes,
+                    "prefix_token": prefix_token(run.tokenizer), "context_len": 1,
+                    "convention": run.settings.rolling_convention}  # fmt: skip
         results["protocols"]["rolling"] = _protocol_result(run.names, res, settings, extra)
 
 

@@ -12,6 +12,10 @@ from mha2gqa.core.text import DOC_SPLITS, check_text_source
 
 #: The perplexity protocols (:mod:`mha2gqa.eval.perplexity` says what each is).
 PROTOCOLS = ("disjoint", "stride", "rolling")
+#: How the ``rolling`` protocol tokenizes documents, named for the lm-evaluation-harness it equals:
+#: without special tokens (lm-eval <= 0.4.9, or 0.4.10+ with ``add_bos_token=False``), or with the
+#: tokenizer's defaults (0.4.10+: a tokenizer that adds BOS gets a second, scored BOS; lm-eval #3333).
+ROLLING_CONVENTIONS = ("lm-eval-0.4.9", "lm-eval-0.4.10")
 
 
 @dataclass
@@ -25,8 +29,14 @@ class EvalSettings:
     protocols: tuple[str, ...] = setting(
         ("disjoint",), help="Perplexity protocols (repeatable).", choices=PROTOCOLS, flag="--protocol"
     )
-    seq_len: int | None = setting(None, help="Window length [default: min(2048, the model's positions)].", minimum=2)
+    seq_len: int | None = setting(None, help="Window length [default: min(2048, the model's positions); 'rolling': "
+                                  "the model's positions, as lm-eval].", minimum=2)  # fmt: skip
     stride: int | None = setting(None, help="Stride of the 'stride' protocol [default: seq_len // 2].", minimum=1)
+    rolling_convention: str = setting("lm-eval-0.4.9", help="How 'rolling' tokenizes documents: without special "
+                                      "tokens and one BOS (else EOS) prefix, as lm-eval <= 0.4.9 (and 0.4.10+ with "
+                                      "add_bos_token=False); or with the tokenizer's own, as lm-eval 0.4.10+'s "
+                                      "default (a BOS-adding tokenizer then scores a second BOS).",
+                                      choices=ROLLING_CONVENTIONS)  # fmt: skip
     max_tokens: int | None = setting(None, help="Token budget (the first N tokens of the text).", minimum=2)
     batch_size: int = setting(1, help="Windows per forward pass.", minimum=1)
     device: str = setting("auto", help=DEVICE_HELP)

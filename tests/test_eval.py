@@ -382,3 +382,46 @@ def test_head_diversity_matches_eager_and_sees_identical_heads_and_equalised_gro
     s = attention_similarity(eq, g2, batch, chunk=16)["summary"]
     assert s["head_similarity_converted_within_groups"] == pytest.approx(1.0, abs=1e-6)
     assert s["head_similarity_converted_across_groups"] < 0.99 and s["mean_kl"] < 1e-6
+
+
+def test_rolling_follows_lm_eval_conventions_checked_by_hand(trained_pair, tmp_path):
+    """lm-eval <= 0.4.9: the document without special tokens after one BOS prefix; 0.4.10+: the
+    tokenizer's own BOS too, so BOS is scored after BOS. The window is the model's full length."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, _, _, _ = trained_pair
+    doc = "the cat sat on the mat and ran"
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": doc}) + "\n")
+    tok, model = AutoTokenizer.from_pretrained(src), AutoModelForCausalLM.from_pretrained(src).eval()
+    ids, bos = tok(doc, add_special_tokens=False)["input_ids"], tok.bos_token_id
+    assert tok(doc)["input_ids"] == [bos, *ids]  # this tokenizer adds BOS
+
+    def nll(seq: list[int]) -> float:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].double(), -1)
+        return -logp.gather(1, torch.tensor(seq[1:])[:, None]).sum().item()
+
+    def rolling(**kw) -> dict:
+        s = EvalSettings(data=str(data), protocols=("rolling",), samples=0, progress=False, **kw)
+        return evaluate(str(src), None, s)["protocols"]["rolling"]
+
+    old, new = rolling(), rolling(rolling_convention="lm-eval-0.4.10")
+    assert old["original"]["tokens"] == len(ids) and new["original"]["tokens"] == len(ids) + 1
+    assert old["original"]["nll_sum"] == pytest.approx(nll([bos, *ids]), rel=1e-5)
+    assert new["original"]["nll_sum"] == pytest.approx(nll([bos, bos, *ids]), rel=1e-5)
+    words = len(doc.split())
+    assert new["original"]["word_perplexity"] == pytest.approx(math.exp(nll([bos, bos, *ids]) / words), rel=1e-5)
+    assert old["settings"]["seq_len"] == 64 and new["settings"]["convention"] == "lm-eval-0.4.10"
+
+
+def test_rolling_window_defaults_to_the_models_full_length(tmp_path):
+    from mha2gqa.demo import build_tokenizer
+
+    text = write_text(tmp_path / "t.txt", n_words=300)
+    tok = build_tokenizer(text.read_text(), 300)
+    src = save(random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=4096)), tmp_path / "m")
+    tok.save_pretrained(src)
+    r = evaluate(str(src), None, EvalSettings(data=str(text), protocols=("rolling",), progress=False))
+    assert r["protocols"]["rolling"]["settings"]["seq_len"] == 4096  # lm-eval's max_length, not min(2048, ...)
+    assert r["settings"]["seq_len"] == 2048  # the other protocols' default
