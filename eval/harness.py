@@ -36,7 +36,7 @@ from mha2gqa.core.models import (
 from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
 from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
 from mha2gqa.eval.attention import attention_similarity, head_order_of
-from mha2gqa.eval.metrics import agreement_stats
+from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.perplexity import Window, disjoint_windows, rolling_windows, score_windows, stride_windows
 from mha2gqa.eval.settings import EvalSettings
 
@@ -73,6 +73,9 @@ def scored_pass(
         per_token = {key: torch.cat([t for a in agreements for t in getattr(a, key)])
                      for key in ("kl", "kl_reverse", "delta_p", "nll")}  # fmt: skip
         out["agreement"] = agreement_stats(**per_token, top1_same=sum(a.top1_same for a in agreements))
+        rest = [t for a in agreements for t in a.rest_mass]
+        if rest:  # against a top-k reference: the mass its KLs do not resolve
+            out["agreement"]["reference_rest_mass"] = summarize(torch.cat(rest))
     return out
 
 
@@ -291,7 +294,7 @@ def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[
     settings = {"batch_size": s.batch_size, "device": str(device), "dtype": loaded_dtype, "device_map": s.device_map,
                 "revision": s.revision, "process": [state.process_index, state.num_processes],
                 "attention": run.attention_batch is not None and list(run.attention_batch.shape),
-                "samples": len(run.prompts), "new_tokens": run.new_tokens}  # fmt: skip
+                "samples": len(run.prompts), "new_tokens": run.new_tokens, "top_k": s.reference_top_k}  # fmt: skip
     material = key_material(model_identity(run.paths[0], run.folders[0]), digest, settings)
     return reference_key(material), material
 
@@ -312,7 +315,7 @@ def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:
         b, t = run.attention_batch.shape
         attention = {"layers": dims.num_layers, "tokens": b * t, "seq_len": t, "batch": b, "heads": dims.num_heads,
                      "kv_heads": dims.num_kv_heads, "head_dim": dims.head_dim, "hidden": dims.hidden_size}  # fmt: skip
-    return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention)
+    return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention, run.settings.reference_top_k)
 
 
 def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None] | None) -> list[LoadedModel]:
@@ -344,7 +347,7 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
                     log(f"scoring the original once, its scores cached in {root if temporary else root / key}")
                 original = _load(run, 0)
                 for name in run.passes:
-                    res = run.score([original.model], name, record=ref.recorder(name))
+                    res = run.score([original.model], name, record=ref.recorder(name, s.reference_top_k))
                     ref.add_seconds(name, res["seconds"])
                 if run.attention_batch is not None and main:
                     _, seconds = _timed(lambda: record_attention(original.model, run.attention_batch, ref))
@@ -366,7 +369,8 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             results["attention"] = {**out, "seconds": seconds + ref.seconds("attention")}
         if run.prompts and main:
             results["samples"] = _samples(run, ref.manifest["samples"], _generate(run, converted.model))
-        results["reference"] = {"key": key, "folder": None if temporary else str(ref.folder), "bytes": ref.size()}
+        results["reference"] = {"key": key, "folder": None if temporary else str(ref.folder), "bytes": ref.size(),
+                                "form": f"top-{s.reference_top_k}" if s.reference_top_k else "exact"}  # fmt: skip
         return [_Reference(run.paths[0], ref.manifest["model"]), converted]
     finally:
         if temporary:

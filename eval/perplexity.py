@@ -101,6 +101,7 @@ class Agreement:
     kl_reverse: list[torch.Tensor] = field(default_factory=list)  # per-token KL(converted || original)
     delta_p: list[torch.Tensor] = field(default_factory=list)  # p_converted - p_original of the correct token
     nll: list[torch.Tensor] = field(default_factory=list)  # [n, 2] per-token NLL of (original, converted)
+    rest_mass: list[torch.Tensor] = field(default_factory=list)  # top-k reference: the mass outside the k tokens
     top1_same: int = 0
     nll_delta_sum: float = 0.0
     tokens: int = 0
@@ -127,10 +128,47 @@ def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
             yield group[i : i + batch_size]
 
 
-#: Saves the original's log-probability inputs of one batch: ``(batch index, {chunk start: logits})``.
-Record = Callable[[int, dict[str, torch.Tensor]], None]
-#: Gives back what a :data:`Record` saved for a batch index.
+#: Saves the original's side of one batch: ``(batch index, {chunk start: (logits [n, vocab] at the
+#: scored positions, their targets [n])})``.
+Record = Callable[[int, dict[str, tuple[torch.Tensor, torch.Tensor]]], None]
+#: Gives back what a :data:`Record` saved for a batch index: ``{chunk start: logits}`` (exact form)
+#: or ``{chunk start + ":" + part: tensor}`` (top-k form, :func:`top_k_form`).
 Replay = Callable[[int], dict[str, torch.Tensor]]
+
+
+def top_k_form(logits: torch.Tensor, ids: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """The original's next-token distributions kept as their ``k`` most likely tokens and one bucket
+    for the rest: ``values`` ``[n, k]`` float32 log-probabilities (sorted), ``indices`` ``[n, k]``,
+    ``rest`` ``[n]`` the log of the remaining mass, and ``target`` ``[n]`` the exact log-probability
+    of the correct token. 8k + 8 bytes per token instead of vocab x dtype bytes."""
+    lo = torch.log_softmax(logits.float(), -1)
+    values, indices = lo.topk(min(k, lo.shape[-1]), -1)
+    rest = lo.scatter(-1, indices, float("-inf")).logsumexp(-1)
+    return {"values": values, "indices": indices.int(), "rest": rest, "target": lo.gather(1, ids[:, None])[:, 0]}
+
+
+def _compare_top_k(saved: dict[str, torch.Tensor], lc: torch.Tensor, ids: torch.Tensor, nll: list[float],
+                   agree: Agreement) -> None:  # fmt: skip
+    """:func:`_compare` against the original's top-k form: the target's log-probabilities, Δp, NLLs
+    and same-top are exact; both KLs are computed over the k tokens plus one bucket for the rest,
+    which (log-sum inequality) never exceeds the exact KL: the gap is ``p_rest x KL`` of the two
+    tails, so the mass outside the k tokens is kept to show where it can matter."""
+    values, indices, rest, target_o = (saved[k].to(lc.device) for k in ("values", "indices", "rest", "target"))
+    indices = indices.long()
+    lq_rest = lc.scatter(-1, indices, float("-inf")).logsumexp(-1)
+    lp = torch.cat([values, rest[:, None]], 1)
+    lq = torch.cat([lc.gather(1, indices), lq_rest[:, None]], 1)
+    target_c = lc.gather(1, ids[:, None])[:, 0]
+    nll[0] -= target_o.sum().item()
+    nll[1] -= target_c.sum().item()
+    agree.kl.append(kl_divergence(lp, lq).cpu())
+    agree.kl_reverse.append(kl_divergence(lq, lp).cpu())
+    agree.top1_same += int((indices[:, 0] == lc.argmax(-1)).sum())
+    agree.nll_delta_sum += (target_o - target_c).sum().item()
+    agree.delta_p.append((target_c.exp() - target_o.exp()).cpu())
+    agree.nll.append(torch.stack([-target_o, -target_c], 1).cpu())
+    agree.rest_mass.append(rest.exp().cpu())
+    agree.tokens += ids.numel()
 
 
 def _compare(lo: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, nll: list[float], agree: Agreement) -> None:
@@ -184,7 +222,7 @@ def score_windows(
         targets = torch.stack([w[1] for w in batch])
         logits = [m(inputs.to(_device(m))).logits for m in models]
         saved = replay(index) if replay is not None else None
-        kept: dict[str, torch.Tensor] = {}
+        kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for s in range(0, inputs.shape[1], chunk):
             tgt = targets[:, s : s + chunk].to(logits[0].device)
             n = int((tgt != IGNORE).sum())
@@ -192,13 +230,17 @@ def score_windows(
                 continue
             keep = tgt != IGNORE
             if record is not None:
-                kept[str(s)] = logits[0][:, s : s + chunk][keep].cpu()
+                kept[str(s)] = (logits[0][:, s : s + chunk][keep], tgt[keep])
             if agree is None and record is None:  # one model: fused cross-entropy, no log-probs kept
                 flat = logits[0][:, s : s + chunk].flatten(0, 1).float()
                 nll[0] += F.cross_entropy(flat, tgt.flatten(), ignore_index=IGNORE, reduction="sum").item()
             elif agree is None:
                 lo = torch.log_softmax(logits[0][:, s : s + chunk][keep].float(), -1)
                 nll[0] += F.nll_loss(lo, tgt[keep], reduction="sum").item()
+            elif saved is not None and f"{s}:values" in saved:
+                lc = torch.log_softmax(logits[-1][:, s : s + chunk][keep].float(), -1)
+                part = {k.split(":", 1)[1]: v for k, v in saved.items() if k.startswith(f"{s}:")}
+                _compare_top_k(part, lc, tgt[keep].to(lc.device), nll, agree)
             else:
                 original = (
                     saved[str(s)].to(logits[0].device) if saved is not None else logits[0][:, s : s + chunk][keep]

@@ -10,7 +10,9 @@ comparison needs is saved; each converted model is then scored against it. An en
 ``logits/<pass>/<batch>.safetensors``
     Per batch of windows, ``{chunk start: logits [n, vocab]}`` at the scored positions, in the
     model's own dtype: exact, so the replayed comparison equals the two-model pass bit for bit.
-    Size: scored tokens x vocab x dtype bytes (Llama-2: 64 KB per token in bf16).
+    Size: scored tokens x vocab x dtype bytes (Llama-2: 64 KB per token in bf16). With ``top_k``,
+    each token's top-k form instead (:func:`~mha2gqa.eval.perplexity.top_k_form`, 8k + 8 bytes):
+    perplexity, Δp, NLL statistics and same-top stay exact; both KLs become lower bounds.
 ``attention/<layer>.safetensors``
     The original's post-RoPE ``q``, ``k``, ``v``, its mask, output projection and layer output on
     the attention batch (one layer at a time is read back).
@@ -88,14 +90,26 @@ class Reference:
     manifest: dict[str, Any] = field(default_factory=dict)
 
     # -- logits -------------------------------------------------------------------------------
-    def recorder(self, name: str) -> Record:
-        """Saves each batch of pass ``name`` (for :func:`~mha2gqa.eval.perplexity.score_windows`)."""
+    def recorder(self, name: str, top_k: int = 0) -> Record:
+        """Saves each batch of pass ``name`` (for :func:`~mha2gqa.eval.perplexity.score_windows`):
+        the logits as they are (exact), or with ``top_k`` their top-k form."""
         from safetensors.torch import save_file
+
+        from mha2gqa.eval.perplexity import top_k_form
 
         folder = self.folder / "logits" / name
         folder.mkdir(parents=True, exist_ok=True)
-        return lambda index, chunks: save_file({k: v.contiguous() for k, v in chunks.items()},
-                                               folder / f"{index:06d}.safetensors")  # fmt: skip
+
+        def save(index: int, chunks: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+            out: dict[str, torch.Tensor] = {}
+            for start, (logits, ids) in chunks.items():
+                if top_k:
+                    out |= {f"{start}:{k}": v.cpu().contiguous() for k, v in top_k_form(logits, ids, top_k).items()}
+                else:
+                    out[start] = logits.cpu().contiguous()
+            save_file(out, folder / f"{index:06d}.safetensors")
+
+        return save
 
     def replayer(self, name: str) -> Replay:
         """Gives back what :meth:`recorder` saved for pass ``name``."""
@@ -170,11 +184,13 @@ def build(root: Path, key: str, material: dict[str, Any], need: int, inputs: Inp
     ref.folder = root / key
 
 
-def estimate_bytes(scored_tokens: int, vocab: int, element: int, attention: dict[str, int] | None) -> int:
-    """Bytes an entry needs: the logits of every scored token, and (``attention``: ``layers``,
+def estimate_bytes(scored_tokens: int, vocab: int, element: int, attention: dict[str, int] | None,
+                   top_k: int = 0) -> int:  # fmt: skip
+    """Bytes an entry needs: the logits of every scored token (or their top-k form, ``8 top_k + 8``
+    bytes each), and (``attention``: ``layers``,
     ``tokens`` B*T, ``seq_len`` T, ``batch`` B, ``heads``, ``kv_heads``, ``head_dim``, ``hidden``) each
     layer's q, k, v, layer output, output projection and a boolean mask, plus 1% for headers."""
-    total = scored_tokens * vocab * element
+    total = scored_tokens * (8 * top_k + 8 if top_k else vocab * element)
     if attention:
         a = attention
         per_token = (a["heads"] + 2 * a["kv_heads"]) * a["head_dim"] + a["hidden"]

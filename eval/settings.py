@@ -56,6 +56,10 @@ class EvalSettings:
     reference_cache: str | None = setting(None, help="Folder for the original's cached scores, reused by every "
                                           "conversion of it evaluated with the same text and settings [default: a "
                                           "temporary folder, removed afterwards].")  # fmt: skip
+    reference_top_k: int = setting(0, help="Cache the original's next-token distributions as their top K tokens "
+                                   "and one bucket for the rest (8K + 8 bytes a token instead of vocabulary x dtype): "
+                                   "perplexity, Δp and same-top stay exact, both KLs become lower bounds. 0: exact "
+                                   "logits.", minimum=0)  # fmt: skip
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
     progress: bool = setting(True, help="Progress bars.", cli=False)
 
@@ -64,6 +68,9 @@ class EvalSettings:
         check_device_name(self.device)
         check_dtype_name(self.dtype)
         check_text_source(self.data, "data")
+        if self.load_both and self.reference_top_k:
+            raise SettingError("reference_top_k", "{name} shapes the cached original's scores; with --load-both "
+                               "nothing is cached: drop one of them")  # fmt: skip
         if self.stride is not None and self.seq_len is not None and self.stride > self.seq_len:
             raise SettingError("stride", f"{{name}} {self.stride} must be between 1 and --seq-len {self.seq_len}")
         return self

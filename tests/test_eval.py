@@ -12,6 +12,7 @@ from conftest import FAMILY_CONFIGS, FIXTURES, random_model, requires_fixtures, 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.core.capture import capturing
+from mha2gqa.core.errors import SettingError
 from mha2gqa.eval.attention import _log_attention, _scores_mask, attention_similarity
 from mha2gqa.eval.harness import evaluate
 from mha2gqa.eval.perplexity import IGNORE, disjoint_windows, rolling_windows, score_windows, stride_windows
@@ -425,3 +426,29 @@ def test_rolling_window_defaults_to_the_models_full_length(tmp_path):
     r = evaluate(str(src), None, EvalSettings(data=str(text), protocols=("rolling",), progress=False))
     assert r["protocols"]["rolling"]["settings"]["seq_len"] == 4096  # lm-eval's max_length, not min(2048, ...)
     assert r["settings"]["seq_len"] == 2048  # the other protocols' default
+
+
+def test_top_k_reference_keeps_ppl_and_same_top_exact_and_bounds_kl_from_below(trained_pair, tmp_path):
+    src, _, pooled, text = trained_pair
+    kw = dict(data=str(text), seq_len=64, max_tokens=900, batch_size=2, attention=False, samples=0, progress=False)
+    exact = evaluate(str(src), str(pooled), EvalSettings(**kw))
+    vocab = exact["tokenizer"]["vocab_size"]
+    full = evaluate(str(src), str(pooled), EvalSettings(**kw, reference_top_k=vocab))  # every token kept
+    small = evaluate(str(src), str(pooled), EvalSettings(**kw, reference_top_k=4))
+    for r in (full, small):
+        for m in ("original", "converted"):
+            got, want = r["protocols"]["disjoint"][m]["nll_sum"], exact["protocols"]["disjoint"][m]["nll_sum"]
+            assert got == pytest.approx(want, rel=1e-6)
+        a, e = r["agreement"], exact["agreement"]
+        assert a["top1_agreement"] == e["top1_agreement"] and a["delta_p"]["mean"] == pytest.approx(
+            e["delta_p"]["mean"]
+        )
+    assert full["agreement"]["kl"]["mean"] == pytest.approx(exact["agreement"]["kl"]["mean"], rel=1e-4)
+    assert full["agreement"]["reference_rest_mass"]["max"] < 1e-6
+    # with 4 tokens and a bucket: a lower bound of each KL (log-sum inequality), and a smaller cache
+    assert small["agreement"]["kl"]["mean"] <= exact["agreement"]["kl"]["mean"] + 1e-9
+    assert small["agreement"]["kl_reverse"]["mean"] <= exact["agreement"]["kl_reverse"]["mean"] + 1e-9
+    assert 0 < small["agreement"]["reference_rest_mass"]["mean"] < 1
+    assert small["reference"]["form"] == "top-4" and small["reference"]["bytes"] < exact["reference"]["bytes"] / 4
+    with pytest.raises(SettingError, match="--load-both"):
+        evaluate(str(src), str(pooled), EvalSettings(**kw, reference_top_k=4, load_both=True))
