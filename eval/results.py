@@ -106,6 +106,8 @@ class Agreement:
     top1_error: float | None = None
     nll_delta_error: float | None = None
     nll_correlation: float | None = None
+    # against a top-k reference cache: the probability mass outside the kept tokens (KLs are lower bounds)
+    reference_rest_mass: dict[str, float] | None = None
 
 
 @dataclass

@@ -21,6 +21,9 @@ def summary_lines(results: Results) -> list[str]:
             f"agreement: KL mean {kl['mean']:.4f} (median {kl['median']:.4f}, q99 {kl['q99']:.4f}) nats, "
             f"top-1 {a.top1_agreement:.2%}, NLL delta {a.nll_delta:+.4f}"
         )
+        if a.reference_rest_mass is not None:
+            lines.append(f"  KLs against a top-k reference are lower bounds: mass outside the kept tokens mean "
+                         f"{a.reference_rest_mass['mean']:.2%}, max {a.reference_rest_mass['max']:.2%}")  # fmt: skip
         if a.delta_p is not None and a.kl_reverse is not None:
             dp = a.delta_p
             lines.append(

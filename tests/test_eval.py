@@ -450,5 +450,10 @@ def test_top_k_reference_keeps_ppl_and_same_top_exact_and_bounds_kl_from_below(t
     assert small["agreement"]["kl_reverse"]["mean"] <= exact["agreement"]["kl_reverse"]["mean"] + 1e-9
     assert 0 < small["agreement"]["reference_rest_mass"]["mean"] < 1
     assert small["reference"]["form"] == "top-4" and small["reference"]["bytes"] < exact["reference"]["bytes"] / 4
+    from mha2gqa.eval.results import Results
+    from mha2gqa.eval.summary import summary_lines
+
+    assert any("lower bounds" in line for line in summary_lines(Results.from_dict(small)))
+    assert not any("lower bounds" in line for line in summary_lines(Results.from_dict(exact)))
     with pytest.raises(SettingError, match="--load-both"):
         evaluate(str(src), str(pooled), EvalSettings(**kw, reference_top_k=4, load_both=True))
