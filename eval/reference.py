@@ -171,7 +171,11 @@ def build(root: Path, key: str, material: dict[str, Any], need: int, inputs: Inp
     """A new entry ``key`` under ``root``, written in a temporary folder beside it and published,
     manifest last, when the block succeeds (removed on any error or signal). Refused before any work
     when the disk has not ``need`` bytes free."""
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Mha2GqaError(f"--reference-cache {root}: cannot create it ({e.strerror or e}); choose a writable "
+                           "folder") from None  # fmt: skip
     free = shutil.disk_usage(root).free
     if need > free:
         raise Mha2GqaError(f"--reference-cache {root}: the original's scores need about {format_bytes(need)} and "

@@ -246,6 +246,9 @@ def eval_cmd(original: str, converted: str | None, output: Path | None, overwrit
         cache = check_overlap(Path(settings.reference_cache), inputs, "--reference-cache")
         if cache.exists() and not cache.is_dir():
             raise Mha2GqaError(f"--reference-cache {cache} is a file: give a folder")
+        existing = next(p for p in (cache, *cache.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise Mha2GqaError(f"--reference-cache {cache}: {existing} is not a writable folder; choose another")
     _check_models(**{"--original": original, "--converted": converted})
     from mha2gqa.eval.gates import check_gates, gates_record, verdict
     from mha2gqa.eval.harness import evaluate, is_main_process

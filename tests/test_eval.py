@@ -231,6 +231,15 @@ def test_bad_inputs_are_one_line_errors(trained_pair, tmp_path):
 
     build_tokenizer("zeta eta theta " * 200, 280).save_pretrained(other)
     assert "tokenizer mismatch" in cli_error("--original", src, "--converted", other, "--data", text, "--seq-len", "64")
+    pair = ("--original", src, "--converted", pooled, "--data", text, "--seq-len", "64")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert "is a file: give a folder" in cli_error(*pair, "--reference-cache", afile)
+    assert "is not a writable folder" in cli_error(*pair, "--reference-cache", afile / "sub")
+    assert "lies inside" in cli_error(*pair, "--reference-cache", src / "cache")
+    assert "cannot create it" in cli_error(*pair, "--reference-cache", "/proc/mha2gqa-cache")
+    assert "must be at least 0" in cli_error(*pair, "--reference-top-k", "-1")
+    assert "with --load-both" in cli_error(*pair, "--reference-top-k", "8", "--load-both")
 
 
 @requires_fixtures("stories260K-mha-expanded", "text")
