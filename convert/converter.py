@@ -18,12 +18,13 @@ from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
-from mha2gqa.core.dims import query_heads_per_kv_head
+from mha2gqa.core.dims import PER_LAYER_KEY, query_heads_per_kv_head
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
 from mha2gqa.core.families import Family
 from mha2gqa.core.output import staged_output
+from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
 from mha2gqa.core.shard_writer import OutputTensor, write_checkpoint
 
@@ -47,11 +48,14 @@ class ConversionResult:
     total_size: int
     seconds: float
     record: dict[str, Any] = field(repr=False)
+    kv_heads_per_layer: list[int] | None = None  # a per-layer conversion's count of each layer
 
     def summary(self) -> str:
         """One line for the terminal."""
+        after = f"{','.join(map(str, self.kv_heads_per_layer))} (per layer)" if self.kv_heads_per_layer else (
+            str(self.num_kv_heads_after))  # fmt: skip
         return (
-            f"{self.family}: KV heads {self.num_kv_heads_before} -> {self.num_kv_heads_after} "
+            f"{self.family}: KV heads {self.num_kv_heads_before} -> {after} "
             f"({self.num_heads} query heads, {self.num_layers} layers, method {self.method}); "
             f"KV cache {self.kv_cache_bytes_per_token_before:,} -> {self.kv_cache_bytes_per_token_after:,} "
             f"bytes/token ({self.kv_cache_dtype}); wrote {self.total_size / 2**20:,.1f} MiB in "
@@ -61,24 +65,25 @@ class ConversionResult:
 
 def _calibrate(source: Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] | None]:
     """Calibration statistics (None when the method needs none) and their record."""
-    if not source.layered or s.num_kv_heads == source.dims.num_kv_heads:
+    if not source.layered or not source.changes:
         return None, None
     if not s.calibration:  # a layer method that works from the weights alone (aligned)
         return None, {"data": None, "tokens": 0, "rotary_dim": source.dims.rotary, "weights_only": True}
     from mha2gqa.convert.calibration.streaming import collect
 
-    stats = collect(source.ckpt.folder, s.num_kv_heads, s.calibration, s.calibration_tokens, s.calibration_seq_len,
+    groups = source.targets if source.per_layer else s.num_kv_heads
+    stats = collect(source.ckpt.folder, groups, s.calibration, s.calibration_tokens, s.calibration_seq_len,
                     s.device, grouping=s.grouping, allow_pickle=s.allow_pickle, progress=s.progress)  # fmt: skip
     return stats, {"data": s.calibration, "tokens": stats.tokens, "rotary_dim": stats.rotary_dim}
 
 
-def _layer_groups(stats, groups: int) -> dict[str, list[list[int]]] | None:
+def _layer_groups(stats, targets: tuple[int, ...]) -> dict[str, list[list[int]]] | None:
     """Which source KV heads each new KV head pools, per layer (similarity grouping)."""
     if stats is None:
         return None
     out = {}
     for layer, st in sorted(stats.layers.items()):
-        perm = st.perm or []
+        perm, groups = st.perm or [], targets[layer]
         size = len(perm) // groups if perm else 0
         out[str(layer)] = [perm[j * size : (j + 1) * size] for j in range(groups)] if perm else None
     return out
@@ -112,7 +117,8 @@ def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
 def _record(source: Source, s: ConvertSettings, stats: Any, calibration: dict[str, Any] | None,
             tensors: list[OutputTensor]) -> dict[str, Any]:  # fmt: skip
     """The conversion record (``mha2gqa_conversion.json``): settings, shapes, what changed, KV bytes."""
-    dims, g = source.dims, s.num_kv_heads
+    dims, targets = source.dims, source.targets
+    g = max(targets)
     kv_dtype = _kv_dtype(source.ckpt, source.family)
     esize = BY_CODE[kv_dtype].bytes
     rewrites = sorted(set(source.method.rewrites) | ({"q", "o"} if source.grouping.reorders else set()),
@@ -123,20 +129,21 @@ def _record(source: Source, s: ConvertSettings, stats: Any, calibration: dict[st
         "calibration": calibration,
         "grouping": s.grouping,
         "grouping_summary": source.grouping.summary,
-        "source_kv_heads_per_kv_head_by_layer": _layer_groups(stats, g) if source.grouping.reorders else None,
+        "source_kv_heads_per_kv_head_by_layer": _layer_groups(stats, targets) if source.grouping.reorders else None,
         "seed": s.seed if source.method.kind == "fresh" else None,
         "num_layers": dims.num_layers,
         "num_heads": dims.num_heads,
         "num_kv_heads_before": dims.num_kv_heads,
         "num_kv_heads_after": g,
+        "num_kv_heads_per_layer": list(targets) if source.per_layer else None,
         "head_dim": dims.head_dim,
         "query_heads_per_kv_head": query_heads_per_kv_head(dims.num_heads, g),
         "source_kv_heads_per_kv_head": query_heads_per_kv_head(dims.num_kv_heads, g),
-        "rewrites": rewrites if g != dims.num_kv_heads else [],
+        "rewrites": rewrites if source.changes else [],
         "rewritten": rewritten(tensors, source.family),
         "kv_cache_dtype": kv_dtype,
         "kv_cache_bytes_per_token_before": dims.kv_cache_bytes_per_token(None, esize),
-        "kv_cache_bytes_per_token_after": dims.kv_cache_bytes_per_token(g, esize),
+        "kv_cache_bytes_per_token_after": 2 * sum(targets) * dims.head_dim * esize,
     }
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")}
     return {"mha2gqa_version": version(), "created": now(), "family": source.family.family,
@@ -186,13 +193,22 @@ def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTe
            record: dict[str, Any]) -> Any:  # fmt: skip
     """Write the converted checkpoint into a staged folder beside ``dst`` and rename it into place."""
     ckpt = source.ckpt
-    new_config = {**ckpt.config, "num_key_value_heads": s.num_kv_heads}
+    new_config = {**ckpt.config, "num_key_value_heads": max(source.targets)}
+    modeling = None
+    if source.per_layer:  # layers with their own KV heads: loaded by mha2gqa, or transformers + remote code
+        from mha2gqa.core.per_layer import auto_map, modeling_source
+
+        base = (ckpt.config.get("architectures") or [source.family.architectures[0]])[0]
+        new_config |= {PER_LAYER_KEY: list(source.targets), "auto_map": auto_map(base)}
+        modeling = modeling_source(base)
     staged = staged_output(dst, s.overwrite, inputs_of(ckpt, s), remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         written = write_checkpoint(tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync,
                                    after_each=checks.poll)  # fmt: skip
         checks.wait()
         (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
+        if modeling is not None:
+            (tmp / MODELING_FILE).write_text(modeling, encoding="utf-8")
         for name in AUX_FILES:
             if (ckpt.folder / name).is_file():
                 shutil.copyfile(ckpt.folder / name, tmp / name)
@@ -202,9 +218,10 @@ def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTe
     return written
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, num_kv_heads: int, method: str | None = None,
+def convert_checkpoint(src: str | Path, dst: str | Path, num_kv_heads: int | None, method: str | None = None,
                        **options: Any) -> ConversionResult:  # fmt: skip
-    """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``.
+    """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``
+    (``None`` with ``num_kv_heads_per_layer="8,4,..."``: each layer its own count).
 
     ``method`` and ``options`` are the fields of :class:`~mha2gqa.convert.settings.ConvertSettings`
     (their defaults and meaning are there; the methods are in :mod:`mha2gqa.convert.methods`).
@@ -216,14 +233,15 @@ def convert_checkpoint(src: str | Path, dst: str | Path, num_kv_heads: int, meth
     s = ConvertSettings(num_kv_heads=num_kv_heads, **({"method": method} if method else {}), **options).check()
     source = preflight(src, Path(dst), s)
     stats, calibration = _calibrate(source, s)
-    tensors = plan_conversion(source.ckpt, source.family, source.dims, s.num_kv_heads, source.method, stats, s.seed)
+    tensors = plan_conversion(source.ckpt, source.family, source.dims, source.targets, source.method, stats, s.seed)
     record = _record(source, s, stats, calibration, tensors)
     written = _write(Path(dst), source, s, tensors, record)
     conv = record["conversion"]
     return ConversionResult(
         output=Path(dst).absolute(), family=source.family.family, method=s.method, num_layers=source.dims.num_layers,
         num_heads=source.dims.num_heads, num_kv_heads_before=source.dims.num_kv_heads,
-        num_kv_heads_after=s.num_kv_heads, head_dim=source.dims.head_dim,
+        num_kv_heads_after=max(source.targets), head_dim=source.dims.head_dim,
+        kv_heads_per_layer=list(source.targets) if source.per_layer else None,
         kv_cache_bytes_per_token_before=conv["kv_cache_bytes_per_token_before"],
         kv_cache_bytes_per_token_after=conv["kv_cache_bytes_per_token_after"], kv_cache_dtype=conv["kv_cache_dtype"],
         files=written.files, total_size=written.total_size, seconds=time.perf_counter() - start, record=record,

@@ -26,6 +26,17 @@ class Source:
     dims: AttentionDims
     method: Method
     grouping: Grouping
+    targets: tuple[int, ...] = ()  # KV heads of each output layer
+
+    @property
+    def per_layer(self) -> bool:
+        """Layers end with different KV-head counts."""
+        return len(set(self.targets)) > 1
+
+    @property
+    def changes(self) -> bool:
+        """Some layer's KV-head count changes (otherwise the output is a copy)."""
+        return any(t != self.dims.num_kv_heads for t in self.targets)
 
     @property
     def layered(self) -> bool:
@@ -45,17 +56,42 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
     check_destination(dst, s.overwrite, inputs_of(ckpt, s))
     family = detect_family(ckpt.config)
     dims = AttentionDims.from_config(ckpt.config)
-    dims.check_kv_heads(s.num_kv_heads)
+    if dims.kv_heads_per_layer:
+        raise Mha2GqaError(f"{ckpt.folder}: its layers already have different KV-head counts; convert its MHA "
+                           "source instead")  # fmt: skip
+    targets = _targets(s, dims, family)
     _check_layers(ckpt, family, dims)
     if s.check_finite:
         ckpt.check_finite()
-    source = Source(ckpt, family, dims, method, grouping)
-    if s.num_kv_heads != dims.num_kv_heads:
+    source = Source(ckpt, family, dims, method, grouping, targets)
+    if source.changes:
         reason = refusal(method, grouping, family)
         if reason:
             raise SettingError("method", reason)
         s.check_calibration()
     return source
+
+
+def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[int, ...]:
+    """Each output layer's KV heads, checked; a per-layer list of equal values becomes ``-g``."""
+    per_layer = s.per_layer_heads()
+    if per_layer is None:
+        dims.check_kv_heads(s.num_kv_heads)
+        return (s.num_kv_heads,) * dims.num_layers
+    if len(per_layer) != dims.num_layers:
+        raise SettingError("num_kv_heads_per_layer", f"{{name}} has {len(per_layer)} values for a model with "
+                           f"{dims.num_layers} layers: give one per layer")  # fmt: skip
+    for g in per_layer:
+        dims.check_kv_heads(g, "num_kv_heads_per_layer")
+    if len(set(per_layer)) == 1:  # the uniform conversion, exactly
+        s.num_kv_heads, s.num_kv_heads_per_layer = per_layer[0], None
+        return per_layer
+    if family.fused or (family.k_norm is not None and family.k_norm.layout != "shared"):
+        raise SettingError("num_kv_heads_per_layer", f"{{name}}: {family.family} keeps K/V in a fused projection "
+                           "or a per-head norm sized by the KV heads; per-layer counts support families with "
+                           "separate q/k/v projections (llama, mistral, qwen2, qwen3, gemma, phi, olmo, starcoder2); "
+                           "use -g")  # fmt: skip
+    return per_layer
 
 
 def _check_layers(ckpt: Checkpoint, family: Family, dims: AttentionDims) -> None:

@@ -19,7 +19,12 @@ _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
 class ConvertSettings:
     """How a checkpoint is converted (``convert_checkpoint(src, dst, **fields)``)."""
 
-    num_kv_heads: int = setting(help="KV heads after conversion (a divisor of the current count).", short="-g")
+    num_kv_heads: int | None = setting(None, help="KV heads after conversion (a divisor of the current count).",
+                                       short="-g", minimum=1)  # fmt: skip
+    num_kv_heads_per_layer: str | None = setting(None, help="KV heads of each layer instead of -g, comma-separated "
+                                                 "(e.g. 8,8,4,2 for 4 layers), each a divisor of the current count; "
+                                                 "the output loads with mha2gqa's tools, and with transformers "
+                                                 "through trust_remote_code.")  # fmt: skip
     method: str = setting("mean", help=f"How heads merge. {_METHODS_HELP}.", choices=tuple(METHODS))
     grouping: str = setting("contiguous", help="Which heads share a KV head: " + "; ".join(
         f"{g.name}: {g.summary}" for g in GROUPINGS.values()) + ".", choices=tuple(GROUPINGS))  # fmt: skip
@@ -44,6 +49,10 @@ class ConvertSettings:
     def check(self) -> ConvertSettings:
         """Every value checked (types, ranges, choices, how settings combine), before any work."""
         validate(self)
+        if (self.num_kv_heads is None) == (self.num_kv_heads_per_layer is None):
+            raise SettingError("num_kv_heads", "give {name} (every layer) or --num-kv-heads-per-layer (each layer), "
+                               "one of the two")  # fmt: skip
+        self.per_layer_heads()
         check_device_name(self.device)
         check_text_source(self.calibration, "calibration")
         try:
@@ -55,6 +64,24 @@ class ConvertSettings:
             raise SettingError("grouping", f"{{name}} {grouping.name} does not apply to --method {method.name} "
                                "(fresh K/V ignore the grouping)")  # fmt: skip
         return self
+
+    def per_layer_heads(self) -> tuple[int, ...] | None:
+        """``--num-kv-heads-per-layer`` as integers (None when not given)."""
+        if self.num_kv_heads_per_layer is None:
+            return None
+        try:
+            values = tuple(int(v) for v in str(self.num_kv_heads_per_layer).split(","))
+        except ValueError:
+            raise SettingError("num_kv_heads_per_layer", f"{{name}} {self.num_kv_heads_per_layer!r}: give "
+                               "comma-separated integers, one per layer, e.g. 8,8,4,2") from None  # fmt: skip
+        if any(v < 1 for v in values):
+            raise SettingError("num_kv_heads_per_layer", f"{{name}} {self.num_kv_heads_per_layer}: every count must "
+                               "be at least 1")  # fmt: skip
+        return values
+
+    def targets(self, num_layers: int) -> tuple[int, ...]:
+        """The KV heads of each output layer."""
+        return self.per_layer_heads() or (self.num_kv_heads,) * num_layers
 
     def check_calibration(self) -> None:
         """Calibration text must be given when the method or grouping needs it (checked once the

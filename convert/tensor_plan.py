@@ -78,9 +78,9 @@ class LayerMerge:
 class _Planner:
     """The rules of one conversion: output tensor name -> how it is made."""
 
-    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, method: Method,
-                 stats: Any, seed: int) -> None:  # fmt: skip
-        self.ckpt, self.family, self.dims, self.g = ckpt, family, dims, groups
+    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, targets: tuple[int, ...],
+                 method: Method, stats: Any, seed: int) -> None:  # fmt: skip
+        self.ckpt, self.family, self.dims, self.targets = ckpt, family, dims, targets
         self.method, self.stats, self.seed = method, stats, seed
         self.std = float(ckpt.config.get("initializer_range", 0.02))
         self.rules: dict[str, OutputTensor] = {}
@@ -106,20 +106,20 @@ class _Planner:
 
     def layer_merge(self, layer: int) -> None:
         """q/k/v/o of ``layer`` merged together."""
-        d, kv = self.dims.head_dim, self.dims.num_kv_heads
-        merge = LayerMerge(self.ckpt, self.family, self.dims, self.g, layer, self.stats, self.method)
+        d, kv, g = self.dims.head_dim, self.dims.num_kv_heads, self.targets[layer]
+        merge = LayerMerge(self.ckpt, self.family, self.dims, g, layer, self.stats, self.method)
         for role, name in merge.names().items():
             rows = self.ckpt.tensors[name].shape[0]
             if role in ("k", "k_bias", "v", "v_bias"):
-                rows = self.need(name, kv * d).shape[0] // kv * self.g
+                rows = self.need(name, kv * d).shape[0] // kv * g
             elif role.startswith("qkv"):
                 self.need(name, (self.dims.num_heads + 2 * kv) * d)
-                rows = (self.dims.num_heads + 2 * self.g) * d
+                rows = (self.dims.num_heads + 2 * g) * d
             self.computed(name, (rows, *self.ckpt.tensors[name].shape[1:]), partial(merge.get, name))
 
     def projections(self, layer: int, reducer: Reducer | None) -> None:
         """K/V (or the fused qkv) of ``layer`` pooled by ``reducer``, or fresh when it is None."""
-        d, kv, g, dims = self.dims.head_dim, self.dims.num_kv_heads, self.g, self.dims
+        d, kv, g, dims = self.dims.head_dim, self.dims.num_kv_heads, self.targets[layer], self.dims
         fam = self.family
         for module in (fam.qkv_proj,) if fam.fused else (fam.k_proj, fam.v_proj):
             for suffix in SUFFIXES:
@@ -129,16 +129,16 @@ class _Planner:
                 if fam.fused:
                     info = self.need(name, (dims.num_heads + 2 * kv) * d)
                     shape = ((dims.num_heads + 2 * g) * d, *info.shape[1:])
-                    self.computed(name, shape, partial(self._fused, name, reducer, self.seed + layer * 7919))
+                    self.computed(name, shape, partial(self._fused, name, reducer, self.seed + layer * 7919, g))
                 elif reducer is None:
                     self.fresh(name, (g * d, *self.need(name, kv * d).shape[1:]), suffix[1:])
                 else:
                     shape = (g * d, *self.need(name, kv * d).shape[1:])
-                    self.computed(name, shape, partial(self._pooled, name, reducer))
+                    self.computed(name, shape, partial(self._pooled, name, reducer, g))
 
     def k_norms(self, layer: int, reducer: Reducer | None) -> None:
         """Per-head key norms of ``layer`` (``rows`` or ``indexed`` layout) pooled, or fresh."""
-        norm, d, kv, g = self.family.k_norm, self.dims.head_dim, self.dims.num_kv_heads, self.g
+        norm, d, kv, g = self.family.k_norm, self.dims.head_dim, self.dims.num_kv_heads, self.targets[layer]
         if norm is not None and norm.layout == "rows":
             name = norm.name.format(layer=layer)
             if name in self.ckpt.tensors:
@@ -146,7 +146,7 @@ class _Planner:
                 if reducer is None:
                     self.fresh(name, (g * d,), "norm")
                 else:
-                    self.computed(name, (g * d,), partial(self._pooled, name, reducer))
+                    self.computed(name, (g * d,), partial(self._pooled, name, reducer, g))
         elif norm is not None and norm.layout == "indexed":
             names = [norm.name.format(layer=layer, head=h) for h in range(kv)]
             if all(n in self.ckpt.tensors for n in names):
@@ -156,23 +156,23 @@ class _Planner:
                     if reducer is None:
                         self.fresh(names[h], shape, "norm")
                     else:
-                        self.computed(names[h], shape, partial(self._pooled_indexed, names, h, reducer))
+                        self.computed(names[h], shape, partial(self._pooled_indexed, names, h, reducer, g))
 
-    def _pooled(self, name: str, reducer: Reducer) -> torch.Tensor:
-        return reduce_rows(self.ckpt.load(name), self.g, self.dims.head_dim, reducer)
+    def _pooled(self, name: str, reducer: Reducer, g: int) -> torch.Tensor:
+        return reduce_rows(self.ckpt.load(name), g, self.dims.head_dim, reducer)
 
-    def _fused(self, name: str, reducer: Reducer | None, seed: int) -> torch.Tensor:
+    def _fused(self, name: str, reducer: Reducer | None, seed: int, g: int) -> torch.Tensor:
         dims = self.dims
         if reducer is None:
             kind = "weight" if name.endswith(".weight") else "bias"
-            return fresh_fused(self.ckpt.load(name), kind, dims.num_heads, dims.num_kv_heads, self.g, dims.head_dim,
+            return fresh_fused(self.ckpt.load(name), kind, dims.num_heads, dims.num_kv_heads, g, dims.head_dim,
                                self.std, seed)  # fmt: skip
         q, k, v = split_fused_qkv(self.ckpt.load(name), dims.num_heads, dims.num_kv_heads, dims.head_dim)
-        return torch.cat([q, reduce_rows(k, self.g, dims.head_dim, reducer),
-                          reduce_rows(v, self.g, dims.head_dim, reducer)])  # fmt: skip
+        return torch.cat([q, reduce_rows(k, g, dims.head_dim, reducer),
+                          reduce_rows(v, g, dims.head_dim, reducer)])  # fmt: skip
 
-    def _pooled_indexed(self, names: list[str], head: int, reducer: Reducer) -> torch.Tensor:
-        per = len(names) // self.g
+    def _pooled_indexed(self, names: list[str], head: int, reducer: Reducer, g: int) -> torch.Tensor:
+        per = len(names) // g
         members = names[head * per : (head + 1) * per]
         return reduce_stacked([self.ckpt.load(n) for n in members], 1, reducer)[0]
 
@@ -193,16 +193,18 @@ class _Planner:
         return out
 
 
-def plan_conversion(ckpt: Checkpoint, family: Family, dims: AttentionDims, num_kv_heads: int, method: Method,
-                    stats: Any = None, seed: int = 0) -> list[OutputTensor]:  # fmt: skip
+def plan_conversion(ckpt: Checkpoint, family: Family, dims: AttentionDims, num_kv_heads: int | tuple[int, ...],
+                    method: Method, stats: Any = None, seed: int = 0) -> list[OutputTensor]:  # fmt: skip
     """Every output tensor, in source storage order: byte copies except what ``method`` changes
     (K/V for ``pool``/``fresh`` methods; Q, K, V and O for ``layer`` methods and under similarity
     grouping, whose permutation is in the calibration ``stats``).
 
     Tensor shapes (head_dim x KV heads rows) are checked here, so a wrong config fails before
-    anything is written. ``num_kv_heads`` equal to the current count is an exact copy."""
-    planner = _Planner(ckpt, family, dims, num_kv_heads, method, stats, seed)
-    layers = range(dims.num_layers) if num_kv_heads != dims.num_kv_heads else range(0)
+    anything is written. ``num_kv_heads``: one count for every layer, or one per layer; a layer
+    keeping its current count is an exact copy."""
+    targets = num_kv_heads if isinstance(num_kv_heads, tuple) else (num_kv_heads,) * dims.num_layers
+    planner = _Planner(ckpt, family, dims, targets, method, stats, seed)
+    layers = [layer for layer in range(dims.num_layers) if targets[layer] != dims.num_kv_heads]
     reducer = method.load() if method.kind == "pool" else None
     for layer in layers:
         perm = stats.layers[layer].perm if stats is not None else None

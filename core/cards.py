@@ -11,10 +11,22 @@ import yaml
 
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 
+_PER_LAYER_NOTE = (
+    "Each layer has its own KV-head count (`num_key_value_heads_per_layer` in `config.json`). Load it with "
+    "mha2gqa's tools, or with transformers: `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` "
+    "(the class is in `modeling_mha2gqa.py`, written by mha2gqa).\n\n"
+)
+
+
+def _after(conv: dict[str, Any]) -> str:
+    """The KV heads after the conversion: one count, or each layer's."""
+    per_layer = conv.get("num_kv_heads_per_layer")
+    return f"{', '.join(map(str, per_layer))} per layer" if per_layer else str(conv["num_kv_heads_after"])
+
 
 def changes(conv: dict[str, Any]) -> str:
     """What the conversion changed, in words: method, grouping, and every rewritten tensor."""
-    if conv["num_kv_heads_after"] == conv["num_kv_heads_before"]:
+    if conv["num_kv_heads_after"] == conv["num_kv_heads_before"] and not conv.get("num_kv_heads_per_layer"):
         return "The KV-head count did not change: every tensor is a byte-for-byte copy of the source."
     how = f"method `{conv['method']}`" + (f" ({conv['method_summary']})" if conv.get("method_summary") else "")
     if conv.get("grouping") not in (None, "contiguous"):
@@ -43,13 +55,16 @@ def model_card(record: dict[str, Any]) -> str:
         f"KV {j}: q {g[0]}-{g[-1]}" if len(g) > 1 else f"KV {j}: q {g[0]}"
         for j, g in enumerate(conv["query_heads_per_kv_head"])
     )
+    if conv.get("num_kv_heads_per_layer"):  # consecutive query heads share each KV head, layer by layer
+        groups = "; ".join(f"layer {i}: {conv['num_heads'] // g} query heads per KV head"
+                           for i, g in enumerate(conv["num_kv_heads_per_layer"]))  # fmt: skip
     rows = [
         ("source", f"`{base}`" + (f" @ `{src['revision']}`" if src.get("revision") else "")),
         ("family", record["family"]),
         ("method", f"`{conv['method']}`"),
         ("grouping", f"`{conv.get('grouping') or 'contiguous'}`"),
         ("query heads", conv["num_heads"]),
-        ("KV heads", f"{conv['num_kv_heads_before']} → {conv['num_kv_heads_after']}"),
+        ("KV heads", f"{conv['num_kv_heads_before']} → {_after(conv)}"),
         ("head_dim", conv["head_dim"]),
         ("layers", conv["num_layers"]),
         (
@@ -70,8 +85,9 @@ def model_card(record: dict[str, Any]) -> str:
     )
     return (
         "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
-        f"# {base} as grouped-query attention ({conv['num_kv_heads_after']} KV heads)\n\n"
-        f"{changes(conv)}\n\n{quality}\n\n| setting | value |\n|---|---|\n{table}\n\n"
+        f"# {base} as grouped-query attention ({_after(conv)} KV heads)\n\n"
+        + (_PER_LAYER_NOTE if conv.get("num_kv_heads_per_layer") else "")
+        + f"{changes(conv)}\n\n{quality}\n\n| setting | value |\n|---|---|\n{table}\n\n"
         f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(conv, indent=2)}\n```\n"
     )
 

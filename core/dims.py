@@ -38,6 +38,9 @@ class AttentionDims:
     head_dim: int
     hidden_size: int
     rotary_dim: int | None = None  # None: the whole head (or no rotary)
+    #: KV heads of each layer when they differ (``num_key_value_heads_per_layer``); ``num_kv_heads``
+    #: is then their largest
+    kv_heads_per_layer: tuple[int, ...] | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> AttentionDims:
@@ -63,7 +66,15 @@ class AttentionDims:
         )
         if not isinstance(factor, int | float) or not 0 < factor <= 1:
             raise Mha2GqaError(f"config.json: partial_rotary_factor must be in (0, 1] (found {factor!r})")
-        return cls(layers, heads, kv, head_dim, hidden, int(head_dim * factor))
+        per_layer = config_value(config, PER_LAYER_KEY)
+        if per_layer is not None:
+            per_layer = check_per_layer(per_layer, layers, heads, f"config.json: {PER_LAYER_KEY}")
+            kv = max(per_layer)
+        return cls(layers, heads, kv, head_dim, hidden, int(head_dim * factor), per_layer)
+
+    def kv_heads_of(self, layer: int) -> int:
+        """The KV heads of ``layer``."""
+        return self.kv_heads_per_layer[layer] if self.kv_heads_per_layer else self.num_kv_heads
 
     @property
     def rotary(self) -> int:
@@ -73,6 +84,8 @@ class AttentionDims:
     def kv_cache_bytes_per_token(self, num_kv_heads: int | None = None, bytes_per_element: int = 2) -> int:
         """K and V of every layer for one token: ``2 * layers * kv_heads * head_dim * bytes``
         (``num_kv_heads``: the model's own when None)."""
+        if num_kv_heads is None and self.kv_heads_per_layer:
+            return 2 * sum(self.kv_heads_per_layer) * self.head_dim * bytes_per_element
         g = self.num_kv_heads if num_kv_heads is None else num_kv_heads
         return 2 * self.num_layers * g * self.head_dim * bytes_per_element
 
@@ -95,6 +108,22 @@ class AttentionDims:
                 f"{{name}} {num_kv_heads} is not valid for a model with {cur} KV heads: "
                 f"choose a divisor of {cur} ({valid})",
             )
+
+
+#: The config key of a checkpoint whose layers have different KV-head counts (written by ``convert
+#: --num-kv-heads-per-layer``; read by mha2gqa's loader and the modeling file beside the weights).
+PER_LAYER_KEY = "num_key_value_heads_per_layer"
+
+
+def check_per_layer(values: Any, layers: int, heads: int, what: str) -> tuple[int, ...]:
+    """``values``: one positive KV-head count per layer, each dividing ``heads``."""
+    if not isinstance(values, list | tuple) or len(values) != layers:
+        raise Mha2GqaError(f"{what}: give one KV-head count for each of the {layers} layers (found {values!r})")
+    for i, g in enumerate(values):
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or heads % g:
+            raise Mha2GqaError(f"{what}: layer {i} has {g!r} KV heads; each must be a positive divisor of the "
+                               f"{heads} query heads")  # fmt: skip
+    return tuple(values)
 
 
 def query_heads_per_kv_head(num_heads: int, num_kv_heads: int) -> list[list[int]]:

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from mha2gqa.core.dims import PER_LAYER_KEY
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.per_layer import causal_lm_class, per_layer_class
 
 #: Buffers that old checkpoints carry and transformers ignores when loading.
 _IGNORABLE = (re.compile(r"\.rotary_emb\.inv_freq$"), re.compile(r"\.attn\.(masked_)?bias$"))
@@ -40,7 +42,10 @@ def expected_tensors(config: dict[str, Any]) -> Expected:
     try:
         cfg = AutoConfig.for_model(model_type, **cfg_dict)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            if PER_LAYER_KEY in cfg_dict:  # each layer its own KV heads (mha2gqa's per-layer class)
+                model = per_layer_class(causal_lm_class(cfg))(cfg)
+            else:
+                model = AutoModelForCausalLM.from_config(cfg)
     finally:
         logging.set_verbosity(verbosity)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

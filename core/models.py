@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from mha2gqa.core.checkpoint import resolve_folder
+from mha2gqa.core.checkpoint import read_config, resolve_folder
 from mha2gqa.core.devices import check_device_name, check_dtype_name
-from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.dims import PER_LAYER_KEY, AttentionDims
 from mha2gqa.core.dtypes import by_name, from_torch
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.records import UPTRAIN_RECORD, read_conversion_record
@@ -58,6 +58,7 @@ class LoadedModel:
             "num_layers": dims.num_layers,
             "num_heads": dims.num_heads,
             "num_kv_heads": dims.num_kv_heads,
+            **({"kv_heads_per_layer": list(dims.kv_heads_per_layer)} if dims.kv_heads_per_layer else {}),
             "head_dim": dims.head_dim,
             "max_positions": getattr(cfg, "max_position_embeddings", None),
             "parameters": sum(p.numel() for p in self.model.parameters()),
@@ -87,7 +88,14 @@ def load_model(
         kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
         if device_map:
             kwargs["device_map"] = device_map
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        cls = AutoModelForCausalLM
+        if PER_LAYER_KEY in read_config(folder):  # layers with their own KV-head counts
+            from transformers import AutoConfig
+
+            from mha2gqa.core.per_layer import causal_lm_class, per_layer_class
+
+            cls = per_layer_class(causal_lm_class(AutoConfig.from_pretrained(folder)))
+        model = cls.from_pretrained(folder, **kwargs)
     except (OSError, ValueError) as e:
         raise Mha2GqaError(f"{path}: cannot be loaded as a causal LM: {str(e).splitlines()[0]}") from None
     if not device_map:

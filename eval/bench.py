@@ -71,7 +71,7 @@ def bench_model(
     cfg = model.config
     dims = AttentionDims.from_config(cfg)
     element = next(iter(out.past_key_values.layers)).keys.element_size()
-    planned = dims.kv_cache_bytes_per_token(dims.num_kv_heads, element) * tokens * batch_size
+    planned = dims.kv_cache_bytes_per_token(None, element) * tokens * batch_size  # per-layer counts too
     return {
         "prefill_seconds": _stats(prefill),
         "decode_tokens_per_second": _stats(decode),

@@ -24,6 +24,7 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.models import resolve_device
+from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG, UPTRAIN_RECORD, now, read_conversion_record, version
 from mha2gqa.core.runlog import RunLog, read_log
 from mha2gqa.core.signals import check as check_signals
@@ -266,6 +267,9 @@ class _Trainer:
         }
         if self.conv_record:
             files[CONVERSION_RECORD] = json.dumps(self.conv_record, indent=2) + "\n"
+        modeling = self.plan.student_folder / MODELING_FILE
+        if modeling.is_file():  # a per-layer student: its class travels with the weights
+            files[MODELING_FILE] = modeling.read_text(encoding="utf-8")
         return files
 
     def checkpoint(self, step: int) -> None:

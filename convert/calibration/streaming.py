@@ -151,8 +151,8 @@ def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tupl
 
 
 @torch.inference_mode()
-def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int | None = None, device: str = "auto",
-            text_field: str = "text", grouping: str = "contiguous", allow_pickle: bool = False,
+def collect(model_dir: Path, groups: int | tuple[int, ...], data: str, tokens: int, seq_len: int | None = None,
+            device: str = "auto", text_field: str = "text", grouping: str = "contiguous", allow_pickle: bool = False,
             compact: bool = True, progress: bool = False) -> CalibrationStats:  # fmt: skip
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
     ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model layer by
@@ -164,8 +164,10 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     With ``grouping="similarity"`` each layer's statistics are first gathered over all source KV
     heads, which then form the equal groups that lose least in the merge
     (:func:`~mha2gqa.convert.calibration.grouping.least_residual_groups`), recorded as ``perm`` on
-    the layer's statistics. With ``compact`` (the default) each finished layer keeps only what the
-    merges read (:meth:`LayerStats.compact`)."""
+    the layer's statistics. ``groups`` may give each layer its own count (a per-layer conversion):
+    the statistics are then gathered over all source heads too and cut into that layer's groups.
+    With ``compact`` (the default) each finished layer keeps only what the merges read
+    (:meth:`LayerStats.compact`)."""
     from tqdm.auto import tqdm
 
     from mha2gqa.core.capture import capturing
@@ -180,8 +182,10 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
     seq_len = min(seq_len or 512, getattr(model.config, "max_position_embeddings", None) or 512)
     windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
     states = _first_layer_inputs(model, ckpt, windows, dev)
-    stats = CalibrationStats(groups, dims.head_dim, dims.rotary, source=data)
-    full = CalibrationStats(1, dims.head_dim, dims.rotary) if grouping == "similarity" else stats
+    per_layer = groups if isinstance(groups, tuple) else None
+    stats = CalibrationStats(max(per_layer) if per_layer else groups, dims.head_dim, dims.rotary, source=data)
+    split = grouping == "similarity" or per_layer is not None
+    full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
     prefix = f"{model.base_model_prefix}.layers."
     layers = model.base_model.layers
     desc = f"calibrating {len(layers)} layers on {windows.numel():,} tokens"
@@ -198,7 +202,11 @@ def collect(model_dir: Path, groups: int, data: str, tokens: int, seq_len: int |
             _release(layer)
             if full is not stats:  # choose this layer's groups, keep only their blocks
                 layer_full = full.layers.pop(i)
-                stats.layers[i] = regroup(layer_full, least_residual_groups(layer_full, groups), dims.num_heads)
+                g = per_layer[i] if per_layer else groups
+                size = dims.num_kv_heads // g
+                chosen = (least_residual_groups(layer_full, g) if grouping == "similarity"
+                          else [list(range(j * size, (j + 1) * size)) for j in range(g)])  # fmt: skip
+                stats.layers[i] = regroup(layer_full, chosen, dims.num_heads)
             if compact:
                 stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
     stats.tokens = windows.numel()

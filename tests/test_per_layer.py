@@ -1,0 +1,150 @@
+"""Per-layer KV-head counts (issue 13, explicit lists): exact oracles, loading, cache, eval, uptrain."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import llama_with_tokenizer, logits, random_model, save, story_text, tiny_config
+
+from mha2gqa.cli import main
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.models import load_model
+
+IDS = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12, 3, 90]])
+HEADS = (8, 4, 2, 1)  # layer by layer
+
+
+def _ours(folder: Path):
+    return load_model(str(folder), torch.device("cpu"), torch.float32).model
+
+
+def _equalise(model, per_layer: tuple[int, ...]) -> None:
+    """Make the K/V heads inside each contiguous group of each layer identical, layer ``l`` having
+    ``per_layer[l]`` groups: then pooling each layer to its count changes nothing."""
+    h, d = model.config.num_key_value_heads, model.config.head_dim
+    with torch.no_grad():
+        for layer, g in zip(model.model.layers, per_layer, strict=True):
+            size = h // g
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for j in range(g):
+                    first = proj.weight[j * size * d : (j * size + 1) * d].clone()
+                    for m in range(1, size):
+                        proj.weight[(j * size + m) * d : (j * size + m + 1) * d] = first
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("perlayer")
+    cfg = tiny_config("llama", num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, hidden_size=64,
+                      head_dim=8, max_position_embeddings=64, attention_bias=False, vocab_size=300)  # fmt: skip
+    model = random_model(cfg, seed=21)
+    _equalise(model, HEADS)
+    return save(model, root / "src")
+
+
+@pytest.mark.parametrize("method", ["mean", "first", "svd", "aligned"])
+def test_equalised_heads_convert_per_layer_with_unchanged_logits(source, method, tmp_path):
+    kw = {"calibration": str(story_text(tmp_path / "c.txt")), "calibration_tokens": 256, "calibration_seq_len": 32}
+    if method in ("mean", "first"):
+        kw = {}
+    src = source
+    if kw:  # calibration reads text: the source needs a tokenizer
+        src = tmp_path / "src"
+        import shutil
+
+        shutil.copytree(source, src)
+        from mha2gqa.demo import build_tokenizer
+
+        build_tokenizer(Path(kw["calibration"]).read_text(), 300).save_pretrained(src)
+    out = convert_checkpoint(src, tmp_path / "out", None, method, num_kv_heads_per_layer="8,4,2,1", progress=False,
+                             **kw)  # fmt: skip
+    assert out.kv_heads_per_layer == list(HEADS)
+    before = logits(_ours(src), IDS)
+    after = _ours(out.output)
+    torch.testing.assert_close(logits(after, IDS), before, atol=1e-4, rtol=1e-4)
+    assert [layer.self_attn.k_proj.out_features // 8 for layer in after.model.layers] == list(HEADS)
+
+
+def test_the_cache_holds_each_layers_heads_and_transformers_loads_it_with_remote_code(source, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = convert_checkpoint(source, tmp_path / "out", None, num_kv_heads_per_layer="8,4,2,1", progress=False)
+    config = json.loads((out.output / "config.json").read_text())
+    assert config["num_key_value_heads_per_layer"] == [8, 4, 2, 1] and config["num_key_value_heads"] == 8
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_mha2gqa.Mha2GqaPerLayerLlamaForCausalLM"
+    ours = _ours(out.output)
+    with torch.no_grad():
+        cache = ours(IDS, use_cache=True).past_key_values
+    assert [layer.keys.shape[1] for layer in cache.layers] == list(HEADS)  # measured, not computed
+    assert [layer.values.shape[1] for layer in cache.layers] == list(HEADS)
+    stock = AutoModelForCausalLM.from_pretrained(out.output, trust_remote_code=True).eval()
+    assert type(stock).__name__ == "Mha2GqaPerLayerLlamaForCausalLM"
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(stock.generate(IDS, **gen), ours.generate(IDS, **gen))
+    record = json.loads((out.output / "mha2gqa_conversion.json").read_text())["conversion"]
+    assert record["num_kv_heads_per_layer"] == [8, 4, 2, 1]
+    assert record["kv_cache_bytes_per_token_after"] == 2 * (8 + 4 + 2 + 1) * 8 * 4  # fp32, head_dim 8
+    assert "per layer" in (out.output / "README.md").read_text()
+
+
+def test_equal_values_give_exactly_the_uniform_checkpoint(source, tmp_path):
+    listed = convert_checkpoint(source, tmp_path / "a", None, num_kv_heads_per_layer="4,4,4,4", progress=False)
+    uniform = convert_checkpoint(source, tmp_path / "b", 4, progress=False)
+    for name in ("model.safetensors", "config.json"):
+        assert (listed.output / name).read_bytes() == (uniform.output / name).read_bytes(), name
+    assert not (listed.output / "modeling_mha2gqa.py").exists() and listed.kv_heads_per_layer is None
+
+
+def test_eval_bench_and_uptrain_run_on_a_per_layer_checkpoint(tmp_path):
+    from mha2gqa.eval.harness import evaluate
+    from mha2gqa.eval.settings import EvalSettings
+    from mha2gqa.uptrain import UptrainSettings, uptrain
+
+    text = story_text(tmp_path / "t.txt")
+    parent = llama_with_tokenizer(tmp_path / "mha", text)  # 2 layers, 4 heads
+    out = convert_checkpoint(parent, tmp_path / "pl", None, num_kv_heads_per_layer="2,1", progress=False).output
+    r = evaluate(str(parent), str(out), EvalSettings(data=str(text), seq_len=32, max_tokens=400, samples=1,
+                                                     sample_tokens=3, progress=False))  # fmt: skip
+    assert r["models"]["converted"]["kv_heads_per_layer"] == [2, 1]
+    assert r["agreement"]["kl"]["mean"] > 0 and len(r["attention"]["layers"]) == 2
+    assert r["models"]["converted"]["kv_cache_bytes_per_token"] == 2 * 3 * 8 * 4
+    bench = tmp_path / "b.json"
+    res = CliRunner().invoke(main, ["bench", "--original", str(parent), "--converted", str(out), "--prompt-len", "8",
+                                    "--new-tokens", "4", "--repeats", "1", "--output", str(bench)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    kv = json.loads(bench.read_text())["models"]["converted"]["kv_cache"]
+    assert kv["measured_bytes"] == kv["planned_bytes"]
+    run = tmp_path / "up"
+    uptrain(str(out), UptrainSettings(data=str(text), output=str(run), seq_len=32, batch_size=2, max_steps=2,
+                                      progress=False), log=lambda *_: None)  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(run, trust_remote_code=True)
+    assert again.config.num_key_value_heads_per_layer == [2, 1] and (run / "modeling_mha2gqa.py").is_file()
+    assert [layer.self_attn.k_proj.out_features for layer in again.model.layers] == [2 * 8, 1 * 8]
+
+
+def test_per_layer_bad_input(source, tmp_path):
+    def err(**kw) -> str:
+        with pytest.raises((Mha2GqaError, SettingError)) as e:
+            convert_checkpoint(source, tmp_path / "x", kw.pop("g", None), progress=False, **kw)
+        return str(e.value)
+
+    assert "one per layer" in err(num_kv_heads_per_layer="8,4,2")
+    assert "not valid for a model with 8 KV heads" in err(num_kv_heads_per_layer="8,4,3,1")
+    assert "comma-separated integers" in err(num_kv_heads_per_layer="8,four,2,1")
+    assert "one of the two" in err(g=4, num_kv_heads_per_layer="8,4,2,1")
+    assert "one of the two" in err()
+    phi3 = save(random_model(tiny_config("phi3", num_hidden_layers=2)), tmp_path / "phi3")
+    with pytest.raises(SettingError, match="fused projection"):
+        convert_checkpoint(phi3, tmp_path / "y", None, num_kv_heads_per_layer="2,1", progress=False)
+    done = convert_checkpoint(source, tmp_path / "pl", None, num_kv_heads_per_layer="8,4,2,1", progress=False).output
+    with pytest.raises(Mha2GqaError, match="already have different KV-head counts"):
+        convert_checkpoint(done, tmp_path / "z", 1, progress=False)
+    res = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "w"), "--num-kv-heads-per-layer", "8,4"])
+    assert res.exit_code == 1 and "one per layer" in res.output and "Traceback" not in res.output
