@@ -77,6 +77,32 @@ def _calibrate(source: Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] 
     return stats, {"data": s.calibration, "tokens": stats.tokens, "rotary_dim": stats.rotary_dim}
 
 
+def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
+    """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text,
+    choose the counts (:mod:`~mha2gqa.convert.calibration.allocation`) and set ``source.targets``;
+    returns the allocation record."""
+    from mha2gqa.convert.calibration.allocation import allocate, layer_costs
+    from mha2gqa.convert.calibration.streaming import collect
+
+    dims = source.dims
+    candidates = dims.valid_kv_heads()
+    costs: dict[int, dict[int, float]] = {}
+    similarity = s.grouping == "similarity"
+    collect(source.ckpt.folder, None, s.calibration, s.calibration_tokens, s.calibration_seq_len, s.device,
+            grouping=s.grouping, allow_pickle=s.allow_pickle, progress=s.progress,
+            on_layer=lambda i, full: costs.__setitem__(i, layer_costs(full, candidates, similarity)))  # fmt: skip
+    ordered = [costs[i] for i in range(dims.num_layers)]
+    budget = s.budget(dims.num_layers)
+    source.targets = allocate(ordered, budget)
+    if len(set(source.targets)) == 1:  # the best allocation is uniform: write exactly that
+        s.num_kv_heads = source.targets[0]
+    uniform = {str(g): sum(c[g] for c in ordered) for g in candidates if g * dims.num_layers <= budget}
+    return {"budget_kv_heads": budget, "average_kv_heads": budget / dims.num_layers,
+            "chosen": list(source.targets), "cost": sum(c[g] for c, g in zip(ordered, source.targets, strict=True)),
+            "uniform_cost": uniform, "cost_measure": "mean merge residual of the layer's groups",
+            "costs": {str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)}}  # fmt: skip
+
+
 def _layer_groups(stats, targets: tuple[int, ...]) -> dict[str, list[list[int]]] | None:
     """Which source KV heads each new KV head pools, per layer (similarity grouping)."""
     if stats is None:
@@ -232,9 +258,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, num_kv_heads: int | Non
     start = time.perf_counter()
     s = ConvertSettings(num_kv_heads=num_kv_heads, **({"method": method} if method else {}), **options).check()
     source = preflight(src, Path(dst), s)
+    allocation = _allocate(source, s) if s.per_layer == "auto" else None
     stats, calibration = _calibrate(source, s)
     tensors = plan_conversion(source.ckpt, source.family, source.dims, source.targets, source.method, stats, s.seed)
     record = _record(source, s, stats, calibration, tensors)
+    record["conversion"]["per_layer_allocation"] = allocation
     written = _write(Path(dst), source, s, tensors, record)
     conv = record["conversion"]
     return ConversionResult(

@@ -35,8 +35,9 @@ class Source:
 
     @property
     def changes(self) -> bool:
-        """Some layer's KV-head count changes (otherwise the output is a copy)."""
-        return any(t != self.dims.num_kv_heads for t in self.targets)
+        """Some layer's KV-head count changes (otherwise the output is a copy); True while
+        ``--per-layer auto`` has not chosen yet."""
+        return not self.targets or any(t != self.dims.num_kv_heads for t in self.targets)
 
     @property
     def layered(self) -> bool:
@@ -72,8 +73,26 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
     return source
 
 
+def _check_per_layer_family(family: Family, setting: str) -> None:
+    if family.fused or (family.k_norm is not None and family.k_norm.layout != "shared"):
+        raise SettingError(setting, f"{{name}}: {family.family} keeps K/V in a fused projection or a per-head norm "
+                           "sized by the KV heads; per-layer counts support families with separate q/k/v projections "
+                           "(llama, mistral, qwen2, qwen3, gemma, phi, olmo, starcoder2); use -g")  # fmt: skip
+
+
 def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[int, ...]:
-    """Each output layer's KV heads, checked; a per-layer list of equal values becomes ``-g``."""
+    """Each output layer's KV heads, checked (empty for --per-layer auto, which measures first); a
+    per-layer list of equal values becomes ``-g``."""
+    if s.per_layer == "auto":
+        _check_per_layer_family(family, "per_layer")
+        budget, layers = s.budget(dims.num_layers), dims.num_layers
+        if not layers <= budget <= layers * dims.num_kv_heads:
+            raise SettingError("kv_budget", f"{{name}}: {budget / layers:g} KV heads per layer on average is outside "
+                               f"1..{dims.num_kv_heads} for this model")  # fmt: skip
+        if not s.calibration:
+            raise SettingError("calibration", "--per-layer auto measures each layer on calibration text: pass {name} "
+                               "DATA")  # fmt: skip
+        return ()
     per_layer = s.per_layer_heads()
     if per_layer is None:
         dims.check_kv_heads(s.num_kv_heads)
@@ -86,11 +105,7 @@ def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[i
     if len(set(per_layer)) == 1:  # the uniform conversion, exactly
         s.num_kv_heads, s.num_kv_heads_per_layer = per_layer[0], None
         return per_layer
-    if family.fused or (family.k_norm is not None and family.k_norm.layout != "shared"):
-        raise SettingError("num_kv_heads_per_layer", f"{{name}}: {family.family} keeps K/V in a fused projection "
-                           "or a per-head norm sized by the KV heads; per-layer counts support families with "
-                           "separate q/k/v projections (llama, mistral, qwen2, qwen3, gemma, phi, olmo, starcoder2); "
-                           "use -g")  # fmt: skip
+    _check_per_layer_family(family, "num_kv_heads_per_layer")
     return per_layer
 
 

@@ -20,11 +20,16 @@ class ConvertSettings:
     """How a checkpoint is converted (``convert_checkpoint(src, dst, **fields)``)."""
 
     num_kv_heads: int | None = setting(None, help="KV heads after conversion (a divisor of the current count).",
-                                       short="-g", minimum=1)  # fmt: skip
+                                       short="-g")  # fmt: skip
     num_kv_heads_per_layer: str | None = setting(None, help="KV heads of each layer instead of -g, comma-separated "
                                                  "(e.g. 8,8,4,2 for 4 layers), each a divisor of the current count; "
                                                  "the output loads with mha2gqa's tools, and with transformers "
                                                  "through trust_remote_code.")  # fmt: skip
+    per_layer: str | None = setting(None, help="auto: choose each layer's KV heads from calibration (where "
+                                    "merging loses least) within the budget of -g per layer on average, or "
+                                    "--kv-budget.", choices=("auto",))  # fmt: skip
+    kv_budget: float | None = setting(None, help="KV heads per layer on average for --per-layer auto (e.g. 1.5) "
+                                      "[default: -g].", above=0)  # fmt: skip
     method: str = setting("mean", help=f"How heads merge. {_METHODS_HELP}.", choices=tuple(METHODS))
     grouping: str = setting("contiguous", help="Which heads share a KV head: " + "; ".join(
         f"{g.name}: {g.summary}" for g in GROUPINGS.values()) + ".", choices=tuple(GROUPINGS))  # fmt: skip
@@ -49,7 +54,15 @@ class ConvertSettings:
     def check(self) -> ConvertSettings:
         """Every value checked (types, ranges, choices, how settings combine), before any work."""
         validate(self)
-        if (self.num_kv_heads is None) == (self.num_kv_heads_per_layer is None):
+        if self.per_layer == "auto":
+            if self.num_kv_heads_per_layer is not None:
+                raise SettingError("num_kv_heads_per_layer", "--per-layer auto chooses each layer's count: drop {name}")
+            if self.num_kv_heads is None and self.kv_budget is None:
+                raise SettingError("per_layer", "{name} auto needs a budget: -g G (as many KV heads as uniform G) or "
+                                   "--kv-budget AVERAGE")  # fmt: skip
+        elif self.kv_budget is not None:
+            raise SettingError("kv_budget", "{name} is the budget of --per-layer auto: add --per-layer auto")
+        elif (self.num_kv_heads is None) == (self.num_kv_heads_per_layer is None):
             raise SettingError("num_kv_heads", "give {name} (every layer) or --num-kv-heads-per-layer (each layer), "
                                "one of the two")  # fmt: skip
         self.per_layer_heads()
@@ -79,9 +92,9 @@ class ConvertSettings:
                                "be at least 1")  # fmt: skip
         return values
 
-    def targets(self, num_layers: int) -> tuple[int, ...]:
-        """The KV heads of each output layer."""
-        return self.per_layer_heads() or (self.num_kv_heads,) * num_layers
+    def budget(self, num_layers: int) -> int:
+        """KV heads in all for --per-layer auto: ``--kv-budget`` (else ``-g``) times the layers, rounded."""
+        return round((self.kv_budget if self.kv_budget is not None else self.num_kv_heads) * num_layers)
 
     def check_calibration(self) -> None:
         """Calibration text must be given when the method or grouping needs it (checked once the

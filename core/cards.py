@@ -75,6 +75,13 @@ def model_card(record: dict[str, Any]) -> str:
         ("head sharing", groups),
         ("mha2gqa", record["mha2gqa_version"]),
     ]
+    allocation = conv.get("per_layer_allocation")
+    if allocation:
+        uniform = ", ".join(f"G = {g}: {c:.4f}" for g, c in allocation["uniform_cost"].items())
+        rows.append(("per-layer allocation", f"{allocation['budget_kv_heads']} KV heads in all "
+                     f"({allocation['average_kv_heads']:g} per layer), chosen from calibration: cost "
+                     f"{allocation['cost']:.4f} ({allocation['cost_measure']}); uniform "
+                     f"{uniform or 'not within the budget'}"))  # fmt: skip
     calibration = conv.get("calibration")
     if calibration and calibration.get("data"):
         rows.insert(4, ("calibration", f"`{calibration['data']}` ({calibration['tokens']:,} tokens)"))

@@ -187,7 +187,9 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     params = count_parameters(config, family)
     if params is not None:
         per_head = params - count_parameters(config, family, dims.num_kv_heads - 1)
-    else:
+        if dims.kv_heads_per_layer:  # the terms count the largest count; each layer holds only its own heads
+            params -= sum(dims.num_kv_heads - g for g in dims.kv_heads_per_layer) * per_head // dims.num_layers
+    else:  # the model class built on meta (per-layer counts included)
         params, per_head = _meta_counts(config, family, dims)
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     arch = (config.get("architectures") or [family.architectures[0]])[0]

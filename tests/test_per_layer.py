@@ -90,6 +90,9 @@ def test_the_cache_holds_each_layers_heads_and_transformers_loads_it_with_remote
     assert record["num_kv_heads_per_layer"] == [8, 4, 2, 1]
     assert record["kv_cache_bytes_per_token_after"] == 2 * (8 + 4 + 2 + 1) * 8 * 4  # fp32, head_dim 8
     assert "per layer" in (out.output / "README.md").read_text()
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(out.output), "--json"]).output)
+    assert info["parameters"] == sum(p.numel() for p in ours.parameters())  # only each layer's own K/V
+    assert info["kv_cache_bytes_per_token"]["fp32"] == 2 * 15 * 8 * 4
 
 
 def test_equal_values_give_exactly_the_uniform_checkpoint(source, tmp_path):
@@ -148,3 +151,61 @@ def test_per_layer_bad_input(source, tmp_path):
         convert_checkpoint(done, tmp_path / "z", 1, progress=False)
     res = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "w"), "--num-kv-heads-per-layer", "8,4"])
     assert res.exit_code == 1 and "one per layer" in res.output and "Traceback" not in res.output
+
+
+def test_allocation_is_the_exact_optimum_of_the_budget():
+    import itertools
+    import random
+
+    from mha2gqa.convert.calibration.allocation import allocate
+
+    rng = random.Random(3)
+    for _ in range(30):
+        layers = rng.randint(1, 4)
+        costs = [{g: (0.0 if g == 8 else rng.random()) for g in (8, 4, 2, 1)} for _ in range(layers)]
+        budget = rng.randint(layers, 8 * layers)
+        got = allocate(costs, budget)
+        best = min(sum(c[g] for c, g in zip(costs, combo, strict=True))
+                   for combo in itertools.product((8, 4, 2, 1), repeat=layers) if sum(combo) <= budget)  # fmt: skip
+        assert sum(got) <= budget
+        assert sum(c[g] for c, g in zip(costs, got, strict=True)) == pytest.approx(best, abs=1e-12)
+    with pytest.raises(SettingError, match="cannot give each"):
+        allocate([{2: 0.0, 1: 0.1}] * 3, 2)
+
+
+def test_auto_allocation_finds_the_layers_that_can_share_and_keeps_the_logits(source, tmp_path):
+    """Layer l's heads are alike in groups of 8 / 4 / 2 / 1 -> with a budget of 15 KV heads (3.75 per
+    layer), the only allocation that loses nothing is 8, 4, 2, 1; uniform G = 2 (8 heads) cannot."""
+    import shutil
+
+    from mha2gqa.demo import build_tokenizer
+
+    text = story_text(tmp_path / "c.txt")
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    build_tokenizer(text.read_text(), 300).save_pretrained(src)
+    kw = dict(calibration=str(text), calibration_tokens=256, calibration_seq_len=32, progress=False)
+    out = convert_checkpoint(src, tmp_path / "auto", None, per_layer="auto", kv_budget=3.75, **kw)
+    assert out.kv_heads_per_layer == list(HEADS)
+    torch.testing.assert_close(logits(_ours(out.output), IDS), logits(_ours(src), IDS), atol=1e-4, rtol=1e-4)
+    alloc = out.record["conversion"]["per_layer_allocation"]
+    assert alloc["budget_kv_heads"] == 15 and alloc["chosen"] == list(HEADS) and alloc["cost"] < 1e-9
+    assert alloc["costs"]["3"]["1"] < 1e-9 < alloc["costs"]["0"]["4"]  # layer 3's heads are all alike
+    assert alloc["uniform_cost"]["2"] > 0.01 and "per-layer allocation" in (out.output / "README.md").read_text()
+    svd = convert_checkpoint(src, tmp_path / "svd", 2, "svd", per_layer="auto", **kw)  # budget: 2 per layer
+    assert sum(svd.kv_heads_per_layer or [svd.num_kv_heads_after] * 4) <= 8
+
+
+def test_auto_allocation_bad_input(source, tmp_path):
+    def err(**kw) -> str:
+        with pytest.raises((Mha2GqaError, SettingError)) as e:
+            convert_checkpoint(source, tmp_path / "x", kw.pop("g", None), progress=False, **kw)
+        return str(e.value)
+
+    assert "needs a budget" in err(per_layer="auto")
+    assert "measures each layer on calibration text" in err(per_layer="auto", g=2)
+    text = str(story_text(tmp_path / "c.txt"))
+    assert "outside 1..8" in err(per_layer="auto", kv_budget=0.5, calibration=text)
+    assert "outside 1..8" in err(per_layer="auto", kv_budget=9, calibration=text)
+    assert "chooses each layer's count" in err(per_layer="auto", num_kv_heads_per_layer="8,4,2,1")
+    assert "add --per-layer auto" in err(g=2, kv_budget=1.5)

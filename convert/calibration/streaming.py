@@ -151,9 +151,9 @@ def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tupl
 
 
 @torch.inference_mode()
-def collect(model_dir: Path, groups: int | tuple[int, ...], data: str, tokens: int, seq_len: int | None = None,
+def collect(model_dir: Path, groups: int | tuple[int, ...] | None, data: str, tokens: int, seq_len: int | None = None,
             device: str = "auto", text_field: str = "text", grouping: str = "contiguous", allow_pickle: bool = False,
-            compact: bool = True, progress: bool = False) -> CalibrationStats:  # fmt: skip
+            compact: bool = True, progress: bool = False, on_layer=None) -> CalibrationStats:  # fmt: skip
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
     ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model layer by
     layer from its shards: the model is built on ``meta``; the embeddings run once (the inputs of
@@ -167,7 +167,8 @@ def collect(model_dir: Path, groups: int | tuple[int, ...], data: str, tokens: i
     the layer's statistics. ``groups`` may give each layer its own count (a per-layer conversion):
     the statistics are then gathered over all source heads too and cut into that layer's groups.
     With ``compact`` (the default) each finished layer keeps only what the merges read
-    (:meth:`LayerStats.compact`)."""
+    (:meth:`LayerStats.compact`). ``on_layer(layer, full)`` sees each layer's statistics over all
+    source heads as one group before they are cut (and, with ``groups=None``, nothing is kept)."""
     from tqdm.auto import tqdm
 
     from mha2gqa.core.capture import capturing
@@ -183,8 +184,9 @@ def collect(model_dir: Path, groups: int | tuple[int, ...], data: str, tokens: i
     windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
     states = _first_layer_inputs(model, ckpt, windows, dev)
     per_layer = groups if isinstance(groups, tuple) else None
-    stats = CalibrationStats(max(per_layer) if per_layer else groups, dims.head_dim, dims.rotary, source=data)
-    split = grouping == "similarity" or per_layer is not None
+    keep = groups is not None
+    stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
+    split = grouping == "similarity" or per_layer is not None or on_layer is not None
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
     prefix = f"{model.base_model_prefix}.layers."
     layers = model.base_model.layers
@@ -202,6 +204,10 @@ def collect(model_dir: Path, groups: int | tuple[int, ...], data: str, tokens: i
             _release(layer)
             if full is not stats:  # choose this layer's groups, keep only their blocks
                 layer_full = full.layers.pop(i)
+                if on_layer is not None:
+                    on_layer(i, layer_full)
+                if not keep:
+                    continue
                 g = per_layer[i] if per_layer else groups
                 size = dims.num_kv_heads // g
                 chosen = (least_residual_groups(layer_full, g) if grouping == "similarity"
