@@ -175,7 +175,7 @@ class ModelShape:
     weights_dtype: str
     lookup_parameters: int = 0  # an untied input embedding: read per token, never multiplied
 
-    def parameters_at(self, num_kv_heads: int) -> int:
+    def parameters_at(self, num_kv_heads: float) -> float:
         return self.parameters - (self.dims.num_kv_heads - num_kv_heads) * self.kv_parameters_per_head
 
 
@@ -222,26 +222,38 @@ def _meta_counts(config: dict[str, Any], family: Family, dims: AttentionDims) ->
 
 @dataclass
 class PlanRow:
-    num_kv_heads: int
+    num_kv_heads: float  # KV heads per layer (on average, for a per-layer plan)
     kv_bytes_per_token: int
     kv_bytes_per_sequence: int
     weights_bytes: int
     max_sequences: int
+    kv_heads_per_layer: list[int] | None = None  # a per-layer plan's count of each layer
+
+    @property
+    def label(self) -> str:
+        return ",".join(map(str, self.kv_heads_per_layer)) if self.kv_heads_per_layer else str(self.num_kv_heads)
 
 
 def plan(
-    shape: ModelShape, gpu_memory: int, seq_len: int, kv_dtype: str, weights_bytes_per_param: int
-) -> list[PlanRow]:
-    """For every valid KV-head count G (the divisors of the current count): KV bytes per token and
-    per sequence, weights, and how many sequences of ``seq_len`` fit in ``gpu_memory`` (all memory
-    not taken by weights counted as KV cache; activations and fragmentation not modelled)."""
+    shape: ModelShape, gpu_memory: int, seq_len: int, kv_dtype: str, weights_bytes_per_param: int,
+    per_layer: tuple[int, ...] | None = None,
+) -> list[PlanRow]:  # fmt: skip
+    """For every valid KV-head count G (the divisors of the current count), and ``per_layer`` counts
+    when given: KV bytes per token and per sequence, weights, and how many sequences of ``seq_len``
+    fit in ``gpu_memory`` (all memory not taken by weights counted as KV cache; activations and
+    fragmentation not modelled)."""
     element = by_name(kv_dtype).bytes
+    d = shape.dims
+    options: list[tuple[float, int, list[int] | None]] = [
+        (g, d.kv_cache_bytes_per_token(g, element), None) for g in d.valid_kv_heads()
+    ]
+    if per_layer:  # parameters and KV bytes are linear in the heads, so the mean count gives both
+        options.append((sum(per_layer) / d.num_layers, 2 * sum(per_layer) * d.head_dim * element, list(per_layer)))
     rows = []
-    for g in shape.dims.valid_kv_heads():
-        per_token = shape.dims.kv_cache_bytes_per_token(g, element)
-        weights = shape.parameters_at(g) * weights_bytes_per_param
+    for g, per_token, heads in options:
+        weights = round(shape.parameters_at(g)) * weights_bytes_per_param
         free = gpu_memory - weights
-        rows.append(PlanRow(g, per_token, per_token * seq_len, weights, max(free // (per_token * seq_len), 0)))
+        rows.append(PlanRow(g, per_token, per_token * seq_len, weights, max(free // (per_token * seq_len), 0), heads))
     return rows
 
 
@@ -318,7 +330,7 @@ def throughput_plot(rows: list[PlanRow], gpu: Gpu, seq_len: int, model: str) -> 
         batches = sorted({1, r.max_sequences, *(b for b in (2**k for k in range(20)) if b < r.max_sequences)})
         agg = [b / decode_step_seconds(r, b, seq_len / 2, gpu.bandwidth) for b in batches]
         ax.plot(batches, agg, "-", marker="o", ms=3, color=OKABE_ITO[i % len(OKABE_ITO)],
-                label=f"{r.num_kv_heads} KV heads (max batch {r.max_sequences:,})")  # fmt: skip
+                label=f"{r.label} KV heads (max batch {r.max_sequences:,})")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent sequences (batch)")
     ax.set_ylabel("decode tokens/s (all sequences)")

@@ -112,6 +112,25 @@ def head_similarity_curve(layers: list[dict[str, Any]]) -> bytes:
     return _png(plt, fig)
 
 
+def per_layer_heads(heads: list[int], layers: list[dict[str, Any]] | None) -> bytes:
+    """A per-layer budget: each layer's KV heads (bars) beside its mean attention KL (line)."""
+    plt, fig = _figure(6, 3.2)
+    ax = fig.add_subplot()
+    x = list(range(len(heads)))
+    ax.bar(x, heads, color=OKABE_ITO[5], label="KV heads")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("KV heads")
+    ax.set_xticks(x)
+    if layers:
+        ax2 = ax.twinx()
+        ax2.plot([layer["layer"] for layer in layers], [layer["mean_kl"] for layer in layers], "o-",
+                 color=OKABE_ITO[1], label="attention KL")  # fmt: skip
+        ax2.set_ylabel("attention KL (nats)")
+        ax2.spines["right"].set_visible(True)
+    ax.set_title("Per-layer KV budget: KV heads kept and what each layer's attention lost")
+    return _png(plt, fig)
+
+
 def head_sharing(groups: list[list[int]], num_heads: int) -> bytes:
     """Which query heads read each KV head: query heads on top, KV heads below, same colour."""
     plt, fig = _figure(max(5.5, 0.55 * num_heads + 1), 2.4)

@@ -61,7 +61,9 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
             out["head_similarity_curve"] = plots.head_similarity_curve(layers)
             out["head_similarity"] = plots.head_similarity_maps(layers)
     conv = r.converted
-    if conv:
+    if conv and conv.kv_heads_per_layer:
+        out["per_layer_heads"] = plots.per_layer_heads(conv.kv_heads_per_layer, (att or {}).get("layers"))
+    elif conv:  # one count for every layer: which query heads share each KV head
         h, g = conv.num_heads, conv.num_kv_heads
         groups = (conv.conversion or {}).get("query_heads_per_kv_head") or [
             list(range(j * h // g, (j + 1) * h // g)) for j in range(g)
@@ -108,6 +110,7 @@ FIGURE_CAPTIONS = {
     "entropy": "Attention entropy per layer; converted rows drifting toward the uniform line have lost focus.",
     "hidden_cosine": "How far the residual stream drifts, layer by layer.",
     "head_sharing": "Which query heads share each KV head.",
+    "per_layer_heads": "The per-layer budget: how many KV heads each layer kept, beside its attention KL.",
     "head_similarity_curve": "Did the heads lose their diversity? Mean cosine between the heads' attention "
     "patterns per layer; sharing K/V makes the heads of a group alike.",
     "head_similarity": "Head diversity per layer: the cosine of every pair of heads' attention patterns, "

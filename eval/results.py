@@ -53,6 +53,7 @@ class ModelInfo:
     config_sha256: str | None = None
     conversion: dict[str, Any] | None = None
     uptrained: bool = False
+    kv_heads_per_layer: list[int] | None = None  # a per-layer checkpoint's count of each layer
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes_per_token is None:  # files from before the field was recorded

@@ -72,10 +72,16 @@ def attention_table(r: Results) -> Table | None:
     att = r.attention
     if not att or not att.get("layers"):
         return None
-    t = Table(["layer", "KL", "JS", "row cosine", "entropy orig.", "entropy conv.", "uniform",
+    conv = r.converted
+    per_layer = conv.kv_heads_per_layer if conv else None  # a per-layer budget: each layer's KV heads and bytes
+    extra = ["KV heads", "KV B/token"] if per_layer else []
+    t = Table(["layer", *extra, "KL", "JS", "row cosine", "entropy orig.", "entropy conv.", "uniform",
                "head contribution error", "hidden cosine"])  # fmt: skip
+    element = (conv.kv_cache_bytes_per_token // (2 * sum(per_layer) * conv.head_dim)) if per_layer else 0
     for x in att["layers"]:
-        t.add(str(x["layer"]), f"{x['mean_kl']:.4f}", f"{x['mean_js']:.4f}", f"{x['mean_cosine']:.4f}",
+        cells = [str(per_layer[x["layer"]]), f"{2 * per_layer[x['layer']] * conv.head_dim * element:,}"] if per_layer \
+            else []  # fmt: skip
+        t.add(str(x["layer"]), *cells, f"{x['mean_kl']:.4f}", f"{x['mean_js']:.4f}", f"{x['mean_cosine']:.4f}",
               f"{x['mean_entropy_original']:.3f}", f"{x['mean_entropy_converted']:.3f}", f"{x['entropy_uniform']:.3f}",
               f"{head_error(x):.4f}", f"{x['hidden_cosine']:.4f}")  # fmt: skip
     return t

@@ -435,13 +435,15 @@ def inspect(model: str, seq_len: int, batch_size: int, revision: str | None, as_
 @click.option("--revision", default=None, help="Hub revision when MODEL is a hub id.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a PNG of decode tokens/s against batch size for each KV-head count.")  # fmt: skip
+@click.option("--num-kv-heads-per-layer", "per_layer", default=None,
+              help="Also plan these per-layer KV-head counts (comma-separated, one per layer).")  # fmt: skip
 @click.option("--bench", "bench_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A `bench --output` JSON of this model: its measured decode speed beside the estimate.")  # fmt: skip
 @overwrite_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @user_errors
-def plan(model: str, revision: str | None, plot_path: Path | None, bench_path: Path | None, overwrite: bool,
-         as_json: bool, **options: Any) -> None:  # fmt: skip
+def plan(model: str, revision: str | None, plot_path: Path | None, per_layer: str | None, bench_path: Path | None,
+         overwrite: bool, as_json: bool, **options: Any) -> None:  # fmt: skip
     """For every valid KV-head count: KV cache, weights, how many sequences fit and (with --gpu or
     --bandwidth) estimated decode tokens/s and prefill time (config only)."""
     import dataclasses
@@ -460,7 +462,16 @@ def plan(model: str, revision: str | None, plot_path: Path | None, bench_path: P
         check_destination(plot_path, overwrite, {"MODEL": model}, "--plot", folder=False)
     bench = _read_bench(bench_path) if bench_path else None
     shape = model_shape(load_config(model, revision))
-    rows = make_plan(shape, gpu.memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes)
+    heads = None
+    if per_layer is not None:
+        from mha2gqa.convert.settings import ConvertSettings
+        from mha2gqa.core.dims import check_per_layer
+
+        heads = ConvertSettings(num_kv_heads_per_layer=per_layer).per_layer_heads()
+        check_per_layer(list(heads), shape.dims.num_layers, shape.dims.num_heads, "--num-kv-heads-per-layer")
+        for g in heads:
+            shape.dims.check_kv_heads(g, "num_kv_heads_per_layer")
+    rows = make_plan(shape, gpu.memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes, heads)
     speed = throughput(shape, rows, gpu, s.seq_len, s.utilization) if gpu.bandwidth else []
     if as_json:
         click.echo(json.dumps({"model": model, "gpu": dataclasses.asdict(gpu), "gpu_memory": gpu.memory,
@@ -474,7 +485,7 @@ def plan(model: str, revision: str | None, plot_path: Path | None, bench_path: P
         table = Table(["KV heads", "KV bytes/token", "KV/sequence", "weights", "sequences that fit"]
                       + (["tok/s @1", "tok/s/seq @max", "tok/s total @max", "prefill"] if speed else []))  # fmt: skip
         for i, r in enumerate(rows):
-            cells = [r.num_kv_heads, f"{r.kv_bytes_per_token:,}", format_bytes(r.kv_bytes_per_sequence),
+            cells = [r.label, f"{r.kv_bytes_per_token:,}", format_bytes(r.kv_bytes_per_sequence),
                      format_bytes(r.weights_bytes), f"{r.max_sequences:,}"]  # fmt: skip
             if speed:
                 t = speed[i]
