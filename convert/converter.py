@@ -90,7 +90,7 @@ def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
     similarity = s.grouping == "similarity"
 
     def measure(layer: int, full) -> None:
-        costs[layer] = layer_costs(full, candidates, similarity, s.method)
+        costs[layer] = layer_costs(full, candidates, similarity)
 
     collect(source.ckpt.folder, None, s.calibration, s.calibration_tokens, s.calibration_seq_len, s.device,
             grouping=s.grouping, allow_pickle=s.allow_pickle, progress=s.progress, on_layer=measure)  # fmt: skip
@@ -102,7 +102,7 @@ def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
     uniform = {str(g): sum(c[g] for c in ordered) for g in candidates if g * dims.num_layers <= budget}
     return {"budget_kv_heads": budget, "average_kv_heads": budget / dims.num_layers,
             "chosen": list(source.targets), "cost": sum(c[g] for c, g in zip(ordered, source.targets, strict=True)),
-            "uniform_cost": uniform, "cost_measure": f"mean {s.method} merge residual of the layer's groups",
+            "uniform_cost": uniform, "cost_measure": "mean merge residual of the layer's groups",
             "costs": {str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)}}  # fmt: skip
 
 

@@ -226,29 +226,3 @@ def test_report_shows_the_per_layer_budget(tmp_path):
     page = html.read_text()
     assert re.search(r'<figure id="per_layer_heads-0"><img alt="per_layer_heads" src="data:image/png;base64,', page)
     assert "<th>KV heads</th><th>KV B/token</th>" in page and 'id="head_sharing-0"' not in page
-
-
-def test_pooling_residual_matches_a_direct_computation():
-    """The mean / first pooling loss from the Gram statistics equals the loss computed on the vectors."""
-    from mha2gqa.convert.calibration.allocation import pooling_residual
-    from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, n, 10, 8, generator=g) for n in (4, 4, 4))
-    stats = CalibrationStats(1, 8, 4)
-    accumulate(stats, 0, q, k, v)
-    full = stats.layers[0]
-    heads = [1, 3]
-
-    def share(x: torch.Tensor, keep: str) -> float:  # x [B, H, T, d] -> sum |x_h - pooled|^2 / sum |x_h|^2
-        sel = x[:, heads].double()
-        ref = sel.mean(1, keepdim=True) if keep == "mean" else sel[:, :1]
-        return ((sel - ref).pow(2).sum() / sel.pow(2).sum()).item()
-
-    for keep in ("mean", "first"):
-        # rotary part (planes), the rest of the key, and the value: three shares
-        want = share(k[..., :4], keep) + share(k[..., 4:], keep) + share(v, keep)
-        assert pooling_residual(full, heads, keep) == pytest.approx(want, rel=1e-9)
-    same = torch.cat([k[:, :1]] * 4, 1)
-    accumulate(stats, 1, q, same, same)
-    assert pooling_residual(stats.layers[1], [0, 1, 2, 3], "mean") == pytest.approx(0, abs=1e-12)
