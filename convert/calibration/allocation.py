@@ -4,10 +4,11 @@ Each layer's cost of keeping ``G`` KV heads is measured on calibration text, as 
 cannot keep: the mean over the layer's ``G`` groups of
 :func:`~mha2gqa.convert.calibration.grouping.merge_residual` (the share of the group's key and value
 energy outside what one shared head can hold, a subspace measure; 0 for heads that are already
-alike). The same cost serves every method: measured on ``pydocs-mha-8h``, a method-specific cost for
-mean pooling (the heads' distance to their mean) predicted its loss worse than this one. The groups
-are the ones the conversion will use (contiguous, or the similarity grouping's). Then the allocation with the least total cost whose KV heads sum to at most
-the budget is found exactly, by dynamic programming over layers and heads spent.
+alike). The same cost serves every method: measured on ``pydocs-mha-8h``, a method-specific cost
+for mean pooling (the heads' distance to their mean) predicted its loss worse than this one. The
+groups are the ones the conversion will use (contiguous, or the similarity grouping's). Then the
+allocation with the least total cost whose KV heads sum to at most the budget is found exactly, by
+dynamic programming over layers and heads spent.
 """
 
 from __future__ import annotations
