@@ -226,3 +226,21 @@ def test_report_shows_the_per_layer_budget(tmp_path):
     page = html.read_text()
     assert re.search(r'<figure id="per_layer_heads-0"><img alt="per_layer_heads" src="data:image/png;base64,', page)
     assert "<th>KV heads</th><th>KV B/token</th>" in page and 'id="head_sharing-0"' not in page
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "olmo", "starcoder2"])
+def test_every_supported_family_loads_per_layer_both_ways(family, tmp_path):
+    from conftest import FAMILY_CONFIGS
+    from transformers import AutoModelForCausalLM
+
+    heads = tiny_config(family).num_key_value_heads
+    src = save(random_model(tiny_config(family, num_hidden_layers=2)), tmp_path / "src")
+    per_layer = f"{heads},{heads // 2}" if family == "mistral" else "2,1"
+    out = convert_checkpoint(src, tmp_path / "out", None, num_kv_heads_per_layer=per_layer, progress=False).output
+    ids = torch.tensor([[1, 5, 17, 33, 9, 60]])
+    ours = _ours(out)
+    with torch.no_grad():
+        got = ours(ids, use_cache=True)
+    assert [layer.keys.shape[1] for layer in got.past_key_values.layers] == [int(g) for g in per_layer.split(",")]
+    stock = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(stock, ids), got.logits, atol=1e-5, rtol=1e-5)
