@@ -230,7 +230,6 @@ def test_report_shows_the_per_layer_budget(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "olmo", "starcoder2"])
 def test_every_supported_family_loads_per_layer_both_ways(family, tmp_path):
-    from conftest import FAMILY_CONFIGS
     from transformers import AutoModelForCausalLM
 
     heads = tiny_config(family).num_key_value_heads
