@@ -132,11 +132,16 @@ def test_eval_bench_and_uptrain_run_on_a_per_layer_checkpoint(tmp_path):
     assert [layer.self_attn.k_proj.out_features for layer in again.model.layers] == [2 * 8, 1 * 8]
 
 
+def _refusal(source: Path, dst: Path, **kw) -> str:
+    """The one-line error converting ``source`` with ``kw`` (``g``: ``-g``) raises."""
+    with pytest.raises((Mha2GqaError, SettingError)) as e:
+        convert_checkpoint(source, dst, kw.pop("g", None), progress=False, **kw)
+    return str(e.value)
+
+
 def test_per_layer_bad_input(source, tmp_path):
     def err(**kw) -> str:
-        with pytest.raises((Mha2GqaError, SettingError)) as e:
-            convert_checkpoint(source, tmp_path / "x", kw.pop("g", None), progress=False, **kw)
-        return str(e.value)
+        return _refusal(source, tmp_path / "x", **kw)
 
     assert "one per layer" in err(num_kv_heads_per_layer="8,4,2")
     assert "not valid for a model with 8 KV heads" in err(num_kv_heads_per_layer="8,4,3,1")
@@ -198,9 +203,7 @@ def test_auto_allocation_finds_the_layers_that_can_share_and_keeps_the_logits(so
 
 def test_auto_allocation_bad_input(source, tmp_path):
     def err(**kw) -> str:
-        with pytest.raises((Mha2GqaError, SettingError)) as e:
-            convert_checkpoint(source, tmp_path / "x", kw.pop("g", None), progress=False, **kw)
-        return str(e.value)
+        return _refusal(source, tmp_path / "x", **kw)
 
     assert "needs a budget" in err(per_layer="auto")
     assert "measures each layer on calibration text" in err(per_layer="auto", g=2)
