@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.convert.preflight import Source, inputs_of, preflight
-from mha2gqa.convert.settings import ConvertSettings
+from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
 from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
@@ -81,7 +81,7 @@ def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
     """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text,
     choose the counts (:mod:`~mha2gqa.convert.calibration.allocation`) and set ``source.targets``;
     returns the allocation record."""
-    from mha2gqa.convert.calibration.allocation import allocate, layer_costs
+    from mha2gqa.convert.calibration.allocation import allocate, layer_costs, output_costs
     from mha2gqa.convert.calibration.streaming import collect
 
     dims = source.dims
@@ -89,8 +89,11 @@ def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
     costs: dict[int, dict[int, float]] = {}
     similarity = s.grouping == "similarity"
 
-    def measure(layer: int, full) -> None:
-        costs[layer] = layer_costs(full, candidates, similarity)
+    def measure(layer: int, full, run) -> None:
+        if s.allocation_cost == "output":
+            costs[layer] = output_costs(run, layer, full, source.family, dims, source.method, candidates, similarity)
+        else:
+            costs[layer] = layer_costs(full, candidates, similarity)
 
     collect(source.ckpt.folder, None, s.calibration, s.calibration_tokens, s.calibration_seq_len, s.device,
             grouping=s.grouping, allow_pickle=s.allow_pickle, progress=s.progress, on_layer=measure)  # fmt: skip
@@ -102,7 +105,7 @@ def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
     uniform = {str(g): sum(c[g] for c in ordered) for g in candidates if g * dims.num_layers <= budget}
     return {"budget_kv_heads": budget, "average_kv_heads": budget / dims.num_layers,
             "chosen": list(source.targets), "cost": sum(c[g] for c, g in zip(ordered, source.targets, strict=True)),
-            "uniform_cost": uniform, "cost_measure": "mean merge residual of the layer's groups",
+            "uniform_cost": uniform, "cost_measure": COST_MEASURES[s.allocation_cost],
             "costs": {str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)}}  # fmt: skip
 
 

@@ -12,6 +12,11 @@ from mha2gqa.core.settings import setting, validate
 from mha2gqa.core.text import check_text_source
 from mha2gqa.core.units import parse_size
 
+#: How ``--per-layer auto`` measures each layer's loss at each KV-head count (recorded as said here).
+COST_MEASURES = {
+    "output": "the layer's output error with only that layer merged, relative to its update",
+    "residual": "mean merge residual of the layer's groups",
+}
 _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
 
 
@@ -28,6 +33,10 @@ class ConvertSettings:
     per_layer: str | None = setting(None, help="auto: choose each layer's KV heads from calibration (where "
                                     "merging loses least) within the budget of -g per layer on average, or "
                                     "--kv-budget.", choices=("auto",))  # fmt: skip
+    allocation_cost: str = setting("output", help="How --per-layer auto measures a layer's loss at each count: "
+                                   "output (the layer run again with only it merged, its output error; the method's "
+                                   "own merge) or residual (the K/V energy a shared head cannot hold, from the "
+                                   "statistics alone).", choices=tuple(COST_MEASURES))  # fmt: skip
     kv_budget: float | None = setting(None, help="KV heads per layer on average for --per-layer auto (e.g. 1.5) "
                                       "[default: -g].", above=0)  # fmt: skip
     method: str = setting("mean", help=f"How heads merge. {_METHODS_HELP}.", choices=tuple(METHODS))

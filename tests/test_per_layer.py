@@ -192,6 +192,10 @@ def test_auto_allocation_finds_the_layers_that_can_share_and_keeps_the_logits(so
     kw = dict(calibration=str(text), calibration_tokens=256, calibration_seq_len=32, progress=False)
     out = convert_checkpoint(src, tmp_path / "auto", None, per_layer="auto", kv_budget=3.75, **kw)
     assert out.kv_heads_per_layer == list(HEADS)
+    by_residual = convert_checkpoint(src, tmp_path / "res", None, per_layer="auto", kv_budget=3.75,
+                                     allocation_cost="residual", **kw)  # fmt: skip
+    assert by_residual.kv_heads_per_layer == list(HEADS)
+    assert by_residual.record["conversion"]["per_layer_allocation"]["cost_measure"].startswith("mean merge residual")
     torch.testing.assert_close(logits(_ours(out.output), IDS), logits(_ours(src), IDS), atol=1e-4, rtol=1e-4)
     alloc = out.record["conversion"]["per_layer_allocation"]
     assert alloc["budget_kv_heads"] == 15 and alloc["chosen"] == list(HEADS) and alloc["cost"] < 1e-9

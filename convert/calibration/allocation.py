@@ -13,9 +13,14 @@ dynamic programming over layers and heads spent.
 
 from __future__ import annotations
 
+from typing import Any
+
 from mha2gqa.convert.calibration.grouping import least_residual_groups, merge_residual
 from mha2gqa.convert.calibration.stats import LayerStats
+from mha2gqa.convert.methods import Method
+from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import SettingError
+from mha2gqa.core.families import Family
 
 
 def layer_costs(full: LayerStats, candidates: list[int], similarity: bool) -> dict[int, float]:
@@ -30,6 +35,66 @@ def layer_costs(full: LayerStats, candidates: list[int], similarity: bool) -> di
         groups = least_residual_groups(full, g) if similarity else [list(range(j * size, (j + 1) * size))
                                                                     for j in range(g)]  # fmt: skip
         out[g] = sum(merge_residual(full, grp) for grp in groups) / g
+    return out
+
+
+def output_costs(run: Any, layer: int, full: LayerStats, family: Family, dims: AttentionDims, method: Method,
+                 candidates: list[int], similarity: bool) -> dict[int, float]:  # fmt: skip
+    """``{G: cost}`` of one layer, measured on its output: the layer's q/k/v/o replaced by what
+    ``method`` makes of them at ``G`` KV heads (the groups the conversion would use), run again on the
+    calibration windows it read, and the squared error of its output relative to what the original
+    layer added to the residual stream, ``sum |y_G - y|^2 / sum |y - x|^2``. Only this layer is
+    merged, so the cost is the layer's own. ``run``: the
+    :class:`~mha2gqa.convert.calibration.streaming.LayerRun` of the loaded layer. ``random``
+    (fresh K/V, nothing kept) costs 1 at every ``G`` below the current count."""
+    import torch
+
+    from mha2gqa.convert.calibration.grouping import regroup
+    from mha2gqa.convert.methods.layer import permute_heads, pool_merge_layer
+
+    n, h, d = dims.num_kv_heads, dims.num_heads, dims.head_dim
+    names = {r: getattr(family, f"{r}_proj").format(layer=layer).removeprefix(run.prefix) for r in "qkvo"}
+    mods = {r: run.module.get_submodule(name) for r, name in names.items()}
+    attn = run.module.get_submodule(names["k"].rsplit(".", 1)[0])
+    saved = {r: (m.weight, m.bias) for r, m in mods.items()}
+    groups_before = attn.num_key_value_groups
+    w = {r: m.weight.detach().float() for r, m in mods.items()}
+    w |= {f"{r}_bias": mods[r].bias.detach().float() for r in "qkv" if mods[r].bias is not None}
+    out: dict[int, float] = {}
+    try:
+        for g in candidates:
+            if g == n:
+                out[g] = 0.0
+                continue
+            if method.kind == "fresh":
+                out[g] = 1.0
+                continue
+            size = n // g
+            chosen = least_residual_groups(full, g) if similarity else [list(range(j * size, (j + 1) * size))
+                                                                        for j in range(g)]  # fmt: skip
+            st = regroup(full, chosen, h)
+            ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
+            if method.layerwise:
+                merged = method.load()(ww, st, h, n, g, d, dims.rotary)
+            else:
+                merged = pool_merge_layer(ww, g, d, method.load())
+            for r, m in mods.items():
+                m.weight = torch.nn.Parameter(merged[r], requires_grad=False)
+                if f"{r}_bias" in merged:
+                    m.bias = torch.nn.Parameter(merged[f"{r}_bias"], requires_grad=False)
+            attn.num_key_value_groups = h // g
+            err = ref = 0.0
+            with torch.no_grad():
+                for x, (y, kw) in zip(run.inputs, run.outputs, strict=True):
+                    got = run.module(x, **kw)
+                    got = got[0] if isinstance(got, tuple) else got
+                    err += (got.double() - y.double()).pow(2).sum().item()
+                    ref += (y.double() - x.double()).pow(2).sum().item()
+            out[g] = err / max(ref, 1e-300)
+    finally:
+        for r, m in mods.items():
+            m.weight, m.bias = saved[r]
+        attn.num_key_value_groups = groups_before
     return out
 
 

@@ -6,6 +6,7 @@ activations, never the whole model."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +15,18 @@ from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.signals import check as check_signals
+
+
+@dataclass
+class LayerRun:
+    """One decoder layer while its weights are loaded: the module, the calibration windows it read
+    (``inputs``) and what it gave (``outputs``, with each window's keyword arguments), and the name
+    prefix of its tensors (``model.layers.3.``)."""
+
+    module: torch.nn.Module
+    inputs: list[torch.Tensor]
+    outputs: list[tuple[torch.Tensor, dict]]
+    prefix: str
 
 
 class _Stop(Exception):
@@ -167,8 +180,9 @@ def collect(model_dir: Path, groups: int | tuple[int, ...] | None, data: str, to
     the layer's statistics. ``groups`` may give each layer its own count (a per-layer conversion):
     the statistics are then gathered over all source heads too and cut into that layer's groups.
     With ``compact`` (the default) each finished layer keeps only what the merges read
-    (:meth:`LayerStats.compact`). ``on_layer(layer, full)`` sees each layer's statistics over all
-    source heads as one group before they are cut (and, with ``groups=None``, nothing is kept)."""
+    (:meth:`LayerStats.compact`). ``on_layer(layer, full, run)`` sees each layer's statistics over
+    all source heads as one group, and the layer itself with its inputs and outputs
+    (:class:`LayerRun`), before they are cut (with ``groups=None``, nothing is kept)."""
     from tqdm.auto import tqdm
 
     from mha2gqa.core.capture import capturing
@@ -192,20 +206,30 @@ def collect(model_dir: Path, groups: int | tuple[int, ...] | None, data: str, to
     layers = model.base_model.layers
     desc = f"calibrating {len(layers)} layers on {windows.numel():,} tokens"
     bar = tqdm(total=len(layers) * len(states), unit="window", desc=desc, disable=not progress)
-    with capturing(model, lambda layer, q, k, v, *_: accumulate(full, layer, q, k, v)), bar:
+    recording = [True]  # off while a cost runs a layer again with merged weights
+
+    def record(layer, q, k, v, *_):
+        if recording[0]:
+            accumulate(full, layer, q, k, v)
+
+    with capturing(model, record), bar:
         for i, layer in enumerate(layers):
             _materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored ...
+            inputs = [h for h, _ in states] if on_layer is not None else None
             with _float32_on_call(layer):  # ... and each module in float32 only while it runs
                 for n, (h, kw) in enumerate(states):
                     check_signals()
                     out = layer(h, **kw)
                     states[n] = (out[0] if isinstance(out, tuple) else out, kw)
                     bar.update(1)
+            if on_layer is not None:  # before the weights go: a cost may run the layer again
+                recording[0] = False
+                with _float32_on_call(layer):
+                    on_layer(i, full.layers[i], LayerRun(layer, inputs, states, f"{prefix}{i}."))
+                recording[0] = True
             _release(layer)
             if full is not stats:  # choose this layer's groups, keep only their blocks
                 layer_full = full.layers.pop(i)
-                if on_layer is not None:
-                    on_layer(i, layer_full)
                 if not keep:
                     continue
                 g = per_layer[i] if per_layer else groups
