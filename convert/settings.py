@@ -14,7 +14,7 @@ from mha2gqa.core.units import parse_size
 
 #: How ``--per-layer auto`` measures each layer's loss at each KV-head count (recorded as said here).
 COST_MEASURES = {
-    "output": "the layer's output error with only that layer merged, relative to its update",
+    "output": "the layer's output error with only that layer merged, relative to its output",
     "residual": "mean merge residual of the layer's groups",
 }
 _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
