@@ -1,14 +1,16 @@
 """Per-layer KV budgets (``convert --per-layer auto``): how many KV heads each layer keeps.
 
-Each layer's cost of keeping ``G`` KV heads is measured on calibration text, as what a merge
-cannot keep: the mean over the layer's ``G`` groups of
-:func:`~mha2gqa.convert.calibration.grouping.merge_residual` (the share of the group's key and value
-energy outside what one shared head can hold, a subspace measure; 0 for heads that are already
-alike). The same cost serves every method: measured on ``pydocs-mha-8h``, a method-specific cost
-for mean pooling (the heads' distance to their mean) predicted its loss worse than this one. The
-groups are the ones the conversion will use (contiguous, or the similarity grouping's). Then the
-allocation with the least total cost whose KV heads sum to at most the budget is found exactly, by
-dynamic programming over layers and heads spent.
+Each layer's cost of keeping ``G`` KV heads is measured on calibration text while the layer is
+loaded (:func:`output_costs`, the default): the layer runs again on the windows it read with only
+its own q/k/v/o merged by the conversion's method at ``G``, and the cost is its output error relative
+to its output. :func:`layer_costs` is the cheaper statistic (``--allocation-cost residual``): the
+mean over the layer's groups of
+:func:`~mha2gqa.convert.calibration.grouping.merge_residual`, the share of the group's key and value
+energy one shared head cannot hold. The groups are the ones the conversion will use (contiguous, or
+the similarity grouping's). Then the allocation with the least total cost whose KV heads sum to at
+most the budget is found exactly, by dynamic programming over layers and heads spent. Measured on
+``pydocs-mha-8h`` (``benchmarks/per_layer.py``), the output cost never lost to uniform GQA; the
+residual did, twice.
 """
 
 from __future__ import annotations
