@@ -101,13 +101,6 @@ def _model(size: dict, kv_heads: int, device, dtype):
     return model.to(dtype).eval()
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def decode_figures(size: dict, device, dtype) -> list[dict]:
     """Decode tokens/s and KV bytes for H, H/4 and 1 KV heads at each batch size (OOM recorded)."""
     import torch

@@ -97,11 +97,7 @@ def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[i
     if per_layer is None:
         dims.check_kv_heads(s.num_kv_heads)
         return (s.num_kv_heads,) * dims.num_layers
-    if len(per_layer) != dims.num_layers:
-        raise SettingError("num_kv_heads_per_layer", f"{{name}} has {len(per_layer)} values for a model with "
-                           f"{dims.num_layers} layers: give one per layer")  # fmt: skip
-    for g in per_layer:
-        dims.check_kv_heads(g, "num_kv_heads_per_layer")
+    dims.check_kv_heads_per_layer(per_layer)
     if len(set(per_layer)) == 1:  # the uniform conversion, exactly
         s.num_kv_heads, s.num_kv_heads_per_layer = per_layer[0], None
         return per_layer

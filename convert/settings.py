@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from mha2gqa.convert.methods import GROUPINGS, METHODS, get_grouping, get_method
 from mha2gqa.core.devices import DEVICE_HELP, check_device_name
+from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import setting, validate
 from mha2gqa.core.text import check_text_source
@@ -91,15 +92,7 @@ class ConvertSettings:
         """``--num-kv-heads-per-layer`` as integers (None when not given)."""
         if self.num_kv_heads_per_layer is None:
             return None
-        try:
-            values = tuple(int(v) for v in str(self.num_kv_heads_per_layer).split(","))
-        except ValueError:
-            raise SettingError("num_kv_heads_per_layer", f"{{name}} {self.num_kv_heads_per_layer!r}: give "
-                               "comma-separated integers, one per layer, e.g. 8,8,4,2") from None  # fmt: skip
-        if any(v < 1 for v in values):
-            raise SettingError("num_kv_heads_per_layer", f"{{name}} {self.num_kv_heads_per_layer}: every count must "
-                               "be at least 1")  # fmt: skip
-        return values
+        return parse_kv_heads_list(self.num_kv_heads_per_layer)
 
     def budget(self, num_layers: int) -> int:
         """KV heads in all for --per-layer auto: ``--kv-budget`` (else ``-g``) times the layers, rounded."""

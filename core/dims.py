@@ -109,6 +109,26 @@ class AttentionDims:
                 f"choose a divisor of {cur} ({valid})",
             )
 
+    def check_kv_heads_per_layer(self, values: tuple[int, ...], setting: str = "num_kv_heads_per_layer") -> None:
+        """One valid KV-head count (:meth:`check_kv_heads`) for each layer."""
+        if len(values) != self.num_layers:
+            raise SettingError(setting, f"{{name}} has {len(values)} values for a model with {self.num_layers} "
+                               "layers: give one per layer")  # fmt: skip
+        for g in values:
+            self.check_kv_heads(g, setting)
+
+
+def parse_kv_heads_list(text: str, setting: str = "num_kv_heads_per_layer") -> tuple[int, ...]:
+    """``"8,4,2"`` -> ``(8, 4, 2)``: comma-separated positive integers, one per layer."""
+    try:
+        values = tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        raise SettingError(setting, f"{{name}} {text!r}: give comma-separated integers, one per layer, e.g. "
+                           "8,8,4,2") from None  # fmt: skip
+    if any(v < 1 for v in values):
+        raise SettingError(setting, f"{{name}} {text}: every count must be at least 1")
+    return values
+
 
 #: The config key of a checkpoint whose layers have different KV-head counts (written by ``convert
 #: --num-kv-heads-per-layer``; read by mha2gqa's loader and the modeling file beside the weights).

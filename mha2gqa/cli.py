@@ -464,13 +464,10 @@ def plan(model: str, revision: str | None, plot_path: Path | None, per_layer: st
     shape = model_shape(load_config(model, revision))
     heads = None
     if per_layer is not None:
-        from mha2gqa.convert.settings import ConvertSettings
-        from mha2gqa.core.dims import check_per_layer
+        from mha2gqa.core.dims import parse_kv_heads_list
 
-        heads = ConvertSettings(num_kv_heads_per_layer=per_layer).per_layer_heads()
-        check_per_layer(list(heads), shape.dims.num_layers, shape.dims.num_heads, "--num-kv-heads-per-layer")
-        for g in heads:
-            shape.dims.check_kv_heads(g, "num_kv_heads_per_layer")
+        heads = parse_kv_heads_list(per_layer)
+        shape.dims.check_kv_heads_per_layer(heads)
     rows = make_plan(shape, gpu.memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes, heads)
     speed = throughput(shape, rows, gpu, s.seq_len, s.utilization) if gpu.bandwidth else []
     if as_json:

@@ -156,6 +156,9 @@ def test_per_layer_bad_input(source, tmp_path):
         convert_checkpoint(done, tmp_path / "z", 1, progress=False)
     res = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "w"), "--num-kv-heads-per-layer", "8,4"])
     assert res.exit_code == 1 and "one per layer" in res.output and "Traceback" not in res.output
+    for bad, why in (("8,4", "one per layer"), ("8,x,2,1", "comma-separated integers"), ("8,4,3,1", "divisor of 8")):
+        res = CliRunner().invoke(main, ["plan", str(source), "--num-kv-heads-per-layer", bad])
+        assert res.exit_code == 1 and why in res.output and "--num-kv-heads-per-layer" in res.output, res.output
 
 
 def test_allocation_is_the_exact_optimum_of_the_budget():
