@@ -18,7 +18,7 @@ from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
 from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
-from mha2gqa.core.dims import PER_LAYER_KEY, query_heads_per_kv_head
+from mha2gqa.core.dims import query_heads_per_kv_head
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
@@ -228,11 +228,10 @@ def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTe
     new_config = {**ckpt.config, "num_key_value_heads": max(source.targets)}
     modeling = None
     if source.per_layer:  # layers with their own KV heads: loaded by mha2gqa, or transformers + remote code
-        from mha2gqa.core.per_layer import auto_map, modeling_source
+        from mha2gqa.core.per_layer import per_layer_checkpoint
 
-        base = (ckpt.config.get("architectures") or [source.family.architectures[0]])[0]
-        new_config |= {PER_LAYER_KEY: list(source.targets), "auto_map": auto_map(base)}
-        modeling = modeling_source(base)
+        fields, modeling, record["conversion"]["serving_form"] = per_layer_checkpoint(ckpt.config, list(source.targets))
+        new_config |= fields
     staged = staged_output(dst, s.overwrite, inputs_of(ckpt, s), remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         written = write_checkpoint(tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync,

@@ -18,6 +18,17 @@ _PER_LAYER_NOTE = (
 )
 
 
+def _serving(conv: dict[str, Any]) -> str:
+    """The per-layer checkpoint's serving form, as the conversion wrote it."""
+    form = conv.get("serving_form")
+    if not form:
+        return ""
+    runtimes = ("vLLM serves it as `DeciLMForCausalLM` (with `--trust-remote-code`, as for NVIDIA's Nemotron-NAS "
+                "models) and llama.cpp's converter reads it as its `deci` architecture." if "also written" in form else
+                "Serving engines that take one KV-head count for all layers cannot run it.")  # fmt: skip
+    return f"Serving: {form[0].upper()}{form[1:]}. {runtimes}\n\n"
+
+
 def _after(conv: dict[str, Any]) -> str:
     """The KV heads after the conversion: one count, or each layer's."""
     per_layer = conv.get("num_kv_heads_per_layer")
@@ -93,7 +104,7 @@ def model_card(record: dict[str, Any]) -> str:
     return (
         "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
         f"# {base} as grouped-query attention ({_after(conv)} KV heads)\n\n"
-        + (_PER_LAYER_NOTE if conv.get("num_kv_heads_per_layer") else "")
+        + (_PER_LAYER_NOTE + _serving(conv) if conv.get("num_kv_heads_per_layer") else "")
         + f"{changes(conv)}\n\n{quality}\n\n| setting | value |\n|---|---|\n{table}\n\n"
         f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(conv, indent=2)}\n```\n"
     )

@@ -253,3 +253,53 @@ def test_every_supported_family_loads_per_layer_both_ways(family, tmp_path):
     assert [layer.keys.shape[1] for layer in got.past_key_values.layers] == [int(g) for g in per_layer.split(",")]
     stock = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     torch.testing.assert_close(logits(stock, ids), got.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_llama_sources_also_get_the_nemotron_nas_form_that_vllm_and_llama_cpp_read(tmp_path):
+    """Read back exactly as vLLM's nemotron_nas.py and llama.cpp's DeciModel read it: KV heads
+    ``H // n_heads_in_group`` and MLP width ``ffn_width(ffn_mult, hidden)`` equal the weights' shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mha2gqa.core.per_layer import DECI_ARCHITECTURE, ffn_width
+
+    cfg = tiny_config("llama", num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, hidden_size=64,
+                      head_dim=8, intermediate_size=256, attention_bias=False, vocab_size=300)  # fmt: skip
+    src = save(random_model(cfg, seed=3), tmp_path / "src")
+    out = convert_checkpoint(src, tmp_path / "out", None, num_kv_heads_per_layer="8,4,2,1", progress=False).output
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [DECI_ARCHITECTURE] and config["model_type"] == "llama"
+    ours = _ours(out)
+    for layer, block in zip(ours.model.layers, config["block_configs"], strict=True):  # llama.cpp reads the JSON
+        assert 8 // block["attention"]["n_heads_in_group"] == layer.self_attn.k_proj.out_features // 8
+        assert block["attention"]["replace_with_linear"] is False and isinstance(block["ffn"]["ffn_mult"], float)
+        assert ffn_width(block["ffn"]["ffn_mult"], 64) == layer.mlp.gate_proj.out_features
+    remote = AutoConfig.from_pretrained(out, trust_remote_code=True)  # vLLM reads attributes of this class
+    assert [8 // b.attention.n_heads_in_group for b in remote.block_configs] == list(HEADS)
+    assert not remote.block_configs[0].attention.no_op and not hasattr(remote.block_configs[0].ffn, "intermediate_size")
+    stock = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(stock.generate(IDS, **gen), ours.generate(IDS, **gen))
+    for model, where in ((stock, "stock"), (ours, "ours")):  # saving keeps the form (uptrain saves this way)
+        model.save_pretrained(tmp_path / where)
+        again = json.loads((tmp_path / where / "config.json").read_text())
+        assert again["architectures"] == [DECI_ARCHITECTURE] and again["block_configs"] == config["block_configs"]
+    torch.testing.assert_close(logits(_ours(tmp_path / "ours"), IDS), logits(ours, IDS), atol=0, rtol=0)
+    record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
+    assert record["serving_form"].startswith("also written in the Nemotron-NAS form")
+    assert "vLLM serves it as `DeciLMForCausalLM`" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize(("family", "overrides", "why"), [
+    ("llama", {"intermediate_size": 48, "attention_bias": False}, "its MLP width 48 is not what ffn_mult gives"),
+    ("llama", {"intermediate_size": 256}, "has biases"),
+    ("llama", {"intermediate_size": 256, "attention_bias": False, "hidden_act": "gelu"}, "activation is gelu"),
+    ("qwen2", {"intermediate_size": 256}, "the source is Qwen2ForCausalLM, not LlamaForCausalLM"),
+])  # fmt: skip
+def test_sources_the_nemotron_nas_form_cannot_express_keep_their_class_and_say_why(family, overrides, why, tmp_path):
+    src = save(random_model(tiny_config(family, **overrides)), tmp_path / "src")
+    out = convert_checkpoint(src, tmp_path / "out", None, num_kv_heads_per_layer="2,1", progress=False).output
+    config = json.loads((out / "config.json").read_text())
+    assert "block_configs" not in config and config["architectures"] == json.loads(
+        (src / "config.json").read_text())["architectures"]  # fmt: skip
+    record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
+    assert record["serving_form"].startswith("not written in the Nemotron-NAS form") and why in record["serving_form"]
