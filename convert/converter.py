@@ -26,6 +26,7 @@ from mha2gqa.core.families import Family
 from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
+from mha2gqa.core.retarget import retarget_record
 from mha2gqa.core.shard_writer import OutputTensor, write_checkpoint
 
 
@@ -72,7 +73,7 @@ def _calibrate(source: Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] 
     from mha2gqa.convert.calibration.streaming import collect
 
     groups = source.targets if source.per_layer else s.num_kv_heads
-    stats = collect(source.ckpt.folder, groups, s.calibration, s.calibration_tokens, s.calibration_seq_len,
+    stats = collect(source.ckpt, groups, s.calibration, s.calibration_tokens, s.calibration_seq_len,
                     s.device, grouping=s.grouping, allow_pickle=s.allow_pickle, progress=s.progress)  # fmt: skip
     return stats, {"data": s.calibration, "tokens": stats.tokens, "rotary_dim": stats.rotary_dim}
 
@@ -95,7 +96,7 @@ def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
         else:
             costs[layer] = layer_costs(full, candidates, similarity)
 
-    collect(source.ckpt.folder, None, s.calibration, s.calibration_tokens, s.calibration_seq_len, s.device,
+    collect(source.ckpt, None, s.calibration, s.calibration_tokens, s.calibration_seq_len, s.device,
             grouping=s.grouping, allow_pickle=s.allow_pickle, progress=s.progress, on_layer=measure)  # fmt: skip
     ordered = [costs[i] for i in range(dims.num_layers)]
     budget = s.budget(dims.num_layers)
@@ -178,6 +179,7 @@ def _record(source: Source, s: ConvertSettings, stats: Any, calibration: dict[st
         "kv_cache_bytes_per_token_after": 2 * sum(targets) * dims.head_dim * esize,
     }
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")}
+    conversion["retarget"] = retarget_record(source.ckpt)
     return {"mha2gqa_version": version(), "created": now(), "family": source.family.family,
             "source": _source_record(source.ckpt), "settings": settings, "conversion": conversion}  # fmt: skip
 
@@ -225,7 +227,7 @@ def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTe
            record: dict[str, Any]) -> Any:  # fmt: skip
     """Write the converted checkpoint into a staged folder beside ``dst`` and rename it into place."""
     ckpt = source.ckpt
-    new_config = {**ckpt.config, "num_key_value_heads": max(source.targets)}
+    new_config = {**ckpt.config, **source.family.kv_config(max(source.targets))}
     modeling = None
     if source.per_layer:  # layers with their own KV heads: loaded by mha2gqa, or transformers + remote code
         from mha2gqa.core.per_layer import per_layer_checkpoint

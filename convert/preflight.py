@@ -15,6 +15,7 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.families import Family, detect_family
 from mha2gqa.core.output import check_destination
+from mha2gqa.core.retarget import as_target, retargeted
 
 
 @dataclass
@@ -55,13 +56,16 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
     method, grouping = get_method(s.method), get_grouping(s.grouping)
     ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle)
     check_destination(dst, s.overwrite, inputs_of(ckpt, s))
+    detect_family(as_target(ckpt.config))  # refused families say why before anything is read
+    ckpt = retargeted(ckpt)  # GPT-NeoX -> Phi, GPT-2 -> GPTBigCode...: seen as the target class
     family = detect_family(ckpt.config)
     dims = AttentionDims.from_config(ckpt.config)
     if dims.kv_heads_per_layer:
         raise Mha2GqaError(f"{ckpt.folder}: its layers already have different KV-head counts; convert its MHA "
                            "source instead")  # fmt: skip
     targets = _targets(s, dims, family)
-    _check_layers(ckpt, family, dims)
+    if ckpt.format != "retargeted":  # a re-targeted view has checked its layers against the source
+        _check_layers(ckpt, family, dims)
     if s.check_finite:
         ckpt.check_finite()
     source = Source(ckpt, family, dims, method, grouping, targets)
@@ -69,6 +73,11 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
         reason = refusal(method, grouping, family)
         if reason:
             raise SettingError("method", reason)
+        needs = "required" in (method.calibration, grouping.calibration) or s.per_layer == "auto"
+        if not family.attention_interface and (s.calibration or needs):
+            raise SettingError("calibration", f"{{name}}: {family.architectures[0]} does not run its attention through "
+                               "transformers' attention interface, where calibration reads q/k/v; convert it without "
+                               "calibration (--method mean, first, random or aligned; contiguous groups)")  # fmt: skip
         s.check_calibration()
     return source
 
@@ -77,7 +86,8 @@ def _check_per_layer_family(family: Family, setting: str) -> None:
     if family.fused or (family.k_norm is not None and family.k_norm.layout != "shared"):
         raise SettingError(setting, f"{{name}}: {family.family} keeps K/V in a fused projection or a per-head norm "
                            "sized by the KV heads; per-layer counts support families with separate q/k/v projections "
-                           "(llama, mistral, qwen2, qwen3, gemma, phi, olmo, starcoder2); use -g")  # fmt: skip
+                           "(llama, mistral, qwen2, qwen3, gemma, phi, olmo, starcoder2; gpt_neox and gptj as phi); "
+                           "use -g")  # fmt: skip
 
 
 def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from mha2gqa.convert.methods.pooling import Reducer, reduce_rows, reduce_stacked
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.families import Family, split_fused_qkv
+from mha2gqa.core.families import Family
 from mha2gqa.core.safetensors_io import TensorInfo
 from mha2gqa.core.shard_writer import OutputTensor
 
@@ -57,7 +57,7 @@ class LayerMerge:
         w = {role: t.float() for role, t in src.items()}  # float32 maths; the statistics stay float64
         for suffix in ("", "_bias") if self.family.fused else ():
             if "qkv" + suffix in w:
-                w["q" + suffix], w["k" + suffix], w["v" + suffix] = split_fused_qkv(
+                w["q" + suffix], w["k" + suffix], w["v" + suffix] = self.family.split_qkv(
                     w.pop("qkv" + suffix), dims.num_heads, dims.num_kv_heads, dims.head_dim
                 )
         shape = (dims.num_heads, dims.num_kv_heads, self.groups, dims.head_dim, dims.rotary)
@@ -71,7 +71,8 @@ class LayerMerge:
             merged = pool_merge_layer(w, self.groups, dims.head_dim, self.method.load())
         for suffix in ("", "_bias") if self.family.fused else ():
             if "q" + suffix in merged:
-                merged["qkv" + suffix] = torch.cat([merged.pop(x + suffix) for x in ("q", "k", "v")])
+                parts = [merged.pop(x + suffix) for x in ("q", "k", "v")]
+                merged["qkv" + suffix] = self.family.join_qkv(*parts, dims.num_heads, self.groups, dims.head_dim)
         return {names[role]: merged[role].to(src[role].dtype) for role in names}
 
 
@@ -165,11 +166,11 @@ class _Planner:
         dims = self.dims
         if reducer is None:
             kind = "weight" if name.endswith(".weight") else "bias"
-            return fresh_fused(self.ckpt.load(name), kind, dims.num_heads, dims.num_kv_heads, g, dims.head_dim,
-                               self.std, seed)  # fmt: skip
-        q, k, v = split_fused_qkv(self.ckpt.load(name), dims.num_heads, dims.num_kv_heads, dims.head_dim)
-        return torch.cat([q, reduce_rows(k, g, dims.head_dim, reducer),
-                          reduce_rows(v, g, dims.head_dim, reducer)])  # fmt: skip
+            return fresh_fused(self.ckpt.load(name), kind, self.family, dims.num_heads, dims.num_kv_heads, g,
+                               dims.head_dim, self.std, seed)  # fmt: skip
+        q, k, v = self.family.split_qkv(self.ckpt.load(name), dims.num_heads, dims.num_kv_heads, dims.head_dim)
+        k, v = reduce_rows(k, g, dims.head_dim, reducer), reduce_rows(v, g, dims.head_dim, reducer)
+        return self.family.join_qkv(q, k, v, dims.num_heads, g, dims.head_dim)
 
     def _pooled_indexed(self, names: list[str], head: int, reducer: Reducer, g: int) -> torch.Tensor:
         per = len(names) // g

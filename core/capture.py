@@ -48,3 +48,18 @@ def capturing(model: Any, recorder: Callable[..., None]) -> Iterator[None]:
     finally:
         _recorder = None
         model.set_attn_implementation(previous)
+
+
+#: Attribute names of the decoder-layer list in transformers' base models (``layers``; ``h`` in
+#: GPT-2-style classes: GPTBigCode, Falcon).
+LAYER_LISTS = ("layers", "h")
+
+
+def decoder_layers(model: Any) -> tuple[Any, str]:
+    """The decoder layers of a causal LM and the attribute of its base model that holds them."""
+    base = model.base_model
+    for name in LAYER_LISTS:
+        layers = getattr(base, name, None)
+        if layers is not None:
+            return layers, name
+    raise AttributeError(f"{type(base).__name__} has none of {LAYER_LISTS}")

@@ -41,12 +41,21 @@ class AttentionDims:
     #: KV heads of each layer when they differ (``num_key_value_heads_per_layer``); ``num_kv_heads``
     #: is then their largest
     kv_heads_per_layer: tuple[int, ...] | None = None
+    #: the only counts the model's class can hold, when not every divisor (GPTBigCode: 1 or H),
+    #: with the reason
+    kv_choices: tuple[tuple[int, ...], str] | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> AttentionDims:
         """From a ``config.json`` dict or a transformers config. ``head_dim`` is the config's own
         when it has one (Gemma-7B: 256 with hidden 3072 and 16 heads), else ``hidden / heads``;
-        rotary dims are ``head_dim x partial_rotary_factor`` (transformers' rule)."""
+        rotary dims are ``head_dim x partial_rotary_factor`` (transformers' rule). A family's own
+        spelling (GPT-2's ``n_head``, Falcon's ``num_kv_heads``) and a re-targeted source's config
+        (GPT-NeoX read as the Phi it becomes) are understood."""
+        from mha2gqa.core.families import find_family, standard_config
+        from mha2gqa.core.retarget import as_target
+
+        config = standard_config(as_target(config if isinstance(config, dict) else standard_config(config)))
         layers = _positive_int(config, "num_hidden_layers")
         heads = _positive_int(config, "num_attention_heads")
         hidden = _positive_int(config, "hidden_size")
@@ -70,7 +79,12 @@ class AttentionDims:
         if per_layer is not None:
             per_layer = check_per_layer(per_layer, layers, heads, f"config.json: {PER_LAYER_KEY}")
             kv = max(per_layer)
-        return cls(layers, heads, kv, head_dim, hidden, int(head_dim * factor), per_layer)
+        fam = find_family(config)
+        choices = None
+        if fam is not None and fam.flag_only:
+            arch = fam.architectures[0]
+            choices = (tuple(sorted({1, kv})), f"{arch} holds one KV head ({fam.kv_flag}) or one per query head")
+        return cls(layers, heads, kv, head_dim, hidden, int(head_dim * factor), per_layer, choices)
 
     def kv_heads_of(self, layer: int) -> int:
         """The KV heads of ``layer``."""
@@ -92,7 +106,7 @@ class AttentionDims:
     def valid_kv_heads(self) -> list[int]:
         """The KV-head counts this model converts to: divisors of its current count, largest first."""
         cur = self.num_kv_heads
-        return [g for g in range(cur, 0, -1) if cur % g == 0]
+        return [g for g in range(cur, 0, -1) if cur % g == 0 and (not self.kv_choices or g in self.kv_choices[0])]
 
     def check_kv_heads(self, num_kv_heads: int, setting: str = "num_kv_heads") -> None:
         """``num_kv_heads`` must divide the current KV-head count (and not exceed it)."""
@@ -103,6 +117,9 @@ class AttentionDims:
             or num_kv_heads not in self.valid_kv_heads()
         ):
             valid = ", ".join(str(g) for g in sorted(self.valid_kv_heads()))
+            if self.kv_choices:
+                raise SettingError(setting, f"{{name}} {num_kv_heads} is not valid: {self.kv_choices[1]}; choose "
+                                   f"{valid.replace(', ', ' or ')}")  # fmt: skip
             raise SettingError(
                 setting,
                 f"{{name}} {num_kv_heads} is not valid for a model with {cur} KV heads: "

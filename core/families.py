@@ -17,8 +17,16 @@ from typing import Any
 
 from mha2gqa.core.errors import Mha2GqaError
 
-_TOP_KEYS = {"family", "description", "architectures", "model_types", "attention", "k_norm", "q_norm", "parameters"}
-_ATTN_KEYS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
+_TOP_KEYS = {"family", "description", "architectures", "model_types", "attention", "k_norm", "q_norm", "parameters",
+             "config_names", "kv_heads", "refuse_when", "serving", "attention_interface"}  # fmt: skip
+_ATTN_KEYS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "qkv_layout"}
+#: Row layouts of a fused qkv projection: ``stacked`` ``[q (H·d); k (G·d); v (G·d)]`` (Phi-3, GPT-2's
+#: c_attn transposed), ``grouped`` ``[G, H/G + 2, d]``: per KV head its query heads, then its key and
+#: value (Falcon; GPT-NeoX and GPTBigCode-MHA are the case G = H, GPTBigCode-MQA the case G = 1).
+QKV_LAYOUTS = ("stacked", "grouped")
+#: The config keys mha2gqa reads, which a family may spell otherwise (``config_names``).
+STANDARD_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
+                 "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
 _NORM_KEYS = {"name", "layout"}
 NORM_LAYOUTS = ("shared", "rows", "indexed")
 #: Names a parameter-count term may use: vocabulary, hidden, intermediate, layers, query heads,
@@ -60,10 +68,79 @@ class Family:
     parameter_terms: tuple[tuple[str, str | None], ...] = ()
     #: values of the condition keys when a config lacks them (the model class's defaults)
     parameter_defaults: tuple[tuple[str, bool], ...] = ()
+    qkv_layout: str = "stacked"
+    #: standard config key -> this family's spelling (GPT-2's ``n_head``...)
+    config_names: tuple[tuple[str, str], ...] = ()
+    #: how the config says the KV-head count: a count ``key`` (read when ``key_when`` is absent or
+    #: true), else a boolean ``flag`` (true: one KV head; false: one per query head)
+    kv_key: str = "num_key_value_heads"
+    kv_key_when: str | None = None
+    kv_flag: str | None = None
+    #: ``(conditions, reason)``: configs of the family that no conversion applies to (every
+    #: ``(key, value)`` condition holds; an absent key reads as false)
+    refuse_when: tuple[tuple[tuple[tuple[str, Any], ...], str], ...] = ()
+    #: where its checkpoints run (README and model card), as checked or read in those projects' code
+    serving: str = ""
+    #: its attention runs through transformers' attention interface, where calibration and the
+    #: attention comparisons read q/k/v (Falcon's does not)
+    attention_interface: bool = True
 
     @property
     def fused(self) -> bool:
         return self.qkv_proj is not None
+
+    @property
+    def flag_only(self) -> bool:
+        """The config can say only "one KV head" or "one per query head" (GPTBigCode's multi_query)."""
+        return self.kv_flag is not None and self.kv_key == ""
+
+    def standard(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` with the standard keys mha2gqa reads filled in from this family's spelling,
+        ``num_key_value_heads`` included (Falcon's ``num_kv_heads``, GPTBigCode's ``multi_query``)."""
+        out = dict(config)
+        for key, spelled in self.config_names:
+            if out.get(key) is None and spelled in config:
+                out[key] = config[spelled]
+        heads = out.get("num_attention_heads")
+        use_key = self.kv_key and (self.kv_key_when is None or bool(config.get(self.kv_key_when)))
+        if use_key and config.get(self.kv_key) is not None:
+            out["num_key_value_heads"] = config[self.kv_key]
+        elif self.kv_flag is not None:
+            out["num_key_value_heads"] = 1 if config.get(self.kv_flag) else heads
+        elif use_key and self.kv_key != "num_key_value_heads":
+            out["num_key_value_heads"] = heads
+        return out
+
+    def kv_config(self, num_kv_heads: int) -> dict[str, Any]:
+        """The config entries that give a checkpoint of this family ``num_kv_heads`` KV heads."""
+        out: dict[str, Any] = {self.kv_key: num_kv_heads} if self.kv_key else {}
+        if self.flag_only:  # GPTBigCode: multi_query, and the count transformers derives from it
+            out |= {self.kv_flag: num_kv_heads == 1, "num_key_value_heads": num_kv_heads}
+        return out
+
+    def refusal(self, config: dict[str, Any]) -> str | None:
+        """Why no conversion applies to a checkpoint with ``config``, or None."""
+        for conditions, reason in self.refuse_when:
+            if all(config.get(key, False) == value for key, value in conditions):
+                return reason
+        return None
+
+    def split_qkv(self, weight: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Any, Any, Any]:
+        """A fused qkv tensor's q ``[H·d, ...]``, k and v ``[G·d, ...]`` rows (heads in order), by
+        this family's layout, with sizes from the config (never ``chunk(3)``)."""
+        return split_fused_qkv(weight, num_heads, num_kv_heads, head_dim, self.qkv_layout)
+
+    def q_rows(self, num_heads: int, num_kv_heads: int, head_dim: int) -> list[int]:
+        """The rows of the fused qkv tensor that hold the queries (in this family's layout)."""
+        if self.qkv_layout == "stacked":
+            return list(range(num_heads * head_dim))
+        per = num_heads // num_kv_heads
+        block = (per + 2) * head_dim
+        return [g * block + r for g in range(num_kv_heads) for r in range(per * head_dim)]
+
+    def join_qkv(self, q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> Any:
+        """The inverse of :meth:`split_qkv`."""
+        return join_fused_qkv(q, k, v, num_heads, num_kv_heads, head_dim, self.qkv_layout)
 
     def modules(self) -> tuple[str, ...]:
         """The projection-module templates of one layer."""
@@ -93,6 +170,9 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
         raise fail("'attention' needs 'q_proj', 'k_proj' and 'v_proj' (or a fused 'qkv_proj')")
     if "o_proj" not in attn:
         raise fail("'attention' needs 'o_proj'")
+    layout = attn.pop("qkv_layout", "stacked") if isinstance(attn, dict) else "stacked"
+    if layout not in QKV_LAYOUTS:
+        raise fail(f"attention.qkv_layout must be one of {QKV_LAYOUTS}")
     for key, template in attn.items():
         if "{layer}" not in template:
             raise fail(f"attention.{key} must contain '{{layer}}'")
@@ -109,6 +189,15 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
             raise fail(f"{key}: '{{head}}' must appear in the name exactly when layout is 'indexed'")
         norms[key] = NormSpec(spec["name"], spec["layout"])
     terms, defaults = _parse_parameters(data.get("parameters"), fail)
+    names = data.get("config_names", {})
+    if not isinstance(names, dict) or set(names) - set(STANDARD_KEYS):
+        raise fail(f"'config_names' maps some of {list(STANDARD_KEYS)} to this family's keys")
+    kv = data.get("kv_heads", {"key": "num_key_value_heads"})
+    if not isinstance(kv, dict) or set(kv) - {"key", "key_when", "flag"} or not (kv.get("key") or kv.get("flag")):
+        raise fail("'kv_heads' takes 'key' (and 'key_when') and/or 'flag'")
+    refuse = data.get("refuse_when", [])
+    if not all(isinstance(r, dict) and set(r) == {"when", "reason"} and isinstance(r["when"], dict) for r in refuse):
+        raise fail("each 'refuse_when' entry needs exactly 'when' ({config key: value}) and 'reason'")
     return Family(
         family=data["family"],
         description=data["description"],
@@ -121,6 +210,14 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
         qkv_proj=attn.get("qkv_proj"),
         parameter_terms=terms,
         parameter_defaults=defaults,
+        qkv_layout=layout,
+        config_names=tuple(sorted(names.items())),
+        kv_key=kv.get("key", ""),
+        kv_key_when=kv.get("key_when"),
+        kv_flag=kv.get("flag"),
+        refuse_when=tuple((tuple(sorted(r["when"].items())), r["reason"]) for r in refuse),
+        serving=data.get("serving", ""),
+        attention_interface=bool(data.get("attention_interface", True)),
         **norms,
     )
 
@@ -158,18 +255,40 @@ def families() -> dict[str, Family]:
     return out
 
 
-def split_fused_qkv(weight: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Any, Any, Any]:
-    """Split fused ``[(H + 2*G)*d, *rest]`` rows into q ``[H*d]``, k and v ``[G*d]`` with sizes
-    from the config (never ``chunk(3)``, which is wrong as soon as ``G != H``)."""
+def split_fused_qkv(weight: Any, num_heads: int, num_kv_heads: int, head_dim: int,
+                    layout: str = "stacked") -> tuple[Any, Any, Any]:  # fmt: skip
+    """Split fused qkv rows (``[(H + 2·G)·d, *rest]``) into q ``[H·d]``, k and v ``[G·d]`` with sizes
+    from the config (never ``chunk(3)``, which is wrong as soon as ``G != H``); ``layout`` as in
+    :data:`QKV_LAYOUTS`."""
     sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     if weight.shape[0] != sum(sizes):
         raise ValueError(f"fused qkv has {weight.shape[0]} rows, expected {sum(sizes)} = {sizes}")
-    q, k, v = weight.split(sizes, dim=0)
-    return q, k, v
+    if layout == "stacked":
+        q, k, v = weight.split(sizes, dim=0)
+        return q, k, v
+    rest = weight.shape[1:]
+    per = num_heads // num_kv_heads
+    grouped = weight.reshape(num_kv_heads, per + 2, head_dim, *rest)
+    q = grouped[:, :per].reshape(num_heads * head_dim, *rest)
+    return q, grouped[:, per].reshape(-1, *rest), grouped[:, per + 1].reshape(-1, *rest)
 
 
-def detect_family(config: dict[str, Any]) -> Family:
-    """The family of a ``config.json`` (by ``architectures``, then ``model_type``)."""
+def join_fused_qkv(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int, head_dim: int,
+                   layout: str = "stacked") -> Any:  # fmt: skip
+    """The inverse of :func:`split_fused_qkv`."""
+    import torch
+
+    if layout == "stacked":
+        return torch.cat([q, k, v])
+    rest = q.shape[1:]
+    per = num_heads // num_kv_heads
+    parts = [q.reshape(num_kv_heads, per, head_dim, *rest), k.reshape(num_kv_heads, 1, head_dim, *rest),
+             v.reshape(num_kv_heads, 1, head_dim, *rest)]  # fmt: skip
+    return torch.cat(parts, dim=1).reshape(-1, *rest).contiguous()
+
+
+def find_family(config: dict[str, Any]) -> Family | None:
+    """The family of a ``config.json`` (by ``architectures``, then ``model_type``), or None."""
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
     for fam in families().values():
@@ -178,6 +297,51 @@ def detect_family(config: dict[str, Any]) -> Family:
     for fam in families().values():
         if model_type in fam.model_types:
             return fam
-    found = ", ".join(archs) or model_type or "unknown"
-    supported = ", ".join(sorted(a for f in families().values() for a in f.architectures))
-    raise Mha2GqaError(f"unsupported model family ({found}); supported: {supported}")
+    return None
+
+
+@cache
+def refused() -> list[dict[str, Any]]:
+    """Architectures no conversion can express exactly, with the reason (``refused.json``)."""
+    return json.loads(resources.files("mha2gqa.core").joinpath("refused.json").read_text(encoding="utf-8"))
+
+
+def refused_reason(config: dict[str, Any]) -> str | None:
+    """Why a model with ``config`` is refused outright (BLOOM, T5...), or None."""
+    archs = config.get("architectures") or []
+    for entry in refused():
+        if any(a in entry["architectures"] for a in archs) or config.get("model_type") in entry["model_types"]:
+            return f"{(archs or [config.get('model_type')])[0]} is not supported: {entry['reason']}"
+    return None
+
+
+def detect_family(config: dict[str, Any]) -> Family:
+    """The family of a ``config.json`` (by ``architectures``, then ``model_type``); refused
+    architectures and family-specific refusals (Falcon-RW...) raise with the reason."""
+    why = refused_reason(config)
+    if why:
+        raise Mha2GqaError(why)
+    fam = find_family(config)
+    if fam is None:
+        archs = config.get("architectures") or []
+        found = ", ".join(archs) or config.get("model_type") or "unknown"
+        from mha2gqa.core.retarget import retargets
+
+        supported = ", ".join(sorted(a for f in families().values() for a in f.architectures))
+        moved = ", ".join(sorted(a for r in retargets().values() for a in r.architectures))
+        raise Mha2GqaError(f"unsupported model family ({found}); supported: {supported}; re-targeted: {moved}")
+    why = fam.refusal(config)
+    if why:
+        raise Mha2GqaError(f"{(config.get('architectures') or [fam.family])[0]}: {why}")
+    return fam
+
+
+def standard_config(config: Any) -> Any:
+    """A config (dict or transformers object) with the standard keys mha2gqa reads, whatever its
+    family calls them (:meth:`Family.standard`); unknown families come back as they are."""
+    if not isinstance(config, dict):
+        if not hasattr(config, "to_dict"):
+            return config
+        config = config.to_dict()
+    fam = find_family(config)
+    return fam.standard(config) if fam is not None else config

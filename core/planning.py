@@ -5,6 +5,7 @@ counts from the family's declared terms, KV bytes from :class:`~mha2gqa.core.dim
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from mha2gqa.core.dims import AttentionDims, config_value
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.families import TERM_NAMES, Family, detect_family
+from mha2gqa.core.retarget import as_target
 from mha2gqa.core.settings import setting
 
 
@@ -182,6 +184,7 @@ class ModelShape:
 def model_shape(config: dict[str, Any]) -> ModelShape:
     """Family, head counts and parameter counts. Counts come from the family's declared terms (no
     torch); a family without them is counted exactly by building its model class on ``meta``."""
+    source, config = config, as_target(config)  # a re-targeted source is planned as the class it becomes
     family = detect_family(config)
     dims = AttentionDims.from_config(config)
     params = count_parameters(config, family)
@@ -191,6 +194,8 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
             params -= sum(dims.num_kv_heads - g for g in dims.kv_heads_per_layer) * per_head // dims.num_layers
     else:  # the model class built on meta (per-layer counts included)
         params, per_head = _meta_counts(config, family, dims)
+    if source is not config:  # but its own parameters are the source's (folded norms, Phi's lm_head bias differ)
+        params = _meta_total(source)
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     arch = (config.get("architectures") or [family.architectures[0]])[0]
     tied = bool(config_value(config, "tie_word_embeddings", dict(family.parameter_defaults).get("tie_word_embeddings")))
@@ -199,25 +204,22 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     return ModelShape(family.family, arch, dims, params, per_head, dtype, lookup)
 
 
-def _meta_counts(config: dict[str, Any], family: Family, dims: AttentionDims) -> tuple[int, int]:
-    """``(parameters, parameters per KV head)`` from the model class built on ``meta``."""
+def _meta_total(config: dict[str, Any]) -> int:
+    """Parameters of the model class built on ``meta`` from ``config`` (tied ones once)."""
     from mha2gqa.core.expected_tensors import expected_tensors
 
-    def count(cfg: dict[str, Any]) -> int:
-        expected = expected_tensors(cfg)
-        total = 0
-        for name, shape in expected.shapes.items():
-            if name not in expected.tied:
-                n = 1
-                for s in shape:
-                    n *= s
-                total += n
-        return total
+    expected = expected_tensors(config)
+    return sum(math.prod(shape) for name, shape in expected.shapes.items() if name not in expected.tied)
 
-    params = count(config)
-    fewer = {**config, "num_key_value_heads": dims.num_kv_heads - 1} if dims.num_kv_heads > 1 else None
-    per_head = params - count(fewer) if fewer else 0
-    return params, per_head
+
+def _meta_counts(config: dict[str, Any], family: Family, dims: AttentionDims) -> tuple[int, int]:
+    """``(parameters, parameters per KV head)`` from the model class built on ``meta``."""
+    params = _meta_total(config)
+    if dims.num_kv_heads == 1:
+        return params, 0
+    lower = 1 if family.flag_only else dims.num_kv_heads - 1  # GPTBigCode holds 1 or H
+    fewer = {**config, **family.kv_config(lower)}
+    return params, (params - _meta_total(fewer)) // (dims.num_kv_heads - lower)
 
 
 @dataclass

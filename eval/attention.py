@@ -203,24 +203,32 @@ def compare_layer(
 
 def _output_projection_name(model: torch.nn.Module) -> str | None:
     """The attribute of the attention module that holds the output projection, from the model's
-    family definition (``o_proj``, Phi's ``dense``...); None for a family we do not describe."""
-    from mha2gqa.core.errors import Mha2GqaError
-    from mha2gqa.core.families import detect_family
+    family definition (``o_proj``, Phi's ``dense``...) or, for a re-targeted source class (GPT-J,
+    OPT...), its re-targeting's; None for a family we do not describe."""
+    from mha2gqa.core.families import find_family
+    from mha2gqa.core.retarget import find_retarget
 
-    try:
-        return detect_family(model.config.to_dict()).o_proj.rsplit(".", 1)[-1]
-    except Mha2GqaError:
-        return None
+    config = model.config.to_dict()
+    family, spec = find_family(config), find_retarget(config)
+    if family is not None:
+        return family.o_proj.rsplit(".", 1)[-1]
+    return spec.o_proj if spec is not None else None
 
 
 def _output_weight(module: torch.nn.Module, name: str | None) -> torch.Tensor | None:
-    """The attention module's output projection weight ``[hidden, H*d]``, if it has one we know."""
-    weight = getattr(getattr(module, name, None) if name else None, "weight", None)
-    return weight.detach() if weight is not None else None
+    """The attention module's output projection weight ``[hidden, H*d]``, if it has one we know
+    (GPT-2's Conv1D stores it transposed)."""
+    proj = getattr(module, name, None) if name else None
+    weight = getattr(proj, "weight", None)
+    if weight is None:
+        return None
+    return weight.detach().t() if type(proj).__name__ == "Conv1D" else weight.detach()
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    return model.base_model.layers
+    from mha2gqa.core.capture import decoder_layers
+
+    return decoder_layers(model)[0]
 
 
 class LayerStore(Protocol):

@@ -13,6 +13,7 @@ import math
 import platform
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -149,6 +150,21 @@ def _max_positions(folder: Path) -> int | None:
         raise Mha2GqaError(f"{folder}: cannot read its config: {str(e).splitlines()[0]}") from None
 
 
+def _attention_readable(folders: list[Path]) -> bool:
+    """Both models run their attention through transformers' attention interface, where the
+    attention comparison reads it (Falcon's does not: then it is skipped, and said so)."""
+    from mha2gqa.core.families import find_family
+    from mha2gqa.core.retarget import as_target
+
+    for folder in folders:
+        family = find_family(as_target(read_config(folder)))
+        if family is not None and not family.attention_interface:
+            sys.stderr.write(f"note: {family.architectures[0]} computes attention outside transformers' attention "
+                             "interface, so the per-layer attention comparison is skipped\n")  # fmt: skip
+            return False
+    return True
+
+
 def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     """Read the configs, tokenizer and text and cut every pass into windows (all checked), before
     any weights are loaded."""
@@ -187,7 +203,7 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
         prefix = prefix_token(tok)
         passes["rolling"] = [w for d in docs for w in rolling_windows(d, prefix, rolling_len)]
     batch = None
-    if converted and s.attention:
+    if converted and s.attention and _attention_readable(folders):
         t = min(s.attention_seq_len or min(seq_len, 1024), seq_len)
         windows = [w for w, _ in disjoint_windows(ids, t) if w.numel() == t][: s.attention_windows]
         batch = torch.stack(windows) if windows else None

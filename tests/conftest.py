@@ -26,6 +26,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "olmo": ("olmo", {"clip_qkv": 8.0}),
     "olmo2": ("olmo2", {}),
     "starcoder2": ("starcoder2", {"use_bias": True}),
+    "gpt_bigcode": ("gpt_bigcode", {"multi_query": False}),
+    "falcon": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 4}),
 }
 
 

@@ -10,6 +10,9 @@ def reference_convert(
     state: dict[str, torch.Tensor], config: dict, layout: dict, groups: int, method: str
 ) -> dict[str, torch.Tensor]:
     """``layout``: ``k``/``v`` (or ``qkv``) module templates, ``k_norm`` and its ``k_norm_layout``."""
+    from mha2gqa.core.families import standard_config
+
+    config = standard_config(config)  # GPTBigCode's n_head, Falcon's num_kv_heads...
     h = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or h
     d = config.get("head_dim") or config["hidden_size"] // h
@@ -33,7 +36,17 @@ def reference_convert(
                 name = layout[key].format(layer=layer) + suffix
                 if name not in state:
                     continue
-                if key == "qkv":
+                if key == "qkv" and layout["family"].qkv_layout == "grouped":  # [G, H/G + 2, d] rows
+                    t = state[name]
+                    r = h // kv
+                    blocks = t.reshape(kv, r + 2, d, *t.shape[1:])
+                    q = blocks[:, :r].reshape(h * d, *t.shape[1:])
+                    k, v = (blocks[:, r + i].reshape(kv * d, *t.shape[1:]) for i in (0, 1))
+                    k, v = pool_rows(k), pool_rows(v)
+                    parts = [q.reshape(groups, h // groups, d, *t.shape[1:]), k.reshape(groups, 1, d, *t.shape[1:]),
+                             v.reshape(groups, 1, d, *t.shape[1:])]  # fmt: skip
+                    out[name] = torch.cat(parts, dim=1).reshape(-1, *t.shape[1:])
+                elif key == "qkv":
                     t = state[name]
                     q, k, v = t[: h * d], t[h * d : (h + kv) * d], t[(h + kv) * d :]
                     out[name] = torch.cat([q, pool_rows(k), pool_rows(v)])

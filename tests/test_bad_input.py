@@ -58,11 +58,11 @@ def test_bad_group_count(src, tmp_path, g, pattern):
 
 def test_unsupported_family(src, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
-    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    cfg.update(architectures=["RwkvForCausalLM"], model_type="rwkv")
     (src / "config.json").write_text(json.dumps(cfg))
     assert_refused(
         run_cli("convert", src, tmp_path / "out", "-g", 2),
-        r"unsupported model family \(GPT2LMHeadModel\); supported: .*Qwen2ForCausalLM",
+        r"unsupported model family \(RwkvForCausalLM\); supported: .*Qwen2ForCausalLM.*re-targeted: .*GPT2LMHeadModel",
         tmp_path,
     )
 

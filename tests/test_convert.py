@@ -25,7 +25,9 @@ def read_all(folder) -> dict[str, torch.Tensor]:
 
 
 def source_kv(config) -> int:
-    return config.num_key_value_heads or config.num_attention_heads
+    from mha2gqa.core.dims import AttentionDims
+
+    return AttentionDims.from_config(config).num_kv_heads
 
 
 def equalise_groups(model, family: str, groups: int, strided: bool = False) -> None:
@@ -50,11 +52,13 @@ def equalise_groups(model, family: str, groups: int, strided: bool = False) -> N
     with torch.no_grad():
         for layer in range(cfg.num_hidden_layers):
             for suffix in (".weight", ".bias"):
-                if fam.fused:
+                if fam.fused:  # k and v rows wherever the family's layout keeps them
                     t = params.get(fam.qkv_proj.format(layer=layer) + suffix)
                     if t is not None:
-                        fix_rows(t, h * d)
-                        fix_rows(t, (h + kv) * d)
+                        q, k, v = (x.clone() for x in fam.split_qkv(t.data, h, kv, d))
+                        fix_rows(k)
+                        fix_rows(v)
+                        t.copy_(fam.join_qkv(q, k, v, h, kv, d))
                 for module in (fam.k_proj, fam.v_proj):
                     if module and (t := params.get(module.format(layer=layer) + suffix)) is not None:
                         fix_rows(t)
@@ -89,16 +93,18 @@ def test_same_head_count_is_a_byte_exact_copy(family, sharded, tiny_checkpoint, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_equalised_groups_convert_without_changing_logits(family, tmp_path):
+    from mha2gqa.core.dims import AttentionDims
+
     config = tiny_config(family)
     kv = source_kv(config)
-    for g in [g for g in (kv // 2, 1) if g >= 1]:
+    for g in [g for g in (kv // 2, 1) if g in AttentionDims.from_config(config).valid_kv_heads()]:
         model = random_model(config, seed=g)
         equalise_groups(model, family, g)
         src = save(model, tmp_path / f"src{g}")
         before = logits(model, IDS)
         out = convert_checkpoint(src, tmp_path / f"out{g}", g, "mean", progress=False).output
         converted = load(out)
-        assert converted.config.num_key_value_heads == g
+        assert AttentionDims.from_config(converted.config).num_kv_heads == g
         torch.testing.assert_close(logits(converted, IDS), before, atol=1e-5, rtol=0)
 
 
@@ -124,11 +130,14 @@ def test_output_loads_generates_and_caches_g_heads(family, tiny_checkpoint, tmp_
     )
     assert gen.sequences.shape == (1, 9)
     cache = gen.past_key_values
+    # transformers' Falcon broadcasts K/V to every query head before caching (see the README)
+    held = model.config.num_attention_heads if family == "falcon" else 1
     for layer in cache.layers:
-        assert layer.keys.shape[1] == 1 and layer.values.shape[1] == 1
+        assert layer.keys.shape[1] == held and layer.values.shape[1] == held
     cfg_in = json.loads((src / "config.json").read_text())
     cfg_out = json.loads((out / "config.json").read_text())
-    assert {k: v for k, v in cfg_out.items() if cfg_in.get(k) != v} == {"num_key_value_heads": 1}
+    changed = {k: v for k, v in cfg_out.items() if cfg_in.get(k) != v}
+    assert changed == {k: v for k, v in families()[family].kv_config(1).items() if cfg_in.get(k) != v} != {}
     index = json.loads((out / "model.safetensors.index.json").read_text())
     sizes = 0
     for f in set(index["weight_map"].values()):
@@ -144,7 +153,7 @@ def test_streaming_equals_in_memory_reference(family, method, tiny_checkpoint, t
     src = tiny_checkpoint(family, sharded=True)
     config = json.loads((src / "config.json").read_text())
     fam = families()[family]
-    layout = {"k": fam.k_proj, "v": fam.v_proj} if not fam.fused else {"qkv": fam.qkv_proj}
+    layout = {"k": fam.k_proj, "v": fam.v_proj} if not fam.fused else {"qkv": fam.qkv_proj, "family": fam}
     if fam.k_norm:
         layout.update(k_norm=fam.k_norm.name, k_norm_layout=fam.k_norm.layout)
     groups = 1 if family != "mistral" else 2

@@ -13,6 +13,7 @@ from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.core.capture import capturing
 from mha2gqa.core.errors import SettingError
+from mha2gqa.core.families import families
 from mha2gqa.eval.attention import _log_attention, _scores_mask, attention_similarity
 from mha2gqa.eval.harness import evaluate
 from mha2gqa.eval.perplexity import IGNORE, disjoint_windows, rolling_windows, score_windows, stride_windows
@@ -110,6 +111,9 @@ def test_capture_rebuilds_each_layers_attention_output_exactly(family):
 
     with torch.no_grad(), capturing(model, recorder):
         model(torch.randint(3, 90, (2, 24)))
+    if not families()[family].attention_interface:  # Falcon: nothing to see, and eval says so
+        assert checked == []
+        return
     assert checked == list(range(model.config.num_hidden_layers))
     assert model.config._attn_implementation == "sdpa"
 

@@ -96,20 +96,24 @@ def meta_parameters(config) -> int:
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
 def test_declared_parameter_terms_count_exactly_what_transformers_builds(family):
-    """The planner counts parameters from the family's terms, without torch: for every family, with
-    each switch on and off, MHA and GQA, the count equals the model class's own."""
-    from mha2gqa.core.planning import count_parameters
+    """The planner counts parameters from the family's terms, without torch (or, for a family that
+    declares none, GPTBigCode and Falcon, from its class on ``meta``): for every family, with each
+    switch on and off, MHA and GQA, the count equals the model class's own."""
+    from mha2gqa.core.planning import count_parameters, model_shape
 
     fam = families()[family]
     base = tiny_config(family)
-    variants = [{}, {"num_key_value_heads": 1 if base.num_attention_heads % 2 else 2}]
+    variants = [{}, {**fam.kv_config(1), "num_key_value_heads": 1}]
     for key in SWITCHES:
         if hasattr(base, key):
             variants.append({key: not getattr(base, key)})
     for overrides in variants:
         config = tiny_config(family, **overrides)
         as_dict = json.loads(config.to_json_string())
-        assert count_parameters(as_dict, fam) == meta_parameters(config), overrides
+        if fam.parameter_terms:
+            assert count_parameters(as_dict, fam) == meta_parameters(config), overrides
+        else:
+            assert model_shape(as_dict).parameters == meta_parameters(config), overrides
 
 
 def test_parameter_terms_use_the_model_class_defaults_for_absent_switches():

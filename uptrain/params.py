@@ -1,8 +1,9 @@
 """Which parameters train: all of them, the attention projections, or only the K/V projections.
 
 Names come from the model's family definition (``core/architectures/*.json``), the same data
-the converter uses. For a fused ``qkv_proj`` (Phi-3) with ``kv``, the whole tensor trains but the
-query rows' gradient is masked to zero (and they get no weight decay), so they stay bit-exact.
+the converter uses. For a fused ``qkv_proj`` (Phi-3, GPTBigCode, Falcon) with ``kv``, the whole
+tensor trains but the query rows' gradient (wherever the family's layout puts them) is masked to
+zero (and they get no weight decay), so they stay bit-exact.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class Trainable:
 
     names: list[str]
     params: list[torch.nn.Parameter]
-    masked_rows: dict[str, slice] = field(default_factory=dict)  # name -> rows that must not change
+    masked_rows: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> rows that must not change
 
     @property
     def count(self) -> int:
@@ -32,8 +33,7 @@ class Trainable:
         for name, p in zip(self.names, self.params, strict=True):
             total += p.numel()
             if name in self.masked_rows:
-                rows = self.masked_rows[name]
-                total -= (rows.stop - rows.start) * p[0].numel()
+                total -= len(self.masked_rows[name]) * p[0].numel()
         return total
 
 
@@ -79,9 +79,9 @@ def select_trainable(model: torch.nn.Module, family: Family | None, dims: Attent
         missing = sorted(n for n in wanted if n.endswith(".weight") and n not in names)
         if missing:
             raise Mha2GqaError(f"--train {which}: the model has no parameter {missing[0]} (family {family.family})")
-    masked: dict[str, slice] = {}
+    masked: dict[str, torch.Tensor] = {}
     if which == "kv" and family.fused:
-        q_rows = slice(0, dims.num_heads * dims.head_dim)
+        q_rows = torch.tensor(family.q_rows(dims.num_heads, dims.num_kv_heads, dims.head_dim))
         for name, p in zip(names, params, strict=True):
             if name.startswith(tuple(family.qkv_proj.format(layer=i) for i in range(dims.num_layers))):
                 masked[name] = q_rows
@@ -89,7 +89,7 @@ def select_trainable(model: torch.nn.Module, family: Family | None, dims: Attent
     return Trainable(names, params, masked)
 
 
-def _zero_rows(grad: torch.Tensor, rows: slice) -> torch.Tensor:
+def _zero_rows(grad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     grad = grad.clone()
     grad[rows] = 0
     return grad

@@ -13,6 +13,7 @@ import torch
 
 from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
+from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.signals import check as check_signals
 
@@ -41,7 +42,7 @@ class _Catch(torch.nn.Module):
         self.calls: list[tuple[torch.Tensor, dict]] = []
 
     def forward(self, hidden_states, *args, **kwargs):
-        if args:
+        if any(a is not None for a in args):  # GPTBigCode passes encoder_hidden_states=None by position
             raise RuntimeError("decoder layers are expected to be called with keyword arguments")
         self.calls.append((hidden_states, kwargs))
         raise _Stop
@@ -124,12 +125,16 @@ def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
-def _skeleton(model_dir: Path):
-    """The model of ``model_dir`` with its parameters on ``meta`` (buffers such as RoPE tables real)."""
+def _skeleton(ckpt):
+    """The model of ``ckpt`` with its parameters on ``meta`` (buffers such as RoPE tables real); a
+    re-targeted checkpoint's is the target class."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir)
+    if ckpt.format == "retargeted":
+        config = AutoConfig.for_model(**ckpt.config)
+    else:
+        config = AutoConfig.from_pretrained(ckpt.folder)
     config.use_cache = False
     with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config).eval()
@@ -139,19 +144,22 @@ def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tupl
     """Run everything before the decoder layers once per window (embeddings as stored: a lookup
     loses nothing) and catch what the first layer receives, GPTQ-style; hidden states and RoPE
     tables in float32."""
+    from mha2gqa.core.capture import decoder_layers
+
     base = model.base_model
     prefix = f"{model.base_model_prefix}."
-    layers, others = base.layers, [(n, c) for n, c in base.named_children() if n != "layers"]
+    layers, attr = decoder_layers(model)
+    others = [(n, c) for n, c in base.named_children() if n != attr]
     for name, child in others:
         _materialize(child, ckpt, f"{prefix}{name}.", device, dtype=None)
     catcher = _Catch()
-    base.layers = torch.nn.ModuleList([catcher])
+    setattr(base, attr, torch.nn.ModuleList([catcher]))
     try:
         for w in windows:
             with contextlib.suppress(_Stop):
                 base(w[None], use_cache=False)
     finally:
-        base.layers = layers
+        setattr(base, attr, layers)
     for _, child in others:
         _release(child)
     states = []
@@ -164,15 +172,17 @@ def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tupl
 
 
 @torch.inference_mode()
-def collect(model_dir: Path, groups: int | tuple[int, ...] | None, data: str, tokens: int, seq_len: int | None = None,
-            device: str = "auto", text_field: str = "text", grouping: str = "contiguous", allow_pickle: bool = False,
-            compact: bool = True, progress: bool = False, on_layer=None) -> CalibrationStats:  # fmt: skip
+def collect(source: Path | Checkpoint, groups: int | tuple[int, ...] | None, data: str, tokens: int,
+            seq_len: int | None = None, device: str = "auto", text_field: str = "text", grouping: str = "contiguous",
+            allow_pickle: bool = False, compact: bool = True, progress: bool = False,
+            on_layer=None) -> CalibrationStats:  # fmt: skip
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
-    ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model layer by
-    layer from its shards: the model is built on ``meta``; the embeddings run once (the inputs of
-    the first decoder layer are caught), then each decoder layer in turn gets its weights,
-    processes every window and is emptied again. Memory: one layer plus the calibration
-    activations (``tokens x hidden``, float32), never the whole model.
+    ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model (a folder,
+    or an opened checkpoint such as a re-targeted one) layer by layer from its shards: the model is
+    built on ``meta``; the embeddings run once (the inputs of the first decoder layer are caught),
+    then each decoder layer in turn gets its weights, processes every window and is emptied again.
+    Memory: one layer plus the calibration activations (``tokens x hidden``, float32), never the
+    whole model.
 
     With ``grouping="similarity"`` each layer's statistics are first gathered over all source KV
     heads, which then form the equal groups that lose least in the merge
@@ -185,14 +195,15 @@ def collect(model_dir: Path, groups: int | tuple[int, ...] | None, data: str, to
     (:class:`LayerRun`), before they are cut (with ``groups=None``, nothing is kept)."""
     from tqdm.auto import tqdm
 
-    from mha2gqa.core.capture import capturing
+    from mha2gqa.core.capture import capturing, decoder_layers
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.dims import AttentionDims
     from mha2gqa.core.models import resolve_device
 
     dev = resolve_device(device)
-    ckpt = open_checkpoint(str(model_dir), allow_pickle=allow_pickle)
-    model = _skeleton(model_dir)
+    ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
+    model_dir = ckpt.folder
+    model = _skeleton(ckpt)
     dims = AttentionDims.from_config(model.config)
     seq_len = min(seq_len or 512, getattr(model.config, "max_position_embeddings", None) or 512)
     windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
@@ -202,8 +213,8 @@ def collect(model_dir: Path, groups: int | tuple[int, ...] | None, data: str, to
     stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
     split = grouping == "similarity" or per_layer is not None or on_layer is not None
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
-    prefix = f"{model.base_model_prefix}.layers."
-    layers = model.base_model.layers
+    layers, attr = decoder_layers(model)
+    prefix = f"{model.base_model_prefix}.{attr}."
     desc = f"calibrating {len(layers)} layers on {windows.numel():,} tokens"
     bar = tqdm(total=len(layers) * len(states), unit="window", desc=desc, disable=not progress)
     recording = [True]  # off while a cost runs a layer again with merged weights

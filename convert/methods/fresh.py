@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mha2gqa.core.dtypes import BY_CODE, from_torch
-from mha2gqa.core.families import split_fused_qkv
+from mha2gqa.core.families import Family
 
 
 def fresh_tensor(shape: tuple[int, ...], dtype: str, kind: str, std: float, seed: int) -> torch.Tensor:
@@ -18,10 +18,11 @@ def fresh_tensor(shape: tuple[int, ...], dtype: str, kind: str, std: float, seed
     return (torch.ones if kind == "norm" else torch.zeros)(shape, dtype=torch_dtype)
 
 
-def fresh_fused(fused: torch.Tensor, kind: str, num_heads: int, num_kv_heads: int, groups: int, head_dim: int,
-                std: float, seed: int) -> torch.Tensor:  # fmt: skip
-    """A fused ``[q; k; v]`` tensor with its q rows kept and fresh k and v rows for ``groups`` heads."""
-    q, k, _ = split_fused_qkv(fused, num_heads, num_kv_heads, head_dim)
+def fresh_fused(fused: torch.Tensor, kind: str, family: Family, num_heads: int, num_kv_heads: int, groups: int,
+                head_dim: int, std: float, seed: int) -> torch.Tensor:  # fmt: skip
+    """A fused qkv tensor (``family``'s layout) with its q rows kept and fresh k and v rows for ``groups`` heads."""
+    q, k, _ = family.split_qkv(fused, num_heads, num_kv_heads, head_dim)
     shape = (groups * head_dim, *k.shape[1:])
     dtype = from_torch(k.dtype).code
-    return torch.cat([q, fresh_tensor(shape, dtype, kind, std, seed), fresh_tensor(shape, dtype, kind, std, seed + 1)])
+    fresh_k, fresh_v = fresh_tensor(shape, dtype, kind, std, seed), fresh_tensor(shape, dtype, kind, std, seed + 1)
+    return family.join_qkv(q, fresh_k, fresh_v, num_heads, groups, head_dim)
