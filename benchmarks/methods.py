@@ -1,4 +1,5 @@
-"""Every conversion method at every valid KV-head count on the real models in ../shared/fixtures.
+"""Every conversion method at every valid KV-head count on the real models in ../shared/fixtures
+(and ``pydocs-neox``: a Pythia-style GPT-NeoX trained here on CPython's docs, converted through Phi).
 
 For each model: calibrate on one text (``svd``), evaluate on held-out text with the disjoint
 protocol (perplexity, ratio to the original, mean per-token KL, top-1 agreement) and time the
@@ -23,8 +24,17 @@ METHODS = (("mean", "contiguous"), ("first", "contiguous"), ("random", "contiguo
            ("svd", "contiguous"), ("mean", "similarity"), ("aligned", "similarity"), ("svd", "similarity"))  # fmt: skip
 
 
+def _neox() -> tuple[Path, str, str, int]:
+    """The demo's GPT-NeoX (trained once, ~1 min, cached): calibrated on its training topics,
+    evaluated on the held-out ones."""
+    from mha2gqa.demo import DemoSettings, demo_model, heldout_file, train_file
+
+    settings = DemoSettings(architecture="gpt_neox")
+    return demo_model(settings), str(train_file(settings)), str(heldout_file(settings)), 256
+
+
 def splits(fixtures: Path, work: Path) -> dict[str, tuple[Path, str, str, int]]:
-    """model -> (folder, calibration file, evaluation file, window)."""
+    """model -> (folder, calibration file, evaluation file, window); ``pydocs-neox`` -> None (built on use)."""
     text = (fixtures / "text" / "tinystories_train_head.txt").read_text(encoding="utf-8")
     calib, held = work / "tinystories_calib.txt", work / "tinystories_heldout.txt"
     calib.write_text(text[: len(text) // 2], encoding="utf-8")  # calibrate on the start ...
@@ -34,6 +44,7 @@ def splits(fixtures: Path, work: Path) -> dict[str, tuple[Path, str, str, int]]:
         "babyllama105": (fixtures / "babyllama105", str(calib), str(held), 256),
         "pydocs-mha-8h": (fixtures / "pydocs-mha-8h", str(fixtures / "text" / "pydocs_calibration.txt"),
                           str(fixtures / "text" / "pydocs_heldout.txt"), 256),
+        "pydocs-neox": None,
     }  # fmt: skip
 
 
@@ -55,9 +66,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name, (folder, calib, held, window) in splits(args.fixtures, work).items():
+        for name, split in splits(args.fixtures, work).items():
             if args.models and name not in args.models:
                 continue
+            folder, calib, held, window = split or _neox()
             dims = AttentionDims.from_config(read_config(folder))
             settings = EvalSettings(data=held, seq_len=window, max_tokens=args.eval_tokens, attention=False,
                                     progress=False)  # fmt: skip

@@ -83,11 +83,11 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
 
 
 def _check_per_layer_family(family: Family, setting: str) -> None:
-    if family.fused or (family.k_norm is not None and family.k_norm.layout != "shared"):
-        raise SettingError(setting, f"{{name}}: {family.family} keeps K/V in a fused projection or a per-head norm "
-                           "sized by the KV heads; per-layer counts support families with separate q/k/v projections "
-                           "(llama, mistral, qwen2, qwen3, gemma, phi, olmo, starcoder2; gpt_neox and gptj as phi); "
-                           "use -g")  # fmt: skip
+    if family.qkv_layout == "grouped" or family.flag_only or not family.attention_interface:
+        raise SettingError(setting, f"{{name}}: {family.architectures[0]} keeps K/V grouped per head inside one fused "
+                           "projection whose layout its class sizes by one count for all layers; per-layer counts "
+                           "support llama, mistral, qwen2, qwen3, gemma, phi, phi3, stablelm, olmo, olmo2, starcoder2 "
+                           "(and gpt_neox, gptj through phi); use -g")  # fmt: skip
 
 
 def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[int, ...]:

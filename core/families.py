@@ -154,12 +154,7 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
     def fail(msg: str) -> ValueError:
         return ValueError(f"family definition {origin}: {msg}")
 
-    unknown = set(data) - _TOP_KEYS
-    if unknown:
-        raise fail(f"unknown keys {sorted(unknown)}")
-    for key in ("family", "description", "architectures", "model_types", "attention"):
-        if key not in data:
-            raise fail(f"missing key {key!r}")
+    check_keys(data, _TOP_KEYS, ("family", "description", "architectures", "model_types", "attention"), fail)
     attn = data["attention"]
     if not isinstance(attn, dict) or set(attn) - _ATTN_KEYS:
         raise fail(f"'attention' takes only {sorted(_ATTN_KEYS)}")
@@ -222,6 +217,32 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
     )
 
 
+def check_keys(data: dict[str, Any], allowed: set[str], required: tuple[str, ...], fail) -> None:
+    """A definition has only ``allowed`` keys and every ``required`` one (``fail(msg)`` builds the error)."""
+    unknown = set(data) - allowed
+    if unknown:
+        raise fail(f"unknown keys {sorted(unknown)}")
+    for key in required:
+        if key not in data:
+            raise fail(f"missing key {key!r}")
+
+
+def load_definitions(folder: str, parse) -> list[Any]:
+    """Every ``*.json`` definition shipped in ``folder`` (of this package), parsed by ``parse(data, name)``."""
+    entries = sorted(resources.files("mha2gqa.core").joinpath(folder).iterdir(), key=str)
+    return [parse(json.loads(e.read_text(encoding="utf-8")), e.name) for e in entries if e.name.endswith(".json")]
+
+
+def match_definition(config: dict[str, Any], definitions: Any) -> Any:
+    """The definition whose ``architectures`` hold the config's, else whose ``model_types`` hold its
+    ``model_type``; None when none does."""
+    archs = config.get("architectures") or []
+    for d in definitions:
+        if any(a in d.architectures for a in archs):
+            return d
+    return next((d for d in definitions if config.get("model_type") in d.model_types), None)
+
+
 def _parse_parameters(spec: Any, fail) -> tuple[tuple[tuple[str, str | None], ...], tuple[tuple[str, bool], ...]]:
     """The ``parameters`` section: ``{"defaults": {key: bool}, "terms": [[expr], [expr, cond]...]}``."""
     if spec is None:
@@ -247,12 +268,7 @@ def _parse_parameters(spec: Any, fail) -> tuple[tuple[tuple[str, str | None], ..
 @cache
 def families() -> dict[str, Family]:
     """Every shipped family definition, by family name."""
-    out: dict[str, Family] = {}
-    for entry in sorted(resources.files("mha2gqa.core").joinpath("architectures").iterdir(), key=str):
-        if entry.name.endswith(".json"):
-            fam = parse_family(json.loads(entry.read_text(encoding="utf-8")), entry.name)
-            out[fam.family] = fam
-    return out
+    return {fam.family: fam for fam in load_definitions("architectures", parse_family)}
 
 
 def split_fused_qkv(weight: Any, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -289,15 +305,7 @@ def join_fused_qkv(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int, he
 
 def find_family(config: dict[str, Any]) -> Family | None:
     """The family of a ``config.json`` (by ``architectures``, then ``model_type``), or None."""
-    archs = config.get("architectures") or []
-    model_type = config.get("model_type")
-    for fam in families().values():
-        if any(a in fam.architectures for a in archs):
-            return fam
-    for fam in families().values():
-        if model_type in fam.model_types:
-            return fam
-    return None
+    return match_definition(config, families().values())
 
 
 @cache

@@ -10,7 +10,8 @@ weights and caches exactly ``G_l`` heads in layer ``l``.
 mha2gqa's loader does that in process (:func:`per_layer_class`); a converted checkpoint also carries
 ``modeling_mha2gqa.py`` (written from this module's own source) and an ``auto_map`` entry, so stock
 ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` builds the same model.
-Families with separate q/k/v projections and no per-KV-head norm module are supported.
+Families with separate q/k/v projections or a ``[q; k; v]`` fused one (Phi-3), with or without key
+norms sized by the KV heads (StableLM, OLMo-2), are supported.
 
 Serving engines read another form of the same fact: NVIDIA's Nemotron-NAS (``DeciLMForCausalLM``)
 config, a ``block_configs`` entry per layer whose ``attention.n_heads_in_group`` is ``H / G_l``. vLLM's
@@ -33,17 +34,30 @@ CLASS_PREFIX = "Mha2GqaPerLayer"
 
 
 def resize_kv_heads(model: Any, heads_per_layer: list[int]) -> None:
-    """Give each decoder layer K/V projections for its own KV-head count (before weights load)."""
+    """Give each decoder layer K/V projections for its own KV-head count (before weights load): the
+    K/V rows of separate or fused (``qkv_proj``, ``[q; k; v]``) projections, and key norms sized by
+    the KV heads (one LayerNorm per head, StableLM; one norm over all their rows, OLMo-2)."""
     import torch
 
     heads = model.config.num_attention_heads
     for layer, g in zip(model.base_model.layers, heads_per_layer, strict=True):
         attn = layer.self_attn
-        for name in ("k_proj", "v_proj"):
-            old = getattr(attn, name)
-            new = torch.nn.Linear(old.in_features, g * attn.head_dim, bias=old.bias is not None,
-                                  device=old.weight.device, dtype=old.weight.dtype)  # fmt: skip
+        d, old_kv = attn.head_dim, heads // attn.num_key_value_groups
+        for name, rows in (("k_proj", g * d), ("v_proj", g * d), ("qkv_proj", (heads + 2 * g) * d)):
+            old = getattr(attn, name, None)
+            if old is None:
+                continue
+            new = torch.nn.Linear(old.in_features, rows, bias=old.bias is not None, device=old.weight.device,
+                                  dtype=old.weight.dtype)  # fmt: skip
             setattr(attn, name, new)
+        per_head = getattr(getattr(attn, "k_layernorm", None), "norms", None)
+        if per_head is not None:  # StableLM: one LayerNorm per KV head
+            attn.k_layernorm.norms = torch.nn.ModuleList(list(per_head)[:g])
+            attn.k_layernorm.num_heads = g
+        norm = getattr(attn, "k_norm", None)
+        weight = getattr(norm, "weight", None)
+        if weight is not None and old_kv > 1 and weight.numel() == old_kv * d:  # OLMo-2: over all KV heads' rows
+            norm.weight = torch.nn.Parameter(torch.ones(g * d, device=weight.device, dtype=weight.dtype))
         attn.num_key_value_groups = heads // g
         if hasattr(attn, "num_key_value_heads"):
             attn.num_key_value_heads = g

@@ -17,16 +17,15 @@ plain ``n(x)``, so one identity-affine norm (the target's single parallel-block 
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import re
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from typing import Any
 
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.families import check_keys, load_definitions, match_definition
 from mha2gqa.core.safetensors_io import TensorInfo
 
 _TOP_KEYS = {"source", "description", "architectures", "model_types", "target", "requires", "config", "tensors",
@@ -132,12 +131,8 @@ def parse_retarget(data: dict[str, Any], origin: str = "<dict>") -> Retarget:
     def fail(msg: str) -> ValueError:
         return ValueError(f"re-targeting definition {origin}: {msg}")
 
-    unknown = set(data) - _TOP_KEYS
-    if unknown:
-        raise fail(f"unknown keys {sorted(unknown)}")
-    for key in ("source", "description", "architectures", "model_types", "target", "config", "tensors"):
-        if key not in data:
-            raise fail(f"missing key {key!r}")
+    required = ("source", "description", "architectures", "model_types", "target", "config", "tensors")
+    check_keys(data, _TOP_KEYS, required, fail)
     for op in data["tensors"]:
         if not isinstance(op, dict) or op.get("op") not in _OPS or set(op) - _OP_KEYS or "to" not in op:
             raise fail(
@@ -171,24 +166,12 @@ def parse_retarget(data: dict[str, Any], origin: str = "<dict>") -> Retarget:
 @cache
 def retargets() -> dict[str, Retarget]:
     """Every shipped re-targeting, by source name."""
-    out: dict[str, Retarget] = {}
-    for entry in sorted(resources.files("mha2gqa.core").joinpath("retargets").iterdir(), key=str):
-        if entry.name.endswith(".json"):
-            spec = parse_retarget(json.loads(entry.read_text(encoding="utf-8")), entry.name)
-            out[spec.source] = spec
-    return out
+    return {spec.source: spec for spec in load_definitions("retargets", parse_retarget)}
 
 
 def find_retarget(config: dict[str, Any]) -> Retarget | None:
     """The re-targeting for a source ``config.json`` (by ``architectures``, then ``model_type``)."""
-    archs = config.get("architectures") or []
-    for spec in retargets().values():
-        if any(a in spec.architectures for a in archs):
-            return spec
-    for spec in retargets().values():
-        if config.get("model_type") in spec.model_types:
-            return spec
-    return None
+    return match_definition(config, retargets().values())
 
 
 def as_target(config: dict[str, Any]) -> dict[str, Any]:

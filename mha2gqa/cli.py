@@ -25,7 +25,7 @@ from mha2gqa.core.planning import PlanSettings
 from mha2gqa.core.settings import click_options, flag
 from mha2gqa.core.tables import Table
 from mha2gqa.core.units import format_bytes
-from mha2gqa.demo import DemoSettings
+from mha2gqa.demo import DEMO_ARCHITECTURES, DemoSettings
 from mha2gqa.eval.gates import GATE_EXIT_CODE, GateSettings
 from mha2gqa.eval.settings import BenchSettings, EvalSettings
 from mha2gqa.uptrain.settings import UptrainSettings
@@ -179,13 +179,17 @@ def run(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
               help="Where models, results and the report go [default: the cache].")  # fmt: skip
 @click.option("--uptrain-steps", type=int, default=None,
               help="Uptraining steps per conversion [default: the job's]; 0: none.")  # fmt: skip
+@click.option("--architecture", type=click.Choice(DEMO_ARCHITECTURES), default=None,
+              help="The demo model's class [default: the job's; llama]; gpt_neox trains a Pythia-style model, "
+              "converted through PhiForCausalLM.")  # fmt: skip
 @click.option("--rebuild", is_flag=True, help="Retrain the cached demo model.")
 @threads_option
 @user_errors
 def demo(config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str, ...], steps: int | None,
-         output_dir: Path | None, uptrain_steps: int | None, rebuild: bool) -> None:  # fmt: skip
-    """The whole pipeline offline: train (once, cached) a small MHA Llama on CPython's docs, convert
-    it to fewer KV heads, evaluate, and write an HTML report."""
+         output_dir: Path | None, uptrain_steps: int | None, architecture: str | None,
+         rebuild: bool) -> None:  # fmt: skip
+    """The whole pipeline offline: train (once, cached) a small MHA Llama (or GPT-NeoX) on CPython's
+    docs, convert it to fewer KV heads, evaluate, and write an HTML report."""
     import dataclasses
 
     from mha2gqa.core.settings import validate
@@ -195,6 +199,8 @@ def demo(config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str
     job = load_job(config_file or shipped_jobs()["demo"])
     if steps is not None:
         job.demo = validate(dataclasses.replace(job.demo, steps=steps))
+    if architecture is not None:
+        job.demo = validate(dataclasses.replace(job.demo, architecture=architecture))
     if any(g < 1 for g in kv_heads):
         raise SettingError("num_kv_heads", "{name} must be at least 1")
     if uptrain_steps is not None and uptrain_steps < 0:

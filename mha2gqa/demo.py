@@ -1,4 +1,5 @@
-"""The embedded default job: a small MHA Llama trained on CPython's own documentation, converted.
+"""The embedded default job: a small MHA Llama (or, with ``architecture: gpt_neox``, a Pythia-style
+GPT-NeoX) trained on CPython's own documentation, converted.
 
 Nothing is downloaded. The text is ``pydoc_data.topics`` (the help topics shipped with CPython);
 the model is trained once (about a minute on 2 CPU cores) and cached, then converted to fewer KV
@@ -18,6 +19,8 @@ from mha2gqa.core.settings import setting
 from mha2gqa.core.signals import check as check_signals
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
+#: The classes the demo model can be: Llama, or GPT-NeoX as Pythia builds it.
+DEMO_ARCHITECTURES = ("llama", "gpt_neox")
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,18 @@ class DemoSettings:
     lr: float = setting(3e-3, help="Peak learning rate.", above=0)
     seed: int = setting(0, help="Seed.", minimum=0, maximum=2**63 - 1)
     heldout_fraction: float = setting(0.1, help="Share of the text held out for evaluation.", above=0, below=1)
+    architecture: str = setting(
+        "llama",
+        help="The model class: a Llama, or a Pythia-style GPT-NeoX (25% partial "
+        "rotary, parallel block; converted through PhiForCausalLM).",
+        choices=DEMO_ARCHITECTURES,
+    )
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = asdict(self)
+        if fields["architecture"] == "llama":  # the key of caches made before the choice existed
+            del fields["architecture"]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def cache_root() -> Path:
@@ -87,7 +99,7 @@ def build_tokenizer(text: str, vocab_size: int):
 def train_demo_model(folder: Path, settings: DemoSettings, log=print) -> Path:
     """Train the demo MHA model and save it (safetensors, config, tokenizer) into ``folder``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from mha2gqa.core.output import staged_output
 
@@ -95,14 +107,17 @@ def train_demo_model(folder: Path, settings: DemoSettings, log=print) -> Path:
     torch.manual_seed(settings.seed)
     tokenizer = build_tokenizer(train_text, settings.vocab_size)
     ids = tokenizer(train_text, return_tensors="pt").input_ids[0]
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=len(tokenizer), hidden_size=settings.hidden_size, intermediate_size=settings.intermediate_size,
         num_hidden_layers=settings.num_layers, num_attention_heads=settings.num_heads,
-        num_key_value_heads=settings.num_heads, max_position_embeddings=2 * settings.seq_len,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=2 * settings.seq_len, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    if settings.architecture == "gpt_neox":  # Pythia's choices: untied, 25% rotary, parallel residual
+        extra = dict(tie_word_embeddings=False, rotary_pct=0.25, use_parallel_residual=True, hidden_act="gelu")
+    else:
+        extra = dict(num_key_value_heads=settings.num_heads, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.architecture, **shape, **extra))
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=settings.lr, total_steps=settings.steps, pct_start=0.1)
     gen = torch.Generator().manual_seed(settings.seed)

@@ -54,6 +54,19 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
     assert again.exit_code == 0 and "training the demo" not in again.output  # cached
 
 
+def test_the_demo_runs_on_a_pythia_style_gpt_neox_through_phi(tmp_path, monkeypatch):
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
+    args = ["demo", "--architecture", "gpt_neox", "--steps", "3", "-g", "2", "--method", "svd", "--uptrain-steps", "0",
+            "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    source = json.loads((next(tmp_path.glob("demo-*")) / "mha" / "config.json").read_text())
+    assert source["architectures"] == ["GPTNeoXForCausalLM"]
+    record = json.loads(next((tmp_path / "run").rglob("mha2gqa_conversion.json")).read_text())["conversion"]
+    assert record["retarget"]["target_class"] == "PhiForCausalLM" and record["num_kv_heads_after"] == 2
+    assert "svd -> 2 KV heads" in result.stdout
+
+
 def test_every_shipped_job_file_loads(tmp_path):
     from mha2gqa.demo import DemoSettings
     from mha2gqa.jobs import load_job, shipped_jobs

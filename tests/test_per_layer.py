@@ -148,9 +148,9 @@ def test_per_layer_bad_input(source, tmp_path):
     assert "comma-separated integers" in err(num_kv_heads_per_layer="8,four,2,1")
     assert "one of the two" in err(g=4, num_kv_heads_per_layer="8,4,2,1")
     assert "one of the two" in err()
-    phi3 = save(random_model(tiny_config("phi3", num_hidden_layers=2)), tmp_path / "phi3")
-    with pytest.raises(SettingError, match="fused projection"):
-        convert_checkpoint(phi3, tmp_path / "y", None, num_kv_heads_per_layer="2,1", progress=False)
+    falcon = save(random_model(tiny_config("falcon", num_hidden_layers=2)), tmp_path / "falcon")
+    with pytest.raises(SettingError, match="grouped per head inside one fused projection"):
+        convert_checkpoint(falcon, tmp_path / "y", None, num_kv_heads_per_layer="2,1", progress=False)
     done = convert_checkpoint(source, tmp_path / "pl", None, num_kv_heads_per_layer="8,4,2,1", progress=False).output
     with pytest.raises(Mha2GqaError, match="already have different KV-head counts"):
         convert_checkpoint(done, tmp_path / "z", 1, progress=False)
@@ -238,7 +238,8 @@ def test_report_shows_the_per_layer_budget(tmp_path):
     assert "<th>KV heads</th><th>KV B/token</th>" in page and 'id="head_sharing-0"' not in page
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "olmo", "starcoder2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "olmo", "starcoder2", "phi3",
+                                    "stablelm", "olmo2"])  # fmt: skip
 def test_every_supported_family_loads_per_layer_both_ways(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -303,3 +304,21 @@ def test_sources_the_nemotron_nas_form_cannot_express_keep_their_class_and_say_w
         (src / "config.json").read_text())["architectures"]  # fmt: skip
     record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
     assert record["serving_form"].startswith("not written in the Nemotron-NAS form") and why in record["serving_form"]
+
+
+@pytest.mark.parametrize("family", ["phi3", "stablelm", "olmo2"])
+def test_fused_and_per_head_norm_families_convert_per_layer_with_unchanged_logits(family, tmp_path):
+    """Every K/V head alike (key norms too): pooling layer 0 to 2 heads and layer 1 to 1 changes nothing,
+    through the fused qkv_proj (Phi-3), per-head LayerNorms (StableLM) or a norm over all rows (OLMo-2)."""
+    from test_convert import equalise_groups
+
+    model = random_model(tiny_config(family, num_hidden_layers=2), seed=6)
+    equalise_groups(model, family, 1)
+    src = save(model, tmp_path / "src")
+    out = convert_checkpoint(src, tmp_path / "out", None, num_kv_heads_per_layer="2,1", progress=False).output
+    ids = torch.tensor([[1, 5, 17, 33, 9, 60]])
+    ours = _ours(out)
+    torch.testing.assert_close(logits(ours, ids), logits(model, ids), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        cache = ours(ids, use_cache=True).past_key_values
+    assert [layer.keys.shape[1] for layer in cache.layers] == [2, 1]

@@ -219,7 +219,7 @@ def test_streaming_equals_an_in_memory_reference_bit_for_bit(kind, tmp_path):
         assert torch.equal(t, expected[name]), name
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["gpt_neox", "gptj", "gpt2", "opt"])
 def test_calibrated_methods_run_on_re_targeted_sources(kind, tmp_path):
     from mha2gqa.demo import build_tokenizer
 
@@ -229,7 +229,7 @@ def test_calibrated_methods_run_on_re_targeted_sources(kind, tmp_path):
     build_tokenizer(text.read_text(), 300).save_pretrained(src)
     groups = SOURCES[kind][2]
     kw = dict(calibration=str(text), calibration_tokens=256, calibration_seq_len=32, progress=False)
-    for method, grouping in (("svd", "contiguous"), ("mean", "similarity")):
+    for method, grouping in (("svd", "contiguous"), ("mean", "similarity"), ("random", "contiguous")):
         if grouping == "similarity" and groups == 1:
             continue
         out = convert_checkpoint(src, tmp_path / f"{method}-{grouping}", groups, method, grouping=grouping, **kw)
