@@ -180,6 +180,7 @@ def _record(source: Source, s: ConvertSettings, stats: Any, calibration: dict[st
     }
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")}
     conversion["retarget"] = retarget_record(source.ckpt)
+    conversion["runs_in"] = source.family.serving or None  # where checkpoints of the output class run
     return {"mha2gqa_version": version(), "created": now(), "family": source.family.family,
             "source": _source_record(source.ckpt), "settings": settings, "conversion": conversion}  # fmt: skip
 

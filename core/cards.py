@@ -29,6 +29,18 @@ def _serving(conv: dict[str, Any]) -> str:
     return f"Serving: {form[0].upper()}{form[1:]}. {runtimes}\n\n"
 
 
+def _retargeted(conv: dict[str, Any]) -> str:
+    """The class the source was re-expressed in, and where that class runs."""
+    moved, runs = conv.get("retarget"), conv.get("runs_in")
+    text = ""
+    if moved:
+        text += (f"Re-targeted from `{moved['source_class']}` to `{moved['target_class']}` (exact at the same head "
+                 f"count): {moved['description']}.\n\n")  # fmt: skip
+    if runs:
+        text += f"Runs in: {runs}.\n\n"
+    return text
+
+
 def _after(conv: dict[str, Any]) -> str:
     """The KV heads after the conversion: one count, or each layer's."""
     per_layer = conv.get("num_kv_heads_per_layer")
@@ -105,6 +117,7 @@ def model_card(record: dict[str, Any]) -> str:
         "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
         f"# {base} as grouped-query attention ({_after(conv)} KV heads)\n\n"
         + (_PER_LAYER_NOTE + _serving(conv) if conv.get("num_kv_heads_per_layer") else "")
+        + _retargeted(conv)
         + f"{changes(conv)}\n\n{quality}\n\n| setting | value |\n|---|---|\n{table}\n\n"
         f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(conv, indent=2)}\n```\n"
     )

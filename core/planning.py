@@ -176,6 +176,7 @@ class ModelShape:
     kv_parameters_per_head: int  # parameters that exist once per KV head (all layers)
     weights_dtype: str
     lookup_parameters: int = 0  # an untied input embedding: read per token, never multiplied
+    converts_as: str | None = None  # the class a re-targeted source is converted in (GPT-2 -> GPTBigCode...)
 
     def parameters_at(self, num_kv_heads: float) -> float:
         return self.parameters - (self.dims.num_kv_heads - num_kv_heads) * self.kv_parameters_per_head
@@ -197,11 +198,12 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     if source is not config:  # but its own parameters are the source's (folded norms, Phi's lm_head bias differ)
         params = _meta_total(source)
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    arch = (config.get("architectures") or [family.architectures[0]])[0]
+    arch = (source.get("architectures") or config.get("architectures") or [family.architectures[0]])[0]
+    converts_as = (config.get("architectures") or [None])[0] if source is not config else None
     tied = bool(config_value(config, "tie_word_embeddings", dict(family.parameter_defaults).get("tie_word_embeddings")))
     vocab = config_value(config, "vocab_size")
     lookup = 0 if tied or not isinstance(vocab, int) else vocab * dims.hidden_size
-    return ModelShape(family.family, arch, dims, params, per_head, dtype, lookup)
+    return ModelShape(family.family, arch, dims, params, per_head, dtype, lookup, converts_as)
 
 
 def _meta_total(config: dict[str, Any]) -> int:
@@ -263,6 +265,7 @@ def describe(shape: ModelShape) -> dict[str, Any]:
     return {
         "family": shape.family,
         "architecture": shape.architecture,
+        "converts_as": shape.converts_as,
         **asdict(shape.dims),
         "parameters": shape.parameters,
         "weights_dtype": shape.weights_dtype,

@@ -29,7 +29,7 @@ from mha2gqa.core.families import check_keys, load_definitions, match_definition
 from mha2gqa.core.safetensors_io import TensorInfo
 
 _TOP_KEYS = {"source", "description", "architectures", "model_types", "target", "requires", "config", "tensors",
-             "ignore", "valid_kv_heads", "serving", "o_proj"}  # fmt: skip
+             "ignore", "valid_kv_heads", "o_proj"}  # fmt: skip
 _OPS = {"copy", "linear", "qkv", "ones", "zeros"}
 _OP_KEYS = {"op", "to", "from", "transpose", "rows_from", "optional", "fold", "bias", "layout", "rotary", "shape"}
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -99,7 +99,6 @@ class Retarget:
     tensors: tuple[dict[str, Any], ...]
     ignore: tuple[str, ...] = ()  # regexes of source tensors no target tensor needs (buffers)
     valid_kv_heads: str = "divisors"  # or "1 or H" (the target's config can say only these)
-    serving: str = ""
     o_proj: str | None = None  # the source attention module's output projection attribute (eval reads it)
 
     def target_config(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +159,7 @@ def parse_retarget(data: dict[str, Any], origin: str = "<dict>") -> Retarget:
         raise fail("'valid_kv_heads' is 'divisors' or '1 or H'")
     return Retarget(data["source"], data["description"], tuple(data["architectures"]), tuple(data["model_types"]),
                     data["target"], tuple(requires), data["config"], tuple(data["tensors"]),
-                    tuple(data.get("ignore", [])), valid, data.get("serving", ""), data.get("o_proj"))  # fmt: skip
+                    tuple(data.get("ignore", [])), valid, data.get("o_proj"))  # fmt: skip
 
 
 @cache

@@ -424,7 +424,8 @@ def inspect(model: str, seq_len: int, batch_size: int, revision: str | None, as_
     kind = "MHA" if d.num_kv_heads == d.num_heads else ("MQA" if d.num_kv_heads == 1 else "GQA")
     if d.kv_heads_per_layer:
         kind = f"GQA per layer: {','.join(map(str, d.kv_heads_per_layer))}"
-    click.echo(f"{model}: {shape.architecture} (family {shape.family}), {shape.parameters:,} parameters "
+    moved = f"converted as {shape.converts_as}, " if shape.converts_as else ""
+    click.echo(f"{model}: {shape.architecture} ({moved}family {shape.family}), {shape.parameters:,} parameters "
                f"({shape.weights_dtype})")  # fmt: skip
     click.echo(f"  {d.num_layers} layers, hidden {d.hidden_size}, {d.num_heads} query heads, {d.num_kv_heads} KV "
                f"heads ({kind}), head_dim {d.head_dim}")  # fmt: skip

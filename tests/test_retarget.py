@@ -110,6 +110,8 @@ def test_the_same_head_count_reproduces_the_source_through_the_target_class(kind
     if kind != "falcon":
         assert record["retarget"]["target_class"] == SOURCES[kind][1]
         assert record["retarget"]["source_class"] == type(source).__name__
+        card = (out.output / "README.md").read_text()
+        assert f"Re-targeted from `{type(source).__name__}` to `{SOURCES[kind][1]}`" in card and "Runs in:" in card
 
 
 @pytest.mark.parametrize("kind", list(SOURCES))
@@ -286,6 +288,9 @@ def test_inspect_plan_and_eval_read_the_source_classes(tmp_path):
     src = save(source, tmp_path / "src")
     info = json.loads(CliRunner().invoke(main, ["inspect", str(src), "--json"]).output)
     assert info["num_heads"] == 4 and info["parameters"] == sum(p.numel() for p in source.parameters())
+    assert info["architecture"] == "GPTNeoXForCausalLM" and info["converts_as"] == "PhiForCausalLM"
+    text = CliRunner().invoke(main, ["inspect", str(src)]).output
+    assert "GPTNeoXForCausalLM (converted as PhiForCausalLM, family phi)" in text
     plan = CliRunner().invoke(main, ["plan", str(src)])
     assert plan.exit_code == 0, plan.output
     with pytest.raises(SettingError):
