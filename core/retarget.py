@@ -195,7 +195,14 @@ class _Op:
     spec: dict[str, Any]
     view: RetargetedCheckpoint
     layer: int | None
+    dtype_code: str = ""  # what it writes: its main source tensor's dtype (set while planning)
     ready: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def dtype(self) -> Any:
+        from mha2gqa.core.dtypes import BY_CODE
+
+        return BY_CODE[self.dtype_code].torch
 
     def name(self, template: str) -> str:
         return template.format(layer=self.layer) if self.layer is not None else template
@@ -214,14 +221,14 @@ class _Op:
         op = spec["op"]
         if op in ("ones", "zeros"):
             shape = tuple(int(evaluate(str(e), view.source.config)) for e in spec["shape"])
-            return {self.name(spec["to"]): getattr(torch, op)(shape, dtype=view.dtype)}
+            return {self.name(spec["to"]): getattr(torch, op)(shape, dtype=self.dtype)}
         if op == "copy":
             t = view.read(self.name(spec["from"]), spec.get("transpose", False))
             return {self.name(spec["to"]): t[spec.get("rows_from", 0) :].contiguous()}
         if op == "linear":
             w, b = view.read_linear(self.name(spec["from"]), spec.get("transpose", False))
             w, b = view.fold(w, b, self.name(spec["fold"]) if "fold" in spec else None)
-            return view.emit(self.name(spec["to"]), w, b, spec.get("bias", True))
+            return view.emit(self.name(spec["to"]), w, b, spec.get("bias", True), self.dtype)
         return view.qkv(self)
 
 
@@ -237,7 +244,6 @@ class RetargetedCheckpoint(Checkpoint):
         super().__init__(source.folder, config, {}, source.files, "retargeted", source.repo_id, source.revision)
         self.source, self.spec = source, spec
         self.dims = AttentionDims.from_config(config)
-        self.dtype = None
         self._ops: dict[str, _Op] = {}
         self._used: set[str] = set()
         self._plan()
@@ -251,15 +257,14 @@ class RetargetedCheckpoint(Checkpoint):
         if not floating:
             raise Mha2GqaError(f"{self.folder}: no floating-point weights")
         self.dtype_code = max({i.dtype for i in floating}, key=lambda c: sum(i.dtype == c for i in floating))
-        self.dtype = BY_CODE[self.dtype_code].torch
         layers = self.dims.num_layers
         for spec in self.spec.tensors:
             per_layer = "{layer}" in spec["to"] if isinstance(spec["to"], str) else "{layer}" in spec["to"][0]
             for layer in range(layers) if per_layer else [None]:
-                op = _Op(spec, self, layer)
+                op = _Op(spec, self, layer, self.dtype_code)  # ones/zeros: the checkpoint's dtype
                 for name, shape in self._shapes(op).items():
                     self._ops[name] = op
-                    self.tensors[name] = TensorInfo(name, self.dtype_code, shape, self.folder, None, None)
+                    self.tensors[name] = TensorInfo(name, op.dtype_code, shape, self.folder, None, None)
         unused = sorted(n for n in src if n not in self._used and not any(re.search(p, n) for p in self.spec.ignore))
         if unused:
             raise Mha2GqaError(f"{self.folder}: the {self.spec.source} -> {self.spec.target} re-targeting has no place "
@@ -291,11 +296,13 @@ class RetargetedCheckpoint(Checkpoint):
             if name is None:
                 return {}
             shape = self._shape(name, transpose)
+            op.dtype_code = self.source.tensors[name].dtype
             return {op.name(spec["to"]): (shape[0] - spec.get("rows_from", 0), *shape[1:])}
         if kind == "linear":
             w = self._source_name(op.name(spec["from"]) + ".weight")
             has_bias = self._source_name(op.name(spec["from"]) + ".bias", optional=True) is not None
             self._fold_names(op)
+            op.dtype_code = self.source.tensors[w].dtype
             rows, cols = self._shape(w, transpose)
             out = {op.name(spec["to"]) + ".weight": (rows, cols)}
             if has_bias or spec.get("bias", True):
@@ -304,7 +311,7 @@ class RetargetedCheckpoint(Checkpoint):
         # qkv
         d, heads = self.dims.head_dim, self.dims.num_heads
         for name in self._qkv_sources(op):
-            self._source_name(name + ".weight")
+            op.dtype_code = self.source.tensors[self._source_name(name + ".weight")].dtype
             self._source_name(name + ".bias", optional=True)
         self._fold_names(op)
         hidden = self.dims.hidden_size
@@ -349,14 +356,12 @@ class RetargetedCheckpoint(Checkpoint):
         shift = w @ self.source.load(beta_name).double()
         return folded, shift if b is None else shift + b
 
-    def emit(self, module: str, w: Any, b: Any, bias: bool) -> dict[str, Any]:
+    def emit(self, module: str, w: Any, b: Any, bias: bool, dtype: Any) -> dict[str, Any]:
         import torch
 
-        out = {module + ".weight": w.to(self.dtype)}
+        out = {module + ".weight": w.to(dtype)}
         if b is not None or bias:
-            out[module + ".bias"] = (b if b is not None else torch.zeros(w.shape[0], dtype=torch.float64)).to(
-                self.dtype
-            )
+            out[module + ".bias"] = (b if b is not None else torch.zeros(w.shape[0], dtype=torch.float64)).to(dtype)
         return out
 
     def qkv(self, op: _Op) -> dict[str, Any]:
@@ -391,14 +396,14 @@ class RetargetedCheckpoint(Checkpoint):
         if isinstance(spec["to"], list):
             out = {}
             for module, w, b in zip(spec["to"], ws, bs, strict=True):
-                out |= self.emit(op.name(module), w, b, True)
+                out |= self.emit(op.name(module), w, b, True, op.dtype)
             return out
         family = detect_family(self.config)
         fused_w = family.join_qkv(*ws, heads, heads, d)
         fused_b = family.join_qkv(*bs, heads, heads, d)
         return {
-            op.name(spec["to"]) + ".weight": fused_w.to(self.dtype),
-            op.name(spec["to"]) + ".bias": fused_b.to(self.dtype),
+            op.name(spec["to"]) + ".weight": fused_w.to(op.dtype),
+            op.name(spec["to"]) + ".bias": fused_b.to(op.dtype),
         }
 
     def load(self, name: str, warn: bool = True) -> Any:

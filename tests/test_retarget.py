@@ -182,6 +182,56 @@ def _reference_target(kind: str, model) -> dict[str, torch.Tensor]:
             sd["lm_head.weight"],
             torch.zeros(cfg.vocab_size),
         )  # embed_out on disk
+    elif kind == "gptj":  # one LayerNorm kept; q/k rows: even rotary dims, then odd, then the rest
+        rd = cfg.rotary_dim
+        order = torch.tensor([*range(0, rd, 2), *range(1, rd, 2), *range(rd, d)])
+        rows = (torch.arange(heads)[:, None] * d + order[None, :]).reshape(-1)
+        out["model.embed_tokens.weight"] = sd["transformer.wte.weight"]
+        for i in range(cfg.n_layer):
+            p, q = f"transformer.h.{i}.", f"model.layers.{i}."
+            out[q + "input_layernorm.weight"], out[q + "input_layernorm.bias"] = (
+                sd[p + "ln_1.weight"],
+                sd[p + "ln_1.bias"],
+            )
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w = sd[p + f"attn.{name}.weight"]
+                out[q + f"self_attn.{name}.weight"] = w[rows] if name != "v_proj" else w
+                out[q + f"self_attn.{name}.bias"] = torch.zeros(hidden)
+            out[q + "self_attn.dense.weight"], out[q + "self_attn.dense.bias"] = (
+                sd[p + "attn.out_proj.weight"],
+                torch.zeros(hidden),
+            )
+            for a, b in (("fc_in", "fc1"), ("fc_out", "fc2")):
+                out[q + f"mlp.{b}.weight"], out[q + f"mlp.{b}.bias"] = (
+                    sd[p + f"mlp.{a}.weight"],
+                    sd[p + f"mlp.{a}.bias"],
+                )
+        out["model.final_layernorm.weight"], out["model.final_layernorm.bias"] = (
+            sd["transformer.ln_f.weight"],
+            sd["transformer.ln_f.bias"],
+        )
+        out["lm_head.weight"], out["lm_head.bias"] = sd["lm_head.weight"], sd["lm_head.bias"]
+    elif kind == "opt":  # GPT-2's block: q/k/v gathered per head ([h, 3, d] rows), positions from row 2
+        dec = "model.decoder."
+        out["transformer.wte.weight"] = sd[dec + "embed_tokens.weight"]
+        out["transformer.wpe.weight"] = sd[dec + "embed_positions.weight"][2:]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = (
+            sd[dec + "final_layer_norm.weight"],
+            sd[dec + "final_layer_norm.bias"],
+        )
+        for i in range(cfg.num_hidden_layers):
+            p, q = f"{dec}layers.{i}.", f"transformer.h.{i}."
+            for a, b in (
+                ("self_attn_layer_norm", "ln_1"),
+                ("final_layer_norm", "ln_2"),
+                ("self_attn.out_proj", "attn.c_proj"),
+                ("fc1", "mlp.c_fc"),
+                ("fc2", "mlp.c_proj"),
+            ):
+                out[q + f"{b}.weight"], out[q + f"{b}.bias"] = sd[p + f"{a}.weight"], sd[p + f"{a}.bias"]
+            for suffix, shape in ((".weight", (hidden,)), (".bias", ())):
+                parts = [sd[p + f"self_attn.{m}_proj{suffix}"].reshape(heads, 1, d, *shape) for m in "qkv"]
+                out[q + f"attn.c_attn{suffix}"] = torch.cat(parts, dim=1).reshape(3 * hidden, *shape)
     else:  # gpt2: Conv1D transposed, c_attn regrouped per head ([h, 3, d] rows)
         for name, t in sd.items():
             if name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -197,7 +247,7 @@ def _reference_target(kind: str, model) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in out.items()}
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["gpt_neox", "gptj", "gpt2", "opt"])
 def test_streaming_equals_an_in_memory_reference_bit_for_bit(kind, tmp_path):
     source = _model(kind, seed=4)
     src = save(source, tmp_path / "src", shard="20KB")  # several shards
@@ -210,13 +260,13 @@ def test_streaming_equals_an_in_memory_reference_bit_for_bit(kind, tmp_path):
     heads, d = source.config.num_attention_heads, source.config.hidden_size // source.config.num_attention_heads
     mean = get_method("mean").load()
     for name, t in list(expected.items()):  # then the conversion: K/V pooled by the mean, as planned
-        if kind == "gpt_neox" and (".k_proj." in name or ".v_proj." in name):
+        if kind in ("gpt_neox", "gptj") and (".k_proj." in name or ".v_proj." in name):
             expected[name] = reduce_rows(t, groups, d, mean)
-        elif kind == "gpt2" and name.endswith(("c_attn.weight", "c_attn.bias")):
+        elif kind in ("gpt2", "opt") and name.endswith(("c_attn.weight", "c_attn.bias")):
             rows = t.reshape(heads, 3, d, *t.shape[1:])
             q, k, v = (rows[:, i].reshape(heads * d, *t.shape[1:]) for i in range(3))
             expected[name] = torch.cat([q, reduce_rows(k, 1, d, mean), reduce_rows(v, 1, d, mean)])
-    assert set(streamed) == set(expected) - ({"lm_head.weight"} if kind == "gpt2" else set())
+    assert set(streamed) == set(expected) - ({"lm_head.weight"} if kind in ("gpt2", "opt") else set())
     for name, t in streamed.items():
         assert torch.equal(t, expected[name]), name
 
@@ -304,3 +354,20 @@ def test_readme_lists_every_re_targeting():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     for spec in retargets().values():
         assert f"| `{spec.architectures[0]}`" in readme and f"| `{spec.target}` |" in readme, spec.source
+
+
+def test_each_output_tensor_keeps_its_sources_dtype(tmp_path):
+    """A bf16 checkpoint whose norms are stored in float32: copies keep float32, computed tensors
+    take their main source weight's dtype, and the written dtypes are what the header declares."""
+    from safetensors.torch import save_file
+
+    src = save(_model("gpt_neox"), tmp_path / "src")
+    tensors = {k: (v if "layer_norm" in k or "layernorm" in k else v.to(torch.bfloat16))
+               for k, v in load_file(src / "model.safetensors").items()}  # fmt: skip
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = load_file(convert_checkpoint(src, tmp_path / "out", 2, progress=False).output / "model.safetensors")
+    assert out["model.final_layernorm.weight"].dtype == torch.float32  # copied as stored
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16  # folded from bf16 qkv
+    assert out["model.layers.0.mlp.fc1.bias"].dtype == torch.bfloat16
+    assert out["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16  # the checkpoint's own dtype
+    assert torch.isfinite(logits(_stock(tmp_path / "out"), IDS)).all()
