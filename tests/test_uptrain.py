@@ -150,21 +150,33 @@ def test_train_kv_selects_only_the_key_value_projections(tiny_checkpoint):
     assert everything.count == sum(p.numel() for p in model.parameters())
 
 
-def test_train_kv_on_fused_qkv_leaves_query_rows_bit_exact(models, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize(("family", "groups"), [("phi3", 2), ("falcon", 2), ("gpt_bigcode", 1)])
+def test_train_kv_on_fused_qkv_leaves_query_rows_bit_exact(family, groups, models, tiny_checkpoint, tmp_path):
+    """Stacked ``[q; k; v]`` (Phi-3) and grouped ``[G, H/G + 2, d]`` (Falcon, GPTBigCode) layouts: the
+    query rows, wherever the layout puts them, stay bit-exact; the K/V rows train."""
     from transformers import AutoTokenizer
 
-    src = tiny_checkpoint("phi3", vocab_size=300)
-    student = convert_checkpoint(src, tmp_path / "phi3-gqa", 2, "mean", progress=False).output
+    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.families import families
+
+    src = tiny_checkpoint(family, vocab_size=300)
+    student = convert_checkpoint(src, tmp_path / "gqa", groups, "mean", progress=False).output
     AutoTokenizer.from_pretrained(models["parent"]).save_pretrained(student)
     out = tmp_path / "run"
     uptrain(str(student), _settings(models, out, train="kv", max_steps=4, eval_data=None), log=_quiet)
     before, after = load_file(student / "model.safetensors"), load_file(out / "model.safetensors")
-    q_rows = 4 * 8  # 4 query heads x head_dim 8
+    fam = families()[family]
+    dims = AttentionDims.from_config(json.loads((student / "config.json").read_text()))
+    q_rows = torch.tensor(fam.q_rows(dims.num_heads, dims.num_kv_heads, dims.head_dim))
+    kv_rows = torch.tensor(
+        sorted(set(range((dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim)) - set(q_rows.tolist()))
+    )
+    fused = fam.qkv_proj.rsplit(".", 1)[-1]
     changed = []
     for name, t in before.items():
-        if "qkv_proj" in name:
-            assert torch.equal(after[name][:q_rows], t[:q_rows]), name
-            assert not torch.equal(after[name][q_rows:], t[q_rows:]), name
+        if fused in name:
+            assert torch.equal(after[name][q_rows], t[q_rows]), name
+            assert not torch.equal(after[name][kv_rows], t[kv_rows]), name
         elif not torch.equal(after[name], t):
             changed.append(name)
     assert changed == []
