@@ -15,7 +15,7 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.families import Family, detect_family
 from mha2gqa.core.output import check_destination
-from mha2gqa.core.retarget import as_target, retargeted
+from mha2gqa.core.retarget import retargeted
 
 
 @dataclass
@@ -56,7 +56,6 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
     method, grouping = get_method(s.method), get_grouping(s.grouping)
     ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle)
     check_destination(dst, s.overwrite, inputs_of(ckpt, s))
-    detect_family(as_target(ckpt.config))  # refused families say why before anything is read
     ckpt = retargeted(ckpt)  # GPT-NeoX -> Phi, GPT-2 -> GPTBigCode...: seen as the target class
     family = detect_family(ckpt.config)
     dims = AttentionDims.from_config(ckpt.config)

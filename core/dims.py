@@ -53,9 +53,8 @@ class AttentionDims:
         spelling (GPT-2's ``n_head``, Falcon's ``num_kv_heads``) and a re-targeted source's config
         (GPT-NeoX read as the Phi it becomes) are understood."""
         from mha2gqa.core.families import find_family, standard_config
-        from mha2gqa.core.retarget import as_target
 
-        config = standard_config(as_target(config if isinstance(config, dict) else standard_config(config)))
+        config = standard_config(config)
         layers = _positive_int(config, "num_hidden_layers")
         heads = _positive_int(config, "num_attention_heads")
         hidden = _positive_int(config, "hidden_size")

@@ -308,19 +308,28 @@ def find_family(config: dict[str, Any]) -> Family | None:
     return match_definition(config, families().values())
 
 
+@dataclass(frozen=True)
+class Refused:
+    """Architectures no conversion can express exactly, and why (one entry of ``refused.json``)."""
+
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    reason: str
+
+
 @cache
-def refused() -> list[dict[str, Any]]:
-    """Architectures no conversion can express exactly, with the reason (``refused.json``)."""
-    return json.loads(resources.files("mha2gqa.core").joinpath("refused.json").read_text(encoding="utf-8"))
+def refused() -> list[Refused]:
+    """Every entry of ``refused.json``."""
+    entries = json.loads(resources.files("mha2gqa.core").joinpath("refused.json").read_text(encoding="utf-8"))
+    return [Refused(tuple(e["architectures"]), tuple(e["model_types"]), e["reason"]) for e in entries]
 
 
 def refused_reason(config: dict[str, Any]) -> str | None:
     """Why a model with ``config`` is refused outright (BLOOM, T5...), or None."""
-    archs = config.get("architectures") or []
-    for entry in refused():
-        if any(a in entry["architectures"] for a in archs) or config.get("model_type") in entry["model_types"]:
-            return f"{(archs or [config.get('model_type')])[0]} is not supported: {entry['reason']}"
-    return None
+    entry = match_definition(config, refused())
+    if entry is None:
+        return None
+    return f"{(config.get('architectures') or [config.get('model_type')])[0]} is not supported: {entry.reason}"
 
 
 def detect_family(config: dict[str, Any]) -> Family:
@@ -346,10 +355,14 @@ def detect_family(config: dict[str, Any]) -> Family:
 
 def standard_config(config: Any) -> Any:
     """A config (dict or transformers object) with the standard keys mha2gqa reads, whatever its
-    family calls them (:meth:`Family.standard`); unknown families come back as they are."""
+    family calls them (:meth:`Family.standard`), a re-targeted source's read as the class it becomes
+    (GPT-NeoX as Phi); unknown families come back as they are."""
+    from mha2gqa.core.retarget import as_target
+
     if not isinstance(config, dict):
         if not hasattr(config, "to_dict"):
             return config
         config = config.to_dict()
+    config = as_target(config)
     fam = find_family(config)
     return fam.standard(config) if fam is not None else config

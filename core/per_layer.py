@@ -172,16 +172,18 @@ def nemotron_nas(config: dict[str, Any], heads_per_layer: list[int]) -> tuple[di
     archs = config.get("architectures") or []
     hidden, heads, width = config["hidden_size"], config["num_attention_heads"], config.get("intermediate_size")
     ffn_mult = 1.5 * width / hidden if width else 0.0
-    why = (
-        f"the source is {archs[0] if archs else config.get('model_type')}, not LlamaForCausalLM"
-        if archs != ["LlamaForCausalLM"] else
-        "its attention or MLP has biases" if config.get("attention_bias") or config.get("mlp_bias") else
-        f"its MLP activation is {config.get('hidden_act')}, not silu" if config.get("hidden_act", "silu") != "silu" else
-        f"head_dim {config['head_dim']} is not hidden_size / heads = {hidden // heads}"
-        if config.get("head_dim", hidden // heads) * heads != hidden else
-        f"its MLP width {width} is not what ffn_mult gives (int(2*ffn_mult*hidden/3) rounded up to a multiple of "
-        f"{FFN_MULTIPLE}; here {ffn_width(ffn_mult, hidden)})" if ffn_width(ffn_mult, hidden) != width else ""
+    expressible = (  # (holds, why not): the first that fails is the reason
+        (archs == ["LlamaForCausalLM"],
+         f"the source is {archs[0] if archs else config.get('model_type')}, not LlamaForCausalLM"),
+        (not (config.get("attention_bias") or config.get("mlp_bias")), "its attention or MLP has biases"),
+        (config.get("hidden_act", "silu") == "silu", f"its MLP activation is {config.get('hidden_act')}, not silu"),
+        ((config.get("head_dim") or hidden // heads) * heads == hidden,
+         f"head_dim {config.get('head_dim')} is not hidden_size / heads = {hidden // heads}"),
+        (ffn_width(ffn_mult, hidden) == width,
+         f"its MLP width {width} is not what ffn_mult gives (int(2*ffn_mult*hidden/3) rounded up to a multiple of "
+         f"{FFN_MULTIPLE}; here {ffn_width(ffn_mult, hidden)})"),
     )  # fmt: skip
+    why = next((reason for holds, reason in expressible if not holds), "")
     if why:
         return None, f"not written in the Nemotron-NAS form ({DECI_ARCHITECTURE}): {why}"
     blocks = [{"attention": {"n_heads_in_group": heads // g, "no_op": False, "replace_with_linear": False},

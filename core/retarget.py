@@ -29,7 +29,7 @@ from mha2gqa.core.families import check_keys, load_definitions, match_definition
 from mha2gqa.core.safetensors_io import TensorInfo
 
 _TOP_KEYS = {"source", "description", "architectures", "model_types", "target", "requires", "config", "tensors",
-             "ignore", "valid_kv_heads", "o_proj"}  # fmt: skip
+             "ignore", "o_proj"}  # fmt: skip
 _OPS = {"copy", "linear", "qkv", "ones", "zeros"}
 _OP_KEYS = {"op", "to", "from", "transpose", "rows_from", "optional", "fold", "bias", "layout", "rotary", "shape"}
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -98,7 +98,6 @@ class Retarget:
     config: dict[str, Any]
     tensors: tuple[dict[str, Any], ...]
     ignore: tuple[str, ...] = ()  # regexes of source tensors no target tensor needs (buffers)
-    valid_kv_heads: str = "divisors"  # or "1 or H" (the target's config can say only these)
     o_proj: str | None = None  # the source attention module's output projection attribute (eval reads it)
 
     def target_config(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -113,8 +112,7 @@ class Retarget:
                 return {k: build(v) for k, v in spec.items()}
             raise ValueError(f"re-targeting {self.source}: bad config value {spec!r}")
 
-        out = {k: v for k, v in ((k, build(s)) for k, s in self.config.items()) if v is not None}
-        return out
+        return {k: v for k, v in ((k, build(s)) for k, s in self.config.items()) if v is not None}
 
     def refusal(self, config: dict[str, Any]) -> str | None:
         """Why this source cannot be re-expressed exactly, or None."""
@@ -154,12 +152,9 @@ def parse_retarget(data: dict[str, Any], origin: str = "<dict>") -> Retarget:
             raise fail("each 'requires' entry needs exactly 'expr' and 'reason'")
         check_expression(r["expr"], fail)
         requires.append((r["expr"], r["reason"]))
-    valid = data.get("valid_kv_heads", "divisors")
-    if valid not in ("divisors", "1 or H"):
-        raise fail("'valid_kv_heads' is 'divisors' or '1 or H'")
     return Retarget(data["source"], data["description"], tuple(data["architectures"]), tuple(data["model_types"]),
                     data["target"], tuple(requires), data["config"], tuple(data["tensors"]),
-                    tuple(data.get("ignore", [])), valid, data.get("o_proj"))  # fmt: skip
+                    tuple(data.get("ignore", [])), data.get("o_proj"))  # fmt: skip
 
 
 @cache
@@ -219,9 +214,9 @@ class _Op:
 
         spec, view = self.spec, self.view
         op = spec["op"]
-        if op in ("ones", "zeros"):
-            shape = tuple(int(evaluate(str(e), view.source.config)) for e in spec["shape"])
-            return {self.name(spec["to"]): getattr(torch, op)(shape, dtype=self.dtype)}
+        if op in ("ones", "zeros"):  # the shape as planned
+            name = self.name(spec["to"])
+            return {name: getattr(torch, op)(view.tensors[name].shape, dtype=self.dtype)}
         if op == "copy":
             t = view.read(self.name(spec["from"]), spec.get("transpose", False))
             return {self.name(spec["to"]): t[spec.get("rows_from", 0) :].contiguous()}
@@ -239,11 +234,12 @@ class RetargetedCheckpoint(Checkpoint):
 
     def __init__(self, source: Checkpoint, spec: Retarget) -> None:
         from mha2gqa.core.dims import AttentionDims
+        from mha2gqa.core.families import detect_family
 
         config = spec.target_config(source.config)
         super().__init__(source.folder, config, {}, source.files, "retargeted", source.repo_id, source.revision)
         self.source, self.spec = source, spec
-        self.dims = AttentionDims.from_config(config)
+        self.family, self.dims = detect_family(config), AttentionDims.from_config(config)
         self._ops: dict[str, _Op] = {}
         self._used: set[str] = set()
         self._plan()
@@ -369,7 +365,7 @@ class RetargetedCheckpoint(Checkpoint):
         or fused in the target family's layout."""
         import torch
 
-        from mha2gqa.core.families import detect_family, split_fused_qkv
+        from mha2gqa.core.families import split_fused_qkv
 
         spec, dims = op.spec, self.dims
         heads, d = dims.num_heads, dims.head_dim
@@ -398,9 +394,8 @@ class RetargetedCheckpoint(Checkpoint):
             for module, w, b in zip(spec["to"], ws, bs, strict=True):
                 out |= self.emit(op.name(module), w, b, True, op.dtype)
             return out
-        family = detect_family(self.config)
-        fused_w = family.join_qkv(*ws, heads, heads, d)
-        fused_b = family.join_qkv(*bs, heads, heads, d)
+        fused_w = self.family.join_qkv(*ws, heads, heads, d)
+        fused_b = self.family.join_qkv(*bs, heads, heads, d)
         return {
             op.name(spec["to"]) + ".weight": fused_w.to(op.dtype),
             op.name(spec["to"]) + ".bias": fused_b.to(op.dtype),
