@@ -47,12 +47,33 @@ def main() -> None:
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         out = args.workdir / "svd"
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "mha2gqa.cli", "convert", str(src), str(out), "-g", "8", "--method", "svd",
-               "--calibration", str(text), "--calibration-tokens", str(args.tokens), "--device", "cpu", "-q",
-               "--max-shard-size", "1GB"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "mha2gqa.cli",
+            "convert",
+            str(src),
+            str(out),
+            "-g",
+            "8",
+            "--method",
+            "svd",
+            "--calibration",
+            str(text),
+            "--calibration-tokens",
+            str(args.tokens),
+            "--device",
+            "cpu",
+            "-q",
+            "--max-shard-size",
+            "1GB",
+        ]
         wall, rss = measure(cmd)
-        print(f"{layers} layers, {size / 2**30:.2f} GiB bf16: svd conversion with {args.tokens} calibration tokens "
-              f"{wall:.1f} s, peak RSS {rss:,.0f} MiB = {rss * 2**20 / size:.0%} of the model", flush=True)  # fmt: skip
+        print(
+            f"{layers} layers, {size / 2**30:.2f} GiB bf16: svd conversion with {args.tokens} calibration tokens "
+            f"{wall:.1f} s, peak RSS {rss:,.0f} MiB = {rss * 2**20 / size:.0%} of the model",
+            flush=True,
+        )
         shutil.rmtree(out, ignore_errors=True)
 
 

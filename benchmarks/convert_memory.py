@@ -48,9 +48,14 @@ def make_checkpoint(folder: Path, layers: int, max_shard_size: str = "1GB") -> i
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, dtype="bfloat16",
-    )  # fmt: skip
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        dtype="bfloat16",
+    )
     with torch.device("meta"):
         meta = LlamaForCausalLM(config).to(torch.bfloat16).state_dict()
     split = split_torch_state_dict_into_shards(
@@ -79,9 +84,11 @@ def measure(cmd: list[str]) -> tuple[float, float]:
     os.sync()
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cmd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:

@@ -33,15 +33,49 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: import name -> distribution of what mha2gqa needs at run time (pyproject.toml's dependencies).
-NEEDED = {"torch": "torch", "transformers": "transformers", "accelerate": "accelerate", "safetensors": "safetensors",
-          "datasets": "datasets", "click": "click", "yaml": "pyyaml", "tqdm": "tqdm", "matplotlib": "matplotlib",
-          "huggingface_hub": "huggingface_hub", "psutil": "psutil", "pytest": "pytest"}  # fmt: skip
+NEEDED = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "accelerate": "accelerate",
+    "safetensors": "safetensors",
+    "datasets": "datasets",
+    "click": "click",
+    "yaml": "pyyaml",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+    "huggingface_hub": "huggingface_hub",
+    "psutil": "psutil",
+    "pytest": "pytest",
+}
 
-FULL = {"layers": 22, "hidden": 2048, "heads": 32, "vocab": 32000, "context": 2048, "new_tokens": 64,
-        "batches": (1, 8, 32, 64), "ppl_tokens": 32768, "seq_len": 2048, "ppl_batch": 4, "attn_seq_len": 1024,
-        "calibration_tokens": 512}  # fmt: skip
-TINY = {"layers": 2, "hidden": 64, "heads": 8, "vocab": 512, "context": 64, "new_tokens": 8, "batches": (1, 4),
-        "ppl_tokens": 1024, "seq_len": 128, "ppl_batch": 2, "attn_seq_len": 64, "calibration_tokens": 128}  # fmt: skip
+FULL = {
+    "layers": 22,
+    "hidden": 2048,
+    "heads": 32,
+    "vocab": 32000,
+    "context": 2048,
+    "new_tokens": 64,
+    "batches": (1, 8, 32, 64),
+    "ppl_tokens": 32768,
+    "seq_len": 2048,
+    "ppl_batch": 4,
+    "attn_seq_len": 1024,
+    "calibration_tokens": 512,
+}
+TINY = {
+    "layers": 2,
+    "hidden": 64,
+    "heads": 8,
+    "vocab": 512,
+    "context": 64,
+    "new_tokens": 8,
+    "batches": (1, 4),
+    "ppl_tokens": 1024,
+    "seq_len": 128,
+    "ppl_batch": 2,
+    "attn_seq_len": 64,
+    "calibration_tokens": 128,
+}
 
 
 def ensure_installed(wheels: Path | None) -> list[str]:
@@ -50,14 +84,28 @@ def ensure_installed(wheels: Path | None) -> list[str]:
     installed = []
     if missing:
         if wheels is None:
-            raise SystemExit(f"missing {', '.join(missing)}: pass --wheels DIR holding their wheels "
-                             "(pip download -d DIR ... on a machine with network)")  # fmt: skip
+            raise SystemExit(
+                f"missing {', '.join(missing)}: pass --wheels DIR holding their wheels "
+                "(pip download -d DIR ... on a machine with network)"
+            )
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
         subprocess.check_call([*pip, *missing])
         installed += missing
     if importlib.util.find_spec("mha2gqa") is None:
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                               "--no-index", "-e", str(ROOT)])  # fmt: skip
+        subprocess.check_call(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-index",
+                "-e",
+                str(ROOT),
+            ]
+        )
         installed.append("mha2gqa")
     return installed
 
@@ -65,9 +113,23 @@ def ensure_installed(wheels: Path | None) -> list[str]:
 def run_gpu_tests(out: Path) -> dict:
     """``pytest -m gpu``: counts of passed/failed/skipped and the tail of its output."""
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           str(ROOT / "tests" / "test_gpu.py"), f"--junitxml={out / 'gpu_tests.xml'}"],
-                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            str(ROOT / "tests" / "test_gpu.py"),
+            f"--junitxml={out / 'gpu_tests.xml'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     (out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
     import xml.etree.ElementTree as ET
 
@@ -85,10 +147,18 @@ def run_gpu_tests(out: Path) -> dict:
 def _config(size: dict, kv_heads: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["hidden"] * 11 // 4,
-                       num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
-                       num_key_value_heads=kv_heads, max_position_embeddings=max(4096, size["context"]),
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    return LlamaConfig(
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        intermediate_size=size["hidden"] * 11 // 4,
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max(4096, size["context"]),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def _model(size: dict, kv_heads: int, device, dtype):
@@ -115,12 +185,21 @@ def decode_figures(size: dict, device, dtype) -> list[dict]:
         for batch in size["batches"]:
             row = {"kv_heads": kv, "batch": batch, "parameters": params}
             try:
-                out = bench_model(model, size["context"] - size["new_tokens"], size["new_tokens"], repeats=3, warmup=1,
-                                  batch_size=batch)  # fmt: skip
+                out = bench_model(
+                    model,
+                    size["context"] - size["new_tokens"],
+                    size["new_tokens"],
+                    repeats=3,
+                    warmup=1,
+                    batch_size=batch,
+                )
                 kv_bytes = out["kv_cache"]["measured_bytes"]
-                row.update(decode_tokens_per_second=out["decode_tokens_per_second"]["median"],
-                           prefill_seconds=out["prefill_seconds"]["median"], kv_cache_bytes=kv_bytes,
-                           kv_matches_plan=kv_bytes == out["kv_cache"]["planned_bytes"])  # fmt: skip
+                row.update(
+                    decode_tokens_per_second=out["decode_tokens_per_second"]["median"],
+                    prefill_seconds=out["prefill_seconds"]["median"],
+                    kv_cache_bytes=kv_bytes,
+                    kv_matches_plan=kv_bytes == out["kv_cache"]["planned_bytes"],
+                )
             except torch.OutOfMemoryError:
                 row["oom"] = True
             if device.type == "cuda":
@@ -141,18 +220,29 @@ def speed_figures(size: dict, device_name: str, dtype_name: str) -> dict:
 
     device = torch.device(device_name)
     dtype = getattr(torch, dtype_name)
-    args = {"device": device_name, "dtype": dtype_name, "hidden": size["hidden"], "layers": size["layers"],
-            "heads": size["heads"], "kv": size["heads"] // 4, "vocab": size["vocab"], "seq_len": size["seq_len"],
-            "ppl_tokens": size["ppl_tokens"], "batch_size": size["ppl_batch"], "attn_seq_len": size["attn_seq_len"],
-            "repeats": 3}  # fmt: skip
+    args = {
+        "device": device_name,
+        "dtype": dtype_name,
+        "hidden": size["hidden"],
+        "layers": size["layers"],
+        "heads": size["heads"],
+        "kv": size["heads"] // 4,
+        "vocab": size["vocab"],
+        "seq_len": size["seq_len"],
+        "ppl_tokens": size["ppl_tokens"],
+        "batch_size": size["ppl_batch"],
+        "attn_seq_len": size["attn_seq_len"],
+        "repeats": 3,
+    }
     out: dict = {}
     t = time.perf_counter()
     out["perplexity"] = eval_speed.perplexity_bench(args)
     print(f"  perplexity: {out['perplexity']} ({time.perf_counter() - t:.0f} s)", flush=True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    out["attention"] = {k: {"wall": v["wall"], "peak_bytes": v["peak_bytes"]}
-                        for k, v in eval_speed.attention_bench(args).items()}  # fmt: skip
+    out["attention"] = {
+        k: {"wall": v["wall"], "peak_bytes": v["peak_bytes"]} for k, v in eval_speed.attention_bench(args).items()
+    }
     print(f"  attention: {out['attention']}", flush=True)
     out["decode"] = decode_figures(size, device, dtype)
     out["calibration"] = calibration_figure(size, device_name)
@@ -175,10 +265,17 @@ def calibration_figure(size: dict, device_name: str) -> dict:
         build_tokenizer(train, min(size["vocab"], 4096)).save_pretrained(src)
         (Path(tmp) / "calibration.txt").write_text(train)
         t = time.perf_counter()
-        convert_checkpoint(src, Path(tmp) / "svd", size["heads"] // 4, method="svd", device=device_name,
-                           calibration=str(Path(tmp) / "calibration.txt"),
-                           calibration_tokens=size["calibration_tokens"],
-                           calibration_seq_len=min(512, size["calibration_tokens"]), progress=False)  # fmt: skip
+        convert_checkpoint(
+            src,
+            Path(tmp) / "svd",
+            size["heads"] // 4,
+            method="svd",
+            device=device_name,
+            calibration=str(Path(tmp) / "calibration.txt"),
+            calibration_tokens=size["calibration_tokens"],
+            calibration_seq_len=min(512, size["calibration_tokens"]),
+            progress=False,
+        )
         seconds = time.perf_counter() - t
     print(f"  calibration: {seconds / size['layers']:.2f} s per layer", flush=True)
     return {"seconds": seconds, "seconds_per_layer": seconds / size["layers"], "tokens": size["calibration_tokens"]}
@@ -195,25 +292,37 @@ def _decode_cell(row: dict) -> str:
 
 def markdown(results: dict) -> str:
     s, sp = results["size"], results["speed"]
-    lines = [f"GPU suite, {results['date']}, {results['device']} ({results['dtype']}); random Llama "
-             f"{s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, vocabulary {s['vocab']}.", "",
-             "| figure | value |", "|---|---|"]  # fmt: skip
+    lines = [
+        f"GPU suite, {results['date']}, {results['device']} ({results['dtype']}); random Llama "
+        f"{s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, vocabulary {s['vocab']}.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+    ]
     t = results.get("tests")
     if t:
-        lines.append(f"| `pytest -m gpu` | {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped "
-                     f"({t['seconds']:.0f} s) |")  # fmt: skip
+        lines.append(
+            f"| `pytest -m gpu` | {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped "
+            f"({t['seconds']:.0f} s) |"
+        )
     p = sp["perplexity"]
     ratio = p["mha2gqa"]["tokens_per_s"] / p["plain"]["tokens_per_s"]
-    lines.append(f"| perplexity tok/s, mha2gqa vs plain loop | {p['mha2gqa']['tokens_per_s']:,.0f} vs "
-                 f"{p['plain']['tokens_per_s']:,.0f} ({ratio:.2f}x; ppl {p['mha2gqa']['ppl']:.4f} vs "
-                 f"{p['plain']['ppl']:.4f}) |")  # fmt: skip
+    lines.append(
+        f"| perplexity tok/s, mha2gqa vs plain loop | {p['mha2gqa']['tokens_per_s']:,.0f} vs "
+        f"{p['plain']['tokens_per_s']:,.0f} ({ratio:.2f}x; ppl {p['mha2gqa']['ppl']:.4f} vs "
+        f"{p['plain']['ppl']:.4f}) |"
+    )
     a = sp["attention"]
-    lines.append(f"| attention similarity at {s['attn_seq_len']} tokens, mha2gqa vs eager | {a['ours']['wall']:.2f} s "
-                 f"vs {a['eager']['wall']:.2f} s; {a['ours']['peak_bytes'] / 2**20:,.0f} vs "
-                 f"{a['eager']['peak_bytes'] / 2**20:,.0f} MiB |")  # fmt: skip
+    lines.append(
+        f"| attention similarity at {s['attn_seq_len']} tokens, mha2gqa vs eager | {a['ours']['wall']:.2f} s "
+        f"vs {a['eager']['wall']:.2f} s; {a['ours']['peak_bytes'] / 2**20:,.0f} vs "
+        f"{a['eager']['peak_bytes'] / 2**20:,.0f} MiB |"
+    )
     for row in sp["decode"]:
-        lines.append(f"| decode, {row['kv_heads']} KV heads, batch {row['batch']}, context {s['context']} | "
-                     f"{_decode_cell(row)} |")  # fmt: skip
+        lines.append(
+            f"| decode, {row['kv_heads']} KV heads, batch {row['batch']}, context {s['context']} | "
+            f"{_decode_cell(row)} |"
+        )
     c = sp["calibration"]
     lines.append(f"| svd calibration ({c['tokens']} tokens) | {c['seconds_per_layer']:.2f} s per layer |")
     return "\n".join(lines) + "\n"
@@ -236,8 +345,14 @@ def main(argv: list[str] | None = None) -> dict:
     size = TINY if args.tiny else FULL
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    results: dict = {"date": time.strftime("%Y-%m-%d"), "device": name, "dtype": dtype, "installed": installed,
-                     "size": size, "versions": {"torch": torch.__version__}}  # fmt: skip
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": name,
+        "dtype": dtype,
+        "installed": installed,
+        "size": size,
+        "versions": {"torch": torch.__version__},
+    }
     if not args.tiny and not args.skip_tests:
         results["tests"] = run_gpu_tests(args.out)
         print(f"pytest -m gpu: {results['tests']}", flush=True)

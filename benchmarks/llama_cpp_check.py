@@ -55,27 +55,69 @@ np.save(sys.argv[3], np.array(m.scores[: len(ids)]))
 """
 #: case -> (model_type, config, conversion: ("-g", G) or per-layer list)
 CASES = {
-    "deci": ("llama", dict(hidden_size=64, intermediate_size=256, num_hidden_layers=5, num_attention_heads=8,
-                           num_key_value_heads=8, head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-5),
-             {"num_kv_heads": None, "num_kv_heads_per_layer": "8,4,2,1,2"}),
+    "deci": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=5,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=8,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-5,
+        ),
+        {"num_kv_heads": None, "num_kv_heads_per_layer": "8,4,2,1,2"},
+    ),
     "gpt2-mqa": ("gpt2", dict(n_embd=64, n_head=8, n_layer=2, n_positions=128), {"num_kv_heads": 1}),
-    "falcon": ("falcon", dict(hidden_size=64, num_attention_heads=8, num_kv_heads=4, num_hidden_layers=2,
-                              new_decoder_architecture=True, max_position_embeddings=128), {"num_kv_heads": 2}),
-    "neox-phi": ("gpt_neox", dict(hidden_size=64, num_attention_heads=8, intermediate_size=256, num_hidden_layers=2,
-                                  rotary_pct=0.25, max_position_embeddings=128, tie_word_embeddings=False),
-                 {"num_kv_heads": 2}),
-    "neox-phi-mha": ("gpt_neox", dict(hidden_size=64, num_attention_heads=8, intermediate_size=256,
-                                      num_hidden_layers=2, rotary_pct=0.25, max_position_embeddings=128,
-                                      tie_word_embeddings=False), {"num_kv_heads": 8}),
-}  # fmt: skip
+    "falcon": (
+        "falcon",
+        dict(
+            hidden_size=64,
+            num_attention_heads=8,
+            num_kv_heads=4,
+            num_hidden_layers=2,
+            new_decoder_architecture=True,
+            max_position_embeddings=128,
+        ),
+        {"num_kv_heads": 2},
+    ),
+    "neox-phi": (
+        "gpt_neox",
+        dict(
+            hidden_size=64,
+            num_attention_heads=8,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            rotary_pct=0.25,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+        ),
+        {"num_kv_heads": 2},
+    ),
+    "neox-phi-mha": (
+        "gpt_neox",
+        dict(
+            hidden_size=64,
+            num_attention_heads=8,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            rotary_pct=0.25,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+        ),
+        {"num_kv_heads": 8},
+    ),
+}
 
 
 def _random(model_type: str, config: dict) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=512, bos_token_id=1,
-                                                                  eos_token_id=2, **config))  # fmt: skip
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, vocab_size=512, bos_token_id=1, eos_token_id=2, **config)
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name or "ln" in name else 0.2 * torch.randn_like(p))
@@ -86,8 +128,10 @@ def _llama_cpp(folder: Path, args, work: Path) -> np.ndarray | str:
     """llama.cpp's logits for ``IDS`` from ``folder``, or the first line of why it could not."""
     gguf = work / f"{folder.name}.gguf"
     logits = work / f"{folder.name}.npy"
-    steps = ([args.gguf_python, "-c", CONVERT, args.llama_cpp, str(folder), "--outfile", str(gguf), "--outtype", "f32"],
-             [args.llama_python, "-c", RUN, str(gguf), ",".join(map(str, IDS)), str(logits)])  # fmt: skip
+    steps = (
+        [args.gguf_python, "-c", CONVERT, args.llama_cpp, str(folder), "--outfile", str(gguf), "--outtype", "f32"],
+        [args.llama_python, "-c", RUN, str(gguf), ",".join(map(str, IDS)), str(logits)],
+    )
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         if done.returncode:
@@ -117,8 +161,9 @@ def main() -> None:
             _random(model_type, config).save_pretrained(src)
             for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
                 shutil.copy(Path(args.tokenizer) / f, src)
-            out = convert_checkpoint(src, work / f"{case}-converted", conversion.pop("num_kv_heads"), progress=False,
-                                     **conversion).output  # fmt: skip
+            out = convert_checkpoint(
+                src, work / f"{case}-converted", conversion.pop("num_kv_heads"), progress=False, **conversion
+            ).output
             for folder in (src, out):
                 ours = load_model(str(folder), torch.device("cpu"), torch.float32).model
                 with torch.no_grad():
@@ -130,8 +175,11 @@ def main() -> None:
                     print(f"| {case} | {kind} | {cls} | does not run: {got} | |", flush=True)
                     continue
                 agree = (got.argmax(-1) == ref.argmax(-1)).mean()
-                print(f"| {case} | {kind} | {cls} | {np.abs(got - ref).max():.4f} (logits up to "
-                      f"{np.abs(ref).max():.2f}) | {agree:.0%} |", flush=True)  # fmt: skip
+                print(
+                    f"| {case} | {kind} | {cls} | {np.abs(got - ref).max():.4f} (logits up to "
+                    f"{np.abs(ref).max():.2f}) | {agree:.0%} |",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

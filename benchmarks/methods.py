@@ -20,8 +20,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 #: (method, grouping) pairs; similarity grouping needs calibration, like svd
-METHODS = (("mean", "contiguous"), ("first", "contiguous"), ("random", "contiguous"), ("aligned", "contiguous"),
-           ("svd", "contiguous"), ("mean", "similarity"), ("aligned", "similarity"), ("svd", "similarity"))  # fmt: skip
+METHODS = (
+    ("mean", "contiguous"),
+    ("first", "contiguous"),
+    ("random", "contiguous"),
+    ("aligned", "contiguous"),
+    ("svd", "contiguous"),
+    ("mean", "similarity"),
+    ("aligned", "similarity"),
+    ("svd", "similarity"),
+)
 
 
 def _neox() -> tuple[Path, str, str, int]:
@@ -42,10 +50,14 @@ def splits(fixtures: Path, work: Path) -> dict[str, tuple[Path, str, str, int]]:
     return {
         "stories260K": (fixtures / "stories260K", str(calib), str(held), 512),
         "babyllama105": (fixtures / "babyllama105", str(calib), str(held), 256),
-        "pydocs-mha-8h": (fixtures / "pydocs-mha-8h", str(fixtures / "text" / "pydocs_calibration.txt"),
-                          str(fixtures / "text" / "pydocs_heldout.txt"), 256),
+        "pydocs-mha-8h": (
+            fixtures / "pydocs-mha-8h",
+            str(fixtures / "text" / "pydocs_calibration.txt"),
+            str(fixtures / "text" / "pydocs_heldout.txt"),
+            256,
+        ),
         "pydocs-neox": None,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -71,25 +83,46 @@ def main() -> None:
                 continue
             folder, calib, held, window = split or _neox()
             dims = AttentionDims.from_config(read_config(folder))
-            settings = EvalSettings(data=held, seq_len=window, max_tokens=args.eval_tokens, attention=False,
-                                    progress=False)  # fmt: skip
+            settings = EvalSettings(
+                data=held, seq_len=window, max_tokens=args.eval_tokens, attention=False, progress=False
+            )
             for g in [g for g in range(dims.num_kv_heads - 1, 0, -1) if dims.num_kv_heads % g == 0]:
                 for method, grouping in METHODS:
                     t = time.perf_counter()
-                    out = convert_checkpoint(folder, work / f"{name}-{method}-{g}", g, method, calibration=calib,
-                                             calibration_tokens=args.calibration_tokens, calibration_seq_len=window,
-                                             progress=False, overwrite=True, grouping=grouping)  # fmt: skip
+                    out = convert_checkpoint(
+                        folder,
+                        work / f"{name}-{method}-{g}",
+                        g,
+                        method,
+                        calibration=calib,
+                        calibration_tokens=args.calibration_tokens,
+                        calibration_seq_len=window,
+                        progress=False,
+                        overwrite=True,
+                        grouping=grouping,
+                    )
                     seconds = time.perf_counter() - t
                     r = evaluate(str(folder), str(out.output), settings)
                     d = r["protocols"]["disjoint"]
                     agree = r["agreement"]
                     label = method if grouping == "contiguous" else f"{method} + similarity grouping"
-                    row = (name, f"{dims.num_kv_heads}->{g}", label, d["original"]["ppl"], d["converted"]["ppl"],
-                           d["ppl_ratio"], agree["kl"]["mean"], agree["top1_agreement"], seconds)  # fmt: skip
+                    row = (
+                        name,
+                        f"{dims.num_kv_heads}->{g}",
+                        label,
+                        d["original"]["ppl"],
+                        d["converted"]["ppl"],
+                        d["ppl_ratio"],
+                        agree["kl"]["mean"],
+                        agree["top1_agreement"],
+                        seconds,
+                    )
                     rows.append(row)
                     print("  ".join(map(str, row)), flush=True)
-    print(f"\ndisjoint perplexity on held-out text ({args.eval_tokens:,} tokens), svd calibrated on "
-          f"{args.calibration_tokens:,} tokens of separate text\n")  # fmt: skip
+    print(
+        f"\ndisjoint perplexity on held-out text ({args.eval_tokens:,} tokens), svd calibrated on "
+        f"{args.calibration_tokens:,} tokens of separate text\n"
+    )
     print("| model | KV heads | method | original PPL | converted PPL | ratio | mean KL | top-1 | convert s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, g, method, po, pc, ratio, kl, top1, sec in rows:

@@ -39,10 +39,16 @@ def main() -> None:
         raise SystemExit(f"{folder}: fixture not found (pass --fixtures)")
     calib = str(args.fixtures / "text" / "pydocs_calibration.txt")
     held = str(args.fixtures / "text" / "pydocs_heldout.txt")
-    settings = EvalSettings(data=held, seq_len=256, max_tokens=args.eval_tokens, attention=False, samples=0,
-                            progress=False)  # fmt: skip
-    kw = dict(calibration=calib, calibration_tokens=args.calibration_tokens, calibration_seq_len=256,
-              progress=False, overwrite=True)  # fmt: skip
+    settings = EvalSettings(
+        data=held, seq_len=256, max_tokens=args.eval_tokens, attention=False, samples=0, progress=False
+    )
+    kw = dict(
+        calibration=calib,
+        calibration_tokens=args.calibration_tokens,
+        calibration_seq_len=256,
+        progress=False,
+        overwrite=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -50,19 +56,33 @@ def main() -> None:
         for method in args.methods:
             for average, uniform_g in BUDGETS:
                 uniform = convert_checkpoint(folder, work / f"{method}-u{uniform_g}", uniform_g, method, **kw)
-                auto = convert_checkpoint(folder, work / f"{method}-a{average}", None, method, per_layer="auto",
-                                          kv_budget=average, **kw)  # fmt: skip
+                auto = convert_checkpoint(
+                    folder, work / f"{method}-a{average}", None, method, per_layer="auto", kv_budget=average, **kw
+                )
                 for label, out in (("uniform", uniform), ("auto", auto)):
-                    r = evaluate(str(folder), str(out.output),
-                                 EvalSettings(**{**settings.__dict__, "reference_cache": str(cache)}))  # fmt: skip
+                    r = evaluate(
+                        str(folder),
+                        str(out.output),
+                        EvalSettings(**{**settings.__dict__, "reference_cache": str(cache)}),
+                    )
                     d, a = r["protocols"]["disjoint"], r["agreement"]
                     heads = out.kv_heads_per_layer or [out.num_kv_heads_after] * out.num_layers
-                    row = (method, average, label, ",".join(map(str, heads)), out.kv_cache_bytes_per_token_after,
-                           d["ppl_ratio"], a["kl"]["mean"], a["top1_agreement"])  # fmt: skip
+                    row = (
+                        method,
+                        average,
+                        label,
+                        ",".join(map(str, heads)),
+                        out.kv_cache_bytes_per_token_after,
+                        d["ppl_ratio"],
+                        a["kl"]["mean"],
+                        a["top1_agreement"],
+                    )
                     rows.append(row)
                     print("  ".join(map(str, row)), flush=True)
-    print(f"\npydocs-mha-8h, disjoint perplexity on held-out text ({args.eval_tokens:,} tokens); calibration "
-          f"{args.calibration_tokens:,} tokens of separate text\n")  # fmt: skip
+    print(
+        f"\npydocs-mha-8h, disjoint perplexity on held-out text ({args.eval_tokens:,} tokens); calibration "
+        f"{args.calibration_tokens:,} tokens of separate text\n"
+    )
     print(
         "| method | budget (KV heads/layer) | allocation | KV heads per layer | KV B/token | PPL ratio | "
         "mean KL | top-1 |"

@@ -78,19 +78,57 @@ def main() -> None:
     mean_dst, svd_dst = work / "gqa-g8-mean", work / "gqa-g8-svd"
     results_file = work / "eval.json"
     steps = {
-        "copy": [sys.executable, "-c", "import shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2])", str(src),
-                 str(work / "copy")],
+        "copy": [
+            sys.executable,
+            "-c",
+            "import shutil,sys; shutil.copytree(sys.argv[1], sys.argv[2])",
+            str(src),
+            str(work / "copy"),
+        ],
         "mean": _cli("convert", str(src), str(mean_dst), "-g", "8", "-q", "--overwrite"),
-        "svd": _cli("convert", str(src), str(svd_dst), "-g", "8", "--method", "svd",
-                    "--calibration", str(work / "calibration.txt"), "--calibration-tokens",
-                    str(args.calibration_tokens), "--calibration-seq-len", str(min(512, args.calibration_tokens)),
-                    "-q", "--overwrite"),
-        "eval": _cli("eval", "--original", str(src), "--converted", str(mean_dst), "--data", str(work / "heldout.txt"),
-                     "--max-tokens", str(args.eval_tokens), "--seq-len", str(args.eval_tokens), "--dtype", "bfloat16",
-                     "--samples", "1", "--sample-tokens", "8", "--output", str(results_file), "--overwrite", "-q"),
+        "svd": _cli(
+            "convert",
+            str(src),
+            str(svd_dst),
+            "-g",
+            "8",
+            "--method",
+            "svd",
+            "--calibration",
+            str(work / "calibration.txt"),
+            "--calibration-tokens",
+            str(args.calibration_tokens),
+            "--calibration-seq-len",
+            str(min(512, args.calibration_tokens)),
+            "-q",
+            "--overwrite",
+        ),
+        "eval": _cli(
+            "eval",
+            "--original",
+            str(src),
+            "--converted",
+            str(mean_dst),
+            "--data",
+            str(work / "heldout.txt"),
+            "--max-tokens",
+            str(args.eval_tokens),
+            "--seq-len",
+            str(args.eval_tokens),
+            "--dtype",
+            "bfloat16",
+            "--samples",
+            "1",
+            "--sample-tokens",
+            "8",
+            "--output",
+            str(results_file),
+            "--overwrite",
+            "-q",
+        ),
         "inspect": _cli("inspect", str(src)),
         "plan": _cli("plan", str(src), "--gpu-memory", "80GB", "--seq-len", "4096"),
-    }  # fmt: skip
+    }
     out: dict[str, dict[str, float]] = {}
     for name, cmd in steps.items():
         if name in args.skip or (name == "plan" and "inspect" in args.skip):
@@ -127,8 +165,10 @@ def main() -> None:
             against = f"{m['seconds_per_layer']:.1f} s per layer; RSS target <= 4 GB"
         elif name == "eval":
             two = 2 * size / 2**30
-            against = (f"one model at a time; both in memory would need > {two:.1f} GiB of weights alone; "
-                       f"reference cache {m['reference_bytes'] / 2**20:,.0f} MiB")  # fmt: skip
+            against = (
+                f"one model at a time; both in memory would need > {two:.1f} GiB of weights alone; "
+                f"reference cache {m['reference_bytes'] / 2**20:,.0f} MiB"
+            )
         print(f"| {name} | {m['seconds']:.1f} s | {m['peak_rss_mib']:,.0f} MiB | {against} |")
 
 

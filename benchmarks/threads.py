@@ -47,8 +47,9 @@ def _spin(seconds: float) -> None:
 
 def run(threads: str, tokens: int, repeats: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    out = subprocess.check_output([sys.executable, "-c", CHILD, threads, str(tokens), str(repeats)], env=env,
-                                  stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    out = subprocess.check_output(
+        [sys.executable, "-c", CHILD, threads, str(tokens), str(repeats)], env=env, stderr=subprocess.DEVNULL, text=True
+    )
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -58,8 +59,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))
-    print(f"demo-sized Llama (4 layers, hidden 128), batch 8 x {args.tokens} tokens, {cores} cores, median of "
-          f"{args.repeats} forward passes")  # fmt: skip
+    print(
+        f"demo-sized Llama (4 layers, hidden 128), batch 8 x {args.tokens} tokens, {cores} cores, median of "
+        f"{args.repeats} forward passes"
+    )
     print(f"{'machine':<26} {'threads':>8} {'ms/forward':>11} {'vs 1 thread':>12}")
     for label, busy in (("idle", 0), (f"{cores - 1} other core(s) busy", cores - 1)):
         spinners = [multiprocessing.Process(target=_spin, args=(600,)) for _ in range(busy)]

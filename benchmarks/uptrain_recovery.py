@@ -49,16 +49,34 @@ def main() -> None:
             (work / f"{name}.txt").write_text(body, encoding="utf-8")
         curves, finals = {}, {}
         for method in args.methods:
-            student = convert_checkpoint(model, work / f"{method}-1kv", 1, method, calibration=str(work / "calib.txt"),
-                                         calibration_tokens=32768, calibration_seq_len=512, progress=False,
-                                         overwrite=True).output  # fmt: skip
+            student = convert_checkpoint(
+                model,
+                work / f"{method}-1kv",
+                1,
+                method,
+                calibration=str(work / "calib.txt"),
+                calibration_tokens=32768,
+                calibration_seq_len=512,
+                progress=False,
+                overwrite=True,
+            ).output
             for objective in args.objectives:
                 name = f"{method}-{objective}"
                 settings = UptrainSettings(
-                    data=str(work / "train.txt"), output=str(work / name), objective=objective, teacher=str(model),
-                    seq_len=256, batch_size=8, lr=1e-3, max_steps=args.steps, eval_every=25,
-                    eval_data=str(work / "held.txt"), eval_tokens=None, overwrite=True, progress=False,
-                )  # fmt: skip
+                    data=str(work / "train.txt"),
+                    output=str(work / name),
+                    objective=objective,
+                    teacher=str(model),
+                    seq_len=256,
+                    batch_size=8,
+                    lr=1e-3,
+                    max_steps=args.steps,
+                    eval_every=25,
+                    eval_data=str(work / "held.txt"),
+                    eval_tokens=None,
+                    overwrite=True,
+                    progress=False,
+                )
                 t = time.perf_counter()
                 result = uptrain(str(student), settings, log=lambda m: None)
                 seconds = time.perf_counter() - t
@@ -66,8 +84,11 @@ def main() -> None:
                 at_512 = EvalSettings(data=str(work / "held.txt"), seq_len=512, attention=False, progress=False)
                 full = evaluate(str(model), str(work / name), at_512)
                 finals[name] = (full["protocols"]["disjoint"]["ppl_ratio"], full["agreement"]["kl"]["mean"], seconds)
-                print(f"{name}: step 0 x{curves[name][0]:.3f} -> step {args.steps} x{curves[name][args.steps]:.3f} "
-                      f"(window 256); x{finals[name][0]:.3f} at 512; {seconds:.0f} s", flush=True)  # fmt: skip
+                print(
+                    f"{name}: step 0 x{curves[name][0]:.3f} -> step {args.steps} x{curves[name][args.steps]:.3f} "
+                    f"(window 256); x{finals[name][0]:.3f} at 512; {seconds:.0f} s",
+                    flush=True,
+                )
         steps = sorted(next(iter(curves.values())))
         print("\nheld-out perplexity / original's (disjoint windows of 256 = the training length)\n")
         print("| step | tokens | " + " | ".join(curves) + " |")

@@ -53,8 +53,11 @@ class ConversionResult:
 
     def summary(self) -> str:
         """One line for the terminal."""
-        after = f"{','.join(map(str, self.kv_heads_per_layer))} (per layer)" if self.kv_heads_per_layer else (
-            str(self.num_kv_heads_after))  # fmt: skip
+        after = (
+            f"{','.join(map(str, self.kv_heads_per_layer))} (per layer)"
+            if self.kv_heads_per_layer
+            else (str(self.num_kv_heads_after))
+        )
         return (
             f"{self.family}: KV heads {self.num_kv_heads_before} -> {after} "
             f"({self.num_heads} query heads, {self.num_layers} layers, method {self.method}); "
@@ -73,8 +76,17 @@ def _calibrate(source: Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] 
     from mha2gqa.convert.calibration.streaming import collect
 
     groups = source.targets if source.per_layer else s.num_kv_heads
-    stats = collect(source.ckpt, groups, s.calibration, s.calibration_tokens, s.calibration_seq_len,
-                    s.device, grouping=s.grouping, allow_pickle=s.allow_pickle, progress=s.progress)  # fmt: skip
+    stats = collect(
+        source.ckpt,
+        groups,
+        s.calibration,
+        s.calibration_tokens,
+        s.calibration_seq_len,
+        s.device,
+        grouping=s.grouping,
+        allow_pickle=s.allow_pickle,
+        progress=s.progress,
+    )
     return stats, {"data": s.calibration, "tokens": stats.tokens, "rotary_dim": stats.rotary_dim}
 
 
@@ -96,18 +108,33 @@ def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
         else:
             costs[layer] = layer_costs(full, candidates, similarity)
 
-    collect(source.ckpt, None, s.calibration, s.calibration_tokens, s.calibration_seq_len, s.device,
-            grouping=s.grouping, allow_pickle=s.allow_pickle, progress=s.progress, on_layer=measure)  # fmt: skip
+    collect(
+        source.ckpt,
+        None,
+        s.calibration,
+        s.calibration_tokens,
+        s.calibration_seq_len,
+        s.device,
+        grouping=s.grouping,
+        allow_pickle=s.allow_pickle,
+        progress=s.progress,
+        on_layer=measure,
+    )
     ordered = [costs[i] for i in range(dims.num_layers)]
     budget = s.budget(dims.num_layers)
     source.targets = allocate(ordered, budget)
     if len(set(source.targets)) == 1:  # the best allocation is uniform: write exactly that
         s.num_kv_heads = source.targets[0]
     uniform = {str(g): sum(c[g] for c in ordered) for g in candidates if g * dims.num_layers <= budget}
-    return {"budget_kv_heads": budget, "average_kv_heads": budget / dims.num_layers,
-            "chosen": list(source.targets), "cost": sum(c[g] for c, g in zip(ordered, source.targets, strict=True)),
-            "uniform_cost": uniform, "cost_measure": COST_MEASURES[s.allocation_cost],
-            "costs": {str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)}}  # fmt: skip
+    return {
+        "budget_kv_heads": budget,
+        "average_kv_heads": budget / dims.num_layers,
+        "chosen": list(source.targets),
+        "cost": sum(c[g] for c, g in zip(ordered, source.targets, strict=True)),
+        "uniform_cost": uniform,
+        "cost_measure": COST_MEASURES[s.allocation_cost],
+        "costs": {str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)},
+    }
 
 
 def _layer_groups(stats, targets: tuple[int, ...]) -> dict[str, list[list[int]]] | None:
@@ -147,15 +174,17 @@ def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _record(source: Source, s: ConvertSettings, stats: Any, calibration: dict[str, Any] | None,
-            tensors: list[OutputTensor]) -> dict[str, Any]:  # fmt: skip
+def _record(
+    source: Source, s: ConvertSettings, stats: Any, calibration: dict[str, Any] | None, tensors: list[OutputTensor]
+) -> dict[str, Any]:
     """The conversion record (``mha2gqa_conversion.json``): settings, shapes, what changed, KV bytes."""
     dims, targets = source.dims, source.targets
     g = max(targets)
     kv_dtype = _kv_dtype(source.ckpt, source.family)
     esize = BY_CODE[kv_dtype].bytes
-    rewrites = sorted(set(source.method.rewrites) | ({"q", "o"} if source.grouping.reorders else set()),
-                      key="qkvo".index)  # fmt: skip
+    rewrites = sorted(
+        set(source.method.rewrites) | ({"q", "o"} if source.grouping.reorders else set()), key="qkvo".index
+    )
     conversion = {
         "method": s.method,
         "method_summary": source.method.summary,
@@ -181,8 +210,14 @@ def _record(source: Source, s: ConvertSettings, stats: Any, calibration: dict[st
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")}
     conversion["retarget"] = retarget_record(source.ckpt)
     conversion["runs_in"] = source.family.serving or None  # where checkpoints of the output class run
-    return {"mha2gqa_version": version(), "created": now(), "family": source.family.family,
-            "source": _source_record(source.ckpt), "settings": settings, "conversion": conversion}  # fmt: skip
+    return {
+        "mha2gqa_version": version(),
+        "created": now(),
+        "family": source.family.family,
+        "source": _source_record(source.ckpt),
+        "settings": settings,
+        "conversion": conversion,
+    }
 
 
 class _Checks:
@@ -204,8 +239,10 @@ class _Checks:
         except Mha2GqaError:
             raise
         except Exception as e:  # transformers refuses the config: a bad value or type in it
-            raise Mha2GqaError(f"{what}/config.json: transformers cannot build this model from it "
-                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None  # fmt: skip
+            raise Mha2GqaError(
+                f"{what}/config.json: transformers cannot build this model from it "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            ) from None
         check_tensors(source, expected, what)
         check_tensors(output, expected_tensors(new_config), "converted model (internal error)")
 
@@ -224,8 +261,7 @@ class _Checks:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTensor],
-           record: dict[str, Any]) -> Any:  # fmt: skip
+def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTensor], record: dict[str, Any]) -> Any:
     """Write the converted checkpoint into a staged folder beside ``dst`` and rename it into place."""
     ckpt = source.ckpt
     new_config = {**ckpt.config, **source.family.kv_config(max(source.targets))}
@@ -237,8 +273,9 @@ def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTe
         new_config |= fields
     staged = staged_output(dst, s.overwrite, inputs_of(ckpt, s), remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
-        written = write_checkpoint(tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync,
-                                   after_each=checks.poll)  # fmt: skip
+        written = write_checkpoint(
+            tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync, after_each=checks.poll
+        )
         checks.wait()
         (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
         if modeling is not None:
@@ -252,8 +289,9 @@ def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTe
     return written
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, num_kv_heads: int | None, method: str | None = None,
-                       **options: Any) -> ConversionResult:  # fmt: skip
+def convert_checkpoint(
+    src: str | Path, dst: str | Path, num_kv_heads: int | None, method: str | None = None, **options: Any
+) -> ConversionResult:
     """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``
     (``None`` with ``num_kv_heads_per_layer="8,4,..."``: each layer its own count).
 
@@ -274,11 +312,20 @@ def convert_checkpoint(src: str | Path, dst: str | Path, num_kv_heads: int | Non
     written = _write(Path(dst), source, s, tensors, record)
     conv = record["conversion"]
     return ConversionResult(
-        output=Path(dst).absolute(), family=source.family.family, method=s.method, num_layers=source.dims.num_layers,
-        num_heads=source.dims.num_heads, num_kv_heads_before=source.dims.num_kv_heads,
-        num_kv_heads_after=max(source.targets), head_dim=source.dims.head_dim,
+        output=Path(dst).absolute(),
+        family=source.family.family,
+        method=s.method,
+        num_layers=source.dims.num_layers,
+        num_heads=source.dims.num_heads,
+        num_kv_heads_before=source.dims.num_kv_heads,
+        num_kv_heads_after=max(source.targets),
+        head_dim=source.dims.head_dim,
         kv_heads_per_layer=list(source.targets) if source.per_layer else None,
         kv_cache_bytes_per_token_before=conv["kv_cache_bytes_per_token_before"],
-        kv_cache_bytes_per_token_after=conv["kv_cache_bytes_per_token_after"], kv_cache_dtype=conv["kv_cache_dtype"],
-        files=written.files, total_size=written.total_size, seconds=time.perf_counter() - start, record=record,
-    )  # fmt: skip
+        kv_cache_bytes_per_token_after=conv["kv_cache_bytes_per_token_after"],
+        kv_cache_dtype=conv["kv_cache_dtype"],
+        files=written.files,
+        total_size=written.total_size,
+        seconds=time.perf_counter() - start,
+        record=record,
+    )

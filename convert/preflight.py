@@ -60,8 +60,9 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
     family = detect_family(ckpt.config)
     dims = AttentionDims.from_config(ckpt.config)
     if dims.kv_heads_per_layer:
-        raise Mha2GqaError(f"{ckpt.folder}: its layers already have different KV-head counts; convert its MHA "
-                           "source instead")  # fmt: skip
+        raise Mha2GqaError(
+            f"{ckpt.folder}: its layers already have different KV-head counts; convert its MHA source instead"
+        )
     targets = _targets(s, dims, family)
     if ckpt.format != "retargeted":  # a re-targeted view has checked its layers against the source
         _check_layers(ckpt, family, dims)
@@ -74,19 +75,25 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
             raise SettingError("method", reason)
         needs = "required" in (method.calibration, grouping.calibration) or s.per_layer == "auto"
         if not family.attention_interface and (s.calibration or needs):
-            raise SettingError("calibration", f"{{name}}: {family.architectures[0]} does not run its attention through "
-                               "transformers' attention interface, where calibration reads q/k/v; convert it without "
-                               "calibration (--method mean, first, random or aligned; contiguous groups)")  # fmt: skip
+            raise SettingError(
+                "calibration",
+                f"{{name}}: {family.architectures[0]} does not run its attention through "
+                "transformers' attention interface, where calibration reads q/k/v; convert it without "
+                "calibration (--method mean, first, random or aligned; contiguous groups)",
+            )
         s.check_calibration()
     return source
 
 
 def _check_per_layer_family(family: Family, setting: str) -> None:
     if family.qkv_layout == "grouped" or family.flag_only or not family.attention_interface:
-        raise SettingError(setting, f"{{name}}: {family.architectures[0]} keeps K/V grouped per head inside one fused "
-                           "projection whose layout its class sizes by one count for all layers; per-layer counts "
-                           "support llama, mistral, qwen2, qwen3, gemma, phi, phi3, stablelm, olmo, olmo2, starcoder2 "
-                           "(and gpt_neox, gptj through phi); use -g")  # fmt: skip
+        raise SettingError(
+            setting,
+            f"{{name}}: {family.architectures[0]} keeps K/V grouped per head inside one fused "
+            "projection whose layout its class sizes by one count for all layers; per-layer counts "
+            "support llama, mistral, qwen2, qwen3, gemma, phi, phi3, stablelm, olmo, olmo2, starcoder2 "
+            "(and gpt_neox, gptj through phi); use -g",
+        )
 
 
 def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[int, ...]:
@@ -96,11 +103,15 @@ def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[i
         _check_per_layer_family(family, "per_layer")
         budget, layers = s.budget(dims.num_layers), dims.num_layers
         if not layers <= budget <= layers * dims.num_kv_heads:
-            raise SettingError("kv_budget", f"{{name}}: {budget / layers:g} KV heads per layer on average is outside "
-                               f"1..{dims.num_kv_heads} for this model")  # fmt: skip
+            raise SettingError(
+                "kv_budget",
+                f"{{name}}: {budget / layers:g} KV heads per layer on average is outside "
+                f"1..{dims.num_kv_heads} for this model",
+            )
         if not s.calibration:
-            raise SettingError("calibration", "--per-layer auto measures each layer on calibration text: pass {name} "
-                               "DATA")  # fmt: skip
+            raise SettingError(
+                "calibration", "--per-layer auto measures each layer on calibration text: pass {name} DATA"
+            )
         return ()
     per_layer = s.per_layer_heads()
     if per_layer is None:
@@ -120,7 +131,9 @@ def _check_layers(ckpt: Checkpoint, family: Family, dims: AttentionDims) -> None
     for layer in range(dims.num_layers):
         if name.format(layer=layer) not in ckpt.tensors:
             missing = name.format(layer=layer)
-            raise Mha2GqaError(f"{ckpt.folder}: config.json says {dims.num_layers} layers, but the weights have no "
-                               f"{missing} (layer {layer}); the config does not match the weights")  # fmt: skip
+            raise Mha2GqaError(
+                f"{ckpt.folder}: config.json says {dims.num_layers} layers, but the weights have no "
+                f"{missing} (layer {layer}); the config does not match the weights"
+            )
     if name.format(layer=dims.num_layers) in ckpt.tensors:
         raise Mha2GqaError(f"{ckpt.folder}: the weights have more layers than the {dims.num_layers} config.json says")

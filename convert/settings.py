@@ -25,29 +25,49 @@ _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
 class ConvertSettings:
     """How a checkpoint is converted (``convert_checkpoint(src, dst, **fields)``)."""
 
-    num_kv_heads: int | None = setting(None, help="KV heads after conversion (a divisor of the current count).",
-                                       short="-g")  # fmt: skip
-    num_kv_heads_per_layer: str | None = setting(None, help="KV heads of each layer instead of -g, comma-separated "
-                                                 "(e.g. 8,8,4,2 for 4 layers), each a divisor of the current count; "
-                                                 "the output loads with mha2gqa's tools, and with transformers "
-                                                 "through trust_remote_code.")  # fmt: skip
-    per_layer: str | None = setting(None, help="auto: choose each layer's KV heads from calibration (where "
-                                    "merging loses least) within the budget of -g per layer on average, or "
-                                    "--kv-budget.", choices=("auto",))  # fmt: skip
-    allocation_cost: str = setting("output", help="How --per-layer auto measures a layer's loss at each count: "
-                                   "output (the layer run again with only it merged, its output error; the method's "
-                                   "own merge) or residual (the K/V energy a shared head cannot hold, from the "
-                                   "statistics alone).", choices=tuple(COST_MEASURES))  # fmt: skip
-    kv_budget: float | None = setting(None, help="KV heads per layer on average for --per-layer auto (e.g. 1.5) "
-                                      "[default: -g].", above=0)  # fmt: skip
+    num_kv_heads: int | None = setting(
+        None, help="KV heads after conversion (a divisor of the current count).", short="-g"
+    )
+    num_kv_heads_per_layer: str | None = setting(
+        None,
+        help="KV heads of each layer instead of -g, comma-separated "
+        "(e.g. 8,8,4,2 for 4 layers), each a divisor of the current count; "
+        "the output loads with mha2gqa's tools, and with transformers "
+        "through trust_remote_code.",
+    )
+    per_layer: str | None = setting(
+        None,
+        help="auto: choose each layer's KV heads from calibration (where "
+        "merging loses least) within the budget of -g per layer on average, or "
+        "--kv-budget.",
+        choices=("auto",),
+    )
+    allocation_cost: str = setting(
+        "output",
+        help="How --per-layer auto measures a layer's loss at each count: "
+        "output (the layer run again with only it merged, its output error; the method's "
+        "own merge) or residual (the K/V energy a shared head cannot hold, from the "
+        "statistics alone).",
+        choices=tuple(COST_MEASURES),
+    )
+    kv_budget: float | None = setting(
+        None, help="KV heads per layer on average for --per-layer auto (e.g. 1.5) [default: -g].", above=0
+    )
     method: str = setting("mean", help=f"How heads merge. {_METHODS_HELP}.", choices=tuple(METHODS))
-    grouping: str = setting("contiguous", help="Which heads share a KV head: " + "; ".join(
-        f"{g.name}: {g.summary}" for g in GROUPINGS.values()) + ".", choices=tuple(GROUPINGS))  # fmt: skip
-    calibration: str | None = setting(None, help="Calibration text for svd / aligned / similarity grouping "
-                                      "(a file or a datasets name, as for eval --data).")  # fmt: skip
+    grouping: str = setting(
+        "contiguous",
+        help="Which heads share a KV head: " + "; ".join(f"{g.name}: {g.summary}" for g in GROUPINGS.values()) + ".",
+        choices=tuple(GROUPINGS),
+    )
+    calibration: str | None = setting(
+        None,
+        help="Calibration text for svd / aligned / similarity grouping "
+        "(a file or a datasets name, as for eval --data).",
+    )
     calibration_tokens: int = setting(16384, help="Calibration tokens (the first N of the text).", minimum=1)
-    calibration_seq_len: int | None = setting(None, help="Calibration window [default: min(512, the model's "
-                                              "positions)].", minimum=2)  # fmt: skip
+    calibration_seq_len: int | None = setting(
+        None, help="Calibration window [default: min(512, the model's positions)].", minimum=2
+    )
     device: str = setting("auto", help=f"Where calibration runs: {DEVICE_HELP}")
     seed: int = setting(0, help="Seed of --method random.", minimum=0, maximum=2**63 - 1)
     max_shard_size: str = setting("5GB", help="Largest output shard, HF style ('5GB', '500MB').")
@@ -55,10 +75,14 @@ class ConvertSettings:
     overwrite: bool = setting(False, help="Replace DST if it exists and is not empty.")
     allow_pickle: bool = setting(False, help="Read PyTorch .bin checkpoints (with torch.load(weights_only=True)).")
     fsync: bool = setting(False, help="Flush every shard to disk before the output is renamed into place.")
-    check_finite: bool = setting(False, help="Read every source tensor first and refuse NaN/Inf anywhere (tensors "
-                                 "the method reads are always checked, with a warning).")  # fmt: skip
-    remove_stale: bool = setting(False, help="Delete temporary outputs beside DST left by killed runs (reported "
-                                 "otherwise).")  # fmt: skip
+    check_finite: bool = setting(
+        False,
+        help="Read every source tensor first and refuse NaN/Inf anywhere (tensors "
+        "the method reads are always checked, with a warning).",
+    )
+    remove_stale: bool = setting(
+        False, help="Delete temporary outputs beside DST left by killed runs (reported otherwise)."
+    )
     progress: bool = setting(True, help="Progress bars.", cli=False)
 
     def check(self) -> ConvertSettings:
@@ -68,13 +92,16 @@ class ConvertSettings:
             if self.num_kv_heads_per_layer is not None:
                 raise SettingError("num_kv_heads_per_layer", "--per-layer auto chooses each layer's count: drop {name}")
             if self.num_kv_heads is None and self.kv_budget is None:
-                raise SettingError("per_layer", "{name} auto needs a budget: -g G (as many KV heads as uniform G) or "
-                                   "--kv-budget AVERAGE")  # fmt: skip
+                raise SettingError(
+                    "per_layer",
+                    "{name} auto needs a budget: -g G (as many KV heads as uniform G) or --kv-budget AVERAGE",
+                )
         elif self.kv_budget is not None:
             raise SettingError("kv_budget", "{name} is the budget of --per-layer auto: add --per-layer auto")
         elif (self.num_kv_heads is None) == (self.num_kv_heads_per_layer is None):
-            raise SettingError("num_kv_heads", "give {name} (every layer) or --num-kv-heads-per-layer (each layer), "
-                               "one of the two")  # fmt: skip
+            raise SettingError(
+                "num_kv_heads", "give {name} (every layer) or --num-kv-heads-per-layer (each layer), one of the two"
+            )
         self.per_layer_heads()
         check_device_name(self.device)
         check_text_source(self.calibration, "calibration")
@@ -84,8 +111,10 @@ class ConvertSettings:
             raise SettingError("max_shard_size", f"{{name}} {self.max_shard_size}: {e}") from None
         method, grouping = get_method(self.method), get_grouping(self.grouping)
         if grouping.reorders and method.kind == "fresh":
-            raise SettingError("grouping", f"{{name}} {grouping.name} does not apply to --method {method.name} "
-                               "(fresh K/V ignore the grouping)")  # fmt: skip
+            raise SettingError(
+                "grouping",
+                f"{{name}} {grouping.name} does not apply to --method {method.name} (fresh K/V ignore the grouping)",
+            )
         return self
 
     def per_layer_heads(self) -> tuple[int, ...] | None:

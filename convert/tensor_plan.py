@@ -28,8 +28,9 @@ class LayerMerge:
     """Computes one layer's merged q/k/v/o once (a ``layer`` method, or any method under similarity
     grouping), hands the tensors out one by one and forgets them as they are written."""
 
-    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int,
-                 stats: Any, method: Method) -> None:  # fmt: skip
+    def __init__(
+        self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int, stats: Any, method: Method
+    ) -> None:
         self.ckpt, self.family, self.dims, self.groups = ckpt, family, dims, groups
         self.layer, self.stats, self.method = layer, stats, method
         self.ready: dict[str, torch.Tensor] | None = None
@@ -79,8 +80,16 @@ class LayerMerge:
 class _Planner:
     """The rules of one conversion: output tensor name -> how it is made."""
 
-    def __init__(self, ckpt: Checkpoint, family: Family, dims: AttentionDims, targets: tuple[int, ...],
-                 method: Method, stats: Any, seed: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        family: Family,
+        dims: AttentionDims,
+        targets: tuple[int, ...],
+        method: Method,
+        stats: Any,
+        seed: int,
+    ) -> None:
         self.ckpt, self.family, self.dims, self.targets = ckpt, family, dims, targets
         self.method, self.stats, self.seed = method, stats, seed
         self.std = float(ckpt.config.get("initializer_range", 0.02))
@@ -102,8 +111,9 @@ class _Planner:
 
     def fresh(self, name: str, shape: tuple[int, ...], kind: str) -> None:
         tensor_seed = self.seed * 1_000_003 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
-        self.computed(name, shape, partial(fresh_tensor, shape, self.ckpt.tensors[name].dtype, kind, self.std,
-                                           tensor_seed))  # fmt: skip
+        self.computed(
+            name, shape, partial(fresh_tensor, shape, self.ckpt.tensors[name].dtype, kind, self.std, tensor_seed)
+        )
 
     def layer_merge(self, layer: int) -> None:
         """q/k/v/o of ``layer`` merged together."""
@@ -166,8 +176,17 @@ class _Planner:
         dims = self.dims
         if reducer is None:
             kind = "weight" if name.endswith(".weight") else "bias"
-            return fresh_fused(self.ckpt.load(name), kind, self.family, dims.num_heads, dims.num_kv_heads, g,
-                               dims.head_dim, self.std, seed)  # fmt: skip
+            return fresh_fused(
+                self.ckpt.load(name),
+                kind,
+                self.family,
+                dims.num_heads,
+                dims.num_kv_heads,
+                g,
+                dims.head_dim,
+                self.std,
+                seed,
+            )
         q, k, v = self.family.split_qkv(self.ckpt.load(name), dims.num_heads, dims.num_kv_heads, dims.head_dim)
         k, v = reduce_rows(k, g, dims.head_dim, reducer), reduce_rows(v, g, dims.head_dim, reducer)
         return self.family.join_qkv(q, k, v, dims.num_heads, g, dims.head_dim)
@@ -194,8 +213,15 @@ class _Planner:
         return out
 
 
-def plan_conversion(ckpt: Checkpoint, family: Family, dims: AttentionDims, num_kv_heads: int | tuple[int, ...],
-                    method: Method, stats: Any = None, seed: int = 0) -> list[OutputTensor]:  # fmt: skip
+def plan_conversion(
+    ckpt: Checkpoint,
+    family: Family,
+    dims: AttentionDims,
+    num_kv_heads: int | tuple[int, ...],
+    method: Method,
+    stats: Any = None,
+    seed: int = 0,
+) -> list[OutputTensor]:
     """Every output tensor, in source storage order: byte copies except what ``method`` changes
     (K/V for ``pool``/``fresh`` methods; Q, K, V and O for ``layer`` methods and under similarity
     grouping, whose permutation is in the calibration ``stats``).
@@ -223,8 +249,10 @@ def rewritten(outputs: list[OutputTensor], family: Family) -> list[str]:
     listed as it is."""
     templates = [f"{m}{s}" for m in family.modules() for s in SUFFIXES]
     templates += [n.name for n in (family.q_norm, family.k_norm) if n]
-    patterns = [(re.compile(re.escape(t).replace(r"\{layer\}", r"\d+").replace(r"\{head\}", r"\d+") + "$"), t)
-                for t in templates]  # fmt: skip
+    patterns = [
+        (re.compile(re.escape(t).replace(r"\{layer\}", r"\d+").replace(r"\{head\}", r"\d+") + "$"), t)
+        for t in templates
+    ]
     out = set()
     for tensor in outputs:
         if not tensor.copy:

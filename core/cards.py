@@ -23,9 +23,12 @@ def _serving(conv: dict[str, Any]) -> str:
     form = conv.get("serving_form")
     if not form:
         return ""
-    runtimes = ("vLLM serves it as `DeciLMForCausalLM` (with `--trust-remote-code`, as for NVIDIA's Nemotron-NAS "
-                "models) and llama.cpp's converter reads it as its `deci` architecture." if "also written" in form else
-                "Serving engines that take one KV-head count for all layers cannot run it.")  # fmt: skip
+    runtimes = (
+        "vLLM serves it as `DeciLMForCausalLM` (with `--trust-remote-code`, as for NVIDIA's Nemotron-NAS "
+        "models) and llama.cpp's converter reads it as its `deci` architecture."
+        if "also written" in form
+        else "Serving engines that take one KV-head count for all layers cannot run it."
+    )
     return f"Serving: {form[0].upper()}{form[1:]}. {runtimes}\n\n"
 
 
@@ -34,8 +37,10 @@ def _retargeted(conv: dict[str, Any]) -> str:
     moved, runs = conv.get("retarget"), conv.get("runs_in")
     text = ""
     if moved:
-        text += (f"Re-targeted from `{moved['source_class']}` to `{moved['target_class']}` (exact at the same head "
-                 f"count): {moved['description']}.\n\n")  # fmt: skip
+        text += (
+            f"Re-targeted from `{moved['source_class']}` to `{moved['target_class']}` (exact at the same head "
+            f"count): {moved['description']}.\n\n"
+        )
     if runs:
         text += f"Runs in: {runs}.\n\n"
     return text
@@ -60,8 +65,10 @@ def changes(conv: dict[str, Any]) -> str:
         "Only the attention K/V" if set(roles) <= {"k", "v"} else "The attention " + "/".join(r.upper() for r in roles)
     )
     listed = ", ".join(f"`{t}`" for t in conv.get("rewritten") or [])
-    return (f"Converted with {how}. {scope} projections changed ({listed}), and `num_key_value_heads` in "
-            "`config.json`; every other tensor is a byte-for-byte copy of the source.")  # fmt: skip
+    return (
+        f"Converted with {how}. {scope} projections changed ({listed}), and `num_key_value_heads` in "
+        "`config.json`; every other tensor is a byte-for-byte copy of the source."
+    )
 
 
 def model_card(record: dict[str, Any]) -> str:
@@ -79,8 +86,10 @@ def model_card(record: dict[str, Any]) -> str:
         for j, g in enumerate(conv["query_heads_per_kv_head"])
     )
     if conv.get("num_kv_heads_per_layer"):  # consecutive query heads share each KV head, layer by layer
-        groups = "; ".join(f"layer {i}: {conv['num_heads'] // g} query heads per KV head"
-                           for i, g in enumerate(conv["num_kv_heads_per_layer"]))  # fmt: skip
+        groups = "; ".join(
+            f"layer {i}: {conv['num_heads'] // g} query heads per KV head"
+            for i, g in enumerate(conv["num_kv_heads_per_layer"])
+        )
     rows = [
         ("source", f"`{base}`" + (f" @ `{src['revision']}`" if src.get("revision") else "")),
         ("family", record["family"]),
@@ -101,10 +110,15 @@ def model_card(record: dict[str, Any]) -> str:
     allocation = conv.get("per_layer_allocation")
     if allocation:
         uniform = ", ".join(f"G = {g}: {c:.4f}" for g, c in allocation["uniform_cost"].items())
-        rows.append(("per-layer allocation", f"{allocation['budget_kv_heads']} KV heads in all "
-                     f"({allocation['average_kv_heads']:g} per layer), chosen from calibration: cost "
-                     f"{allocation['cost']:.4f} ({allocation['cost_measure']}); uniform "
-                     f"{uniform or 'not within the budget'}"))  # fmt: skip
+        rows.append(
+            (
+                "per-layer allocation",
+                f"{allocation['budget_kv_heads']} KV heads in all "
+                f"({allocation['average_kv_heads']:g} per layer), chosen from calibration: cost "
+                f"{allocation['cost']:.4f} ({allocation['cost_measure']}); uniform "
+                f"{uniform or 'not within the budget'}",
+            )
+        )
     calibration = conv.get("calibration")
     if calibration and calibration.get("data"):
         rows.insert(4, ("calibration", f"`{calibration['data']}` ({calibration['tokens']:,} tokens)"))
@@ -127,8 +141,11 @@ def uptrain_card(record: dict[str, Any], conversion: dict[str, Any] | None) -> s
     """A model card (README.md) for an uptrained model: the uptraining, then the conversion."""
     up = record["uptrain"]
     base = Path(up["student"]).name
-    front = {"base_model": base, "library_name": "transformers",
-             "tags": ["mha2gqa", "gqa", "grouped-query-attention", "uptrained"]}  # fmt: skip
+    front = {
+        "base_model": base,
+        "library_name": "transformers",
+        "tags": ["mha2gqa", "gqa", "grouped-query-attention", "uptrained"],
+    }
     s = up["settings"]
     rows = [
         ("student", f"`{base}`"),

@@ -78,8 +78,10 @@ class Checkpoint:
         if self.nonfinite:
             bad = sorted(self.nonfinite)
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            raise Mha2GqaError(f"{self.folder}: {', '.join(bad[:3])}{more} hold NaN or Inf values; the checkpoint is "
-                               "damaged (or was saved mid-divergence)")  # fmt: skip
+            raise Mha2GqaError(
+                f"{self.folder}: {', '.join(bad[:3])}{more} hold NaN or Inf values; the checkpoint is "
+                "damaged (or was saved mid-divergence)"
+            )
 
 
 def _finite(tensor: Any) -> bool:

@@ -117,8 +117,10 @@ class AttentionDims:
         ):
             valid = ", ".join(str(g) for g in sorted(self.valid_kv_heads()))
             if self.kv_choices:
-                raise SettingError(setting, f"{{name}} {num_kv_heads} is not valid: {self.kv_choices[1]}; choose "
-                                   f"{valid.replace(', ', ' or ')}")  # fmt: skip
+                raise SettingError(
+                    setting,
+                    f"{{name}} {num_kv_heads} is not valid: {self.kv_choices[1]}; choose {valid.replace(', ', ' or ')}",
+                )
             raise SettingError(
                 setting,
                 f"{{name}} {num_kv_heads} is not valid for a model with {cur} KV heads: "
@@ -128,8 +130,10 @@ class AttentionDims:
     def check_kv_heads_per_layer(self, values: tuple[int, ...], setting: str = "num_kv_heads_per_layer") -> None:
         """One valid KV-head count (:meth:`check_kv_heads`) for each layer."""
         if len(values) != self.num_layers:
-            raise SettingError(setting, f"{{name}} has {len(values)} values for a model with {self.num_layers} "
-                               "layers: give one per layer")  # fmt: skip
+            raise SettingError(
+                setting,
+                f"{{name}} has {len(values)} values for a model with {self.num_layers} layers: give one per layer",
+            )
         for g in values:
             self.check_kv_heads(g, setting)
 
@@ -139,8 +143,9 @@ def parse_kv_heads_list(text: str, setting: str = "num_kv_heads_per_layer") -> t
     try:
         values = tuple(int(v) for v in str(text).split(","))
     except ValueError:
-        raise SettingError(setting, f"{{name}} {text!r}: give comma-separated integers, one per layer, e.g. "
-                           "8,8,4,2") from None  # fmt: skip
+        raise SettingError(
+            setting, f"{{name}} {text!r}: give comma-separated integers, one per layer, e.g. 8,8,4,2"
+        ) from None
     if any(v < 1 for v in values):
         raise SettingError(setting, f"{{name}} {text}: every count must be at least 1")
     return values
@@ -157,8 +162,9 @@ def check_per_layer(values: Any, layers: int, heads: int, what: str) -> tuple[in
         raise Mha2GqaError(f"{what}: give one KV-head count for each of the {layers} layers (found {values!r})")
     for i, g in enumerate(values):
         if isinstance(g, bool) or not isinstance(g, int) or g < 1 or heads % g:
-            raise Mha2GqaError(f"{what}: layer {i} has {g!r} KV heads; each must be a positive divisor of the "
-                               f"{heads} query heads")  # fmt: skip
+            raise Mha2GqaError(
+                f"{what}: layer {i} has {g!r} KV heads; each must be a positive divisor of the {heads} query heads"
+            )
     return tuple(values)
 
 

@@ -17,22 +17,49 @@ from typing import Any
 
 from mha2gqa.core.errors import Mha2GqaError
 
-_TOP_KEYS = {"family", "description", "architectures", "model_types", "attention", "k_norm", "q_norm", "parameters",
-             "config_names", "kv_heads", "refuse_when", "serving", "attention_interface"}  # fmt: skip
+_TOP_KEYS = {
+    "family",
+    "description",
+    "architectures",
+    "model_types",
+    "attention",
+    "k_norm",
+    "q_norm",
+    "parameters",
+    "config_names",
+    "kv_heads",
+    "refuse_when",
+    "serving",
+    "attention_interface",
+}
 _ATTN_KEYS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "qkv_layout"}
 #: Row layouts of a fused qkv projection: ``stacked`` ``[q (H·d); k (G·d); v (G·d)]`` (Phi-3, GPT-2's
 #: c_attn transposed), ``grouped`` ``[G, H/G + 2, d]``: per KV head its query heads, then its key and
 #: value (Falcon; GPT-NeoX and GPTBigCode-MHA are the case G = H, GPTBigCode-MQA the case G = 1).
 QKV_LAYOUTS = ("stacked", "grouped")
 #: The config keys mha2gqa reads, which a family may spell otherwise (``config_names``).
-STANDARD_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
-                 "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
+STANDARD_KEYS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 _NORM_KEYS = {"name", "layout"}
 NORM_LAYOUTS = ("shared", "rows", "indexed")
 #: Names a parameter-count term may use: vocabulary, hidden, intermediate, layers, query heads,
 #: KV heads, head_dim.
-TERM_NAMES = {"V": "vocab_size", "h": "hidden_size", "I": "intermediate_size", "L": "num_hidden_layers",
-              "H": "num_attention_heads", "G": "num_key_value_heads", "d": "head_dim"}  # fmt: skip
+TERM_NAMES = {
+    "V": "vocab_size",
+    "h": "hidden_size",
+    "I": "intermediate_size",
+    "L": "num_hidden_layers",
+    "H": "num_attention_heads",
+    "G": "num_key_value_heads",
+    "d": "head_dim",
+}
 _TERM = re.compile(r"^[VhILHGd0-9+*() ]+$")
 
 
@@ -271,8 +298,9 @@ def families() -> dict[str, Family]:
     return {fam.family: fam for fam in load_definitions("architectures", parse_family)}
 
 
-def split_fused_qkv(weight: Any, num_heads: int, num_kv_heads: int, head_dim: int,
-                    layout: str = "stacked") -> tuple[Any, Any, Any]:  # fmt: skip
+def split_fused_qkv(
+    weight: Any, num_heads: int, num_kv_heads: int, head_dim: int, layout: str = "stacked"
+) -> tuple[Any, Any, Any]:
     """Split fused qkv rows (``[(H + 2·G)·d, *rest]``) into q ``[H·d]``, k and v ``[G·d]`` with sizes
     from the config (never ``chunk(3)``, which is wrong as soon as ``G != H``); ``layout`` as in
     :data:`QKV_LAYOUTS`."""
@@ -289,8 +317,9 @@ def split_fused_qkv(weight: Any, num_heads: int, num_kv_heads: int, head_dim: in
     return q, grouped[:, per].reshape(-1, *rest), grouped[:, per + 1].reshape(-1, *rest)
 
 
-def join_fused_qkv(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int, head_dim: int,
-                   layout: str = "stacked") -> Any:  # fmt: skip
+def join_fused_qkv(
+    q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int, head_dim: int, layout: str = "stacked"
+) -> Any:
     """The inverse of :func:`split_fused_qkv`."""
     import torch
 
@@ -298,8 +327,11 @@ def join_fused_qkv(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int, he
         return torch.cat([q, k, v])
     rest = q.shape[1:]
     per = num_heads // num_kv_heads
-    parts = [q.reshape(num_kv_heads, per, head_dim, *rest), k.reshape(num_kv_heads, 1, head_dim, *rest),
-             v.reshape(num_kv_heads, 1, head_dim, *rest)]  # fmt: skip
+    parts = [
+        q.reshape(num_kv_heads, per, head_dim, *rest),
+        k.reshape(num_kv_heads, 1, head_dim, *rest),
+        v.reshape(num_kv_heads, 1, head_dim, *rest),
+    ]
     return torch.cat(parts, dim=1).reshape(-1, *rest).contiguous()
 
 

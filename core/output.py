@@ -94,8 +94,9 @@ def check_overlap(dst: Path, inputs: Inputs | None, what: str, folder: bool = Tr
     return dst
 
 
-def check_destination(dst: Path, overwrite: bool, inputs: Inputs | None = None, what: str = "DST",
-                      folder: bool = True) -> Path:  # fmt: skip
+def check_destination(
+    dst: Path, overwrite: bool, inputs: Inputs | None = None, what: str = "DST", folder: bool = True
+) -> Path:
     """Refuse ``dst`` before any work: it overlaps one of the run's ``inputs`` (label -> path, e.g.
     ``{"the source model": folder}``), is of the wrong kind, exists without ``overwrite``, or exists
     and is not ours. Returns the absolute path."""
@@ -112,8 +113,10 @@ def check_destination(dst: Path, overwrite: bool, inputs: Inputs | None = None, 
             state = "exists and is not empty" if folder else "exists"
             raise Mha2GqaError(f"{what} {dst} {state}: pass --overwrite to replace it")
         if not empty_dir and not owned(dst):
-            raise Mha2GqaError(f"{what} {dst} exists and was not written by mha2gqa: --overwrite replaces only "
-                               "mha2gqa's own outputs; choose another path or remove it yourself")  # fmt: skip
+            raise Mha2GqaError(
+                f"{what} {dst} exists and was not written by mha2gqa: --overwrite replaces only "
+                "mha2gqa's own outputs; choose another path or remove it yourself"
+            )
     return dst
 
 
@@ -142,8 +145,10 @@ def _rename2(src: Path, dst: Path, flags: int) -> bool:
 
 
 def _lost_race(dst: Path, what: str) -> Mha2GqaError:
-    return Mha2GqaError(f"{what} {dst} was created by another process while this one was writing; it was left as it "
-                        "is and this run's output discarded")  # fmt: skip
+    return Mha2GqaError(
+        f"{what} {dst} was created by another process while this one was writing; it was left as it "
+        "is and this run's output discarded"
+    )
 
 
 def _temp_name(dst: Path, tag: str) -> str:
@@ -234,8 +239,10 @@ def handle_stale(dst: Path, remove: bool) -> None:
             _remove(path)
         return
     names = ", ".join(p.name for p in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
-    sys.stderr.write(f"warning: {len(stale)} temporary output(s) beside {dst} were left by a run that was killed "
-                     f"({names}); pass --remove-stale to delete them\n")  # fmt: skip
+    sys.stderr.write(
+        f"warning: {len(stale)} temporary output(s) beside {dst} were left by a run that was killed "
+        f"({names}); pass --remove-stale to delete them\n"
+    )
 
 
 def _space_error(e: OSError, dst: Path, what: str, need: int | None = None) -> Mha2GqaError | None:
@@ -248,8 +255,9 @@ def _space_error(e: OSError, dst: Path, what: str, need: int | None = None) -> M
 
 
 @contextlib.contextmanager
-def staged_output(dst: Path, overwrite: bool = False, inputs: Inputs | None = None, what: str = "DST",
-                  remove_stale: bool = False) -> Iterator[Path]:  # fmt: skip
+def staged_output(
+    dst: Path, overwrite: bool = False, inputs: Inputs | None = None, what: str = "DST", remove_stale: bool = False
+) -> Iterator[Path]:
     """Yield a temporary folder beside ``dst``; publish it as ``dst`` only if the block succeeds.
 
     ``inputs``: the run's inputs (label -> path), which ``dst`` may neither be, contain nor lie
@@ -278,8 +286,9 @@ def staged_output(dst: Path, overwrite: bool = False, inputs: Inputs | None = No
         raise
 
 
-def write_text(path: Path, text: str | bytes, what: str = "--output", overwrite: bool = True,
-               inputs: Inputs | None = None) -> Path:  # fmt: skip
+def write_text(
+    path: Path, text: str | bytes, what: str = "--output", overwrite: bool = True, inputs: Inputs | None = None
+) -> Path:
     """Write ``text`` to ``path`` through a temporary sibling published atomically; ``what`` names
     the option in errors. The destination is checked first (:func:`check_destination`)."""
     path = check_destination(path, overwrite, inputs, what, folder=False)
@@ -312,7 +321,8 @@ def _umask() -> int:
     return mask
 
 
-def write_json(path: Path, obj: Any, what: str = "--output", overwrite: bool = True,
-               inputs: Inputs | None = None) -> Path:  # fmt: skip
+def write_json(
+    path: Path, obj: Any, what: str = "--output", overwrite: bool = True, inputs: Inputs | None = None
+) -> Path:
     """Write ``obj`` as indented JSON to ``path`` (as :func:`write_text`)."""
     return write_text(path, json.dumps(obj, indent=2, allow_nan=True) + "\n", what, overwrite, inputs)

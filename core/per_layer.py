@@ -47,8 +47,9 @@ def resize_kv_heads(model: Any, heads_per_layer: list[int]) -> None:
             old = getattr(attn, name, None)
             if old is None:
                 continue
-            new = torch.nn.Linear(old.in_features, rows, bias=old.bias is not None, device=old.weight.device,
-                                  dtype=old.weight.dtype)  # fmt: skip
+            new = torch.nn.Linear(
+                old.in_features, rows, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype
+            )
             setattr(attn, name, new)
         per_head = getattr(getattr(attn, "k_layernorm", None), "norms", None)
         if per_head is not None:  # StableLM: one LayerNorm per KV head
@@ -147,8 +148,10 @@ def modeling_source(base_name: str, config_name: str) -> str:
 def auto_map(base_name: str, config_name: str) -> dict[str, str]:
     """The config's ``auto_map`` entries that point stock transformers at the modeling file."""
     module = MODELING_FILE.removesuffix(".py")
-    return {"AutoConfig": f"{module}.{CLASS_PREFIX}{config_name}",
-            "AutoModelForCausalLM": f"{module}.{CLASS_PREFIX}{base_name}"}  # fmt: skip
+    return {
+        "AutoConfig": f"{module}.{CLASS_PREFIX}{config_name}",
+        "AutoModelForCausalLM": f"{module}.{CLASS_PREFIX}{base_name}",
+    }
 
 
 #: The model class Nemotron-NAS checkpoints name, which vLLM and llama.cpp serve with per-layer KV heads.
@@ -173,22 +176,32 @@ def nemotron_nas(config: dict[str, Any], heads_per_layer: list[int]) -> tuple[di
     hidden, heads, width = config["hidden_size"], config["num_attention_heads"], config.get("intermediate_size")
     ffn_mult = 1.5 * width / hidden if width else 0.0
     expressible = (  # (holds, why not): the first that fails is the reason
-        (archs == ["LlamaForCausalLM"],
-         f"the source is {archs[0] if archs else config.get('model_type')}, not LlamaForCausalLM"),
+        (
+            archs == ["LlamaForCausalLM"],
+            f"the source is {archs[0] if archs else config.get('model_type')}, not LlamaForCausalLM",
+        ),
         (not (config.get("attention_bias") or config.get("mlp_bias")), "its attention or MLP has biases"),
         (config.get("hidden_act", "silu") == "silu", f"its MLP activation is {config.get('hidden_act')}, not silu"),
-        ((config.get("head_dim") or hidden // heads) * heads == hidden,
-         f"head_dim {config.get('head_dim')} is not hidden_size / heads = {hidden // heads}"),
-        (ffn_width(ffn_mult, hidden) == width,
-         f"its MLP width {width} is not what ffn_mult gives (int(2*ffn_mult*hidden/3) rounded up to a multiple of "
-         f"{FFN_MULTIPLE}; here {ffn_width(ffn_mult, hidden)})"),
-    )  # fmt: skip
+        (
+            (config.get("head_dim") or hidden // heads) * heads == hidden,
+            f"head_dim {config.get('head_dim')} is not hidden_size / heads = {hidden // heads}",
+        ),
+        (
+            ffn_width(ffn_mult, hidden) == width,
+            f"its MLP width {width} is not what ffn_mult gives (int(2*ffn_mult*hidden/3) rounded up to a multiple of "
+            f"{FFN_MULTIPLE}; here {ffn_width(ffn_mult, hidden)})",
+        ),
+    )
     why = next((reason for holds, reason in expressible if not holds), "")
     if why:
         return None, f"not written in the Nemotron-NAS form ({DECI_ARCHITECTURE}): {why}"
-    blocks = [{"attention": {"n_heads_in_group": heads // g, "no_op": False, "replace_with_linear": False},
-               "ffn": {"ffn_mult": ffn_mult, "no_op": False, "replace_with_linear": False}}
-              for g in heads_per_layer]  # fmt: skip
+    blocks = [
+        {
+            "attention": {"n_heads_in_group": heads // g, "no_op": False, "replace_with_linear": False},
+            "ffn": {"ffn_mult": ffn_mult, "no_op": False, "replace_with_linear": False},
+        }
+        for g in heads_per_layer
+    ]
     fields = {"architectures": [DECI_ARCHITECTURE], "block_configs": blocks}
     return (
         fields,

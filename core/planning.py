@@ -65,14 +65,20 @@ class PlanSettings:
     gpu: str | None = setting(
         None, help="A GPU preset: its memory, bandwidth and bf16 throughput.", choices=tuple(GPUS)
     )
-    gpu_memory: str | None = setting(None, help="Accelerator memory, e.g. 80GB, 24GiB [default: the --gpu preset's, "
-                                     "else 80GB].")  # fmt: skip
-    bandwidth: str | None = setting(None, help="Memory bandwidth per second, e.g. 3.35TB, 900GB [default: the --gpu "
-                                    "preset's; without either, no throughput estimate].")  # fmt: skip
-    tflops: float | None = setting(None, help="Dense bf16 TFLOP/s for the prefill estimate [default: the --gpu "
-                                   "preset's].", above=0)  # fmt: skip
-    utilization: float = setting(0.5, help="Share of --tflops prefill reaches (model FLOPs utilisation).", above=0,
-                                 maximum=1)  # fmt: skip
+    gpu_memory: str | None = setting(
+        None, help="Accelerator memory, e.g. 80GB, 24GiB [default: the --gpu preset's, else 80GB]."
+    )
+    bandwidth: str | None = setting(
+        None,
+        help="Memory bandwidth per second, e.g. 3.35TB, 900GB [default: the --gpu "
+        "preset's; without either, no throughput estimate].",
+    )
+    tflops: float | None = setting(
+        None, help="Dense bf16 TFLOP/s for the prefill estimate [default: the --gpu preset's].", above=0
+    )
+    utilization: float = setting(
+        0.5, help="Share of --tflops prefill reaches (model FLOPs utilisation).", above=0, maximum=1
+    )
     seq_len: int = setting(4096, help="Tokens per sequence (prompt + generation).", minimum=1)
     dtype: str = setting("bf16", help="KV-cache dtype.", choices=KV_DTYPES)
     weights_dtype: str | None = setting(None, help="Weights dtype [default: --dtype].", choices=KV_DTYPES)
@@ -239,9 +245,13 @@ class PlanRow:
 
 
 def plan(
-    shape: ModelShape, gpu_memory: int, seq_len: int, kv_dtype: str, weights_bytes_per_param: int,
+    shape: ModelShape,
+    gpu_memory: int,
+    seq_len: int,
+    kv_dtype: str,
+    weights_bytes_per_param: int,
     per_layer: tuple[int, ...] | None = None,
-) -> list[PlanRow]:  # fmt: skip
+) -> list[PlanRow]:
     """For every valid KV-head count G (the divisors of the current count), and ``per_layer`` counts
     when given: KV bytes per token and per sequence, weights, and how many sequences of ``seq_len``
     fit in ``gpu_memory`` (all memory not taken by weights counted as KV cache; activations and
@@ -318,8 +328,18 @@ def throughput(shape: ModelShape, rows: list[PlanRow], gpu: Gpu, seq_len: int, u
         prefill = None
         if gpu.bf16_flops:
             prefill = prefill_flops(shape, r.num_kv_heads, seq_len) / (gpu.bf16_flops * utilization)
-        out.append(Throughput(r.num_kv_heads, r.max_sequences, one, 1 / one, full, 1 / full if full else None,
-                              r.max_sequences / full if full else None, prefill))  # fmt: skip
+        out.append(
+            Throughput(
+                r.num_kv_heads,
+                r.max_sequences,
+                one,
+                1 / one,
+                full,
+                1 / full if full else None,
+                r.max_sequences / full if full else None,
+                prefill,
+            )
+        )
     return out
 
 
@@ -334,8 +354,15 @@ def throughput_plot(rows: list[PlanRow], gpu: Gpu, seq_len: int, model: str) -> 
             continue
         batches = sorted({1, r.max_sequences, *(b for b in (2**k for k in range(20)) if b < r.max_sequences)})
         agg = [b / decode_step_seconds(r, b, seq_len / 2, gpu.bandwidth) for b in batches]
-        ax.plot(batches, agg, "-", marker="o", ms=3, color=OKABE_ITO[i % len(OKABE_ITO)],
-                label=f"{r.label} KV heads (max batch {r.max_sequences:,})")  # fmt: skip
+        ax.plot(
+            batches,
+            agg,
+            "-",
+            marker="o",
+            ms=3,
+            color=OKABE_ITO[i % len(OKABE_ITO)],
+            label=f"{r.label} KV heads (max batch {r.max_sequences:,})",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent sequences (batch)")
     ax.set_ylabel("decode tokens/s (all sequences)")

@@ -28,12 +28,28 @@ from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.families import check_keys, load_definitions, match_definition
 from mha2gqa.core.safetensors_io import TensorInfo
 
-_TOP_KEYS = {"source", "description", "architectures", "model_types", "target", "requires", "config", "tensors",
-             "ignore", "o_proj"}  # fmt: skip
+_TOP_KEYS = {
+    "source",
+    "description",
+    "architectures",
+    "model_types",
+    "target",
+    "requires",
+    "config",
+    "tensors",
+    "ignore",
+    "o_proj",
+}
 _OPS = {"copy", "linear", "qkv", "ones", "zeros"}
 _OP_KEYS = {"op", "to", "from", "transpose", "rows_from", "optional", "fold", "bias", "layout", "rotary", "shape"}
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}  # fmt: skip
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Is: operator.is_, ast.IsNot: operator.is_not}
 
 
@@ -70,8 +86,23 @@ def evaluate(expr: str, config: dict[str, Any]) -> Any:
     return ev(ast.parse(expr, mode="eval"))
 
 
-_ALLOWED = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Attribute, ast.BinOp, ast.BoolOp, ast.And, ast.Or,
-            ast.UnaryOp, ast.Not, ast.Compare, ast.IfExp, *_BINOPS, *_CMPOPS)  # fmt: skip
+_ALLOWED = (
+    ast.Expression,
+    ast.Constant,
+    ast.Name,
+    ast.Load,
+    ast.Attribute,
+    ast.BinOp,
+    ast.BoolOp,
+    ast.And,
+    ast.Or,
+    ast.UnaryOp,
+    ast.Not,
+    ast.Compare,
+    ast.IfExp,
+    *_BINOPS,
+    *_CMPOPS,
+)
 
 
 def check_expression(expr: str, fail) -> None:
@@ -152,9 +183,18 @@ def parse_retarget(data: dict[str, Any], origin: str = "<dict>") -> Retarget:
             raise fail("each 'requires' entry needs exactly 'expr' and 'reason'")
         check_expression(r["expr"], fail)
         requires.append((r["expr"], r["reason"]))
-    return Retarget(data["source"], data["description"], tuple(data["architectures"]), tuple(data["model_types"]),
-                    data["target"], tuple(requires), data["config"], tuple(data["tensors"]),
-                    tuple(data.get("ignore", [])), data.get("o_proj"))  # fmt: skip
+    return Retarget(
+        data["source"],
+        data["description"],
+        tuple(data["architectures"]),
+        tuple(data["model_types"]),
+        data["target"],
+        tuple(requires),
+        data["config"],
+        tuple(data["tensors"]),
+        tuple(data.get("ignore", [])),
+        data.get("o_proj"),
+    )
 
 
 @cache
@@ -263,9 +303,11 @@ class RetargetedCheckpoint(Checkpoint):
                     self.tensors[name] = TensorInfo(name, op.dtype_code, shape, self.folder, None, None)
         unused = sorted(n for n in src if n not in self._used and not any(re.search(p, n) for p in self.spec.ignore))
         if unused:
-            raise Mha2GqaError(f"{self.folder}: the {self.spec.source} -> {self.spec.target} re-targeting has no place "
-                               f"for {unused[0]}{f' and {len(unused) - 1} more' if len(unused) > 1 else ''}; "
-                               "this checkpoint is not the layout it expects")  # fmt: skip
+            raise Mha2GqaError(
+                f"{self.folder}: the {self.spec.source} -> {self.spec.target} re-targeting has no place "
+                f"for {unused[0]}{f' and {len(unused) - 1} more' if len(unused) > 1 else ''}; "
+                "this checkpoint is not the layout it expects"
+            )
 
     def _source_name(self, name: str, optional: bool = False) -> str | None:
         """``name`` as the source stores it (GPT-2's hub files lack the ``transformer.`` prefix)."""
@@ -275,8 +317,10 @@ class RetargetedCheckpoint(Checkpoint):
                 return candidate
         if optional:
             return None
-        raise Mha2GqaError(f"{self.folder}: the {self.spec.source} checkpoint has no {name}; it is not the layout "
-                           f"the {self.spec.source} -> {self.spec.target} re-targeting expects")  # fmt: skip
+        raise Mha2GqaError(
+            f"{self.folder}: the {self.spec.source} checkpoint has no {name}; it is not the layout "
+            f"the {self.spec.source} -> {self.spec.target} re-targeting expects"
+        )
 
     def _shape(self, name: str, transpose: bool = False) -> tuple[int, ...]:
         shape = self.source.tensors[name].shape
@@ -429,5 +473,9 @@ def retarget_record(ckpt: Checkpoint) -> dict[str, Any] | None:
     if not isinstance(ckpt, RetargetedCheckpoint):
         return None
     archs = ckpt.source.config.get("architectures") or [ckpt.spec.source]
-    return {"source_class": archs[0], "target_class": ckpt.spec.target,
-            "definition": f"retargets/{ckpt.spec.source}.json", "description": ckpt.spec.description}  # fmt: skip
+    return {
+        "source_class": archs[0],
+        "target_class": ckpt.spec.target,
+        "definition": f"retargets/{ckpt.spec.source}.json",
+        "description": ckpt.spec.description,
+    }

@@ -68,8 +68,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         except (KeyError, TypeError, ValueError):
             raise Mha2GqaError(f"{path}: malformed header entry for {name!r}; {hint}") from None
         if not all(_natural(x) for x in (lo, hi, *shape)):
-            raise Mha2GqaError(f"{path}: tensor {name!r} has a shape or data_offsets that are not non-negative "
-                               f"integers ({list(shape)}, {[lo, hi]}); {hint}")  # fmt: skip
+            raise Mha2GqaError(
+                f"{path}: tensor {name!r} has a shape or data_offsets that are not non-negative "
+                f"integers ({list(shape)}, {[lo, hi]}); {hint}"
+            )
         if not isinstance(dtype, str) or dtype not in BY_CODE:
             raise Mha2GqaError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         if hi - lo != math.prod(shape) * BY_CODE[dtype].bytes or lo < 0:

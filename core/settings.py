@@ -143,8 +143,13 @@ def validate(obj: Any) -> Any:
     return obj
 
 
-def from_mapping(cls: type, data: Mapping[str, Any] | None, where: str, fixed: Mapping[str, Any] | None = None,
-                 exclude: tuple[str, ...] = ()) -> Any:  # fmt: skip
+def from_mapping(
+    cls: type,
+    data: Mapping[str, Any] | None,
+    where: str,
+    fixed: Mapping[str, Any] | None = None,
+    exclude: tuple[str, ...] = (),
+) -> Any:
     """``cls(**data, **fixed)`` for a job-file section ``where``: unknown keys, wrong types and bad
     values are :class:`SettingError`\\ s naming ``where.key``; ``exclude`` keys are not allowed."""
     data = dict(data or {})
@@ -158,8 +163,11 @@ def from_mapping(cls: type, data: Mapping[str, Any] | None, where: str, fixed: M
     except SettingError as e:
         raise SettingError(e.setting, e.render(f"{where}.{e.setting}")) from None
     except TypeError as e:  # a required key is missing
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.name not in (fixed or {})
-                   and f.default is dataclasses.MISSING]  # fmt: skip
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in data and f.name not in (fixed or {}) and f.default is dataclasses.MISSING
+        ]
         raise SettingError(missing[0] if missing else where, f"'{where}.{{name}}' is required ({e})") from None
 
 

@@ -69,8 +69,9 @@ def check_text_source(source: str | None, setting: str = "data") -> None:
         return
     parts = source.split(":")
     if len(parts) not in (2, 3) or not all(parts):
-        raise SettingError(setting, f"{{name}} {source}: not a file, and not a datasets name like "
-                           "'wikitext:wikitext-2-raw-v1:test'")  # fmt: skip
+        raise SettingError(
+            setting, f"{{name}} {source}: not a file, and not a datasets name like 'wikitext:wikitext-2-raw-v1:test'"
+        )
 
 
 def load_text(source: str, text_field: str = "text", doc_split: str = "file", setting: str = "data") -> TextData:
@@ -153,8 +154,9 @@ def token_stream(tokenizer, data: TextData, max_tokens: int | None = None) -> to
     return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
 
 
-def document_tokens(tokenizer, data: TextData, max_tokens: int | None = None,
-                    special_tokens: bool = False) -> tuple[list[list[int]], list[str]]:  # fmt: skip
+def document_tokens(
+    tokenizer, data: TextData, max_tokens: int | None = None, special_tokens: bool = False
+) -> tuple[list[list[int]], list[str]]:
     """Per-document token lists (without the tokenizer's special tokens, or with them), whole
     documents in order until their total reaches ``max_tokens``. Returns ``(token lists, the
     documents used)``."""

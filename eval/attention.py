@@ -74,8 +74,7 @@ class HeadSums:
     kv_heads: int = 0  # the converted layer's KV heads (its groups)
 
     def __post_init__(self) -> None:
-        for name in ("kl", "js", "cos", "ent_orig", "ent_conv", "err_sq", "ref_sq", "contrib_err_sq",
-                     "contrib_ref_sq"):  # fmt: skip
+        for name in ("kl", "js", "cos", "ent_orig", "ent_conv", "err_sq", "ref_sq", "contrib_err_sq", "contrib_ref_sq"):
             setattr(self, name, torch.zeros(self.heads, dtype=torch.float64))
         self.gram_orig = torch.zeros(self.heads, self.heads, dtype=torch.float64)
         self.gram_conv = torch.zeros(self.heads, self.heads, dtype=torch.float64)
@@ -85,8 +84,10 @@ class HeadSums:
         attention patterns (all rows of the causal triangle, as one vector per head), its mean off
         the diagonal, and the means within and across the converted model's KV groups."""
         per = self.heads // max(self.kv_heads, 1)
-        return {"original": similarity_summary(self.gram_orig, per),
-                "converted": similarity_summary(self.gram_conv, per)}  # fmt: skip
+        return {
+            "original": similarity_summary(self.gram_orig, per),
+            "converted": similarity_summary(self.gram_conv, per),
+        }
 
     def result(self) -> list[dict[str, float]]:
         n = max(self.rows, 1)
@@ -118,8 +119,12 @@ def similarity_summary(gram: torch.Tensor, group_size: int) -> dict[str, Any]:
     def mean(mask: torch.Tensor) -> float | None:
         return cos[mask].mean().item() if mask.any() else None
 
-    return {"mean": mean(off), "within_groups": mean(same), "across_groups": mean(off & ~same),
-            "matrix": [[round(v, 6) for v in row] for row in cos.tolist()]}  # fmt: skip
+    return {
+        "mean": mean(off),
+        "within_groups": mean(same),
+        "across_groups": mean(off & ~same),
+        "matrix": [[round(v, 6) for v in row] for row in cos.tolist()],
+    }
 
 
 def head_projections(w_o: torch.Tensor, heads: int) -> torch.Tensor:
@@ -128,8 +133,14 @@ def head_projections(w_o: torch.Tensor, heads: int) -> torch.Tensor:
     return w_o.float().reshape(hidden, heads, -1).permute(1, 0, 2)
 
 
-def _contribution_sums(out_o: torch.Tensor, out_c: torch.Tensor, w_o: torch.Tensor, w_c: torch.Tensor,
-                       sums: HeadSums, heads_per_step: int = 4) -> None:  # fmt: skip
+def _contribution_sums(
+    out_o: torch.Tensor,
+    out_c: torch.Tensor,
+    w_o: torch.Tensor,
+    w_c: torch.Tensor,
+    sums: HeadSums,
+    heads_per_step: int = 4,
+) -> None:
     """Add each head's contribution to the residual stream, ``o_h W_h^T`` (``[B, C, hidden]``), of
     both models to the error sums: invariant to any basis a merge absorbs into q/o projections.
     ``out_*`` ``[B, H, C, d]``, ``w_*`` ``[H, hidden, d]``; a few heads at a time bound the memory."""
@@ -310,8 +321,13 @@ def reorder_heads(o: dict[str, torch.Tensor], order: list[int]) -> dict[str, tor
 
 
 @torch.no_grad()
-def compare_attention(converted: torch.nn.Module, batch: torch.Tensor, store: LayerStore, chunk: int = 128,
-                      head_order: dict[int, list[int]] | None = None) -> dict:  # fmt: skip
+def compare_attention(
+    converted: torch.nn.Module,
+    batch: torch.Tensor,
+    store: LayerStore,
+    chunk: int = 128,
+    head_order: dict[int, list[int]] | None = None,
+) -> dict:
     """Compare ``converted`` on ``batch`` ``[B, T]`` with the original's layers in ``store`` (put
     there by :func:`record_attention` on the same batch); see the module doc. ``head_order``: per
     layer, the source KV heads in the converted model's order when the conversion moved heads
@@ -333,8 +349,9 @@ def compare_attention(converted: torch.nn.Module, batch: torch.Tensor, store: La
         if w_o is not None and w_c is not None:
             projections = (head_projections(w_o, heads), head_projections(w_c, heads).to(w_o.device))
         sums[layer] = HeadSums(heads)
-        compare_layer((o["q"], o["k"], o["v"]), (q, k, v), o.get("mask"), scaling_o, window_o, sums[layer], chunk,
-                      projections)  # fmt: skip
+        compare_layer(
+            (o["q"], o["k"], o["v"]), (q, k, v), o.get("mask"), scaling_o, window_o, sums[layer], chunk, projections
+        )
 
     def done(layer, hidden):
         ref = hidden_orig.pop(layer)
@@ -373,9 +390,12 @@ def head_order_of(description: dict) -> dict[int, list[int]] | None:
 
 
 def attention_similarity(
-    original: torch.nn.Module, converted: torch.nn.Module, batch: torch.Tensor, chunk: int = 128,
+    original: torch.nn.Module,
+    converted: torch.nn.Module,
+    batch: torch.Tensor,
+    chunk: int = 128,
     head_order: dict[int, list[int]] | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """Compare ``original`` and ``converted`` (both in memory) on ``batch`` ``[B, T]`` token ids:
     the original's layers are kept in memory until the converted model reaches them."""
     store = MemoryStore()

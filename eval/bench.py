@@ -27,9 +27,15 @@ def _timed_generate(model, prompt: torch.Tensor, new_tokens: int):
     device = prompt.device
     _sync(device)
     t = time.perf_counter()
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False,
-                         return_dict_in_generate=True, pad_token_id=model.config.eos_token_id or 0)  # fmt: skip
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        pad_token_id=model.config.eos_token_id or 0,
+    )
     _sync(device)
     return time.perf_counter() - t, out
 

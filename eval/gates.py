@@ -20,8 +20,9 @@ GATE_EXIT_CODE = 3
 class GateSettings:
     """The limits a conversion must meet (unset: not checked)."""
 
-    max_ppl_ratio: float | None = setting(None, help="Gate: converted/original perplexity at most this (every "
-                                          "protocol run).", above=0)  # fmt: skip
+    max_ppl_ratio: float | None = setting(
+        None, help="Gate: converted/original perplexity at most this (every protocol run).", above=0
+    )
     max_kl: float | None = setting(None, help="Gate: mean per-token KL (nats) at most this.", minimum=0)
     min_top1: float | None = setting(None, help="Gate: top-1 agreement (0-1) at least this.", minimum=0, maximum=1)
 

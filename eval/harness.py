@@ -56,9 +56,13 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def scored_pass(
-    models: list[torch.nn.Module], windows: list[Window], batch_size: int = 1, progress: bool = False, desc: str = "",
+    models: list[torch.nn.Module],
+    windows: list[Window],
+    batch_size: int = 1,
+    progress: bool = False,
+    desc: str = "",
     **replay: Any,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """One :func:`score_windows` pass split across ``accelerate`` processes, sums reduced on all:
     ``nll_sum`` per model, ``tokens``, ``windows``, ``seconds`` and (a pair) ``agreement``.
     ``replay``: ``record=`` or ``replay=`` for a pair one model at a time (see score_windows)."""
@@ -71,8 +75,10 @@ def scored_pass(
     out: dict[str, Any] = {"nll_sum": nll, "tokens": tokens, "windows": len(windows), "seconds": seconds}
     agreements = [p[3] for p in parts if p[3] is not None]
     if agreements and sum(a.tokens for a in agreements):
-        per_token = {key: torch.cat([t for a in agreements for t in getattr(a, key)])
-                     for key in ("kl", "kl_reverse", "delta_p", "nll")}  # fmt: skip
+        per_token = {
+            key: torch.cat([t for a in agreements for t in getattr(a, key)])
+            for key in ("kl", "kl_reverse", "delta_p", "nll")
+        }
         out["agreement"] = agreement_stats(**per_token, top1_same=sum(a.top1_same for a in agreements))
         rest = [t for a in agreements for t in a.rest_mass]
         if rest:  # against a top-k reference: the mass its KLs do not resolve
@@ -94,8 +100,12 @@ def _ppl_entry(nll_sum: float, tokens: int) -> dict[str, float]:
 def _protocol_result(
     names: list[str], res: dict[str, Any], settings: dict[str, Any], extra: list[dict] | None = None
 ) -> dict:
-    entry: dict[str, Any] = {"settings": settings, "windows": res["windows"], "seconds": res["seconds"],
-                             "tokens_per_second": res["tokens"] * len(names) / max(res["seconds"], 1e-9)}  # fmt: skip
+    entry: dict[str, Any] = {
+        "settings": settings,
+        "windows": res["windows"],
+        "seconds": res["seconds"],
+        "tokens_per_second": res["tokens"] * len(names) / max(res["seconds"], 1e-9),
+    }
     for i, name in enumerate(names):
         entry[name] = {**_ppl_entry(res["nll_sum"][i], res["tokens"]), **((extra or [{}] * len(names))[i])}
     if len(names) == 2:
@@ -159,8 +169,10 @@ def _attention_readable(folders: list[Path]) -> bool:
     for folder in folders:
         family = find_family(as_target(read_config(folder)))
         if family is not None and not family.attention_interface:
-            sys.stderr.write(f"note: {family.architectures[0]} computes attention outside transformers' attention "
-                             "interface, so the per-layer attention comparison is skipped\n")  # fmt: skip
+            sys.stderr.write(
+                f"note: {family.architectures[0]} computes attention outside transformers' attention "
+                "interface, so the per-layer attention comparison is skipped\n"
+            )
             return False
     return True
 
@@ -180,16 +192,21 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     max_pos = min(limits) if limits else None
     seq_len = s.seq_len or min(2048, max_pos or 2048)
     if max_pos and seq_len > max_pos:
-        raise SettingError("seq_len", f"{{name}} {seq_len} is longer than the model's {max_pos} positions; use "
-                           f"{{name}} {max_pos} or less")  # fmt: skip
+        raise SettingError(
+            "seq_len",
+            f"{{name}} {seq_len} is longer than the model's {max_pos} positions; use {{name}} {max_pos} or less",
+        )
     stride = s.stride or max(seq_len // 2, 1)
     if not 1 <= stride <= seq_len:
         raise SettingError("stride", f"{{name}} {stride} must be between 1 and --seq-len {seq_len}")
     ids = token_stream(tok, data, s.max_tokens)
     streamed = converted is not None or "disjoint" in s.protocols or "stride" in s.protocols
     if streamed and ids.numel() < seq_len:
-        raise SettingError("data", f"{{name}} {s.data}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
-                           "give more text or a smaller --seq-len")  # fmt: skip
+        raise SettingError(
+            "data",
+            f"{{name}} {s.data}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
+            "give more text or a smaller --seq-len",
+        )
     passes: dict[str, list[Window]] = {}
     if "disjoint" in s.protocols or converted:
         passes["disjoint"] = disjoint_windows(ids, seq_len)
@@ -211,16 +228,18 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     prompt_len = max(1, min(32, seq_len // 4))
     prompts = [w[:prompt_len][None] for w, _ in disjoint_windows(ids, seq_len)[: s.samples]] if converted else []
     new = max(1, min(s.sample_tokens, (max_pos or 10**9) - prompt_len))
-    return _Run(s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, rolling_len, batch, prompts,
-                new)  # fmt: skip
+    return _Run(
+        s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, rolling_len, batch, prompts, new
+    )
 
 
 def _protocols(run: _Run, scored: dict[str, dict[str, Any]], results: dict[str, Any]) -> None:
     """Protocol entries (and a pair's output agreement) from each pass's scored sums."""
     common = run.common
     if "disjoint" in run.settings.protocols:
-        results["protocols"]["disjoint"] = _protocol_result(run.names, scored["disjoint"],
-                                                            {**common, "stream": run.stream})  # fmt: skip
+        results["protocols"]["disjoint"] = _protocol_result(
+            run.names, scored["disjoint"], {**common, "stream": run.stream}
+        )
     if len(run.names) == 2 and "agreement" in scored["disjoint"]:
         results["agreement"] = {**scored["disjoint"]["agreement"], "settings": {"protocol": "disjoint", **common}}
     if "stride" in run.settings.protocols:
@@ -233,11 +252,23 @@ def _protocols(run: _Run, scored: dict[str, dict[str, Any]], results: dict[str, 
         extra = []
         for i in range(len(run.names)):
             ll = -res["nll_sum"][i]
-            extra.append({"word_perplexity": math.exp(-ll / words), "byte_perplexity": math.exp(-ll / nbytes),
-                          "bits_per_byte": -ll / nbytes / math.log(2)})  # fmt: skip
-        settings = {**common, "seq_len": run.rolling_len, "documents": len(used), "words": words, "bytes": nbytes,
-                    "prefix_token": prefix_token(run.tokenizer), "context_len": 1,
-                    "convention": run.settings.rolling_convention}  # fmt: skip
+            extra.append(
+                {
+                    "word_perplexity": math.exp(-ll / words),
+                    "byte_perplexity": math.exp(-ll / nbytes),
+                    "bits_per_byte": -ll / nbytes / math.log(2),
+                }
+            )
+        settings = {
+            **common,
+            "seq_len": run.rolling_len,
+            "documents": len(used),
+            "words": words,
+            "bytes": nbytes,
+            "prefix_token": prefix_token(run.tokenizer),
+            "context_len": 1,
+            "convention": run.settings.rolling_convention,
+        }
         results["protocols"]["rolling"] = _protocol_result(run.names, res, settings, extra)
 
 
@@ -247,17 +278,23 @@ def _generate(run: _Run, model: torch.nn.Module) -> list[str]:
     tok = run.tokenizer
     out = []
     for prompt in run.prompts:
-        ids = model.generate(prompt.to(next(model.parameters()).device), max_new_tokens=run.new_tokens,
-                             min_new_tokens=run.new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id or tok.eos_token_id or 0)  # fmt: skip
+        ids = model.generate(
+            prompt.to(next(model.parameters()).device),
+            max_new_tokens=run.new_tokens,
+            min_new_tokens=run.new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id or tok.eos_token_id or 0,
+        )
         out.append(tok.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True))
     return out
 
 
 def _samples(run: _Run, original: list[str], converted: list[str]) -> list[dict[str, Any]]:
     """The sample generations of both models side by side."""
-    return [{"prompt": run.tokenizer.decode(p[0], skip_special_tokens=True), "original": o, "converted": c}
-            for p, o, c in zip(run.prompts, original, converted, strict=True)]  # fmt: skip
+    return [
+        {"prompt": run.tokenizer.decode(p[0], skip_special_tokens=True), "original": o, "converted": c}
+        for p, o, c in zip(run.prompts, original, converted, strict=True)
+    ]
 
 
 def _load(run: _Run, index: int) -> LoadedModel:
@@ -291,8 +328,9 @@ def _together(run: _Run, results: dict[str, Any]) -> list[LoadedModel]:
     main = is_main_process()
     if len(models) == 2 and run.attention_batch is not None and main:
         order = head_order_of(loaded[1].describe())
-        out, seconds = _timed(lambda: attention_similarity(*models, run.attention_batch, run.settings.attention_chunk,
-                                                           order))  # fmt: skip
+        out, seconds = _timed(
+            lambda: attention_similarity(*models, run.attention_batch, run.settings.attention_chunk, order)
+        )
         results["attention"] = {**out, "seconds": seconds}
     if len(models) == 2 and run.prompts and main:
         results["samples"] = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
@@ -307,10 +345,18 @@ def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[
     s, state = run.settings, PartialState()
     extra = [t for t in (run.attention_batch, *run.prompts) if t is not None]
     digest = windows_digest(run.passes, *extra)
-    settings = {"batch_size": s.batch_size, "device": str(device), "dtype": loaded_dtype, "device_map": s.device_map,
-                "revision": s.revision, "process": [state.process_index, state.num_processes],
-                "attention": run.attention_batch is not None and list(run.attention_batch.shape),
-                "samples": len(run.prompts), "new_tokens": run.new_tokens, "top_k": s.reference_top_k}  # fmt: skip
+    settings = {
+        "batch_size": s.batch_size,
+        "device": str(device),
+        "dtype": loaded_dtype,
+        "device_map": s.device_map,
+        "revision": s.revision,
+        "process": [state.process_index, state.num_processes],
+        "attention": run.attention_batch is not None and list(run.attention_batch.shape),
+        "samples": len(run.prompts),
+        "new_tokens": run.new_tokens,
+        "top_k": s.reference_top_k,
+    }
     material = key_material(model_identity(run.paths[0], run.folders[0]), digest, settings)
     return reference_key(material), material
 
@@ -329,8 +375,16 @@ def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:
     attention = None
     if run.attention_batch is not None:
         b, t = run.attention_batch.shape
-        attention = {"layers": dims.num_layers, "tokens": b * t, "seq_len": t, "batch": b, "heads": dims.num_heads,
-                     "kv_heads": dims.num_kv_heads, "head_dim": dims.head_dim, "hidden": dims.hidden_size}  # fmt: skip
+        attention = {
+            "layers": dims.num_layers,
+            "tokens": b * t,
+            "seq_len": t,
+            "batch": b,
+            "heads": dims.num_heads,
+            "kv_heads": dims.num_kv_heads,
+            "head_dim": dims.head_dim,
+            "hidden": dims.hidden_size,
+        }
     return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention, run.settings.reference_top_k)
 
 
@@ -355,8 +409,11 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             if log:
                 log(f"the original's scores: reusing {ref.folder}")
         else:
-            inputs = {"the original model": run.paths[0], "the converted model": run.paths[1],
-                      "the --data text": s.data}  # fmt: skip
+            inputs = {
+                "the original model": run.paths[0],
+                "the converted model": run.paths[1],
+                "the --data text": s.data,
+            }
             need = _reference_size(run, device, dtype)
             with build(root, key, material, need, inputs) as ref:
                 if log:
@@ -380,13 +437,18 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
         _protocols(run, scored, results)
         if run.attention_batch is not None and main:
             order = head_order_of(converted.describe())
-            out, seconds = _timed(lambda: compare_attention(converted.model, run.attention_batch, ref,
-                                                            s.attention_chunk, order))  # fmt: skip
+            out, seconds = _timed(
+                lambda: compare_attention(converted.model, run.attention_batch, ref, s.attention_chunk, order)
+            )
             results["attention"] = {**out, "seconds": seconds + ref.seconds("attention")}
         if run.prompts and main:
             results["samples"] = _samples(run, ref.manifest["samples"], _generate(run, converted.model))
-        results["reference"] = {"key": key, "folder": None if temporary else str(ref.folder), "bytes": ref.size(),
-                                "form": f"top-{s.reference_top_k}" if s.reference_top_k else "exact"}  # fmt: skip
+        results["reference"] = {
+            "key": key,
+            "folder": None if temporary else str(ref.folder),
+            "bytes": ref.size(),
+            "form": f"top-{s.reference_top_k}" if s.reference_top_k else "exact",
+        }
         return [_Reference(run.paths[0], ref.manifest["model"]), converted]
     finally:
         if temporary:
@@ -404,8 +466,9 @@ class _Reference:
         return self.description
 
 
-def evaluate(original: str, converted: str | None, settings: EvalSettings,
-             log: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    original: str, converted: str | None, settings: EvalSettings, log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Evaluate ``original`` (and ``converted`` against it) on ``settings.data``; see module doc.
     ``log`` hears, before the scoring starts, how much will be scored."""
     started = time.perf_counter()
@@ -413,9 +476,11 @@ def evaluate(original: str, converted: str | None, settings: EvalSettings,
     pair = converted is not None
     if log is not None:
         how = "" if not pair else " both in memory" if settings.load_both else " one at a time"
-        log(f"scoring {run.ids.numel():,} tokens of {settings.data} with {len(run.paths)} model(s){how}: "
+        log(
+            f"scoring {run.ids.numel():,} tokens of {settings.data} with {len(run.paths)} model(s){how}: "
             f"{len(run.passes)} pass(es) of windows of {run.seq_len} ({', '.join(settings.protocols)})"
-            + (", then attention similarity" if run.attention_batch is not None else ""))  # fmt: skip
+            + (", then attention similarity" if run.attention_batch is not None else "")
+        )
     results: dict[str, Any] = {
         "schema": EVAL_SCHEMA,
         "created": now(),
@@ -443,8 +508,12 @@ def evaluate(original: str, converted: str | None, settings: EvalSettings,
 def _device_info(device: torch.device, dtype: torch.dtype, device_map: str | None) -> dict[str, Any]:
     from accelerate import PartialState
 
-    info: dict[str, Any] = {"type": device.type, "dtype": str(dtype).removeprefix("torch."), "device_map": device_map,
-                            "processes": PartialState().num_processes}  # fmt: skip
+    info: dict[str, Any] = {
+        "type": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device_map": device_map,
+        "processes": PartialState().num_processes,
+    }
     if device.type == "cuda":
         info["name"] = torch.cuda.get_device_name(device)
     else:

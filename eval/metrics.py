@@ -83,8 +83,9 @@ def _std_error(v: torch.Tensor) -> float:
     return (v.std(unbiased=True) / math.sqrt(n)).item() if n > 1 else 0.0
 
 
-def agreement_stats(kl: torch.Tensor, kl_reverse: torch.Tensor, delta_p: torch.Tensor, nll: torch.Tensor,
-                    top1_same: int) -> dict[str, object]:  # fmt: skip
+def agreement_stats(
+    kl: torch.Tensor, kl_reverse: torch.Tensor, delta_p: torch.Tensor, nll: torch.Tensor, top1_same: int
+) -> dict[str, object]:
     """llama.cpp's KL-divergence report over per-token values of one pass (float64):
 
     KL(original || converted) and KL(converted || original) with mean +- error and percentiles; Δp,

@@ -147,8 +147,9 @@ def top_k_form(logits: torch.Tensor, ids: torch.Tensor, k: int) -> dict[str, tor
     return {"values": values, "indices": indices.int(), "rest": rest, "target": lo.gather(1, ids[:, None])[:, 0]}
 
 
-def _compare_top_k(saved: dict[str, torch.Tensor], lc: torch.Tensor, ids: torch.Tensor, nll: list[float],
-                   agree: Agreement) -> None:  # fmt: skip
+def _compare_top_k(
+    saved: dict[str, torch.Tensor], lc: torch.Tensor, ids: torch.Tensor, nll: list[float], agree: Agreement
+) -> None:
     """:func:`_compare` against the original's top-k form: the target's log-probabilities, Δp, NLLs
     and same-top are exact; both KLs are computed over the k tokens plus one bucket for the rest,
     which (log-sum inequality) never exceeds the exact KL: the gap is ``p_rest x KL`` of the two

@@ -12,8 +12,9 @@ from mha2gqa.core.figures import figure as _figure
 from mha2gqa.core.figures import png as _png
 
 
-def heatmap(layers: list[dict[str, Any]], key: str, title: str, unit: str,
-            scale: tuple[float, float] | None = None) -> bytes:  # fmt: skip
+def heatmap(
+    layers: list[dict[str, Any]], key: str, title: str, unit: str, scale: tuple[float, float] | None = None
+) -> bytes:
     """Layer x query-head heat map of ``heads[h][key]``; ``scale`` ``(vmin, vmax)`` shared across
     the report's sections so that a bad conversion looks worse than a good one at a glance."""
     import numpy as np
@@ -98,11 +99,21 @@ def head_similarity_curve(layers: list[dict[str, Any]]) -> bytes:
     ax.plot(x, [s["original"]["mean"] for s in sim], "o-", color=OKABE_ITO[0], label="original")
     ax.plot(x, [s["converted"]["mean"] for s in sim], "s-", color=OKABE_ITO[1], label="converted")
     if all(s["converted"]["within_groups"] is not None for s in sim):
-        ax.plot(x, [s["converted"]["within_groups"] for s in sim], "^--", color=OKABE_ITO[2],
-                label="converted, within KV groups")  # fmt: skip
+        ax.plot(
+            x,
+            [s["converted"]["within_groups"] for s in sim],
+            "^--",
+            color=OKABE_ITO[2],
+            label="converted, within KV groups",
+        )
     if all(s["converted"]["across_groups"] is not None for s in sim):
-        ax.plot(x, [s["converted"]["across_groups"] for s in sim], "v:", color=OKABE_ITO[3],
-                label="converted, across KV groups")  # fmt: skip
+        ax.plot(
+            x,
+            [s["converted"]["across_groups"] for s in sim],
+            "v:",
+            color=OKABE_ITO[3],
+            label="converted, across KV groups",
+        )
     ax.set_xlabel("layer")
     ax.set_ylabel("mean cosine between heads")
     ax.set_xticks(x)
@@ -123,8 +134,13 @@ def per_layer_heads(heads: list[int], layers: list[dict[str, Any]] | None) -> by
     ax.set_xticks(x)
     if layers:
         ax2 = ax.twinx()
-        ax2.plot([layer["layer"] for layer in layers], [layer["mean_kl"] for layer in layers], "o-",
-                 color=OKABE_ITO[1], label="attention KL")  # fmt: skip
+        ax2.plot(
+            [layer["layer"] for layer in layers],
+            [layer["mean_kl"] for layer in layers],
+            "o-",
+            color=OKABE_ITO[1],
+            label="attention KL",
+        )
         ax2.set_ylabel("attention KL (nats)")
         ax2.spines["right"].set_visible(True)
     ax.set_title("Per-layer KV budget: KV heads kept and what each layer's attention lost")
@@ -162,8 +178,9 @@ def recovery_curves(runs: list[tuple[str, list[dict[str, Any]]]]) -> bytes:
     for i, (label, evals) in enumerate(runs):
         colour, marker = OKABE_ITO[i % len(OKABE_ITO)], "osD^v<>p"[i % 8]
         x = [e["tokens"] for e in evals]
-        axes[0].plot(x, [e["ppl_ratio" if ratio else "ppl"] for e in evals], marker + "-", ms=3, color=colour,
-                     label=label)  # fmt: skip
+        axes[0].plot(
+            x, [e["ppl_ratio" if ratio else "ppl"] for e in evals], marker + "-", ms=3, color=colour, label=label
+        )
         if with_kl:
             axes[1].plot(x, [e.get("kl_mean") for e in evals], marker + "-", ms=3, color=colour, label=label)
     axes[0].set_yscale("log")
@@ -193,8 +210,13 @@ def quality_vs_kv(points: list[tuple[str, float, float]]) -> bytes:
     methods = sorted({m for m, _, _ in points}, key=lambda m: (m.endswith("+uptrain"), m))
     for i, method in enumerate(methods):
         xs, ys = zip(*sorted((x, y) for m, x, y in points if m == method), strict=True)
-        ax.plot([x * 100 for x in xs], ys, "osD^v<>p"[i % 8] + ("--" if method.endswith("+uptrain") else "-"),
-                color=OKABE_ITO[i % len(OKABE_ITO)], label=method or "(unknown)")  # fmt: skip
+        ax.plot(
+            [x * 100 for x in xs],
+            ys,
+            "osD^v<>p"[i % 8] + ("--" if method.endswith("+uptrain") else "-"),
+            color=OKABE_ITO[i % len(OKABE_ITO)],
+            label=method or "(unknown)",
+        )
     ax.axhline(1.0, ls=":", color=OKABE_ITO[7], lw=1, label="original (MHA)")
     ax.set_xlabel("KV cache per token, % of the original")
     ax.set_ylabel("perplexity / original's")

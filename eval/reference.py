@@ -52,8 +52,11 @@ def model_identity(path: str, folder: Path) -> dict[str, Any]:
     """What identifies a model's weights without reading them: its path, and every weight and
     config file's name, size and modification time."""
     files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
-    return {"path": path, "folder": str(folder), "files": [[f.name, (st := f.stat()).st_size, st.st_mtime_ns]
-                                                             for f in files]}  # fmt: skip
+    return {
+        "path": path,
+        "folder": str(folder),
+        "files": [[f.name, (st := f.stat()).st_size, st.st_mtime_ns] for f in files],
+    }
 
 
 def windows_digest(passes: dict[str, list[Window]], *extra: torch.Tensor) -> str:
@@ -78,8 +81,13 @@ def reference_key(material: dict[str, Any]) -> str:
 def key_material(original: dict[str, Any], digest: str, settings: dict[str, Any]) -> dict[str, Any]:
     """Everything an entry's numbers depend on (see the module doc)."""
     lib = versions()
-    return {"schema": SCHEMA, "original": original, "windows": digest, "settings": settings,
-            "versions": {k: lib.get(k) for k in ("mha2gqa", "torch", "transformers")}}  # fmt: skip
+    return {
+        "schema": SCHEMA,
+        "original": original,
+        "windows": digest,
+        "settings": settings,
+        "versions": {k: lib.get(k) for k in ("mha2gqa", "torch", "transformers")},
+    }
 
 
 @dataclass
@@ -159,8 +167,10 @@ def find(root: Path, key: str) -> Reference | None:
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
-        raise Mha2GqaError(f"--reference-cache {folder} exists but is not a complete reference entry: remove it, "
-                           "or choose another --reference-cache") from None  # fmt: skip
+        raise Mha2GqaError(
+            f"--reference-cache {folder} exists but is not a complete reference entry: remove it, "
+            "or choose another --reference-cache"
+        ) from None
     if manifest.get("schema") != SCHEMA or manifest.get("key") != key:
         raise Mha2GqaError(f"--reference-cache {folder}: its manifest does not match its name: remove it")
     return Reference(folder, manifest)
@@ -174,13 +184,16 @@ def build(root: Path, key: str, material: dict[str, Any], need: int, inputs: Inp
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise Mha2GqaError(f"--reference-cache {root}: cannot create it ({e.strerror or e}); choose a writable "
-                           "folder") from None  # fmt: skip
+        raise Mha2GqaError(
+            f"--reference-cache {root}: cannot create it ({e.strerror or e}); choose a writable folder"
+        ) from None
     free = shutil.disk_usage(root).free
     if need > free:
-        raise Mha2GqaError(f"--reference-cache {root}: the original's scores need about {format_bytes(need)} and "
-                           f"{format_bytes(free)} is free; point --reference-cache at a bigger disk, lower "
-                           "--max-tokens, or pass --load-both if both models fit in memory")  # fmt: skip
+        raise Mha2GqaError(
+            f"--reference-cache {root}: the original's scores need about {format_bytes(need)} and "
+            f"{format_bytes(free)} is free; point --reference-cache at a bigger disk, lower "
+            "--max-tokens, or pass --load-both if both models fit in memory"
+        )
     with staged_output(root / key, inputs=inputs, what="--reference-cache") as tmp:
         ref = Reference(tmp, {"schema": SCHEMA, "key": key, "material": material, "created": time.time()})
         yield ref
@@ -188,8 +201,9 @@ def build(root: Path, key: str, material: dict[str, Any], need: int, inputs: Inp
     ref.folder = root / key
 
 
-def estimate_bytes(scored_tokens: int, vocab: int, element: int, attention: dict[str, int] | None,
-                   top_k: int = 0) -> int:  # fmt: skip
+def estimate_bytes(
+    scored_tokens: int, vocab: int, element: int, attention: dict[str, int] | None, top_k: int = 0
+) -> int:
     """Bytes an entry needs: the logits of every scored token (or their top-k form, ``8 top_k + 8``
     bytes each), and (``attention``: ``layers``,
     ``tokens`` B*T, ``seq_len`` T, ``batch`` B, ``heads``, ``kv_heads``, ``head_dim``, ``hidden``) each

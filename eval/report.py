@@ -50,11 +50,13 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
     out: dict[str, bytes] = {}
     if att and att.get("layers"):
         layers = att["layers"]
-        out["attention_kl"] = plots.heatmap(layers, "kl", "Attention KL(original ‖ converted) per head", "KL (nats)",
-                                            scales.get("kl"))  # fmt: skip
+        out["attention_kl"] = plots.heatmap(
+            layers, "kl", "Attention KL(original ‖ converted) per head", "KL (nats)", scales.get("kl")
+        )
         key = _head_key(layers)
-        out["head_output_error"] = plots.heatmap(layers, key, "Head contribution error (output through o_proj)",
-                                                 "‖Δ(o·W_o)‖ / ‖o·W_o‖", scales.get(key))  # fmt: skip
+        out["head_output_error"] = plots.heatmap(
+            layers, key, "Head contribution error (output through o_proj)", "‖Δ(o·W_o)‖ / ‖o·W_o‖", scales.get(key)
+        )
         out["entropy"] = plots.entropy_curves(layers)
         out["hidden_cosine"] = plots.hidden_cosine_curve(layers)
         if "head_similarity" in layers[0]:
@@ -75,10 +77,14 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
 def quality_chart(results: list[Results]) -> bytes | None:
     """Perplexity ratio against KV share, one line per method (pairs only)."""
     points = [
-        (r.converted.method, r.converted.kv_cache_bytes_per_token / r.original.kv_cache_bytes_per_token,
-         r.headline.ppl_ratio)
-        for r in results if r.converted is not None and r.headline.ppl_ratio is not None
-    ]  # fmt: skip
+        (
+            r.converted.method,
+            r.converted.kv_cache_bytes_per_token / r.original.kv_cache_bytes_per_token,
+            r.headline.ppl_ratio,
+        )
+        for r in results
+        if r.converted is not None and r.headline.ppl_ratio is not None
+    ]
     return plots.quality_vs_kv(points) if points else None
 
 
@@ -97,9 +103,11 @@ summary{cursor:pointer;font-size:1.15em;font-weight:600;padding:.3em 0}nav a{mar
 
 def _meta(r: Results) -> str:
     d, dev = r.data, r.device
-    return (f"data {d['source']} ({d['stream_tokens']:,} tokens) · device {dev['type']} {dev['dtype']} · "
-            f"mha2gqa {r.versions.get('mha2gqa', '?')}, transformers {r.versions.get('transformers', '?')} · "
-            f"{r.created}")  # fmt: skip
+    return (
+        f"data {d['source']} ({d['stream_tokens']:,} tokens) · device {dev['type']} {dev['dtype']} · "
+        f"mha2gqa {r.versions.get('mha2gqa', '?')}, transformers {r.versions.get('transformers', '?')} · "
+        f"{r.created}"
+    )
 
 
 FIGURE_CAPTIONS = {
@@ -132,8 +140,15 @@ def load_runs(paths: list[Path]) -> list[tuple[str, list[dict[str, Any]]]]:
     return out
 
 
-def _figure(name: str, png: bytes, stem: str, fig_dir: Path | None, parts_html: list[str], parts_md: list[str],
-            element_id: str | None = None) -> None:  # fmt: skip
+def _figure(
+    name: str,
+    png: bytes,
+    stem: str,
+    fig_dir: Path | None,
+    parts_html: list[str],
+    parts_md: list[str],
+    element_id: str | None = None,
+) -> None:
     """Append figure ``name`` (captioned): embedded in the HTML, and as ``fig_dir/<stem>.png`` linked
     from the Markdown when there is a Markdown file."""
     caption = FIGURE_CAPTIONS[name]
@@ -188,8 +203,9 @@ def render(
     if html_path is not None:
         head = f"<meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style>"
         body = "\n".join(page.html)
-        write_text(html_path, f"<!doctype html>{FILE_MARK}<html><head>{head}</head><body>{body}</body></html>\n",
-                   "--html")  # fmt: skip
+        write_text(
+            html_path, f"<!doctype html>{FILE_MARK}<html><head>{head}</head><body>{body}</body></html>\n", "--html"
+        )
         written["html"] = html_path
     if md_path is not None:
         write_text(md_path, FILE_MARK + "\n" + "\n".join(page.md) + "\n", "--md")
@@ -230,8 +246,11 @@ class _Page:
             self.figure("quality", chart, "quality")
         notes = [(r.title, worst(r)) for r in results if worst(r)]
         if notes:
-            self.html.append('<ul class="worst">' + "".join(
-                f"<li><b>{html.escape(t)}</b>: {html.escape(n)}</li>" for t, n in notes) + "</ul>")  # fmt: skip
+            self.html.append(
+                '<ul class="worst">'
+                + "".join(f"<li><b>{html.escape(t)}</b>: {html.escape(n)}</li>" for t, n in notes)
+                + "</ul>"
+            )
             self.md += [f"- **{t}**: {n}" for t, n in notes] + [""]
 
     def recovery(self, runs) -> None:
@@ -244,8 +263,10 @@ class _Page:
         self.html.append("</details>")
 
     def comparison(self, i: int, r: Results, scales: dict[str, tuple[float, float]]) -> None:
-        self.html += [f'<details id="result-{i}"><summary>{html.escape(r.title)}</summary>',
-                      f'<p class="meta">{html.escape(_meta(r))}</p>']  # fmt: skip
+        self.html += [
+            f'<details id="result-{i}"><summary>{html.escape(r.title)}</summary>',
+            f'<p class="meta">{html.escape(_meta(r))}</p>',
+        ]
         self.md += [f"## {r.title}", "", f"_{_meta(r)}_", ""]
         if worst(r):
             self.html.append(f'<p class="meta">{html.escape(worst(r))}</p>')

@@ -24,42 +24,62 @@ class EvalSettings:
 
     data: str = setting(help="Text: a .txt/.jsonl/.json/.parquet file or a datasets name 'name[:config]:split'.")
     text_field: str = setting("text", help="Field holding the text in .jsonl/.parquet/datasets sources.")
-    doc_split: str = setting("file", help="How a .txt file is cut into documents (the rolling protocol's unit).",
-                             choices=tuple(DOC_SPLITS))  # fmt: skip
+    doc_split: str = setting(
+        "file", help="How a .txt file is cut into documents (the rolling protocol's unit).", choices=tuple(DOC_SPLITS)
+    )
     protocols: tuple[str, ...] = setting(
         ("disjoint",), help="Perplexity protocols (repeatable).", choices=PROTOCOLS, flag="--protocol"
     )
-    seq_len: int | None = setting(None, help="Window length [default: min(2048, the model's positions); 'rolling': "
-                                  "the model's positions, as lm-eval].", minimum=2)  # fmt: skip
+    seq_len: int | None = setting(
+        None,
+        help="Window length [default: min(2048, the model's positions); 'rolling': the model's positions, as lm-eval].",
+        minimum=2,
+    )
     stride: int | None = setting(None, help="Stride of the 'stride' protocol [default: seq_len // 2].", minimum=1)
-    rolling_convention: str = setting("lm-eval-0.4.9", help="How 'rolling' tokenizes documents: without special "
-                                      "tokens and one BOS (else EOS) prefix, as lm-eval <= 0.4.9 (and 0.4.10+ with "
-                                      "add_bos_token=False); or with the tokenizer's own, as lm-eval 0.4.10+'s "
-                                      "default (a BOS-adding tokenizer then scores a second BOS).",
-                                      choices=ROLLING_CONVENTIONS)  # fmt: skip
+    rolling_convention: str = setting(
+        "lm-eval-0.4.9",
+        help="How 'rolling' tokenizes documents: without special "
+        "tokens and one BOS (else EOS) prefix, as lm-eval <= 0.4.9 (and 0.4.10+ with "
+        "add_bos_token=False); or with the tokenizer's own, as lm-eval 0.4.10+'s "
+        "default (a BOS-adding tokenizer then scores a second BOS).",
+        choices=ROLLING_CONVENTIONS,
+    )
     max_tokens: int | None = setting(None, help="Token budget (the first N tokens of the text).", minimum=2)
     batch_size: int = setting(1, help="Windows per forward pass.", minimum=1)
     device: str = setting("auto", help=DEVICE_HELP)
     dtype: str = setting("auto", help=DTYPE_HELP)
-    device_map: str | None = setting(None, help="'auto' to spread a model too large for one GPU across devices.",
-                                     choices=("auto",))  # fmt: skip
+    device_map: str | None = setting(
+        None, help="'auto' to spread a model too large for one GPU across devices.", choices=("auto",)
+    )
     attention: bool = setting(True, help="Per-layer, per-head attention similarity (pairs only).")
-    attention_seq_len: int | None = setting(None, help="Window for attention similarity [default: min(seq_len, "
-                                            "1024)].", minimum=2)  # fmt: skip
+    attention_seq_len: int | None = setting(
+        None, help="Window for attention similarity [default: min(seq_len, 1024)].", minimum=2
+    )
     attention_windows: int = setting(1, help="Windows the attention similarity averages over.", minimum=1)
-    samples: int = setting(3, help="Greedy generations side by side in the results and report (pairs; 0: none).",
-                           minimum=0)  # fmt: skip
+    samples: int = setting(
+        3, help="Greedy generations side by side in the results and report (pairs; 0: none).", minimum=0
+    )
     sample_tokens: int = setting(32, help="New tokens per generation.", minimum=1)
     attention_chunk: int = setting(128, help="Query rows per attention chunk (memory).", minimum=1, cli=False)
-    load_both: bool = setting(False, help="Keep both models of a pair in memory and compare them directly, instead "
-                              "of one at a time with the original's scores cached on disk (same numbers).")  # fmt: skip
-    reference_cache: str | None = setting(None, help="Folder for the original's cached scores, reused by every "
-                                          "conversion of it evaluated with the same text and settings [default: a "
-                                          "temporary folder, removed afterwards].")  # fmt: skip
-    reference_top_k: int = setting(0, help="Cache the original's next-token distributions as their top K tokens "
-                                   "and one bucket for the rest (8K + 8 bytes a token instead of vocabulary x dtype): "
-                                   "perplexity, Δp and same-top stay exact, both KLs become lower bounds. 0: exact "
-                                   "logits.", minimum=0)  # fmt: skip
+    load_both: bool = setting(
+        False,
+        help="Keep both models of a pair in memory and compare them directly, instead "
+        "of one at a time with the original's scores cached on disk (same numbers).",
+    )
+    reference_cache: str | None = setting(
+        None,
+        help="Folder for the original's cached scores, reused by every "
+        "conversion of it evaluated with the same text and settings [default: a "
+        "temporary folder, removed afterwards].",
+    )
+    reference_top_k: int = setting(
+        0,
+        help="Cache the original's next-token distributions as their top K tokens "
+        "and one bucket for the rest (8K + 8 bytes a token instead of vocabulary x dtype): "
+        "perplexity, Δp and same-top stay exact, both KLs become lower bounds. 0: exact "
+        "logits.",
+        minimum=0,
+    )
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
     progress: bool = setting(True, help="Progress bars.", cli=False)
 
@@ -69,8 +89,10 @@ class EvalSettings:
         check_dtype_name(self.dtype)
         check_text_source(self.data, "data")
         if self.load_both and self.reference_top_k:
-            raise SettingError("reference_top_k", "{name} shapes the cached original's scores; with --load-both "
-                               "nothing is cached: drop one of them")  # fmt: skip
+            raise SettingError(
+                "reference_top_k",
+                "{name} shapes the cached original's scores; with --load-both nothing is cached: drop one of them",
+            )
         if self.stride is not None and self.seq_len is not None and self.stride > self.seq_len:
             raise SettingError("stride", f"{{name}} {self.stride} must be between 1 and --seq-len {self.seq_len}")
         return self
@@ -80,8 +102,11 @@ class EvalSettings:
 class BenchSettings:
     """The decode benchmark: same prompt for each model, greedy generation, medians of repeats."""
 
-    prompt_len: int | None = setting(None, help="Prompt tokens (seeded random ids, the same for both) [default: "
-                                     "512, or what fits the model's positions].", minimum=1)  # fmt: skip
+    prompt_len: int | None = setting(
+        None,
+        help="Prompt tokens (seeded random ids, the same for both) [default: 512, or what fits the model's positions].",
+        minimum=1,
+    )
     new_tokens: int | None = setting(None, help="Tokens generated per run [default: 64, or what fits].", minimum=2)
     batch_size: int = setting(1, help="Sequences per run.", minimum=1)
     repeats: int = setting(5, help="Timed runs (median and min-max reported).", minimum=1)

@@ -22,8 +22,10 @@ def summary_lines(results: Results) -> list[str]:
             f"top-1 {a.top1_agreement:.2%}, NLL delta {a.nll_delta:+.4f}"
         )
         if a.reference_rest_mass is not None:
-            lines.append(f"  KLs against a top-k reference are lower bounds: mass outside the kept tokens mean "
-                         f"{a.reference_rest_mass['mean']:.2%}, max {a.reference_rest_mass['max']:.2%}")  # fmt: skip
+            lines.append(
+                f"  KLs against a top-k reference are lower bounds: mass outside the kept tokens mean "
+                f"{a.reference_rest_mass['mean']:.2%}, max {a.reference_rest_mass['max']:.2%}"
+            )
         if a.delta_p is not None and a.kl_reverse is not None:
             dp = a.delta_p
             lines.append(
@@ -44,6 +46,8 @@ def summary_lines(results: Results) -> list[str]:
         if s.get("head_similarity_original_mean") is not None:
             within, across = s["head_similarity_converted_within_groups"], s["head_similarity_converted_across_groups"]
             groups = f" (within KV groups {within:.3f}, across {across:.3f})" if within is not None and across else ""
-            lines.append(f"head similarity: {s['head_similarity_original_mean']:.3f} -> "
-                         f"{s['head_similarity_converted_mean']:.3f}{groups}")  # fmt: skip
+            lines.append(
+                f"head similarity: {s['head_similarity_original_mean']:.3f} -> "
+                f"{s['head_similarity_converted_mean']:.3f}{groups}"
+            )
     return lines

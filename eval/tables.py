@@ -17,8 +17,9 @@ SEQ_LENS = (2048, 8192, 32768)
 def perplexity_table(r: Results) -> Table:
     """One row per protocol: perplexities, ratio, tokens scored, speed and settings."""
     pair = r.converted is not None
-    t = Table(["protocol", "original PPL"] + (["converted PPL", "ratio"] if pair else []) + ["tokens", "tok/s",
-              "settings"])  # fmt: skip
+    t = Table(
+        ["protocol", "original PPL"] + (["converted PPL", "ratio"] if pair else []) + ["tokens", "tok/s", "settings"]
+    )
     for name, p in r.protocols.items():
         row = [name, f"{p.original.ppl:.4f}"]
         if pair:
@@ -38,15 +39,29 @@ def agreement_table(r: Results) -> Table | None:
         return None
     kl = a.kl
     t = Table(["KL mean", "median", "q90", "q95", "q99", "q99.9", "max", "top-1 agreement", "NLL delta", "tokens"])
-    t.add(*(f"{kl[k]:.4f}" for k in ("mean", "median", "q90", "q95", "q99", "q99_9", "max")),
-          f"{a.top1_agreement:.2%}", f"{a.nll_delta:+.4f}", f"{a.tokens:,}")  # fmt: skip
+    t.add(
+        *(f"{kl[k]:.4f}" for k in ("mean", "median", "q90", "q95", "q99", "q99_9", "max")),
+        f"{a.top1_agreement:.2%}",
+        f"{a.nll_delta:+.4f}",
+        f"{a.tokens:,}",
+    )
     return t
 
 
 #: The rows of llama.cpp's KL report: (label, summary key).
-KL_REPORT_ROWS = (("max", "max"), ("99.9%", "q99_9"), ("99%", "q99"), ("95%", "q95"), ("90%", "q90"),
-                  ("median", "median"), ("10%", "q10"), ("5%", "q5"), ("1%", "q1"), ("0.1%", "q0_1"),
-                  ("min", "min"))  # fmt: skip
+KL_REPORT_ROWS = (
+    ("max", "max"),
+    ("99.9%", "q99_9"),
+    ("99%", "q99"),
+    ("95%", "q95"),
+    ("90%", "q90"),
+    ("median", "median"),
+    ("10%", "q10"),
+    ("5%", "q5"),
+    ("1%", "q1"),
+    ("0.1%", "q0_1"),
+    ("min", "min"),
+)
 
 
 def kl_report_table(r: Results) -> Table | None:
@@ -57,8 +72,12 @@ def kl_report_table(r: Results) -> Table | None:
         return None
     t = Table(["statistic", "KL(original ‖ converted)", "KL(converted ‖ original)", "Δp (correct token)"])
     kl, rev, dp = a.kl, a.kl_reverse, a.delta_p
-    t.add("mean ± error", f"{kl['mean']:.5f} ± {kl['std_error']:.5f}", f"{rev['mean']:.5f} ± {rev['std_error']:.5f}",
-          f"{dp['mean']:+.3%} ± {dp['std_error']:.3%}")  # fmt: skip
+    t.add(
+        "mean ± error",
+        f"{kl['mean']:.5f} ± {kl['std_error']:.5f}",
+        f"{rev['mean']:.5f} ± {rev['std_error']:.5f}",
+        f"{dp['mean']:+.3%} ± {dp['std_error']:.3%}",
+    )
     for label, key in KL_REPORT_ROWS:
         t.add(label, f"{kl[key]:.5f}", f"{rev[key]:.5f}", f"{dp[key]:+.3%}")
     t.add("RMS Δp", "", "", f"{dp['rms']:.3%} ± {dp['rms_error']:.3%}")
@@ -75,15 +94,39 @@ def attention_table(r: Results) -> Table | None:
     conv = r.converted
     per_layer = conv.kv_heads_per_layer if conv else None  # a per-layer budget: each layer's KV heads and bytes
     extra = ["KV heads", "KV B/token"] if per_layer else []
-    t = Table(["layer", *extra, "KL", "JS", "row cosine", "entropy orig.", "entropy conv.", "uniform",
-               "head contribution error", "hidden cosine"])  # fmt: skip
+    t = Table(
+        [
+            "layer",
+            *extra,
+            "KL",
+            "JS",
+            "row cosine",
+            "entropy orig.",
+            "entropy conv.",
+            "uniform",
+            "head contribution error",
+            "hidden cosine",
+        ]
+    )
     element = (conv.kv_cache_bytes_per_token // (2 * sum(per_layer) * conv.head_dim)) if per_layer else 0
     for x in att["layers"]:
-        cells = [str(per_layer[x["layer"]]), f"{2 * per_layer[x['layer']] * conv.head_dim * element:,}"] if per_layer \
-            else []  # fmt: skip
-        t.add(str(x["layer"]), *cells, f"{x['mean_kl']:.4f}", f"{x['mean_js']:.4f}", f"{x['mean_cosine']:.4f}",
-              f"{x['mean_entropy_original']:.3f}", f"{x['mean_entropy_converted']:.3f}", f"{x['entropy_uniform']:.3f}",
-              f"{head_error(x):.4f}", f"{x['hidden_cosine']:.4f}")  # fmt: skip
+        cells = (
+            [str(per_layer[x["layer"]]), f"{2 * per_layer[x['layer']] * conv.head_dim * element:,}"]
+            if per_layer
+            else []
+        )
+        t.add(
+            str(x["layer"]),
+            *cells,
+            f"{x['mean_kl']:.4f}",
+            f"{x['mean_js']:.4f}",
+            f"{x['mean_cosine']:.4f}",
+            f"{x['mean_entropy_original']:.3f}",
+            f"{x['mean_entropy_converted']:.3f}",
+            f"{x['entropy_uniform']:.3f}",
+            f"{head_error(x):.4f}",
+            f"{x['hidden_cosine']:.4f}",
+        )
     return t
 
 
@@ -131,10 +174,15 @@ def gates_table(r: Results) -> Table | None:
 
 def tables(r: Results) -> dict[str, Table]:
     """Every table of one results file: title -> table."""
-    out = {"Perplexity": perplexity_table(r), "Output agreement": agreement_table(r),
-           "KL report (llama.cpp style)": kl_report_table(r),
-           "Attention per layer": attention_table(r), "KV cache": kv_table(r), "Gates": gates_table(r),
-           "Sample generations": samples_table(r)}  # fmt: skip
+    out = {
+        "Perplexity": perplexity_table(r),
+        "Output agreement": agreement_table(r),
+        "KL report (llama.cpp style)": kl_report_table(r),
+        "Attention per layer": attention_table(r),
+        "KV cache": kv_table(r),
+        "Gates": gates_table(r),
+        "Sample generations": samples_table(r),
+    }
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -143,17 +191,43 @@ def overview_table(results: list[Results]) -> Table:
     how many tokens, ratio, KL, top-1, KV bytes and the saving, calibration, each gate's verdict),
     its first cell linking to the comparison's section."""
     gated = any(r.gates for r in results)
-    t = Table(["comparison", "method", "KV heads", "calibration", "original PPL", "converted PPL", "tokens",
-               "PPL ratio", "KL mean", "top-1", "KV B/token", "KV saving"] + (["gates"] if gated else []))  # fmt: skip
+    t = Table(
+        [
+            "comparison",
+            "method",
+            "KV heads",
+            "calibration",
+            "original PPL",
+            "converted PPL",
+            "tokens",
+            "PPL ratio",
+            "KL mean",
+            "top-1",
+            "KV B/token",
+            "KV saving",
+        ]
+        + (["gates"] if gated else [])
+    )
     for i, r in enumerate(results):
         p, a, conv = r.headline, r.agreement, r.converted
         kv = conv.kv_cache_bytes_per_token if conv else r.original.kv_cache_bytes_per_token
         saving = 1 - kv / r.original.kv_cache_bytes_per_token
-        t.add(r.title, conv.method if conv else "", str(conv.num_kv_heads) if conv else "", calibration(conv),
-              f"{p.original.ppl:.3f}", f"{p.converted.ppl:.3f}" if p.converted else "", f"{p.original.tokens:,}",
-              f"{p.ppl_ratio or 1:.3f}x", f"{a.kl['mean']:.4f}" if a else "", f"{a.top1_agreement:.2%}" if a else "",
-              f"{kv:,}", f"{saving:.1%}" if conv else "", *([gate_cell(r)] if gated else []),
-              link=f"#result-{i}")  # fmt: skip
+        t.add(
+            r.title,
+            conv.method if conv else "",
+            str(conv.num_kv_heads) if conv else "",
+            calibration(conv),
+            f"{p.original.ppl:.3f}",
+            f"{p.converted.ppl:.3f}" if p.converted else "",
+            f"{p.original.tokens:,}",
+            f"{p.ppl_ratio or 1:.3f}x",
+            f"{a.kl['mean']:.4f}" if a else "",
+            f"{a.top1_agreement:.2%}" if a else "",
+            f"{kv:,}",
+            f"{saving:.1%}" if conv else "",
+            *([gate_cell(r)] if gated else []),
+            link=f"#result-{i}",
+        )
     return t
 
 
@@ -181,9 +255,12 @@ def worst(r: Results, count: int = 3) -> str:
     layers = sorted(att["layers"], key=lambda x: -x["mean_kl"])[:count]
     key = "contribution_rel_error" if "contribution_rel_error" in att["layers"][0]["heads"][0] else "output_rel_error"
     heads = sorted(((h[key], x["layer"], i) for x in att["layers"] for i, h in enumerate(x["heads"])), reverse=True)
-    return ("worst layers by attention KL: " + ", ".join(f"{x['layer']} ({x['mean_kl']:.3g})" for x in layers)
-            + "; worst heads by contribution error: "
-            + ", ".join(f"layer {layer} head {h} ({v:.3g})" for v, layer, h in heads[:count]))  # fmt: skip
+    return (
+        "worst layers by attention KL: "
+        + ", ".join(f"{x['layer']} ({x['mean_kl']:.3g})" for x in layers)
+        + "; worst heads by contribution error: "
+        + ", ".join(f"layer {layer} head {h} ({v:.3g})" for v, layer, h in heads[:count])
+    )
 
 
 def samples_table(r: Results) -> Table | None:
@@ -201,12 +278,20 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(["model", "KV heads", "KV cache B/token", "perplexity", "ratio", "KL", "top-1"])
     if rows:
         first = rows[0]
-        t.add("original", "", f"{first['kv_bytes_per_token_before']:,}", f"{first['original_ppl']:.3f}", "1.00x",
-              "", "")  # fmt: skip
+        t.add(
+            "original", "", f"{first['kv_bytes_per_token_before']:,}", f"{first['original_ppl']:.3f}", "1.00x", "", ""
+        )
     for r in rows:
         label = f"{r['method']} -> {r['num_kv_heads']} KV heads"
-        t.add(label, str(r["num_kv_heads"]), f"{r['kv_bytes_per_token']:,}", f"{r['converted_ppl']:.3f}",
-              f"{r['ppl_ratio']:.2f}x", f"{r['kl_mean']:.3f}", f"{r['top1']:.1%}")  # fmt: skip
+        t.add(
+            label,
+            str(r["num_kv_heads"]),
+            f"{r['kv_bytes_per_token']:,}",
+            f"{r['converted_ppl']:.3f}",
+            f"{r['ppl_ratio']:.2f}x",
+            f"{r['kl_mean']:.3f}",
+            f"{r['top1']:.1%}",
+        )
     return t
 
 
@@ -217,8 +302,13 @@ def recovery_table(runs: list[tuple[str, list[dict[str, Any]]]]) -> Table:
         s = records[0]["settings"]
         evals = [r for r in records if r.get("type") == "eval"]
         steps = max((r.get("step", 0) for r in records), default=0)
-        row = [label, s["objective"], s["train"], f"{steps:,} / {s['max_steps']:,}",
-               f"{steps * records[0]['tokens_per_step']:,}"]  # fmt: skip
+        row = [
+            label,
+            s["objective"],
+            s["train"],
+            f"{steps:,} / {s['max_steps']:,}",
+            f"{steps * records[0]['tokens_per_step']:,}",
+        ]
         if evals:
             a, b = evals[0], evals[-1]
             row.append(f"{a['ppl']:.3f} → {b['ppl']:.3f} ({b.get('eval_tokens', 0):,} tok)")

@@ -80,14 +80,19 @@ def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         use_threads(threads)
         return fn(*args, **kwargs)
 
-    option = click.option("--threads", type=click.IntRange(min=1), default=None,
-                          help="CPU threads for torch [default: OMP_NUM_THREADS, else the idle cores].")  # fmt: skip
+    option = click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=None,
+        help="CPU threads for torch [default: OMP_NUM_THREADS, else the idle cores].",
+    )
     return option(wrapper)
 
 
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary.")
-overwrite_option = click.option("--overwrite", is_flag=True,
-                                help="Replace an existing output file (only one mha2gqa wrote).")  # fmt: skip
+overwrite_option = click.option(
+    "--overwrite", is_flag=True, help="Replace an existing output file (only one mha2gqa wrote)."
+)
 
 
 @click.group(context_settings=CONTEXT)
@@ -152,8 +157,12 @@ def _run_and_print(job, output_dir: Path | None, quiet: bool) -> None:
 
 @main.command()
 @click.argument("job_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where models, results and the report go [default: the job's output_dir].")  # fmt: skip
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where models, results and the report go [default: the job's output_dir].",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No summary.")
 @threads_option
 @user_errors
@@ -166,28 +175,63 @@ def run(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Job file [default: the shipped configs/demo.yaml].")  # fmt: skip
-@click.option("-g", "--num-kv-heads", "kv_heads", type=int, multiple=True,
-              help="KV-head counts (repeatable) [default: the job's].")  # fmt: skip
-@click.option("--method", "methods", type=click.Choice(list(METHODS)), multiple=True,
-              help="Methods (repeatable) [default: the job's].")  # fmt: skip
-@click.option("--steps", type=int, default=None,
-              help=f"Training steps of the demo model [default: the job's; {DemoSettings.steps}: ~1 min on 2 "
-              "cores].")  # fmt: skip
-@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where models, results and the report go [default: the cache].")  # fmt: skip
-@click.option("--uptrain-steps", type=int, default=None,
-              help="Uptraining steps per conversion [default: the job's]; 0: none.")  # fmt: skip
-@click.option("--architecture", type=click.Choice(DEMO_ARCHITECTURES), default=None,
-              help="The demo model's class [default: the job's; llama]; gpt_neox trains a Pythia-style model, "
-              "converted through PhiForCausalLM.")  # fmt: skip
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Job file [default: the shipped configs/demo.yaml].",
+)
+@click.option(
+    "-g",
+    "--num-kv-heads",
+    "kv_heads",
+    type=int,
+    multiple=True,
+    help="KV-head counts (repeatable) [default: the job's].",
+)
+@click.option(
+    "--method",
+    "methods",
+    type=click.Choice(list(METHODS)),
+    multiple=True,
+    help="Methods (repeatable) [default: the job's].",
+)
+@click.option(
+    "--steps",
+    type=int,
+    default=None,
+    help=f"Training steps of the demo model [default: the job's; {DemoSettings.steps}: ~1 min on 2 cores].",
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where models, results and the report go [default: the cache].",
+)
+@click.option(
+    "--uptrain-steps", type=int, default=None, help="Uptraining steps per conversion [default: the job's]; 0: none."
+)
+@click.option(
+    "--architecture",
+    type=click.Choice(DEMO_ARCHITECTURES),
+    default=None,
+    help="The demo model's class [default: the job's; llama]; gpt_neox trains a Pythia-style model, "
+    "converted through PhiForCausalLM.",
+)
 @click.option("--rebuild", is_flag=True, help="Retrain the cached demo model.")
 @threads_option
 @user_errors
-def demo(config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str, ...], steps: int | None,
-         output_dir: Path | None, uptrain_steps: int | None, architecture: str | None,
-         rebuild: bool) -> None:  # fmt: skip
+def demo(
+    config_file: Path | None,
+    kv_heads: tuple[int, ...],
+    methods: tuple[str, ...],
+    steps: int | None,
+    output_dir: Path | None,
+    uptrain_steps: int | None,
+    architecture: str | None,
+    rebuild: bool,
+) -> None:
     """The whole pipeline offline: train (once, cached) a small MHA Llama (or GPT-NeoX) on CPython's
     docs, convert it to fewer KV heads, evaluate, and write an HTML report."""
     import dataclasses
@@ -217,19 +261,26 @@ def demo(config_file: Path | None, kv_heads: tuple[int, ...], methods: tuple[str
 
 
 @main.command(name="eval")
-@click.option("--original", "--model", "original", required=True,
-              help="The original model (folder or hub id); alone, it is evaluated by itself.")  # fmt: skip
+@click.option(
+    "--original",
+    "--model",
+    "original",
+    required=True,
+    help="The original model (folder or hub id); alone, it is evaluated by itself.",
+)
 @click.option("--converted", default=None, help="Its conversion, compared with it on the same tokens.")
 @click_options(EvalSettings)
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results JSON here.")  # fmt: skip
+@click.option(
+    "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results JSON here."
+)
 @overwrite_option
 @click_options(GateSettings)
 @quiet_option
 @threads_option
 @user_errors
-def eval_cmd(original: str, converted: str | None, output: Path | None, overwrite: bool, quiet: bool,
-             **options: Any) -> None:  # fmt: skip
+def eval_cmd(
+    original: str, converted: str | None, output: Path | None, overwrite: bool, quiet: bool, **options: Any
+) -> None:
     """Perplexity, output agreement and attention similarity: ORIGINAL vs CONVERTED.
 
     Gates (--max-ppl-ratio applies to every protocol run, --max-kl, --min-top1) print a one-line
@@ -302,17 +353,32 @@ def uptrain(converted: str, quiet: bool, **options: Any) -> None:
 
 @main.command()
 @click.argument("results", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--uptrain", "runs", multiple=True, type=click.Path(exists=True, path_type=Path),
-              help="An uptraining run (its --output folder or uptrain_log.jsonl), repeatable: adds recovery "
-              "curves.")  # fmt: skip
-@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the HTML page here [default: the first RESULTS (or run log) with .html].")  # fmt: skip
-@click.option("--md", "md_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write a Markdown summary here.")  # fmt: skip
+@click.option(
+    "--uptrain",
+    "runs",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="An uptraining run (its --output folder or uptrain_log.jsonl), repeatable: adds recovery curves.",
+)
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the HTML page here [default: the first RESULTS (or run log) with .html].",
+)
+@click.option(
+    "--md",
+    "md_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write a Markdown summary here.",
+)
 @overwrite_option
 @user_errors
-def report(results: tuple[Path, ...], runs: tuple[Path, ...], html_path: Path | None, md_path: Path | None,
-           overwrite: bool) -> None:  # fmt: skip
+def report(
+    results: tuple[Path, ...], runs: tuple[Path, ...], html_path: Path | None, md_path: Path | None, overwrite: bool
+) -> None:
     """Render eval RESULTS files (and --uptrain runs) as an HTML page (figures embedded) and Markdown."""
     from mha2gqa.eval.report import load_results, load_runs, render
 
@@ -332,8 +398,9 @@ def _bench_lengths(s: BenchSettings, limit: int | None) -> tuple[int, int]:
     new = s.new_tokens or (min(64, max(2, limit // 4)) if limit else 64)
     prompt = s.prompt_len or (max(1, min(512, limit - new)) if limit else 512)
     if limit and prompt + new > limit:
-        raise SettingError("prompt_len", f"{{name}} + --new-tokens = {prompt + new} exceeds the model's {limit} "
-                           "positions")  # fmt: skip
+        raise SettingError(
+            "prompt_len", f"{{name}} + --new-tokens = {prompt + new} exceeds the model's {limit} positions"
+        )
     return prompt, new
 
 
@@ -341,8 +408,9 @@ def _bench_lengths(s: BenchSettings, limit: int | None) -> tuple[int, int]:
 @click.option("--original", required=True, help="The original model (folder or hub id).")
 @click.option("--converted", default=None, help="Its conversion.")
 @click_options(BenchSettings)
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the figures as JSON here.")  # fmt: skip
+@click.option(
+    "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the figures as JSON here."
+)
 @overwrite_option
 @threads_option
 @user_errors
@@ -363,26 +431,38 @@ def bench(original: str, converted: str | None, output: Path | None, overwrite: 
     dev = resolve_device(s.device)
     dt = resolve_dtype(s.dtype, dev)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    results: dict = {"schema": "mha2gqa.bench/1", "settings": {**options, "device": str(dev), "device_name": name,
-                     "dtype": str(dt)}, "models": {}}  # fmt: skip
+    results: dict = {
+        "schema": "mha2gqa.bench/1",
+        "settings": {**options, "device": str(dev), "device_name": name, "dtype": str(dt)},
+        "models": {},
+    }
     for name, path in (("original", original), ("converted", converted)):
         if path is None:
             continue
         loaded = load_model(path, dev, dt)
         prompt, new = _bench_lengths(s, getattr(loaded.model.config, "max_position_embeddings", None))
         results["settings"].update(prompt_len=prompt, new_tokens=new)
-        results["models"][name] = {"path": path, **bench_model(loaded.model, prompt, new, s.repeats, s.warmup,
-                                                                s.batch_size)}  # fmt: skip
+        results["models"][name] = {
+            "path": path,
+            **bench_model(loaded.model, prompt, new, s.repeats, s.warmup, s.batch_size),
+        }
         del loaded
     settings = results["settings"]
-    click.echo(f"{settings['prompt_len']}-token prompt, {settings['new_tokens']} new tokens, batch {s.batch_size}, "
-               f"{dev} {str(dt).removeprefix('torch.')}, median of {s.repeats} [min-max]")  # fmt: skip
+    click.echo(
+        f"{settings['prompt_len']}-token prompt, {settings['new_tokens']} new tokens, batch {s.batch_size}, "
+        f"{dev} {str(dt).removeprefix('torch.')}, median of {s.repeats} [min-max]"
+    )
     table = Table(["model", "KV heads", "prefill ms", "decode tok/s", "KV cache bytes/token", "vs planned"])
     for name, m in results["models"].items():
         p, d, kv = m["prefill_seconds"], m["decode_tokens_per_second"], m["kv_cache"]
-        table.add(name, m["num_kv_heads"], f"{p['median'] * 1e3:.1f} [{p['min'] * 1e3:.1f}-{p['max'] * 1e3:.1f}]",
-                  f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]", f"{kv['bytes_per_token']:,.0f}",
-                  f"{kv['measured_bytes'] / kv['planned_bytes'] - 1:+.1%}")  # fmt: skip
+        table.add(
+            name,
+            m["num_kv_heads"],
+            f"{p['median'] * 1e3:.1f} [{p['min'] * 1e3:.1f}-{p['max'] * 1e3:.1f}]",
+            f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]",
+            f"{kv['bytes_per_token']:,.0f}",
+            f"{kv['measured_bytes'] / kv['planned_bytes'] - 1:+.1%}",
+        )
     for line in table.text():
         click.echo(line)
     if len(results["models"]) == 2:
@@ -425,10 +505,14 @@ def inspect(model: str, seq_len: int, batch_size: int, revision: str | None, as_
     if d.kv_heads_per_layer:
         kind = f"GQA per layer: {','.join(map(str, d.kv_heads_per_layer))}"
     moved = f"converted as {shape.converts_as}, " if shape.converts_as else ""
-    click.echo(f"{model}: {shape.architecture} ({moved}family {shape.family}), {shape.parameters:,} parameters "
-               f"({shape.weights_dtype})")  # fmt: skip
-    click.echo(f"  {d.num_layers} layers, hidden {d.hidden_size}, {d.num_heads} query heads, {d.num_kv_heads} KV "
-               f"heads ({kind}), head_dim {d.head_dim}")  # fmt: skip
+    click.echo(
+        f"{model}: {shape.architecture} ({moved}family {shape.family}), {shape.parameters:,} parameters "
+        f"({shape.weights_dtype})"
+    )
+    click.echo(
+        f"  {d.num_layers} layers, hidden {d.hidden_size}, {d.num_heads} query heads, {d.num_kv_heads} KV "
+        f"heads ({kind}), head_dim {d.head_dim}"
+    )
     table = Table(["KV dtype", "bytes/token", f"KV cache @ {seq_len} x {batch_size}"])
     for name in KV_DTYPES:
         table.add(name, f"{info['kv_cache_bytes_per_token'][name]:,}", format_bytes(info["kv_cache_bytes"][name]))
@@ -440,17 +524,39 @@ def inspect(model: str, seq_len: int, batch_size: int, revision: str | None, as_
 @click.argument("model")
 @click_options(PlanSettings)
 @click.option("--revision", default=None, help="Hub revision when MODEL is a hub id.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write a PNG of decode tokens/s against batch size for each KV-head count.")  # fmt: skip
-@click.option("--num-kv-heads-per-layer", "per_layer", default=None,
-              help="Also plan these per-layer KV-head counts (comma-separated, one per layer).")  # fmt: skip
-@click.option("--bench", "bench_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="A `bench --output` JSON of this model: its measured decode speed beside the estimate.")  # fmt: skip
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG of decode tokens/s against batch size for each KV-head count.",
+)
+@click.option(
+    "--num-kv-heads-per-layer",
+    "per_layer",
+    default=None,
+    help="Also plan these per-layer KV-head counts (comma-separated, one per layer).",
+)
+@click.option(
+    "--bench",
+    "bench_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A `bench --output` JSON of this model: its measured decode speed beside the estimate.",
+)
 @overwrite_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @user_errors
-def plan(model: str, revision: str | None, plot_path: Path | None, per_layer: str | None, bench_path: Path | None,
-         overwrite: bool, as_json: bool, **options: Any) -> None:  # fmt: skip
+def plan(
+    model: str,
+    revision: str | None,
+    plot_path: Path | None,
+    per_layer: str | None,
+    bench_path: Path | None,
+    overwrite: bool,
+    as_json: bool,
+    **options: Any,
+) -> None:
     """For every valid KV-head count: KV cache, weights, how many sequences fit and (with --gpu or
     --bandwidth) estimated decode tokens/s and prefill time (config only)."""
     import dataclasses
@@ -478,25 +584,47 @@ def plan(model: str, revision: str | None, plot_path: Path | None, per_layer: st
     rows = make_plan(shape, gpu.memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes, heads)
     speed = throughput(shape, rows, gpu, s.seq_len, s.utilization) if gpu.bandwidth else []
     if as_json:
-        click.echo(json.dumps({"model": model, "gpu": dataclasses.asdict(gpu), "gpu_memory": gpu.memory,
-                               "seq_len": s.seq_len, "dtype": s.dtype, "utilization": s.utilization,
-                               "rows": [dataclasses.asdict(r) for r in rows],
-                               "throughput": [dataclasses.asdict(t) for t in speed]}, indent=2))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {
+                    "model": model,
+                    "gpu": dataclasses.asdict(gpu),
+                    "gpu_memory": gpu.memory,
+                    "seq_len": s.seq_len,
+                    "dtype": s.dtype,
+                    "utilization": s.utilization,
+                    "rows": [dataclasses.asdict(r) for r in rows],
+                    "throughput": [dataclasses.asdict(t) for t in speed],
+                },
+                indent=2,
+            )
+        )
     else:
         hw = f"{gpu.name}: {format_bytes(gpu.memory)}" + (f", {gpu.bandwidth / 1e12:.3g} TB/s" if gpu.bandwidth else "")
-        click.echo(f"{model}: {shape.dims.num_heads} query heads, {s.seq_len}-token sequences, {hw}, {s.dtype} KV "
-                   "cache")  # fmt: skip
-        table = Table(["KV heads", "KV bytes/token", "KV/sequence", "weights", "sequences that fit"]
-                      + (["tok/s @1", "tok/s/seq @max", "tok/s total @max", "prefill"] if speed else []))  # fmt: skip
+        click.echo(
+            f"{model}: {shape.dims.num_heads} query heads, {s.seq_len}-token sequences, {hw}, {s.dtype} KV cache"
+        )
+        table = Table(
+            ["KV heads", "KV bytes/token", "KV/sequence", "weights", "sequences that fit"]
+            + (["tok/s @1", "tok/s/seq @max", "tok/s total @max", "prefill"] if speed else [])
+        )
         for i, r in enumerate(rows):
-            cells = [r.label, f"{r.kv_bytes_per_token:,}", format_bytes(r.kv_bytes_per_sequence),
-                     format_bytes(r.weights_bytes), f"{r.max_sequences:,}"]  # fmt: skip
+            cells = [
+                r.label,
+                f"{r.kv_bytes_per_token:,}",
+                format_bytes(r.kv_bytes_per_sequence),
+                format_bytes(r.weights_bytes),
+                f"{r.max_sequences:,}",
+            ]
             if speed:
                 t = speed[i]
                 pre = f"{t.prefill_seconds * 1e3:,.0f} ms" if t.prefill_seconds is not None else "-"
-                cells += [f"{t.tokens_per_second_batch1:,.1f}",
-                          f"{t.tokens_per_second_per_sequence_max:,.1f}" if t.max_batch else "-",
-                          f"{t.tokens_per_second_aggregate_max:,.0f}" if t.max_batch else "-", pre]  # fmt: skip
+                cells += [
+                    f"{t.tokens_per_second_batch1:,.1f}",
+                    f"{t.tokens_per_second_per_sequence_max:,.1f}" if t.max_batch else "-",
+                    f"{t.tokens_per_second_aggregate_max:,.0f}" if t.max_batch else "-",
+                    pre,
+                ]
             table.add(*cells)
         for line in table.text(indent="  "):
             click.echo(line)
@@ -505,13 +633,20 @@ def plan(model: str, revision: str | None, plot_path: Path | None, per_layer: st
             if gpu.bf16_flops:
                 rate = f"{gpu.bf16_flops / 1e12:,.0f} TFLOP/s"
                 prefill = f"prefill: one {s.seq_len:,}-token prompt at {s.utilization:.0%} of {rate}"
-            click.echo(f"  decode: bandwidth roofline, each step reads the weights and every sequence's KV cache at "
-                       f"the mean context ({s.seq_len // 2:,} tokens); {prefill}. Real decode is slower.")  # fmt: skip
+            click.echo(
+                f"  decode: bandwidth roofline, each step reads the weights and every sequence's KV cache at "
+                f"the mean context ({s.seq_len // 2:,} tokens); {prefill}. Real decode is slower."
+            )
     if bench:
         _bench_beside_estimate(bench, shape, rows, gpu, s)
     if plot_path is not None:
-        write_text(plot_path, throughput_plot(rows, gpu, s.seq_len, Path(model).name or model), "--plot", overwrite,
-                   {"MODEL": model})  # fmt: skip
+        write_text(
+            plot_path,
+            throughput_plot(rows, gpu, s.seq_len, Path(model).name or model),
+            "--plot",
+            overwrite,
+            {"MODEL": model},
+        )
         click.echo(f"plot: {plot_path}")
 
 
@@ -536,19 +671,25 @@ def _bench_beside_estimate(bench: dict[str, Any], shape, rows, gpu, s: PlanSetti
     by_heads = {r.num_kv_heads: r for r in rows}
     context = settings.get("prompt_len", 0) + settings.get("new_tokens", 0) / 2
     batch = settings.get("batch_size", 1)
-    click.echo(f"  bench ({settings.get('device_name') or settings.get('device')}, batch {batch}, mean context "
-               f"{context:,.0f}) beside the estimate on {gpu.name}:")  # fmt: skip
+    click.echo(
+        f"  bench ({settings.get('device_name') or settings.get('device')}, batch {batch}, mean context "
+        f"{context:,.0f}) beside the estimate on {gpu.name}:"
+    )
     for name, m in bench.get("models", {}).items():
         row = by_heads.get(m.get("num_kv_heads"))
         if row is None or (
             m.get("parameters") is not None and m["parameters"] != shape.parameters_at(row.num_kv_heads)
         ):
-            raise Mha2GqaError(f"--bench: its {name} model is not this model at {m.get('num_kv_heads')} KV heads; "
-                               "benchmark this model, or plan the benchmarked one")  # fmt: skip
+            raise Mha2GqaError(
+                f"--bench: its {name} model is not this model at {m.get('num_kv_heads')} KV heads; "
+                "benchmark this model, or plan the benchmarked one"
+            )
         measured = m["decode_tokens_per_second"]["median"]
         estimate = batch / decode_step_seconds(row, batch, context, gpu.bandwidth)
-        click.echo(f"    {name} ({row.num_kv_heads} KV heads): measured {measured:,.1f} tok/s, estimate "
-                   f"{estimate:,.1f} tok/s ({measured / estimate:.0%} of the roofline)")  # fmt: skip
+        click.echo(
+            f"    {name} ({row.num_kv_heads} KV heads): measured {measured:,.1f} tok/s, estimate "
+            f"{estimate:,.1f} tok/s ({measured / estimate:.0%} of the roofline)"
+        )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -108,11 +108,16 @@ def train_demo_model(folder: Path, settings: DemoSettings, log=print) -> Path:
     tokenizer = build_tokenizer(train_text, settings.vocab_size)
     ids = tokenizer(train_text, return_tensors="pt").input_ids[0]
     shape = dict(
-        vocab_size=len(tokenizer), hidden_size=settings.hidden_size, intermediate_size=settings.intermediate_size,
-        num_hidden_layers=settings.num_layers, num_attention_heads=settings.num_heads,
-        max_position_embeddings=2 * settings.seq_len, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=settings.hidden_size,
+        intermediate_size=settings.intermediate_size,
+        num_hidden_layers=settings.num_layers,
+        num_attention_heads=settings.num_heads,
+        max_position_embeddings=2 * settings.seq_len,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if settings.architecture == "gpt_neox":  # Pythia's choices: untied, 25% rotary, parallel residual
         extra = dict(tie_word_embeddings=False, rotary_pct=0.25, use_parallel_residual=True, hidden_act="gelu")
     else:

@@ -67,8 +67,9 @@ class Job:
     def convert_settings(self, num_kv_heads: int, method: str, calibration: str | None = None) -> ConvertSettings:
         """The settings of one conversion of the sweep (checked)."""
         options = {**self.convert, **({"calibration": calibration} if calibration else {})}
-        return ConvertSettings(num_kv_heads=num_kv_heads, method=method, overwrite=True, progress=False,
-                               **options).check()  # fmt: skip
+        return ConvertSettings(
+            num_kv_heads=num_kv_heads, method=method, overwrite=True, progress=False, **options
+        ).check()
 
 
 def shipped_jobs() -> dict[str, Path]:
@@ -101,10 +102,15 @@ def _sweep(conv: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...], dict
     conv = dict(conv)
     heads = conv.pop("num_kv_heads", None)
     methods = conv.pop("methods", [ConvertSettings.method])  # the command line's default method
-    heads = check_value("convert.num_kv_heads", heads if isinstance(heads, list) else [heads], tuple[int, ...],
-                        Spec("", minimum=1))  # fmt: skip
-    methods = check_value("convert.methods", methods if isinstance(methods, list) else [methods], tuple[str, ...],
-                          Spec("", choices=tuple(METHODS)))  # fmt: skip
+    heads = check_value(
+        "convert.num_kv_heads", heads if isinstance(heads, list) else [heads], tuple[int, ...], Spec("", minimum=1)
+    )
+    methods = check_value(
+        "convert.methods",
+        methods if isinstance(methods, list) else [methods],
+        tuple[str, ...],
+        Spec("", choices=tuple(METHODS)),
+    )
     return heads, methods, conv
 
 
@@ -148,10 +154,19 @@ def _parse(path: Path, data: Any) -> Job:
     for key, kind in (("report", bool), ("name", str), ("output_dir", str)):
         if key in data and not isinstance(data[key], kind):
             raise SettingError(key, f"'{{name}}' must be {'true or false' if kind is bool else 'a string'}")
-    job = Job(name=str(data.get("name", path.stem)), source=data["source"], demo=demo, num_kv_heads=heads,
-              methods=methods, convert=conv, eval=evaluation, uptrain=up, gates=gates,
-              report=data.get("report", True),
-              output_dir=(path.parent / data["output_dir"]) if data.get("output_dir") else None)  # fmt: skip
+    job = Job(
+        name=str(data.get("name", path.stem)),
+        source=data["source"],
+        demo=demo,
+        num_kv_heads=heads,
+        methods=methods,
+        convert=conv,
+        eval=evaluation,
+        uptrain=up,
+        gates=gates,
+        report=data.get("report", True),
+        output_dir=(path.parent / data["output_dir"]) if data.get("output_dir") else None,
+    )
     for method in methods:  # every conversion's settings, checked now
         try:
             job.convert_settings(heads[0], method, _checkable(conv).get("calibration")).check_calibration()
@@ -208,8 +223,12 @@ def _claim_run_folder(out: Path, job: Job, source: str) -> Path:
     from mha2gqa.core.output import check_destination, staged_output
     from mha2gqa.core.records import RUN_RECORD, now
 
-    inputs = {"the source model": source, "the eval data": job.eval.data, "the calibration text":
-              job.convert.get("calibration"), "the uptraining data": job.uptrain.get("data")}  # fmt: skip
+    inputs = {
+        "the source model": source,
+        "the eval data": job.eval.data,
+        "the calibration text": job.convert.get("calibration"),
+        "the uptraining data": job.uptrain.get("data"),
+    }
     out = check_destination(out, True, inputs, "--output-dir")
     with staged_output(out, overwrite=True, inputs=inputs, what="--output-dir") as tmp:
         (tmp / RUN_RECORD).write_text(json.dumps({"job": job.name, "source": source, "created": now()}) + "\n")
@@ -229,8 +248,9 @@ def run_job(
     out = _claim_run_folder(Path(output_dir or job.output_dir or default_out), job, source)
     # Every stage is scored against one cached copy of the source's scores (one model in memory).
     cache = job.eval.reference_cache or str(out / ".reference")
-    settings = dataclasses.replace(job.eval, data=_demo_text(job, job.eval.data), progress=progress,
-                                   reference_cache=cache)  # fmt: skip
+    settings = dataclasses.replace(
+        job.eval, data=_demo_text(job, job.eval.data), progress=progress, reference_cache=cache
+    )
     calibration = _demo_text(job, job.convert.get("calibration"))
     up = {**job.uptrain, "data": _demo_text(job, job.uptrain.get("data"))} if job.uptrain else {}
     paths: list[Path] = []
@@ -247,9 +267,18 @@ def run_job(
             stages = [(tag, method, model_dir)]
             if up:
                 up_dir = out / "models" / f"{tag}-uptrained"
-                result = uptrain(str(model_dir), UptrainSettings(**up, output=str(up_dir), teacher=source,
-                                 eval_data=settings.data, overwrite=True, progress=progress),
-                                 log=lambda m: None)  # fmt: skip
+                result = uptrain(
+                    str(model_dir),
+                    UptrainSettings(
+                        **up,
+                        output=str(up_dir),
+                        teacher=source,
+                        eval_data=settings.data,
+                        overwrite=True,
+                        progress=progress,
+                    ),
+                    log=lambda m: None,
+                )
                 log(f"uptrained {tag}: {result.summary()}")
                 stages.append((f"{tag}-uptrained", f"{method}+uptrain", up_dir))
                 runs.append(up_dir)
@@ -266,8 +295,18 @@ def run_job(
     return RunResult(out, paths, report, rows, passed)
 
 
-def _evaluate_stage(source: str, model_dir: Path, tag: str, label: str, g: int, conv, settings, job: Job, out: Path,
-                    log: Callable[[str], None]) -> tuple[Path, dict[str, Any], bool]:  # fmt: skip
+def _evaluate_stage(
+    source: str,
+    model_dir: Path,
+    tag: str,
+    label: str,
+    g: int,
+    conv,
+    settings,
+    job: Job,
+    out: Path,
+    log: Callable[[str], None],
+) -> tuple[Path, dict[str, Any], bool]:
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed."""
     from mha2gqa.core.output import write_json
@@ -287,10 +326,18 @@ def _evaluate_stage(source: str, model_dir: Path, tag: str, label: str, g: int, 
     write_json(path, results)
     typed = Results.from_dict(results, str(path))
     p = typed.headline
-    row = {"tag": tag, "method": label, "num_kv_heads": g, "original_ppl": p.original.ppl,
-           "converted_ppl": p.converted.ppl, "ppl_ratio": p.ppl_ratio, "kl_mean": typed.agreement.kl["mean"],
-           "top1": typed.agreement.top1_agreement, "kv_bytes_per_token": conv.kv_cache_bytes_per_token_after,
-           "kv_bytes_per_token_before": conv.kv_cache_bytes_per_token_before}  # fmt: skip
+    row = {
+        "tag": tag,
+        "method": label,
+        "num_kv_heads": g,
+        "original_ppl": p.original.ppl,
+        "converted_ppl": p.converted.ppl,
+        "ppl_ratio": p.ppl_ratio,
+        "kl_mean": typed.agreement.kl["mean"],
+        "top1": typed.agreement.top1_agreement,
+        "kv_bytes_per_token": conv.kv_cache_bytes_per_token_after,
+        "kv_bytes_per_token_before": conv.kv_cache_bytes_per_token_before,
+    }
     log(
         f"  {tag}: perplexity {row['converted_ppl']:.3f} (x{row['ppl_ratio']:.3f} the original's, "
         f"{p.original.tokens:,} tokens), KL {row['kl_mean']:.4f}, top-1 {row['top1']:.1%}"

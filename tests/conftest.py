@@ -36,10 +36,17 @@ def tiny_config(family: str, **overrides):
 
     model_type, extra = FAMILY_CONFIGS[family]
     kwargs = dict(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     kwargs.update(extra)
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)

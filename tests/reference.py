@@ -43,8 +43,11 @@ def reference_convert(
                     q = blocks[:, :r].reshape(h * d, *t.shape[1:])
                     k, v = (blocks[:, r + i].reshape(kv * d, *t.shape[1:]) for i in (0, 1))
                     k, v = pool_rows(k), pool_rows(v)
-                    parts = [q.reshape(groups, h // groups, d, *t.shape[1:]), k.reshape(groups, 1, d, *t.shape[1:]),
-                             v.reshape(groups, 1, d, *t.shape[1:])]  # fmt: skip
+                    parts = [
+                        q.reshape(groups, h // groups, d, *t.shape[1:]),
+                        k.reshape(groups, 1, d, *t.shape[1:]),
+                        v.reshape(groups, 1, d, *t.shape[1:]),
+                    ]
                     out[name] = torch.cat(parts, dim=1).reshape(-1, *t.shape[1:])
                 elif key == "qkv":
                     t = state[name]

@@ -48,9 +48,12 @@ def rewrite_header(path, edit):
 
 @pytest.mark.parametrize(
     ("g", "pattern"),
-    [(3, r"--num-kv-heads 3 is not valid .* 4 KV heads: choose a divisor of 4 \(1, 2, 4\)"),
-     (8, r"--num-kv-heads 8 is not valid"), (0, r"--num-kv-heads 0 is not valid")],
-)  # fmt: skip
+    [
+        (3, r"--num-kv-heads 3 is not valid .* 4 KV heads: choose a divisor of 4 \(1, 2, 4\)"),
+        (8, r"--num-kv-heads 8 is not valid"),
+        (0, r"--num-kv-heads 0 is not valid"),
+    ],
+)
 def test_bad_group_count(src, tmp_path, g, pattern):
     assert_refused(run_cli("convert", src, tmp_path / "out", "-g", g), pattern, tmp_path)
     assert not (tmp_path / "out").exists()

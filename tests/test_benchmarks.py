@@ -11,8 +11,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_gpu_suite_cpu_smoke_mode_writes_its_table_and_json(tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--out", str(tmp_path), "--device", "cpu",
-                           "--tiny"], capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--out", str(tmp_path), "--device", "cpu", "--tiny"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     speed = results["speed"]

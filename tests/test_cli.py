@@ -37,8 +37,19 @@ def test_help_lists_commands():
 
 def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
-    args = ["demo", "--steps", "3", "-g", "2", "--method", "mean", "--uptrain-steps", "4", "--output-dir",
-            str(tmp_path / "run")]  # fmt: skip
+    args = [
+        "demo",
+        "--steps",
+        "3",
+        "-g",
+        "2",
+        "--method",
+        "mean",
+        "--uptrain-steps",
+        "4",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     rows = {ln.split()[0]: ln for ln in result.stdout.splitlines() if ln.startswith(("original", "mean"))}
@@ -56,8 +67,21 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
 
 def test_the_demo_runs_on_a_pythia_style_gpt_neox_through_phi(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
-    args = ["demo", "--architecture", "gpt_neox", "--steps", "3", "-g", "2", "--method", "svd", "--uptrain-steps", "0",
-            "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    args = [
+        "demo",
+        "--architecture",
+        "gpt_neox",
+        "--steps",
+        "3",
+        "-g",
+        "2",
+        "--method",
+        "svd",
+        "--uptrain-steps",
+        "0",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     source = json.loads((next(tmp_path.glob("demo-*")) / "mha" / "config.json").read_text())
@@ -167,7 +191,8 @@ def test_a_job_rerun_replaces_its_previous_run_wholly(tmp_path, monkeypatch):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
-    result = CliRunner().invoke(main, ["demo", "--steps", "3", "--uptrain-steps", "0", "-g", "2", "--output-dir",
-                                       str(foreign)])  # fmt: skip
+    result = CliRunner().invoke(
+        main, ["demo", "--steps", "3", "--uptrain-steps", "0", "-g", "2", "--output-dir", str(foreign)]
+    )
     assert result.exit_code == 1 and "was not written by mha2gqa" in result.output
     assert (foreign / "notes.txt").read_text() == "keep"

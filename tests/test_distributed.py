@@ -16,9 +16,30 @@ def test_two_processes_equal_one(tmp_path):
     text = story_text(tmp_path / "t.txt", 400)
     src = llama_with_tokenizer(tmp_path / "mha", text)
     conv = convert_checkpoint(src, tmp_path / "g1", 1, progress=False).output
-    args = ["-m", "mha2gqa.cli", "eval", "--original", str(src), "--converted", str(conv), "--data", str(text),
-            "--seq-len", "64", "--max-tokens", "3000", "--protocol", "disjoint", "--protocol", "rolling",
-            "--doc-split", "paragraph", "--device", "cpu", "-q"]  # fmt: skip
+    args = [
+        "-m",
+        "mha2gqa.cli",
+        "eval",
+        "--original",
+        str(src),
+        "--converted",
+        str(conv),
+        "--data",
+        str(text),
+        "--seq-len",
+        "64",
+        "--max-tokens",
+        "3000",
+        "--protocol",
+        "disjoint",
+        "--protocol",
+        "rolling",
+        "--doc-split",
+        "paragraph",
+        "--device",
+        "cpu",
+        "-q",
+    ]
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     subprocess.run([sys.executable, *args, "--output", str(one)], check=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
@@ -44,8 +65,9 @@ def test_two_processes_equal_one(tmp_path):
 def run_ok(cmd: list[str]) -> None:
     """Run ``cmd``; on failure the assertion shows what it printed (torchrun's ranks included)."""
     done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, "\n".join(ln for ln in (done.stdout + done.stderr).splitlines() if "rank1" in ln
-                                           or "Error" in ln)[-6000:]  # fmt: skip
+    assert done.returncode == 0, "\n".join(
+        ln for ln in (done.stdout + done.stderr).splitlines() if "rank1" in ln or "Error" in ln
+    )[-6000:]
 
 
 def test_uptraining_on_two_processes_follows_the_one_process_run(tmp_path):
@@ -56,9 +78,33 @@ def test_uptraining_on_two_processes_follows_the_one_process_run(tmp_path):
     text = story_text(tmp_path / "t.txt", 400)
     src = llama_with_tokenizer(tmp_path / "mha", text)
     student = convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output
-    args = ["-m", "mha2gqa.cli", "uptrain", str(student), "--data", str(text), "--seq-len", "32", "--batch-size",
-            "4", "--max-steps", "6", "--lr", "3e-3", "--eval-data", str(text), "--eval-tokens", "512",
-            "--teacher", str(src), "--objective", "mix", "--device", "cpu", "-q"]  # fmt: skip
+    args = [
+        "-m",
+        "mha2gqa.cli",
+        "uptrain",
+        str(student),
+        "--data",
+        str(text),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "6",
+        "--lr",
+        "3e-3",
+        "--eval-data",
+        str(text),
+        "--eval-tokens",
+        "512",
+        "--teacher",
+        str(src),
+        "--objective",
+        "mix",
+        "--device",
+        "cpu",
+        "-q",
+    ]
     subprocess.run([sys.executable, *args, "--output", str(tmp_path / "one")], check=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534"]
     run_ok([*torchrun, *args, "--output", str(tmp_path / "two")])

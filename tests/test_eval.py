@@ -167,10 +167,32 @@ def test_model_against_itself_and_its_exact_conversion(trained_pair):
 def test_mean_pooled_conversion_diverges_and_results_follow_the_schema(trained_pair, tmp_path):
     src, _, pooled, text = trained_pair
     out = tmp_path / "results.json"
-    result = CliRunner().invoke(main, ["eval", "--original", str(src), "--converted", str(pooled), "--data", str(text),
-                                       "--seq-len", "64", "--max-tokens", "1500", "--protocol", "disjoint",
-                                       "--protocol", "stride", "--protocol", "rolling", "--doc-split", "paragraph",
-                                       "--output", str(out)])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            "--original",
+            str(src),
+            "--converted",
+            str(pooled),
+            "--data",
+            str(text),
+            "--seq-len",
+            "64",
+            "--max-tokens",
+            "1500",
+            "--protocol",
+            "disjoint",
+            "--protocol",
+            "stride",
+            "--protocol",
+            "rolling",
+            "--doc-split",
+            "paragraph",
+            "--output",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "agreement: KL mean" in result.stdout and "ratio" in result.stdout
     r = json.loads(out.read_text())
@@ -265,10 +287,12 @@ def _numbers(r: dict) -> dict:
     """Everything an evaluation measured, without timings, paths and the reference cache's record."""
     drop = {"seconds", "tokens_per_second", "created", "reference", "settings", "versions", "git_revision", "device"}
     return {k: v for k, v in r.items() if k not in drop} | {
-        "protocols": {p: {k: v for k, v in e.items() if k not in ("seconds", "tokens_per_second")}
-                      for p, e in r["protocols"].items()},
+        "protocols": {
+            p: {k: v for k, v in e.items() if k not in ("seconds", "tokens_per_second")}
+            for p, e in r["protocols"].items()
+        },
         "attention": {k: v for k, v in r["attention"].items() if k != "seconds"},
-    }  # fmt: skip
+    }
 
 
 def test_one_model_at_a_time_equals_both_in_memory_and_its_cache_serves_several(trained_pair, tmp_path):
@@ -278,9 +302,19 @@ def test_one_model_at_a_time_equals_both_in_memory_and_its_cache_serves_several(
     import mha2gqa.eval.harness as harness
 
     src, same, pooled, text = trained_pair
-    kw = dict(data=str(text), seq_len=64, stride=24, max_tokens=900, batch_size=2, doc_split="paragraph",
-              protocols=("disjoint", "stride", "rolling"), attention_windows=2, samples=2, sample_tokens=5,
-              progress=False)  # fmt: skip
+    kw = dict(
+        data=str(text),
+        seq_len=64,
+        stride=24,
+        max_tokens=900,
+        batch_size=2,
+        doc_split="paragraph",
+        protocols=("disjoint", "stride", "rolling"),
+        attention_windows=2,
+        samples=2,
+        sample_tokens=5,
+        progress=False,
+    )
     both = evaluate(str(src), str(pooled), EvalSettings(**kw, load_both=True))
     cache = tmp_path / "cache"
     messages: list[str] = []
@@ -356,18 +390,21 @@ def test_head_diversity_matches_eager_and_sees_identical_heads_and_equalised_gro
     from transformers import AutoModelForCausalLM
 
     orig = random_model(tiny_config("llama", max_position_embeddings=128, attention_bias=False), seed=3)
-    conv = random_model(tiny_config("llama", max_position_embeddings=128, attention_bias=False,
-                                    num_key_value_heads=2), seed=4)  # fmt: skip
+    conv = random_model(
+        tiny_config("llama", max_position_embeddings=128, attention_bias=False, num_key_value_heads=2), seed=4
+    )
     batch = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(5))
     att = attention_similarity(orig, conv, batch, chunk=16)
-    for layer, ref_o, ref_c in zip(att["layers"], _eager_head_similarity(orig, batch),
-                                   _eager_head_similarity(conv, batch), strict=True):  # fmt: skip
+    for layer, ref_o, ref_c in zip(
+        att["layers"], _eager_head_similarity(orig, batch), _eager_head_similarity(conv, batch), strict=True
+    ):
         sim = layer["head_similarity"]
         torch.testing.assert_close(
             torch.tensor(sim["original"]["matrix"], dtype=torch.float64), ref_o, atol=2e-6, rtol=0
         )
-        torch.testing.assert_close(torch.tensor(sim["converted"]["matrix"], dtype=torch.float64), ref_c, atol=2e-6,
-                                   rtol=0)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(sim["converted"]["matrix"], dtype=torch.float64), ref_c, atol=2e-6, rtol=0
+        )
         within = (ref_c[0, 1] + ref_c[1, 0] + ref_c[2, 3] + ref_c[3, 2]) / 4  # groups {0, 1}, {2, 3}
         assert sim["converted"]["within_groups"] == pytest.approx(within.item(), abs=2e-6)
         off = ref_o[~torch.eye(4, dtype=torch.bool)].mean()

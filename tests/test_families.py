@@ -31,9 +31,18 @@ def test_every_name_in_a_definition_exists_in_the_real_model(family):
 
 
 def test_unknown_keys_in_a_definition_are_an_error():
-    good = {"family": "x", "description": "d", "architectures": ["X"], "model_types": ["x"],
-            "attention": {"q_proj": "l.{layer}.q", "k_proj": "l.{layer}.k",
-                          "v_proj": "l.{layer}.v", "o_proj": "l.{layer}.o"}}  # fmt: skip
+    good = {
+        "family": "x",
+        "description": "d",
+        "architectures": ["X"],
+        "model_types": ["x"],
+        "attention": {
+            "q_proj": "l.{layer}.q",
+            "k_proj": "l.{layer}.k",
+            "v_proj": "l.{layer}.v",
+            "o_proj": "l.{layer}.o",
+        },
+    }
     assert parse_family(good).family == "x"
     with pytest.raises(ValueError, match="unknown keys"):
         parse_family({**good, "kv_proj": "typo"})
@@ -81,8 +90,15 @@ def test_readme_table_lists_every_family():
 
 
 #: config switches that change which tensors exist, flipped for each family that has them
-SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_qkv_bias", "qk_layernorm",
-            "use_parallel_residual", "use_bias")  # fmt: skip
+SWITCHES = (
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "use_qkv_bias",
+    "qk_layernorm",
+    "use_parallel_residual",
+    "use_bias",
+)
 
 
 def meta_parameters(config) -> int:

@@ -43,8 +43,16 @@ def _no_tf32():
 
 
 def _eval(pair, **kw) -> dict:
-    base = dict(data=str(pair["text"]), seq_len=64, max_tokens=2000, protocols=("disjoint", "stride", "rolling"),
-                doc_split="paragraph", samples=1, sample_tokens=4, progress=False)  # fmt: skip
+    base = dict(
+        data=str(pair["text"]),
+        seq_len=64,
+        max_tokens=2000,
+        protocols=("disjoint", "stride", "rolling"),
+        doc_split="paragraph",
+        samples=1,
+        sample_tokens=4,
+        progress=False,
+    )
     return evaluate(str(pair["src"]), str(pair["mean"]), EvalSettings(**{**base, **kw}))
 
 
@@ -82,13 +90,15 @@ def test_device_map_auto_evaluates(pair):
     out = _eval(pair, device="cuda", dtype="float32", device_map="auto", protocols=("disjoint",))
     cpu = _eval(pair, device="cpu", dtype="float32", protocols=("disjoint",))
     assert out["device"]["device_map"] == "auto"
-    assert _close(out["protocols"]["disjoint"]["converted"]["nll"], cpu["protocols"]["disjoint"]["converted"]["nll"],
-                  1e-4)  # fmt: skip
+    assert _close(
+        out["protocols"]["disjoint"]["converted"]["nll"], cpu["protocols"]["disjoint"]["converted"]["nll"], 1e-4
+    )
 
 
 def test_calibration_and_svd_on_cuda_equal_cpu(pair, tmp_path):
-    kw = dict(method="svd", calibration=str(pair["text"]), calibration_tokens=512, calibration_seq_len=64,
-              progress=False)  # fmt: skip
+    kw = dict(
+        method="svd", calibration=str(pair["text"]), calibration_tokens=512, calibration_seq_len=64, progress=False
+    )
     cpu = convert_checkpoint(pair["src"], tmp_path / "cpu", 2, device="cpu", **kw).output
     gpu = convert_checkpoint(pair["src"], tmp_path / "gpu", 2, device="cuda", **kw).output
     a, b = load_file(cpu / "model.safetensors"), load_file(gpu / "model.safetensors")
@@ -104,8 +114,18 @@ def test_uptraining_with_bf16_autocast_reaches_the_cpu_loss(pair, tmp_path):
 
     def run(device: str, precision: str) -> float:
         out = tmp_path / device
-        s = UptrainSettings(data=str(pair["text"]), output=str(out), seq_len=32, batch_size=4, lr=3e-3, max_steps=20,
-                            log_every=20, device=device, mixed_precision=precision, progress=False)  # fmt: skip
+        s = UptrainSettings(
+            data=str(pair["text"]),
+            output=str(out),
+            seq_len=32,
+            batch_size=4,
+            lr=3e-3,
+            max_steps=20,
+            log_every=20,
+            device=device,
+            mixed_precision=precision,
+            progress=False,
+        )
         uptrain(str(pair["mean"]), s, log=lambda *_: None)
         return [r for r in read_log(out) if r["type"] == "train"][-1]["loss"]
 

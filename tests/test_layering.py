@@ -14,8 +14,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: source folder -> layer
-FOLDERS = {"core": "core", "convert": "convert", "eval": "eval", "uptrain": "uptrain", "mha2gqa": "top",
-           "configs": "top"}  # fmt: skip
+FOLDERS = {
+    "core": "core",
+    "convert": "convert",
+    "eval": "eval",
+    "uptrain": "uptrain",
+    "mha2gqa": "top",
+    "configs": "top",
+}
 ALLOWED = {
     "core": {"core"},
     "convert": {"core", "convert"},

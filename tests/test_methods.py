@@ -45,8 +45,16 @@ def test_svd_on_equalised_groups_keeps_the_logits(family, calib_text, tmp_path):
     model = random_model(config, seed=3)
     equalise_groups(model, family, g)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
-    out = convert_checkpoint(src, tmp_path / "out", g, "svd", calibration=str(calib_text), calibration_tokens=512,
-                             calibration_seq_len=32, progress=False).output  # fmt: skip
+    out = convert_checkpoint(
+        src,
+        tmp_path / "out",
+        g,
+        "svd",
+        calibration=str(calib_text),
+        calibration_tokens=512,
+        calibration_seq_len=32,
+        progress=False,
+    ).output
     converted = load(out)
     assert converted.config.num_key_value_heads == g
     torch.testing.assert_close(logits(converted, IDS), logits(model, IDS), atol=1e-4, rtol=1e-4)
@@ -142,8 +150,10 @@ def test_svd_same_head_count_is_an_exact_copy_and_bad_input(calib_text, tmp_path
     result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "x"), "-g", "2", "--method", "svd"])
     assert result.exit_code == 1 and "needs calibration text: pass --calibration" in result.output
     qwen3 = save(random_model(tiny_config("qwen3")), tmp_path / "qwen3")
-    result = CliRunner().invoke(main, ["convert", str(qwen3), str(tmp_path / "y"), "-g", "2", "--method", "svd",
-                                       "--calibration", str(calib_text)])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        ["convert", str(qwen3), str(tmp_path / "y"), "-g", "2", "--method", "svd", "--calibration", str(calib_text)],
+    )
     assert result.exit_code == 1 and "normalises q/k per head" in result.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
@@ -177,8 +187,9 @@ def test_svd_beats_mean_by_a_wide_margin_on_a_real_model(tmp_path):
     settings = EvalSettings(data=str(held), seq_len=512, max_tokens=8192, attention=False, progress=False)
     ratios = {}
     for method in ("mean", "svd"):
-        out = convert_checkpoint(src, tmp_path / method, 2, method, calibration=str(calib), calibration_tokens=8192,
-                                 progress=False).output  # fmt: skip
+        out = convert_checkpoint(
+            src, tmp_path / method, 2, method, calibration=str(calib), calibration_tokens=8192, progress=False
+        ).output
         r = evaluate(str(src), str(out), settings)
         ratios[method] = (r["protocols"]["disjoint"]["ppl_ratio"], r["agreement"]["kl"]["mean"])
     (mean_ratio, mean_kl), (svd_ratio, svd_kl) = ratios["mean"], ratios["svd"]
@@ -246,8 +257,16 @@ def test_svd_undoes_rope_commuting_transforms_between_heads(family, calib_text, 
     relate_groups(model, family, 2)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
     before = logits(model, IDS)
-    out = convert_checkpoint(src, tmp_path / "svd", 2, "svd", calibration=str(calib_text), calibration_tokens=512,
-                             calibration_seq_len=32, progress=False).output  # fmt: skip
+    out = convert_checkpoint(
+        src,
+        tmp_path / "svd",
+        2,
+        "svd",
+        calibration=str(calib_text),
+        calibration_tokens=512,
+        calibration_seq_len=32,
+        progress=False,
+    ).output
     torch.testing.assert_close(logits(load(out), IDS), before, atol=2e-4, rtol=1e-3)
     mean = convert_checkpoint(src, tmp_path / "mean", 2, "mean", progress=False).output
     assert (logits(load(mean), IDS) - before).abs().max() > 1e-2  # mean pooling cannot undo them
@@ -457,7 +476,7 @@ def test_merge_residual_is_zero_for_one_or_identical_heads_and_grouping_never_lo
         ("phi3", "svd", "contiguous", {"qkv_proj", "o_proj"}),
         ("stablelm", "mean", "contiguous", {"k_proj", "v_proj", "k_layernorm"}),
     ],
-)  # fmt: skip
+)
 def test_the_card_names_exactly_the_tensors_that_changed(family, method, grouping, roles, calib_text, tmp_path):
     """The record's ``rewritten`` list is exactly the set of tensors whose bytes differ from the source
     (as templates), and the card says it: only K/V for pooling methods, every projection otherwise."""
@@ -498,8 +517,16 @@ def test_head_contribution_error_sees_through_the_basis_svd_absorbs(calib_text, 
     model = random_model(tiny_config("llama", vocab_size=300), seed=7)
     relate_groups(model, "llama", 2)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
-    svd = convert_checkpoint(src, tmp_path / "svd", 2, "svd", calibration=str(calib_text), calibration_tokens=512,
-                             calibration_seq_len=32, progress=False).output  # fmt: skip
+    svd = convert_checkpoint(
+        src,
+        tmp_path / "svd",
+        2,
+        "svd",
+        calibration=str(calib_text),
+        calibration_tokens=512,
+        calibration_seq_len=32,
+        progress=False,
+    ).output
     mean = convert_checkpoint(src, tmp_path / "mean", 2, "mean", progress=False).output
     batch = torch.randint(3, 300, (1, 48), generator=torch.Generator().manual_seed(0))
     exact = attention_similarity(load(src), load(svd), batch, chunk=16)["summary"]

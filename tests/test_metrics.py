@@ -99,16 +99,25 @@ def test_agreement_statistics_equal_an_independent_float64_computation():
     n = len(target)
     same = (lo.argmax(1) == lc.argmax(1)).mean()
     expected = {
-        ("kl", "mean"): kl.mean(), ("kl", "std_error"): kl.std(ddof=1) / np.sqrt(n), ("kl", "median"): np.median(kl),
-        ("kl", "q0_1"): np.quantile(kl, 0.001), ("kl", "q99_9"): np.quantile(kl, 0.999), ("kl", "min"): kl.min(),
-        ("kl_reverse", "mean"): kl_rev.mean(), ("kl_reverse", "q90"): np.quantile(kl_rev, 0.9),
-        ("delta_p", "mean"): dp.mean(), ("delta_p", "q1"): np.quantile(dp, 0.01), ("delta_p", "max"): dp.max(),
+        ("kl", "mean"): kl.mean(),
+        ("kl", "std_error"): kl.std(ddof=1) / np.sqrt(n),
+        ("kl", "median"): np.median(kl),
+        ("kl", "q0_1"): np.quantile(kl, 0.001),
+        ("kl", "q99_9"): np.quantile(kl, 0.999),
+        ("kl", "min"): kl.min(),
+        ("kl_reverse", "mean"): kl_rev.mean(),
+        ("kl_reverse", "q90"): np.quantile(kl_rev, 0.9),
+        ("delta_p", "mean"): dp.mean(),
+        ("delta_p", "q1"): np.quantile(dp, 0.01),
+        ("delta_p", "max"): dp.max(),
         ("delta_p", "rms"): np.sqrt((dp**2).mean()),
         ("delta_p", "rms_error"): (dp**2).std(ddof=1) / np.sqrt(n) / (2 * np.sqrt((dp**2).mean())),
-        ("top1_agreement",): same, ("top1_error",): np.sqrt(same * (1 - same) / n),
-        ("nll_delta",): (nll_c - nll_o).mean(), ("nll_delta_error",): (nll_c - nll_o).std(ddof=1) / np.sqrt(n),
+        ("top1_agreement",): same,
+        ("top1_error",): np.sqrt(same * (1 - same) / n),
+        ("nll_delta",): (nll_c - nll_o).mean(),
+        ("nll_delta_error",): (nll_c - nll_o).std(ddof=1) / np.sqrt(n),
         ("nll_correlation",): np.corrcoef(nll_o, nll_c)[0, 1],
-    }  # fmt: skip
+    }
     assert got["tokens"] == n
     for key, value in expected.items():
         actual = got[key[0]] if len(key) == 1 else got[key[0]][key[1]]

@@ -40,8 +40,17 @@ def _equalise(model, per_layer: tuple[int, ...]) -> None:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("perlayer")
-    cfg = tiny_config("llama", num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, hidden_size=64,
-                      head_dim=8, max_position_embeddings=64, attention_bias=False, vocab_size=300)  # fmt: skip
+    cfg = tiny_config(
+        "llama",
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        hidden_size=64,
+        head_dim=8,
+        max_position_embeddings=64,
+        attention_bias=False,
+        vocab_size=300,
+    )
     model = random_model(cfg, seed=21)
     _equalise(model, HEADS)
     return save(model, root / "src")
@@ -61,8 +70,9 @@ def test_equalised_heads_convert_per_layer_with_unchanged_logits(source, method,
         from mha2gqa.demo import build_tokenizer
 
         build_tokenizer(Path(kw["calibration"]).read_text(), 300).save_pretrained(src)
-    out = convert_checkpoint(src, tmp_path / "out", None, method, num_kv_heads_per_layer="8,4,2,1", progress=False,
-                             **kw)  # fmt: skip
+    out = convert_checkpoint(
+        src, tmp_path / "out", None, method, num_kv_heads_per_layer="8,4,2,1", progress=False, **kw
+    )
     assert out.kv_heads_per_layer == list(HEADS)
     before = logits(_ours(src), IDS)
     after = _ours(out.output)
@@ -111,20 +121,42 @@ def test_eval_bench_and_uptrain_run_on_a_per_layer_checkpoint(tmp_path):
     text = story_text(tmp_path / "t.txt")
     parent = llama_with_tokenizer(tmp_path / "mha", text)  # 2 layers, 4 heads
     out = convert_checkpoint(parent, tmp_path / "pl", None, num_kv_heads_per_layer="2,1", progress=False).output
-    r = evaluate(str(parent), str(out), EvalSettings(data=str(text), seq_len=32, max_tokens=400, samples=1,
-                                                     sample_tokens=3, progress=False))  # fmt: skip
+    r = evaluate(
+        str(parent),
+        str(out),
+        EvalSettings(data=str(text), seq_len=32, max_tokens=400, samples=1, sample_tokens=3, progress=False),
+    )
     assert r["models"]["converted"]["kv_heads_per_layer"] == [2, 1]
     assert r["agreement"]["kl"]["mean"] > 0 and len(r["attention"]["layers"]) == 2
     assert r["models"]["converted"]["kv_cache_bytes_per_token"] == 2 * 3 * 8 * 4
     bench = tmp_path / "b.json"
-    res = CliRunner().invoke(main, ["bench", "--original", str(parent), "--converted", str(out), "--prompt-len", "8",
-                                    "--new-tokens", "4", "--repeats", "1", "--output", str(bench)])  # fmt: skip
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--original",
+            str(parent),
+            "--converted",
+            str(out),
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--output",
+            str(bench),
+        ],
+    )
     assert res.exit_code == 0, res.output
     kv = json.loads(bench.read_text())["models"]["converted"]["kv_cache"]
     assert kv["measured_bytes"] == kv["planned_bytes"]
     run = tmp_path / "up"
-    uptrain(str(out), UptrainSettings(data=str(text), output=str(run), seq_len=32, batch_size=2, max_steps=2,
-                                      progress=False), log=lambda *_: None)  # fmt: skip
+    uptrain(
+        str(out),
+        UptrainSettings(data=str(text), output=str(run), seq_len=32, batch_size=2, max_steps=2, progress=False),
+        log=lambda *_: None,
+    )
     from transformers import AutoModelForCausalLM
 
     again = AutoModelForCausalLM.from_pretrained(run, trust_remote_code=True)
@@ -173,8 +205,11 @@ def test_allocation_is_the_exact_optimum_of_the_budget():
         costs = [{g: (0.0 if g == 8 else rng.random()) for g in (8, 4, 2, 1)} for _ in range(layers)]
         budget = rng.randint(layers, 8 * layers)
         got = allocate(costs, budget)
-        best = min(sum(c[g] for c, g in zip(costs, combo, strict=True))
-                   for combo in itertools.product((8, 4, 2, 1), repeat=layers) if sum(combo) <= budget)  # fmt: skip
+        best = min(
+            sum(c[g] for c, g in zip(costs, combo, strict=True))
+            for combo in itertools.product((8, 4, 2, 1), repeat=layers)
+            if sum(combo) <= budget
+        )
         assert sum(got) <= budget
         assert sum(c[g] for c, g in zip(costs, got, strict=True)) == pytest.approx(best, abs=1e-12)
     with pytest.raises(SettingError, match="cannot give each"):
@@ -195,8 +230,9 @@ def test_auto_allocation_finds_the_layers_that_can_share_and_keeps_the_logits(so
     kw = dict(calibration=str(text), calibration_tokens=256, calibration_seq_len=32, progress=False)
     out = convert_checkpoint(src, tmp_path / "auto", None, per_layer="auto", kv_budget=3.75, **kw)
     assert out.kv_heads_per_layer == list(HEADS)
-    by_residual = convert_checkpoint(src, tmp_path / "res", None, per_layer="auto", kv_budget=3.75,
-                                     allocation_cost="residual", **kw)  # fmt: skip
+    by_residual = convert_checkpoint(
+        src, tmp_path / "res", None, per_layer="auto", kv_budget=3.75, allocation_cost="residual", **kw
+    )
     assert by_residual.kv_heads_per_layer == list(HEADS)
     assert by_residual.record["conversion"]["per_layer_allocation"]["cost_measure"].startswith("mean merge residual")
     torch.testing.assert_close(logits(_ours(out.output), IDS), logits(_ours(src), IDS), atol=1e-4, rtol=1e-4)
@@ -228,8 +264,22 @@ def test_report_shows_the_per_layer_budget(tmp_path):
     parent = llama_with_tokenizer(tmp_path / "mha", text)
     out = convert_checkpoint(parent, tmp_path / "pl", None, num_kv_heads_per_layer="2,1", progress=False).output
     res = tmp_path / "r.json"
-    args = ["eval", "--original", str(parent), "--converted", str(out), "--data", str(text), "--seq-len", "32",
-            "--max-tokens", "300", "-q", "--output", str(res)]  # fmt: skip
+    args = [
+        "eval",
+        "--original",
+        str(parent),
+        "--converted",
+        str(out),
+        "--data",
+        str(text),
+        "--seq-len",
+        "32",
+        "--max-tokens",
+        "300",
+        "-q",
+        "--output",
+        str(res),
+    ]
     assert CliRunner().invoke(main, args).exit_code == 0
     html = tmp_path / "r.html"
     assert CliRunner().invoke(main, ["report", str(res), "--html", str(html)]).exit_code == 0
@@ -238,8 +288,9 @@ def test_report_shows_the_per_layer_budget(tmp_path):
     assert "<th>KV heads</th><th>KV B/token</th>" in page and 'id="head_sharing-0"' not in page
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "olmo", "starcoder2", "phi3",
-                                    "stablelm", "olmo2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "olmo", "starcoder2", "phi3", "stablelm", "olmo2"]
+)
 def test_every_supported_family_loads_per_layer_both_ways(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -263,8 +314,17 @@ def test_llama_sources_also_get_the_nemotron_nas_form_that_vllm_and_llama_cpp_re
 
     from mha2gqa.core.per_layer import DECI_ARCHITECTURE, ffn_width
 
-    cfg = tiny_config("llama", num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, hidden_size=64,
-                      head_dim=8, intermediate_size=256, attention_bias=False, vocab_size=300)  # fmt: skip
+    cfg = tiny_config(
+        "llama",
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        hidden_size=64,
+        head_dim=8,
+        intermediate_size=256,
+        attention_bias=False,
+        vocab_size=300,
+    )
     src = save(random_model(cfg, seed=3), tmp_path / "src")
     out = convert_checkpoint(src, tmp_path / "out", None, num_kv_heads_per_layer="8,4,2,1", progress=False).output
     config = json.loads((out / "config.json").read_text())
@@ -290,18 +350,23 @@ def test_llama_sources_also_get_the_nemotron_nas_form_that_vllm_and_llama_cpp_re
     assert "vLLM serves it as `DeciLMForCausalLM`" in (out / "README.md").read_text()
 
 
-@pytest.mark.parametrize(("family", "overrides", "why"), [
-    ("llama", {"intermediate_size": 48, "attention_bias": False}, "its MLP width 48 is not what ffn_mult gives"),
-    ("llama", {"intermediate_size": 256}, "has biases"),
-    ("llama", {"intermediate_size": 256, "attention_bias": False, "hidden_act": "gelu"}, "activation is gelu"),
-    ("qwen2", {"intermediate_size": 256}, "the source is Qwen2ForCausalLM, not LlamaForCausalLM"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "overrides", "why"),
+    [
+        ("llama", {"intermediate_size": 48, "attention_bias": False}, "its MLP width 48 is not what ffn_mult gives"),
+        ("llama", {"intermediate_size": 256}, "has biases"),
+        ("llama", {"intermediate_size": 256, "attention_bias": False, "hidden_act": "gelu"}, "activation is gelu"),
+        ("qwen2", {"intermediate_size": 256}, "the source is Qwen2ForCausalLM, not LlamaForCausalLM"),
+    ],
+)
 def test_sources_the_nemotron_nas_form_cannot_express_keep_their_class_and_say_why(family, overrides, why, tmp_path):
     src = save(random_model(tiny_config(family, **overrides)), tmp_path / "src")
     out = convert_checkpoint(src, tmp_path / "out", None, num_kv_heads_per_layer="2,1", progress=False).output
     config = json.loads((out / "config.json").read_text())
-    assert "block_configs" not in config and config["architectures"] == json.loads(
-        (src / "config.json").read_text())["architectures"]  # fmt: skip
+    assert (
+        "block_configs" not in config
+        and config["architectures"] == json.loads((src / "config.json").read_text())["architectures"]
+    )
     record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
     assert record["serving_form"].startswith("not written in the Nemotron-NAS form") and why in record["serving_form"]
 

@@ -110,20 +110,36 @@ def pair(tmp_path_factory):
 
 def eval_args(pair, *extra):
     mha, conv, text = pair
-    return ["eval", "--original", mha, "--converted", conv, "--data", text, "--seq-len", 32, "--max-tokens", 200,
-            "--no-attention", "-q", *extra]  # fmt: skip
+    return [
+        "eval",
+        "--original",
+        mha,
+        "--converted",
+        conv,
+        "--data",
+        text,
+        "--seq-len",
+        32,
+        "--max-tokens",
+        200,
+        "--no-attention",
+        "-q",
+        *extra,
+    ]
 
 
 def test_single_file_outputs_never_replace_inputs_or_foreign_files(pair, tmp_path):
     text = pair[2]
     before = text.read_bytes()
-    assert_refused(run_cli(*eval_args(pair, "--output", text, "--overwrite")), r"is \(or contains\) the --data text",
-                   tmp_path)  # fmt: skip
+    assert_refused(
+        run_cli(*eval_args(pair, "--output", text, "--overwrite")), r"is \(or contains\) the --data text", tmp_path
+    )
     foreign = tmp_path / "notes.json"
     foreign.write_text('{"mine": true}')
     assert_refused(run_cli(*eval_args(pair, "--output", foreign)), r"exists: pass --overwrite", tmp_path)
-    assert_refused(run_cli(*eval_args(pair, "--output", foreign, "--overwrite")), "was not written by mha2gqa",
-                   tmp_path)  # fmt: skip
+    assert_refused(
+        run_cli(*eval_args(pair, "--output", foreign, "--overwrite")), "was not written by mha2gqa", tmp_path
+    )
     assert text.read_bytes() == before and foreign.read_text() == '{"mine": true}'
     out = tmp_path / "r.json"
     assert run_cli(*eval_args(pair, "--output", out)).exit_code == 0
@@ -192,8 +208,9 @@ def test_a_killed_run_leaves_a_temporary_that_the_next_run_reports_and_removes(s
         result.exit_code == 0 and "left by a run that was killed" in result.output and "--remove-stale" in result.output
     )
     assert leftovers(tmp_path) == stale  # reported, not removed
-    result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "-g", "1", "-q", "--overwrite",
-                                       "--remove-stale"])  # fmt: skip
+    result = CliRunner().invoke(
+        main, ["convert", str(src), str(tmp_path / "out"), "-g", "1", "-q", "--overwrite", "--remove-stale"]
+    )
     assert result.exit_code == 0 and leftovers(tmp_path) == []
 
 
@@ -203,13 +220,17 @@ def test_a_killed_run_leaves_a_temporary_that_the_next_run_reports_and_removes(s
 @pytest.mark.parametrize(
     ("edit", "pattern"),
     [
-        (lambda h: h["lm_head.weight" if "lm_head.weight" in h else "model.norm.weight"].update(
-            data_offsets=[float(x) for x in h["model.norm.weight"]["data_offsets"]]), "not non-negative integers"),
+        (
+            lambda h: h["lm_head.weight" if "lm_head.weight" in h else "model.norm.weight"].update(
+                data_offsets=[float(x) for x in h["model.norm.weight"]["data_offsets"]]
+            ),
+            "not non-negative integers",
+        ),
         (lambda h: h["model.norm.weight"].update(data_offsets=["0", "128"]), "not non-negative integers"),
         (lambda h: h["model.norm.weight"].update(shape=[-32]), "not non-negative integers"),
         (lambda h: h["model.norm.weight"].update(dtype=7), "unsupported dtype"),
     ],
-)  # fmt: skip
+)
 def test_bad_header_values(src, tmp_path, edit, pattern):
     rewrite_header(src / "model.safetensors", edit)
     assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2), pattern, tmp_path)
@@ -233,7 +254,7 @@ def test_bad_shard_index(src, tmp_path, weight_map):
         ({"model_type": "llama-9000", "architectures": None}, "unsupported model family"),
         ({"num_hidden_layers": 1_000_000}, "config.json says 1000000 layers, but the weights have no"),
     ],
-)  # fmt: skip
+)
 def test_bad_config_values(src, tmp_path, change, pattern):
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(change)
@@ -247,9 +268,19 @@ def test_a_pickle_refused_by_weights_only_says_it_is_unsafe(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     torch.save({"model.embed_tokens.weight": torch.zeros(2), "evil": Path("/")}, src / "pytorch_model.bin")
-    (src / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                                 "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
-                                                 "vocab_size": 4, "intermediate_size": 8}))  # fmt: skip
+    (src / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+                "vocab_size": 4,
+                "intermediate_size": 8,
+            }
+        )
+    )
     result = run_cli("convert", src, tmp_path / "out", "-g", 1, "--allow-pickle")
     assert_refused(result, "refused as unsafe by torch.load\\(weights_only=True\\)", tmp_path)
     assert "weights_only=False" not in result.output
@@ -265,15 +296,19 @@ def test_text_that_is_not_utf8_is_named_as_such(pair, tmp_path):
         args[args.index("--data") + 1] = path
         assert_refused(run_cli(*args), r"--data .*: file is not UTF-8 text \(byte \d+", tmp_path)
     mha, _, _ = pair
-    assert_refused(run_cli("convert", mha, tmp_path / "o", "-g", 2, "--method", "svd", "--calibration", latin),
-                   r"--calibration .*: file is not UTF-8 text", tmp_path)  # fmt: skip
+    assert_refused(
+        run_cli("convert", mha, tmp_path / "o", "-g", 2, "--method", "svd", "--calibration", latin),
+        r"--calibration .*: file is not UTF-8 text",
+        tmp_path,
+    )
 
 
 def test_results_and_config_files_that_are_not_what_they_claim(tmp_path):
     partial = tmp_path / "r.json"
     partial.write_text(json.dumps({"schema": "mha2gqa.eval/1", "models": {"original": {"path": "x"}}}))
-    assert_refused(run_cli("report", partial, "--html", tmp_path / "r.html"), r"models\.original\.\w+ is missing",
-                   tmp_path)  # fmt: skip
+    assert_refused(
+        run_cli("report", partial, "--html", tmp_path / "r.html"), r"models\.original\.\w+ is missing", tmp_path
+    )
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     assert_refused(run_cli("inspect", bad), "not valid JSON", tmp_path)
@@ -294,7 +329,7 @@ def test_results_and_config_files_that_are_not_what_they_claim(tmp_path):
         (["--min-top1", "1.5"], "--min-top1 must be at most 1"),
         (["--max-kl", "-0.1"], "--max-kl must be at least 0"),
     ],
-)  # fmt: skip
+)
 def test_bad_eval_values(pair, tmp_path, args, pattern):
     assert_refused(run_cli(*eval_args(pair, *args)), pattern, tmp_path)
 
@@ -310,7 +345,7 @@ def test_bad_eval_values(pair, tmp_path, args, pattern):
         (["--kd-weight", "1.5"], "--kd-weight must be at most 1"),
         (["--seed", "-3"], "--seed must be at least 0"),
     ],
-)  # fmt: skip
+)
 def test_bad_uptrain_values(pair, tmp_path, args, pattern):
     _, conv, text = pair
     out = tmp_path / "run"
@@ -320,8 +355,9 @@ def test_bad_uptrain_values(pair, tmp_path, args, pattern):
 
 @pytest.mark.parametrize("size", ["5XB", "0", "-1", "nan", "1e400GB"])
 def test_bad_shard_sizes(src, tmp_path, size):
-    assert_refused(run_cli("convert", src, tmp_path / "out", "-g", 2, "--max-shard-size", size), "--max-shard-size",
-                   tmp_path)  # fmt: skip
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out", "-g", 2, "--max-shard-size", size), "--max-shard-size", tmp_path
+    )
 
 
 def test_training_stops_on_a_non_finite_loss(pair, tmp_path, monkeypatch):
@@ -332,8 +368,9 @@ def test_training_stops_on_a_non_finite_loss(pair, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer, "_accumulate", poisoned)
     _, conv, text = pair
-    result = run_cli("uptrain", conv, "--data", text, "--output", tmp_path / "run", "-q", "--seq-len", 16,
-                     "--max-steps", 3)  # fmt: skip
+    result = run_cli(
+        "uptrain", conv, "--data", text, "--output", tmp_path / "run", "-q", "--seq-len", 16, "--max-steps", 3
+    )
     assert result.exit_code == 1 and "the loss became nan at step 1" in result.output
     assert not (tmp_path / "run" / "config.json").exists()
 
@@ -403,8 +440,11 @@ def test_nan_in_source_weights_is_reported_and_refused_on_request(src, tmp_path)
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     result = run_cli("convert", src, tmp_path / "out", "-g", 2, "-q")
     assert result.exit_code == 0 and "k_proj.weight holds NaN or Inf values" in result.output
-    assert_refused(run_cli("convert", src, tmp_path / "out2", "-g", 2, "--check-finite"),
-                   r"k_proj.weight, model.layers.1.mlp.up_proj.weight hold NaN or Inf", tmp_path)  # fmt: skip
+    assert_refused(
+        run_cli("convert", src, tmp_path / "out2", "-g", 2, "--check-finite"),
+        r"k_proj.weight, model.layers.1.mlp.up_proj.weight hold NaN or Inf",
+        tmp_path,
+    )
 
 
 def test_text_sources_are_checked_before_loading_and_hub_dataset_ids_pass():
@@ -415,7 +455,10 @@ def test_text_sources_are_checked_before_loading_and_hub_dataset_ids_pass():
     for name in ("wikitext:wikitext-2-raw-v1:test", "Salesforce/wikitext:wikitext-2-raw-v1:test", "org/name:train"):
         check_text_source(name)
         EvalSettings(data=name).check()
-    for bad, message in [("missing.txt", "no such file"), ("pyproject.toml", "unsupported file type"),
-                         ("just-a-word", "not a file, and not a datasets name")]:  # fmt: skip
+    for bad, message in [
+        ("missing.txt", "no such file"),
+        ("pyproject.toml", "unsupported file type"),
+        ("just-a-word", "not a file, and not a datasets name"),
+    ]:
         with pytest.raises(SettingError, match=message):
             check_text_source(str(Path(__file__).parents[1] / bad) if bad == "pyproject.toml" else bad)

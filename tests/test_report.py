@@ -13,9 +13,17 @@ from mha2gqa.core.planning import model_shape, plan
 from mha2gqa.core.units import parse_size
 from mha2gqa.eval.gates import GATE_EXIT_CODE
 
-LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-             "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
-             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096}  # fmt: skip
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
 
 
 def test_planner_matches_hand_calculations_for_llama2_7b():
@@ -90,16 +98,30 @@ def pair(tmp_path_factory):
 
 def eval_args(pair, *extra):
     src, conv, text = pair
-    return ["eval", "--original", str(src), "--converted", str(conv), "--data", str(text), "--seq-len", "64",
-            "--max-tokens", "1200", "-q", *extra]  # fmt: skip
+    return [
+        "eval",
+        "--original",
+        str(src),
+        "--converted",
+        str(conv),
+        "--data",
+        str(text),
+        "--seq-len",
+        "64",
+        "--max-tokens",
+        "1200",
+        "-q",
+        *extra,
+    ]
 
 
 def test_gates_pass_and_fail_with_the_documented_exit_code(pair, tmp_path):
     ok = CliRunner().invoke(main, eval_args(pair, "--max-ppl-ratio", "1000", "--max-kl", "100", "--min-top1", "0"))
     assert ok.exit_code == 0 and ok.output.strip().startswith("gates passed: ppl_ratio[disjoint]")
     out = tmp_path / "r.json"
-    bad = CliRunner().invoke(main, eval_args(pair, "--max-ppl-ratio", "1.0000001", "--max-kl", "0", "--min-top1", "1",
-                                             "--output", str(out)))  # fmt: skip
+    bad = CliRunner().invoke(
+        main, eval_args(pair, "--max-ppl-ratio", "1.0000001", "--max-kl", "0", "--min-top1", "1", "--output", str(out))
+    )
     assert bad.exit_code == GATE_EXIT_CODE == 3
     line = bad.output.strip().splitlines()[-1]
     assert line.startswith("GATES FAILED: ") and all(
@@ -116,26 +138,51 @@ def test_gates_pass_and_fail_with_the_documented_exit_code(pair, tmp_path):
 
 def test_report_has_every_section_and_image(pair, tmp_path):
     out = tmp_path / "r.json"
-    assert CliRunner().invoke(main, eval_args(pair, "--output", str(out), "--protocol", "disjoint",
-                                              "--protocol", "rolling")).exit_code == 0  # fmt: skip
+    assert (
+        CliRunner()
+        .invoke(main, eval_args(pair, "--output", str(out), "--protocol", "disjoint", "--protocol", "rolling"))
+        .exit_code
+        == 0
+    )
     html, md = tmp_path / "report.html", tmp_path / "report.md"
     result = CliRunner().invoke(main, ["report", str(out), str(out), "--html", str(html), "--md", str(md)])
     assert result.exit_code == 0, result.output
     page = html.read_text()
-    for section in ("overview", "perplexity-0", "output-agreement-0", "kl-report-llama-cpp-style-0",
-                    "attention-per-layer-0", "kv-cache-0"):  # fmt: skip
+    for section in (
+        "overview",
+        "perplexity-0",
+        "output-agreement-0",
+        "kl-report-llama-cpp-style-0",
+        "attention-per-layer-0",
+        "kv-cache-0",
+    ):
         assert f'id="{section}"' in page, section
     assert "<th>KL(converted ‖ original)</th>" in page and "correlation of per-token NLLs" in page
-    figures = ("attention_kl", "head_output_error", "entropy", "hidden_cosine", "head_similarity_curve",
-               "head_similarity", "head_sharing")  # fmt: skip
+    figures = (
+        "attention_kl",
+        "head_output_error",
+        "entropy",
+        "hidden_cosine",
+        "head_similarity_curve",
+        "head_similarity",
+        "head_sharing",
+    )
     for fig in figures:
         m = re.search(rf'<figure id="{fig}-0"><img alt="{fig}" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
         assert m and len(m.group(1)) > 1000, fig
     assert page.count("<img ") == 2 * len(figures) + 1  # two results x the figures, and the quality-vs-KV chart
     assert '<figure id="quality"><img alt="quality"' in page
     overview = page[page.index('id="overview"') : page.index('id="result-0"')]  # the first screen
-    for column in ("original PPL", "converted PPL", "tokens", "PPL ratio", "KL mean", "top-1", "KV B/token",
-                   "KV saving"):  # fmt: skip
+    for column in (
+        "original PPL",
+        "converted PPL",
+        "tokens",
+        "PPL ratio",
+        "KL mean",
+        "top-1",
+        "KV B/token",
+        "KV saving",
+    ):
         assert f"<th>{column}</th>" in overview, column
     assert "<th>gates</th>" not in overview  # no gate was asked for
     assert overview.count('<a href="#result-0">') >= 1 and '<a href="#result-1">' in overview
@@ -165,8 +212,24 @@ def test_kv_cache_table_saving(pair, tmp_path):
 def test_bench_measures_a_cache_of_g_heads_as_planned(pair, tmp_path):
     src, conv, _ = pair
     out = tmp_path / "b.json"
-    result = CliRunner().invoke(main, ["bench", "--original", str(src), "--converted", str(conv), "--prompt-len", "32",
-                                       "--new-tokens", "8", "--repeats", "2", "--output", str(out)])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--original",
+            str(src),
+            "--converted",
+            str(conv),
+            "--prompt-len",
+            "32",
+            "--new-tokens",
+            "8",
+            "--repeats",
+            "2",
+            "--output",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     b = json.loads(out.read_text())
     for name, heads in (("original", 4), ("converted", 2)):
@@ -176,8 +239,9 @@ def test_bench_measures_a_cache_of_g_heads_as_planned(pair, tmp_path):
         assert kv["bytes_per_token"] == 2 * 2 * heads * 8 * 4  # K and V, 2 layers, head_dim 8, fp32
     assert b["converted_vs_original"]["kv_cache_ratio"] == pytest.approx(0.5, rel=0.05)
     # plan --bench puts the measurement beside the roofline estimate of the same model
-    text = CliRunner().invoke(main, ["plan", str(src), "--bandwidth", "50GB/s", "--seq-len", "64", "--dtype", "fp32",
-                                     "--bench", str(out)])  # fmt: skip
+    text = CliRunner().invoke(
+        main, ["plan", str(src), "--bandwidth", "50GB/s", "--seq-len", "64", "--dtype", "fp32", "--bench", str(out)]
+    )
     assert text.exit_code == 0, text.output
     assert re.search(r"original \(4 KV heads\): measured [\d,.]+ tok/s, estimate [\d,.]+ tok/s", text.output)
     assert "converted (2 KV heads)" in text.output
@@ -194,8 +258,22 @@ def test_report_renders_for_a_real_fixture_pair(tmp_path):
     conv = convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output
     out = tmp_path / "r.json"
     data = FIXTURES / "text" / "tinystories_train_head.txt"
-    args = ["eval", "--original", str(src), "--converted", str(conv), "--data", str(data),
-            "--seq-len", "256", "--max-tokens", "4096", "--output", str(out), "-q"]  # fmt: skip
+    args = [
+        "eval",
+        "--original",
+        str(src),
+        "--converted",
+        str(conv),
+        "--data",
+        str(data),
+        "--seq-len",
+        "256",
+        "--max-tokens",
+        "4096",
+        "--output",
+        str(out),
+        "-q",
+    ]
     assert CliRunner().invoke(main, args).exit_code == 0
     assert CliRunner().invoke(main, ["report", str(out), "--html", str(tmp_path / "r.html")]).exit_code == 0
     page = (tmp_path / "r.html").read_text()

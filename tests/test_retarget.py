@@ -23,15 +23,46 @@ from mha2gqa.core.errors import Mha2GqaError, SettingError
 IDS = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12]])
 #: source model_type -> (tiny config, target class, a KV-head count below H it converts to)
 SOURCES = {
-    "gpt_neox": (dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
-                      rotary_pct=0.5, max_position_embeddings=64, tie_word_embeddings=False), "PhiForCausalLM", 2),
+    "gpt_neox": (
+        dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            rotary_pct=0.5,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        ),
+        "PhiForCausalLM",
+        2,
+    ),
     "gptj": (dict(n_embd=32, n_head=4, n_layer=2, rotary_dim=4, n_positions=64), "PhiForCausalLM", 2),
     "gpt2": (dict(n_embd=32, n_head=4, n_layer=2, n_positions=64), "GPTBigCodeForCausalLM", 1),
-    "opt": (dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, max_position_embeddings=64,
-                 word_embed_proj_dim=32), "GPTBigCodeForCausalLM", 1),
-    "falcon": (dict(hidden_size=32, num_attention_heads=8, num_kv_heads=4, num_hidden_layers=2,
-                    new_decoder_architecture=True, max_position_embeddings=64), "FalconForCausalLM", 2),
-}  # fmt: skip
+    "opt": (
+        dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+        ),
+        "GPTBigCodeForCausalLM",
+        1,
+    ),
+    "falcon": (
+        dict(
+            hidden_size=32,
+            num_attention_heads=8,
+            num_kv_heads=4,
+            num_hidden_layers=2,
+            new_decoder_architecture=True,
+            max_position_embeddings=64,
+        ),
+        "FalconForCausalLM",
+        2,
+    ),
+}
 
 
 def _model(kind: str, seed: int = 0, vocab: int = 96, **overrides):
@@ -57,8 +88,10 @@ def _kv_rows(model, kind: str):
     elif kind == "gpt2":
         for layer in model.transformer.h:  # Conv1D columns [q | k | v]
             for part in (1, 2):
-                out += [(t, t.dim() - 1, lambda h, p=part: slice(p * heads * d + h * d, p * heads * d + (h + 1) * d))
-                        for t in (layer.attn.c_attn.weight, layer.attn.c_attn.bias)]  # fmt: skip
+                out += [
+                    (t, t.dim() - 1, lambda h, p=part: slice(p * heads * d + h * d, p * heads * d + (h + 1) * d))
+                    for t in (layer.attn.c_attn.weight, layer.attn.c_attn.bias)
+                ]
     elif kind == "falcon":
         g = cfg.num_kv_heads
         per = heads // g
@@ -300,14 +333,29 @@ def _err(src: Path, dst: Path, *args: str) -> str:
 def test_refused_families_and_counts_say_why_and_what_is_valid(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
-    bloom = save(AutoModelForCausalLM.from_config(AutoConfig.for_model("bloom", vocab_size=96, hidden_size=32, n_head=4,
-                                                                       n_layer=2)), tmp_path / "bloom")  # fmt: skip
+    bloom = save(
+        AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("bloom", vocab_size=96, hidden_size=32, n_head=4, n_layer=2)
+        ),
+        tmp_path / "bloom",
+    )
     assert "ALiBi" in _err(bloom, tmp_path / "o", "-g", "2")
-    t5 = save(T5ForConditionalGeneration(T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=1,
-                                                  num_heads=4)), tmp_path / "t5")  # fmt: skip
+    t5 = save(
+        T5ForConditionalGeneration(T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
+        tmp_path / "t5",
+    )
     assert "encoder-decoder" in _err(t5, tmp_path / "o", "-g", "2")
-    rw = save(_model("falcon", alibi=True, new_decoder_architecture=False, multi_query=False, num_kv_heads=None,
-                     num_attention_heads=4), tmp_path / "rw")  # fmt: skip
+    rw = save(
+        _model(
+            "falcon",
+            alibi=True,
+            new_decoder_architecture=False,
+            multi_query=False,
+            num_kv_heads=None,
+            num_attention_heads=4,
+        ),
+        tmp_path / "rw",
+    )
     assert "ALiBi" in _err(rw, tmp_path / "o", "-g", "2")
     gpt2 = save(_model("gpt2"), tmp_path / "gpt2")
     msg = _err(gpt2, tmp_path / "o", "-g", "2")
@@ -362,8 +410,10 @@ def test_each_output_tensor_keeps_its_sources_dtype(tmp_path):
     from safetensors.torch import save_file
 
     src = save(_model("gpt_neox"), tmp_path / "src")
-    tensors = {k: (v if "layer_norm" in k or "layernorm" in k else v.to(torch.bfloat16))
-               for k, v in load_file(src / "model.safetensors").items()}  # fmt: skip
+    tensors = {
+        k: (v if "layer_norm" in k or "layernorm" in k else v.to(torch.bfloat16))
+        for k, v in load_file(src / "model.safetensors").items()
+    }
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     out = load_file(convert_checkpoint(src, tmp_path / "out", 2, progress=False).output / "model.safetensors")
     assert out["model.final_layernorm.weight"].dtype == torch.float32  # copied as stored

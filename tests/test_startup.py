@@ -13,9 +13,18 @@ from conftest import llama_with_tokenizer, story_text
 
 from mha2gqa.cli import main
 
-LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-             "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
-             "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}  # fmt: skip
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
 
 
 def modules_after(*argv: str) -> dict:
@@ -36,8 +45,22 @@ def results_file(tmp_path_factory):
     text = story_text(root / "t.txt")
     src = llama_with_tokenizer(root / "mha", text, max_positions=64)
     out = root / "r.json"
-    args = ["eval", "--original", str(src), "--converted", str(src), "--data", str(text), "--seq-len", "32",
-            "--max-tokens", "300", "--output", str(out), "-q"]  # fmt: skip
+    args = [
+        "eval",
+        "--original",
+        str(src),
+        "--converted",
+        str(src),
+        "--data",
+        str(text),
+        "--seq-len",
+        "32",
+        "--max-tokens",
+        "300",
+        "--output",
+        str(out),
+        "-q",
+    ]
     assert CliRunner().invoke(main, args).exit_code == 0
     return out
 
@@ -46,8 +69,14 @@ def test_help_plan_inspect_and_report_do_not_import_torch(tmp_path, results_file
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA2_7B))
     report = ["report", str(results_file), "--html", str(tmp_path / "r.html")]
-    for argv in (["--help"], ["convert", "--help"], ["plan", str(config)], ["plan", str(tmp_path)],
-                 ["inspect", str(config)], report):  # fmt: skip
+    for argv in (
+        ["--help"],
+        ["convert", "--help"],
+        ["plan", str(config)],
+        ["plan", str(tmp_path)],
+        ["inspect", str(config)],
+        report,
+    ):
         ran = modules_after(*argv)
         assert ran["rc"] == 0 and ran["heavy"] == [], (argv, ran)
     assert (tmp_path / "r.html").stat().st_size > 10_000
@@ -55,17 +84,21 @@ def test_help_plan_inspect_and_report_do_not_import_torch(tmp_path, results_file
 
 def test_bad_options_are_refused_before_torch_loads(tmp_path):
     for argv, message in [
-        (["convert", str(tmp_path), str(tmp_path / "o"), "-g", "2", "--calibration-tokens", "0"],
-         "--calibration-tokens must be at least 1"),
+        (
+            ["convert", str(tmp_path), str(tmp_path / "o"), "-g", "2", "--calibration-tokens", "0"],
+            "--calibration-tokens must be at least 1",
+        ),
         (["convert", str(tmp_path), str(tmp_path / "o"), "-g", "2", "--max-shard-size", "5XB"], "--max-shard-size"),
         (["convert", str(tmp_path), str(tmp_path / "o"), "-g", "2", "--seed", str(2**64)], "--seed must be at most"),
         (["eval", "--original", "x", "--data", "y", "--seq-len", "0"], "--seq-len must be at least 2"),
         (["eval", "--original", "x", "--data", "y", "--max-kl", "nan"], "--max-kl must be a finite number"),
-        (["uptrain", "x", "--data", "y", "--output", str(tmp_path / "u"), "--weight-decay", "nan"],
-         "--weight-decay must be a finite number"),
+        (
+            ["uptrain", "x", "--data", "y", "--output", str(tmp_path / "u"), "--weight-decay", "nan"],
+            "--weight-decay must be a finite number",
+        ),
         (["plan", "x", "--seq-len", "0"], "--seq-len must be at least 1"),
         (["bench", "--original", "x", "--batch-size", "0"], "--batch-size must be at least 1"),
-    ]:  # fmt: skip
+    ]:
         ran = modules_after(*argv)
         assert ran["rc"] != 0 and message in ran["out"] and ran["heavy"] == [], (argv, ran)
         assert "Traceback" not in ran["out"] and ran["out"].count("Error: ") == 1

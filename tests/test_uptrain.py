@@ -34,8 +34,17 @@ def models(tmp_path_factory):
 
 
 def _settings(models, out: Path, **kw) -> UptrainSettings:
-    base = dict(data=str(models["text"]), output=str(out), seq_len=32, batch_size=4, lr=3e-3, max_steps=12,
-                eval_data=str(models["held"]), eval_tokens=512, progress=False)  # fmt: skip
+    base = dict(
+        data=str(models["text"]),
+        output=str(out),
+        seq_len=32,
+        batch_size=4,
+        lr=3e-3,
+        max_steps=12,
+        eval_data=str(models["held"]),
+        eval_tokens=512,
+        progress=False,
+    )
     return UptrainSettings(**{**base, **kw})
 
 
@@ -76,9 +85,15 @@ def test_distillation_gradient_matches_autograd_of_the_formula():
     t = torch.randn(2, 3, 11, dtype=torch.float64)
     for temp in (1.0, 3.0):
         (ours,) = torch.autograd.grad(distillation(s, t, temp), s)
-        ref = torch.nn.functional.kl_div(torch.log_softmax(s.flatten(0, 1) / temp, -1),
-                                         torch.log_softmax(t.flatten(0, 1) / temp, -1), log_target=True,
-                                         reduction="batchmean") * temp**2  # fmt: skip
+        ref = (
+            torch.nn.functional.kl_div(
+                torch.log_softmax(s.flatten(0, 1) / temp, -1),
+                torch.log_softmax(t.flatten(0, 1) / temp, -1),
+                log_target=True,
+                reduction="batchmean",
+            )
+            * temp**2
+        )
         (theirs,) = torch.autograd.grad(ref, s)
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
 
@@ -189,8 +204,11 @@ def test_uptrain_improves_and_writes_a_stock_gqa_model(models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    result = uptrain(str(models["student"]), _settings(models, out, max_steps=30, teacher=str(models["parent"]),
-                                                       save_total_limit=2), log=_quiet)  # fmt: skip
+    result = uptrain(
+        str(models["student"]),
+        _settings(models, out, max_steps=30, teacher=str(models["parent"]), save_total_limit=2),
+        log=_quiet,
+    )
     assert result.complete and result.steps == 30 and result.tokens == 30 * 4 * 32
     evals = result.evals
     assert [e["step"] for e in evals] == [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30]
@@ -218,8 +236,11 @@ def test_uptrain_improves_and_writes_a_stock_gqa_model(models, tmp_path):
 
 
 def test_kd_objective_moves_toward_the_teacher(models, tmp_path):
-    result = uptrain(str(models["student"]), _settings(models, tmp_path / "kd", objective="kd", max_steps=20,
-                                                       teacher=str(models["parent"])), log=_quiet)  # fmt: skip
+    result = uptrain(
+        str(models["student"]),
+        _settings(models, tmp_path / "kd", objective="kd", max_steps=20, teacher=str(models["parent"])),
+        log=_quiet,
+    )
     assert result.evals[-1]["kl_mean"] < 0.8 * result.evals[0]["kl_mean"]
     losses = [r["kd"] for r in read_log(tmp_path / "kd") if r["type"] == "train"]
     assert losses[-1] < losses[0]
@@ -259,8 +280,11 @@ def test_accumulation_and_checkpointing_do_not_change_the_run(models, tmp_path):
 
 
 def test_max_tokens_sets_the_steps_and_one_epoch_is_the_default(models, tmp_path):
-    r = uptrain(str(models["student"]), _settings(models, tmp_path / "a", max_steps=None, max_tokens=1000,
-                                                  eval_data=None), log=_quiet)  # fmt: skip
+    r = uptrain(
+        str(models["student"]),
+        _settings(models, tmp_path / "a", max_steps=None, max_tokens=1000, eval_data=None),
+        log=_quiet,
+    )
     assert r.total_steps == 8  # ceil(1000 / (4 x 32))
     r = uptrain(str(models["student"]), _settings(models, tmp_path / "b", max_steps=None, eval_data=None), log=_quiet)
     windows = read_log(tmp_path / "b")[0]["windows"]
@@ -269,15 +293,55 @@ def test_max_tokens_sets_the_steps_and_one_epoch_is_the_default(models, tmp_path
 
 def test_cli_uptrain_then_eval(models, tmp_path):
     out = tmp_path / "cli"
-    r = CliRunner().invoke(main, ["uptrain", str(models["student"]), "--data", str(models["text"]), "--output",
-                                  str(out), "--seq-len", "32", "--batch-size", "4", "--grad-accum", "2",
-                                  "--max-steps", "6", "--eval-data", str(models["held"]), "--eval-tokens", "256",
-                                  "--teacher", str(models["parent"]), "--objective", "mix", "-q"])  # fmt: skip
+    r = CliRunner().invoke(
+        main,
+        [
+            "uptrain",
+            str(models["student"]),
+            "--data",
+            str(models["text"]),
+            "--output",
+            str(out),
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--grad-accum",
+            "2",
+            "--max-steps",
+            "6",
+            "--eval-data",
+            str(models["held"]),
+            "--eval-tokens",
+            "256",
+            "--teacher",
+            str(models["parent"]),
+            "--objective",
+            "mix",
+            "-q",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert r.output == ""
-    r = CliRunner().invoke(main, ["eval", "--original", str(models["parent"]), "--converted", str(out), "--data",
-                                  str(models["held"]), "--seq-len", "32", "--max-tokens", "256", "-q",
-                                  "--output", str(tmp_path / "res.json")])  # fmt: skip
+    r = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            "--original",
+            str(models["parent"]),
+            "--converted",
+            str(out),
+            "--data",
+            str(models["held"]),
+            "--seq-len",
+            "32",
+            "--max-tokens",
+            "256",
+            "-q",
+            "--output",
+            str(tmp_path / "res.json"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "res.json").read_text())
     assert res["models"]["converted"]["num_kv_heads"] == 2 and res["agreement"]["kl"]["mean"] > 0
@@ -287,8 +351,11 @@ def test_report_draws_the_recovery_curves(models, tmp_path):
     runs = []
     for objective in ("ce", "kd"):
         out = tmp_path / f"run-{objective}"
-        uptrain(str(models["student"]), _settings(models, out, objective=objective, max_steps=6,
-                                                  teacher=str(models["parent"])), log=_quiet)  # fmt: skip
+        uptrain(
+            str(models["student"]),
+            _settings(models, out, objective=objective, max_steps=6, teacher=str(models["parent"])),
+            log=_quiet,
+        )
         runs += ["--uptrain", str(out)]
     md = tmp_path / "r.md"
     r = CliRunner().invoke(main, ["report", *runs, "--md", str(md), "--html", str(tmp_path / "r.html")])
@@ -342,21 +409,25 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path):
     other_text = tmp_path / "other.txt"
     other_text.write_text("\n".join(f"a quick brown fox {i} jumps over lazy dogs" for i in range(200)))
     other = llama_with_tokenizer(tmp_path / "other", other_text)
-    assert "tokenizer mismatch" in _cli_error([student, *base, "--output", str(tmp_path / "a"), "--objective", "kd",
-                                              "--teacher", str(other)])  # fmt: skip
-    assert "not GQA-shaped" in _cli_error([str(models["parent"]), *base, "--output", str(tmp_path / "b"),
-                                           "--train", "kv"])  # fmt: skip
+    assert "tokenizer mismatch" in _cli_error(
+        [student, *base, "--output", str(tmp_path / "a"), "--objective", "kd", "--teacher", str(other)]
+    )
+    assert "not GQA-shaped" in _cli_error(
+        [str(models["parent"]), *base, "--output", str(tmp_path / "b"), "--train", "kv"]
+    )
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("the cat")
     assert "too little text for one training window" in _cli_error(
         [student, "--data", str(tiny), "--seq-len", "32", "--output", str(tmp_path / "c"), "-q"]
     )
     assert "pass --teacher" in _cli_error([student, *base, "--output", str(tmp_path / "d"), "--objective", "kd"])
-    assert "multiple of --grad-accum" in _cli_error([student, *base, "--output", str(tmp_path / "e"),
-                                                     "--batch-size", "6", "--grad-accum", "4"])  # fmt: skip
+    assert "multiple of --grad-accum" in _cli_error(
+        [student, *base, "--output", str(tmp_path / "e"), "--batch-size", "6", "--grad-accum", "4"]
+    )
     assert "is (or contains) the student model" in _cli_error([student, *base, "--output", student])
-    assert "choose auto, cpu, cuda or cuda:N" in _cli_error([student, *base, "--output", str(tmp_path / "f"),
-                                                            "--device", "gpu0"])  # fmt: skip
+    assert "choose auto, cpu, cuda or cuda:N" in _cli_error(
+        [student, *base, "--output", str(tmp_path / "f"), "--device", "gpu0"]
+    )
     for name in ("a", "b", "c", "d", "e", "f"):
         assert not (tmp_path / name).exists()  # refused before anything was written
 
@@ -365,8 +436,18 @@ def test_an_existing_run_is_never_clobbered(models, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    args = [str(models["student"]), "--data", str(models["text"]), "--seq-len", "32", "--max-steps", "2",
-            "--output", str(out), "-q"]  # fmt: skip
+    args = [
+        str(models["student"]),
+        "--data",
+        str(models["text"]),
+        "--seq-len",
+        "32",
+        "--max-steps",
+        "2",
+        "--output",
+        str(out),
+        "-q",
+    ]
     assert "pass --resume" in _cli_error(args)
     assert (out / "keep.txt").read_text() == "precious"
     assert "was not written by mha2gqa" in _cli_error([*args, "--overwrite"])  # not ours: never replaced
@@ -386,8 +467,11 @@ def test_resume_with_other_settings_is_refused(models, tmp_path):
     out = tmp_path / "run"
     uptrain(str(models["student"]), _settings(models, out, max_steps=4, stop_after=2, eval_data=None), log=_quiet)
     with pytest.raises(Mha2GqaError, match=r"--resume: lr is 0\.001 here but 0\.003"):
-        uptrain(str(models["student"]), _settings(models, out, max_steps=4, lr=1e-3, resume=True, eval_data=None),
-                log=_quiet)  # fmt: skip
+        uptrain(
+            str(models["student"]),
+            _settings(models, out, max_steps=4, lr=1e-3, resume=True, eval_data=None),
+            log=_quiet,
+        )
 
 
 def test_train_all_needs_no_family_definition(tmp_path, models):
@@ -416,12 +500,29 @@ def test_stories260k_one_kv_head_recovers_quickly_from_svd(tmp_path):
     (tmp_path / "train.txt").write_text(text[:cut])
     (tmp_path / "calib.txt").write_text(text[: len(text) // 2])
     (tmp_path / "held.txt").write_text(text[cut:])
-    student = convert_checkpoint(FIXTURES / "stories260K", tmp_path / "svd1", 1, "svd", progress=False,
-                                 calibration=str(tmp_path / "calib.txt"), calibration_tokens=32768,
-                                 calibration_seq_len=512).output  # fmt: skip
-    settings = UptrainSettings(data=str(tmp_path / "train.txt"), output=str(tmp_path / "run"), seq_len=256,
-                               batch_size=8, lr=1e-3, max_steps=60, eval_every=30, eval_data=str(tmp_path / "held.txt"),
-                               eval_tokens=16384, teacher=str(FIXTURES / "stories260K"), progress=False)  # fmt: skip
+    student = convert_checkpoint(
+        FIXTURES / "stories260K",
+        tmp_path / "svd1",
+        1,
+        "svd",
+        progress=False,
+        calibration=str(tmp_path / "calib.txt"),
+        calibration_tokens=32768,
+        calibration_seq_len=512,
+    ).output
+    settings = UptrainSettings(
+        data=str(tmp_path / "train.txt"),
+        output=str(tmp_path / "run"),
+        seq_len=256,
+        batch_size=8,
+        lr=1e-3,
+        max_steps=60,
+        eval_every=30,
+        eval_data=str(tmp_path / "held.txt"),
+        eval_tokens=16384,
+        teacher=str(FIXTURES / "stories260K"),
+        progress=False,
+    )
     result = uptrain(str(student), settings, log=_quiet)
     ratios = [e["ppl_ratio"] for e in result.evals]
     assert ratios[0] > 3.0  # svd alone: about x3.7
@@ -439,13 +540,29 @@ def test_stories260k_acceptance_300_steps(tmp_path):
         (tmp_path / f"{name}.txt").write_text(body)
     ratios = {}
     for method in ("svd", "mean"):
-        student = convert_checkpoint(FIXTURES / "stories260K", tmp_path / method, 1, method, progress=False,
-                                     calibration=str(tmp_path / "calib.txt"), calibration_tokens=32768,
-                                     calibration_seq_len=512).output  # fmt: skip
-        settings = UptrainSettings(data=str(tmp_path / "train.txt"), output=str(tmp_path / f"{method}-up"),
-                                   seq_len=256, batch_size=8, lr=1e-3, max_steps=300, eval_every=50,
-                                   eval_data=str(tmp_path / "held.txt"), eval_tokens=None,
-                                   teacher=str(FIXTURES / "stories260K"), progress=False)  # fmt: skip
+        student = convert_checkpoint(
+            FIXTURES / "stories260K",
+            tmp_path / method,
+            1,
+            method,
+            progress=False,
+            calibration=str(tmp_path / "calib.txt"),
+            calibration_tokens=32768,
+            calibration_seq_len=512,
+        ).output
+        settings = UptrainSettings(
+            data=str(tmp_path / "train.txt"),
+            output=str(tmp_path / f"{method}-up"),
+            seq_len=256,
+            batch_size=8,
+            lr=1e-3,
+            max_steps=300,
+            eval_every=50,
+            eval_data=str(tmp_path / "held.txt"),
+            eval_tokens=None,
+            teacher=str(FIXTURES / "stories260K"),
+            progress=False,
+        )
         ratios[method] = {e["step"]: e["ppl_ratio"] for e in uptrain(str(student), settings, log=_quiet).evals}
     assert ratios["svd"][300] <= 1.3 and ratios["mean"][300] <= 1.7
     assert ratios["svd"][50] <= ratios["mean"][300]

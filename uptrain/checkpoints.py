@@ -57,8 +57,10 @@ def check_output(output: Path, resume: bool, overwrite: bool, inputs: Inputs) ->
     something not to be clobbered: a run folder is resumed or replaced only when it is ours."""
     check_overlap(output, inputs, "--output")
     if output.is_dir() and any(output.iterdir()) and not (resume or overwrite):
-        raise Mha2GqaError(f"--output {output} exists and is not empty: pass --resume to continue that run or "
-                           "--overwrite to start over")  # fmt: skip
+        raise Mha2GqaError(
+            f"--output {output} exists and is not empty: pass --resume to continue that run or "
+            "--overwrite to start over"
+        )
     check_destination(output, overwrite or resume, inputs, "--output")
 
 

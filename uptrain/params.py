@@ -100,8 +100,11 @@ def param_groups(trainable: Trainable, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, p in zip(trainable.names, trainable.params, strict=True):
         (decay if p.ndim >= 2 and name not in trainable.masked_rows else no_decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]  # fmt: skip
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def lora_targets(family: Family | None, dims: AttentionDims, which: str) -> list[str] | str:
@@ -124,8 +127,9 @@ def apply_lora(model: torch.nn.Module, targets: list[str] | str, rank: int, alph
         import peft
     except ImportError:
         raise Mha2GqaError("--lora-rank needs peft: pip install peft (or 'mha2gqa[lora]')") from None
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                             task_type="CAUSAL_LM")  # fmt: skip
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM"
+    )
     return peft.get_peft_model(model, config)
 
 

@@ -15,10 +15,31 @@ TRAINABLE = ("all", "attention", "kv")
 MIXED_PRECISION = ("auto", "no", "bf16")
 
 #: settings that define the trajectory: a resumed run must use the same ones
-RUN_FIELDS = ("data", "text_field", "doc_split", "objective", "teacher", "kd_weight", "temperature", "train",
-              "lora_rank", "lora_alpha", "lora_dropout", "max_steps", "max_tokens", "batch_size", "grad_accum",
-              "seq_len", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta2", "max_grad_norm",
-              "seed")  # fmt: skip
+RUN_FIELDS = (
+    "data",
+    "text_field",
+    "doc_split",
+    "objective",
+    "teacher",
+    "kd_weight",
+    "temperature",
+    "train",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "max_steps",
+    "max_tokens",
+    "batch_size",
+    "grad_accum",
+    "seq_len",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta2",
+    "max_grad_norm",
+    "seed",
+)
 
 
 @dataclass
@@ -27,14 +48,19 @@ class UptrainSettings:
 
     data: str = setting(help="Training text (same sources as eval --data); packed into --seq-len windows.")
     output: str = setting(help="Run folder: final model, checkpoints/, log.")
-    objective: str = setting("ce", help="ce: next-token cross-entropy; kd: KL to --teacher's next-token "
-                             "distribution; mix: both.", choices=OBJECTIVES)  # fmt: skip
-    teacher: str | None = setting(None, help="The MHA parent (folder or hub id): kd/mix target, and KL in "
-                                  "evaluations.")  # fmt: skip
+    objective: str = setting(
+        "ce",
+        help="ce: next-token cross-entropy; kd: KL to --teacher's next-token distribution; mix: both.",
+        choices=OBJECTIVES,
+    )
+    teacher: str | None = setting(None, help="The MHA parent (folder or hub id): kd/mix target, and KL in evaluations.")
     kd_weight: float = setting(0.5, help="mix: loss = (1 - w) * ce + w * kd.", minimum=0, maximum=1)
     temperature: float = setting(1.0, help="Distillation temperature (loss scaled by T^2).", above=0)
-    train: str = setting("all", help="What trains: every parameter, the attention projections, or only the K/V "
-                         "projections.", choices=TRAINABLE)  # fmt: skip
+    train: str = setting(
+        "all",
+        help="What trains: every parameter, the attention projections, or only the K/V projections.",
+        choices=TRAINABLE,
+    )
     lora_rank: int = setting(0, help="LoRA adapters of this rank (peft) on what --train names; 0: off.", minimum=0)
     lora_alpha: float | None = setting(None, help="LoRA alpha [default: 2 x rank].", above=0)
     lora_dropout: float = setting(0.0, help="LoRA dropout.", minimum=0, below=1)
@@ -52,23 +78,25 @@ class UptrainSettings:
     seed: int = setting(0, help="Seed for data order and any randomness.", minimum=0, maximum=2**63 - 1)
     text_field: str = setting("text", help="Field holding the text in .jsonl/.parquet/datasets sources.")
     doc_split: str = setting("file", help="How a .txt file is cut into documents.", choices=tuple(DOC_SPLITS))
-    eval_data: str | None = setting(None, help="Held-out text evaluated periodically (perplexity; KL with "
-                                    "--teacher).")  # fmt: skip
+    eval_data: str | None = setting(None, help="Held-out text evaluated periodically (perplexity; KL with --teacher).")
     eval_every: int | None = setting(None, help="Steps between evaluations [default: a tenth of the run].", minimum=1)
     eval_tokens: int | None = setting(65536, help="Held-out tokens per evaluation.", minimum=1)
     eval_seq_len: int | None = setting(None, help="Evaluation window [default: --seq-len].", minimum=2)
-    eval_batch_size: int | None = setting(None, help="Windows per evaluation forward [default: the micro-batch].",
-                                          minimum=1)  # fmt: skip
+    eval_batch_size: int | None = setting(
+        None, help="Windows per evaluation forward [default: the micro-batch].", minimum=1
+    )
     save_every: int | None = setting(None, help="Steps between checkpoints [default: --eval-every].", minimum=1)
     save_total_limit: int = setting(2, help="Checkpoints kept (the newest).", minimum=1)
     log_every: int = setting(10, help="Steps between train records in the log.", minimum=1)
-    stop_after: int | None = setting(None, help="Stop after this many steps (checkpointed), e.g. for a time slot; "
-                                     "continue with --resume.", minimum=1)  # fmt: skip
+    stop_after: int | None = setting(
+        None, help="Stop after this many steps (checkpointed), e.g. for a time slot; continue with --resume.", minimum=1
+    )
     resume: bool = setting(False, help="Continue the run in --output from its last checkpoint (same settings).")
     overwrite: bool = setting(False, help="Delete a previous run in --output and start over.")
     device: str = setting("auto", help=f"{DEVICE_HELP} (accelerate launch picks each process's GPU)")
-    mixed_precision: str = setting("auto", help="auto: bf16 autocast on GPUs that support it, float32 otherwise.",
-                                   choices=MIXED_PRECISION)  # fmt: skip
+    mixed_precision: str = setting(
+        "auto", help="auto: bf16 autocast on GPUs that support it, float32 otherwise.", choices=MIXED_PRECISION
+    )
     gradient_checkpointing: bool = setting(False, help="Recompute activations in the backward pass.")
     progress: bool = setting(True, help="Progress bars.", cli=False)
 
@@ -79,8 +107,9 @@ class UptrainSettings:
         check_text_source(self.data, "data")
         check_text_source(self.eval_data, "eval_data")
         if self.objective in ("kd", "mix") and not self.teacher:
-            raise SettingError("teacher", f"objective {self.objective} distils from a teacher: pass {{name}} "
-                               "ORIGINAL_MODEL")  # fmt: skip
+            raise SettingError(
+                "teacher", f"objective {self.objective} distils from a teacher: pass {{name}} ORIGINAL_MODEL"
+            )
         if self.max_steps and self.max_tokens:
             raise SettingError("max_steps", "give {name} or --max-tokens, not both")
         return self

@@ -123,8 +123,9 @@ def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
             raise Mha2GqaError(f"{flag} {n} is longer than the model's {max_pos} positions")
     per_step = s.grad_accum * processes
     if s.batch_size % per_step:
-        raise SettingError("batch_size", f"{{name}} {s.batch_size} must be a multiple of --grad-accum x processes = "
-                           f"{per_step}")  # fmt: skip
+        raise SettingError(
+            "batch_size", f"{{name}} {s.batch_size} must be a multiple of --grad-accum x processes = {per_step}"
+        )
 
     tokenizer = load_tokenizer(student_folder)
     teacher_folder = None
@@ -148,10 +149,24 @@ def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
         raise SettingError("warmup_steps", f"{{name}} {s.warmup_steps} must be fewer than the run's {total} steps")
     eval_every = s.eval_every or max(1, total // 10)
     run = {**asdict(s), "seq_len": seq_len, "max_steps": total, "max_tokens": None, "eval_seq_len": eval_seq_len}
-    return _Plan(student_folder, teacher_folder, _dims(student_folder), family,
-                 config.get("dtype") or config.get("torch_dtype") or "float32", max_pos, seq_len, eval_seq_len,
-                 s.batch_size // per_step, tokenizer, windows, eval_windows, total, eval_every,
-                 s.save_every or eval_every, run)  # fmt: skip
+    return _Plan(
+        student_folder,
+        teacher_folder,
+        _dims(student_folder),
+        family,
+        config.get("dtype") or config.get("torch_dtype") or "float32",
+        max_pos,
+        seq_len,
+        eval_seq_len,
+        s.batch_size // per_step,
+        tokenizer,
+        windows,
+        eval_windows,
+        total,
+        eval_every,
+        s.save_every or eval_every,
+        run,
+    )
 
 
 def _models(plan: _Plan, s: UptrainSettings, acc, resume_from: Path | None):
@@ -191,8 +206,12 @@ class _Trainer:
         self.output = Path(s.output)
         self.plan = plan = _plan(student, s, acc.num_processes)
         self.tokens_per_step = s.batch_size * plan.seq_len
-        inputs = {"the student model": plan.student_folder, "the --teacher model": plan.teacher_folder,
-                  "the --data text": s.data, "the --eval-data text": s.eval_data}  # fmt: skip
+        inputs = {
+            "the student model": plan.student_folder,
+            "the --teacher model": plan.teacher_folder,
+            "the --data text": s.data,
+            "the --eval-data text": s.eval_data,
+        }
         check_output(self.output, s.resume, s.overwrite, inputs)
         self.resume_from, self.start_step = _resume_point(self.output, s.resume, plan.run)
         from accelerate.utils import set_seed
@@ -204,8 +223,9 @@ class _Trainer:
             prepare_output(self.output, s.resume, s.overwrite)
         acc.wait_for_everyone()
         optimizer = torch.optim.AdamW(param_groups(self.trainable, s.weight_decay), lr=s.lr, betas=(0.9, s.adam_beta2))
-        scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, s.warmup_steps, plan.total,
-                                                                min_lr_rate=s.min_lr_ratio)  # fmt: skip
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, s.warmup_steps, plan.total, min_lr_rate=s.min_lr_ratio
+        )
         model.train()
         self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
         skip_model_weights(acc)
@@ -227,40 +247,69 @@ class _Trainer:
         else:
             if s.resume:
                 self.say(f"--resume: no checkpoint in {self.output}; starting from step 0")
-            self.log.write({"type": "start", "created": now(), "student": self.student, "teacher": s.teacher,
-                            "settings": plan.run, "windows": len(plan.windows), "tokens_per_step": self.tokens_per_step,
-                            "total_steps": plan.total, "trainable_parameters": self.trainable.count,
-                            "parameters": total_params, "num_heads": plan.dims.num_heads,
-                            "num_kv_heads": plan.dims.num_kv_heads, "processes": acc.num_processes,
-                            "device": str(acc.device), "mixed_precision": acc.mixed_precision,
-                            "eval_seq_len": plan.eval_seq_len})  # fmt: skip
-        self.say(f"uptrain: {self.trainable.count:,} of {total_params:,} parameters ({s.train}), objective "
-                 f"{s.objective}, {len(plan.windows):,} windows of {plan.seq_len}, {plan.total:,} steps x "
-                 f"{s.batch_size} on {acc.num_processes} x {acc.device} ({acc.mixed_precision})")  # fmt: skip
+            self.log.write(
+                {
+                    "type": "start",
+                    "created": now(),
+                    "student": self.student,
+                    "teacher": s.teacher,
+                    "settings": plan.run,
+                    "windows": len(plan.windows),
+                    "tokens_per_step": self.tokens_per_step,
+                    "total_steps": plan.total,
+                    "trainable_parameters": self.trainable.count,
+                    "parameters": total_params,
+                    "num_heads": plan.dims.num_heads,
+                    "num_kv_heads": plan.dims.num_kv_heads,
+                    "processes": acc.num_processes,
+                    "device": str(acc.device),
+                    "mixed_precision": acc.mixed_precision,
+                    "eval_seq_len": plan.eval_seq_len,
+                }
+            )
+        self.say(
+            f"uptrain: {self.trainable.count:,} of {total_params:,} parameters ({s.train}), objective "
+            f"{s.objective}, {len(plan.windows):,} windows of {plan.seq_len}, {plan.total:,} steps x "
+            f"{s.batch_size} on {acc.num_processes} x {acc.device} ({acc.mixed_precision})"
+        )
         if plan.max_positions and plan.seq_len < plan.max_positions:
-            self.say(f"note: training windows of {plan.seq_len} tokens do not reach positions {plan.seq_len}-"
-                     f"{plan.max_positions - 1}; evaluate at the model's full length (--eval-seq-len) to see "
-                     "them")  # fmt: skip
+            self.say(
+                f"note: training windows of {plan.seq_len} tokens do not reach positions {plan.seq_len}-"
+                f"{plan.max_positions - 1}; evaluate at the model's full length (--eval-seq-len) to see "
+                "them"
+            )
 
     def evaluate(self, step: int) -> None:
         if not self.plan.eval_windows:
             return
-        record = _evaluate(self.acc, self.model, self.teacher, self.plan.eval_windows,
-                           self.s.eval_batch_size or self.plan.micro)  # fmt: skip
-        record.update({"type": "eval", "step": step, "tokens": step * self.tokens_per_step,
-                       "seq_len": self.plan.eval_seq_len})  # fmt: skip
+        record = _evaluate(
+            self.acc, self.model, self.teacher, self.plan.eval_windows, self.s.eval_batch_size or self.plan.micro
+        )
+        record.update(
+            {"type": "eval", "step": step, "tokens": step * self.tokens_per_step, "seq_len": self.plan.eval_seq_len}
+        )
         self.evals.append(record)
         self.log.write(record)
 
     def model_files(self, step: int) -> dict[str, str]:
         """Model card, uptraining record and conversion record of the model at ``step``."""
         s, evals = self.s, self.evals
-        record = {"uptrain": {"student": self.student, "settings": self.plan.run, "steps": step,
-                              "tokens": step * self.tokens_per_step, "warmup_steps": s.warmup_steps,
-                              "trainable_parameters": self.trainable.count,
-                              "first_eval": evals[0] if evals else None, "last_eval": evals[-1] if evals else None,
-                              "processes": self.acc.num_processes, "mixed_precision": self.acc.mixed_precision},
-                  "mha2gqa_version": version(), "created": now()}  # fmt: skip
+        record = {
+            "uptrain": {
+                "student": self.student,
+                "settings": self.plan.run,
+                "steps": step,
+                "tokens": step * self.tokens_per_step,
+                "warmup_steps": s.warmup_steps,
+                "trainable_parameters": self.trainable.count,
+                "first_eval": evals[0] if evals else None,
+                "last_eval": evals[-1] if evals else None,
+                "processes": self.acc.num_processes,
+                "mixed_precision": self.acc.mixed_precision,
+            },
+            "mha2gqa_version": version(),
+            "created": now(),
+        }
         files = {
             UPTRAIN_RECORD: json.dumps(record, indent=2) + "\n",
             "README.md": uptrain_card(record, self.conv_record),
@@ -273,10 +322,24 @@ class _Trainer:
         return files
 
     def checkpoint(self, step: int) -> None:
-        state = {"step": step, "tokens": step * self.tokens_per_step, "settings": self.plan.run,
-                 "student": self.student, "source_dtype": self.plan.source_dtype, "created": now()}  # fmt: skip
-        save_checkpoint(self.acc, self.model, self.plan.tokenizer, self.output, step, state, self.model_files(step),
-                        self.s.save_total_limit)  # fmt: skip
+        state = {
+            "step": step,
+            "tokens": step * self.tokens_per_step,
+            "settings": self.plan.run,
+            "student": self.student,
+            "source_dtype": self.plan.source_dtype,
+            "created": now(),
+        }
+        save_checkpoint(
+            self.acc,
+            self.model,
+            self.plan.tokenizer,
+            self.output,
+            step,
+            state,
+            self.model_files(step),
+            self.s.save_total_limit,
+        )
 
     def step(self, step: int) -> tuple[float, dict[str, float], Any]:
         """One optimizer step; returns its loss, the loss parts and the gradient norm."""
@@ -291,8 +354,10 @@ class _Trainer:
         stats = torch.tensor([loss, *parts.values()], device=acc.device)
         stats = acc.reduce(stats, "mean") if acc.num_processes > 1 else stats
         if not all(math.isfinite(float(x)) for x in stats):
-            raise Mha2GqaError(f"uptrain: the loss became {float(stats[0])} at step {step}; lower --lr or check the "
-                               "data and the model (nothing after the last checkpoint was kept)")  # fmt: skip
+            raise Mha2GqaError(
+                f"uptrain: the loss became {float(stats[0])} at step {step}; lower --lr or check the "
+                "data and the model (nothing after the last checkpoint was kept)"
+            )
         return float(stats[0]), {k: float(stats[i + 1]) for i, k in enumerate(parts)}, grad_norm
 
     def train(self) -> int:
@@ -303,8 +368,13 @@ class _Trainer:
         if self.start_step == 0:
             self.evaluate(0)
         stop = min(plan.total, self.start_step + s.stop_after) if s.stop_after else plan.total
-        bar = tqdm(total=plan.total, initial=self.start_step, unit="step", desc="uptrain",
-                   disable=not (s.progress and self.main))  # fmt: skip
+        bar = tqdm(
+            total=plan.total,
+            initial=self.start_step,
+            unit="step",
+            desc="uptrain",
+            disable=not (s.progress and self.main),
+        )
         window = _Window()
         step = self.start_step
         for step in range(self.start_step + 1, stop + 1):
@@ -314,8 +384,9 @@ class _Trainer:
             window.add(loss, parts, time.perf_counter() - t0)
             bar.update(1)
             if step % s.log_every == 0 or step == stop:
-                rec = window.record(step, self.tokens_per_step, self.order.epoch(step),
-                                    self.scheduler.get_last_lr()[0], grad_norm)  # fmt: skip
+                rec = window.record(
+                    step, self.tokens_per_step, self.order.epoch(step), self.scheduler.get_last_lr()[0], grad_norm
+                )
                 self.log.write(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_second']:,.0f}")
             if step % plan.eval_every == 0 or step == plan.total:
@@ -328,13 +399,27 @@ class _Trainer:
     def finish(self, step: int) -> UptrainResult:
         plan = self.plan
         complete = step >= plan.total
-        result = UptrainResult(self.output, step, plan.total, step * self.tokens_per_step, complete, self.evals,
-                               time.perf_counter() - self.started)  # fmt: skip
+        result = UptrainResult(
+            self.output,
+            step,
+            plan.total,
+            step * self.tokens_per_step,
+            complete,
+            self.evals,
+            time.perf_counter() - self.started,
+        )
         if complete:
             dtype = by_name(plan.source_dtype).torch if plan.source_dtype else None
             save_final(self.acc, self.model, plan.tokenizer, self.output, dtype, self.model_files(step))
-            self.log.write({"type": "end", "step": step, "tokens": step * self.tokens_per_step, "created": now(),
-                            "seconds": result.seconds})  # fmt: skip
+            self.log.write(
+                {
+                    "type": "end",
+                    "step": step,
+                    "tokens": step * self.tokens_per_step,
+                    "created": now(),
+                    "seconds": result.seconds,
+                }
+            )
         return result
 
 
@@ -352,10 +437,16 @@ class _Window:
         self.seconds += seconds
 
     def record(self, step: int, tokens_per_step: int, epoch: float, lr: float, grad_norm) -> dict[str, Any]:
-        rec = {"type": "train", "step": step, "tokens": step * tokens_per_step, "epoch": round(epoch, 4),
-               **{k: v / self.count for k, v in self.sums.items()}, "lr": lr,
-               "grad_norm": float(grad_norm) if grad_norm is not None else None,
-               "tokens_per_second": self.count * tokens_per_step / max(self.seconds, 1e-9)}  # fmt: skip
+        rec = {
+            "type": "train",
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "epoch": round(epoch, 4),
+            **{k: v / self.count for k, v in self.sums.items()},
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_second": self.count * tokens_per_step / max(self.seconds, 1e-9),
+        }
         self.__init__()
         return rec
 
@@ -442,8 +533,9 @@ def _evaluate(acc, model, teacher, windows, batch_size: int) -> dict[str, Any]:
 def _with_lora(model, family, dims, s: UptrainSettings, resume_from: Path | None):
     """The student with fresh LoRA adapters, or with those of the checkpoint being resumed."""
     if resume_from is None:
-        return apply_lora(model, lora_targets(family, dims, s.train), s.lora_rank, s.lora_alpha or 2 * s.lora_rank,
-                          s.lora_dropout)  # fmt: skip
+        return apply_lora(
+            model, lora_targets(family, dims, s.train), s.lora_rank, s.lora_alpha or 2 * s.lora_rank, s.lora_dropout
+        )
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, resume_from, is_trainable=True)

@@ -34,14 +34,23 @@ def layer_costs(full: LayerStats, candidates: list[int], similarity: bool) -> di
             out[g] = 0.0
             continue
         size = n // g
-        groups = least_residual_groups(full, g) if similarity else [list(range(j * size, (j + 1) * size))
-                                                                    for j in range(g)]  # fmt: skip
+        groups = (
+            least_residual_groups(full, g) if similarity else [list(range(j * size, (j + 1) * size)) for j in range(g)]
+        )
         out[g] = sum(merge_residual(full, grp) for grp in groups) / g
     return out
 
 
-def output_costs(run: Any, layer: int, full: LayerStats, family: Family, dims: AttentionDims, method: Method,
-                 candidates: list[int], similarity: bool) -> dict[int, float]:  # fmt: skip
+def output_costs(
+    run: Any,
+    layer: int,
+    full: LayerStats,
+    family: Family,
+    dims: AttentionDims,
+    method: Method,
+    candidates: list[int],
+    similarity: bool,
+) -> dict[int, float]:
     """``{G: cost}`` of one layer, measured on its output: the layer's q/k/v/o replaced by what
     ``method`` makes of them at ``G`` KV heads (the groups the conversion would use), run again on the
     calibration windows it read, and the squared error of its output relative to the original
@@ -74,8 +83,11 @@ def output_costs(run: Any, layer: int, full: LayerStats, family: Family, dims: A
                 out[g] = 1.0
                 continue
             size = n // g
-            chosen = least_residual_groups(full, g) if similarity else [list(range(j * size, (j + 1) * size))
-                                                                        for j in range(g)]  # fmt: skip
+            chosen = (
+                least_residual_groups(full, g)
+                if similarity
+                else [list(range(j * size, (j + 1) * size)) for j in range(g)]
+            )
             st = regroup(full, chosen, h)
             ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
             if method.layerwise:
@@ -108,8 +120,11 @@ def allocate(costs: list[dict[int, float]], budget: int) -> tuple[int, ...]:
     layers). ``costs[l]``: ``{G: cost}`` of layer ``l``."""
     least = sum(min(c) for c in costs)
     if budget < least:
-        raise SettingError("kv_budget", f"{{name}}: {budget} KV heads in all cannot give each of the {len(costs)} "
-                           f"layers its fewest ({least}); raise the budget")  # fmt: skip
+        raise SettingError(
+            "kv_budget",
+            f"{{name}}: {budget} KV heads in all cannot give each of the {len(costs)} "
+            f"layers its fewest ({least}); raise the budget",
+        )
     # best[b] = (cost, -heads, choices) over the layers so far, spending exactly b heads
     best: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
     for layer_costs_ in costs:

@@ -48,8 +48,9 @@ class _Catch(torch.nn.Module):
         raise _Stop
 
 
-def _materialize(module: torch.nn.Module, ckpt, prefix: str, device: torch.device,
-                 dtype: torch.dtype | None = torch.float32) -> None:  # fmt: skip
+def _materialize(
+    module: torch.nn.Module, ckpt, prefix: str, device: torch.device, dtype: torch.dtype | None = torch.float32
+) -> None:
     """Give ``module``'s parameters (on ``meta``) their weights from the checkpoint on ``device``, in
     ``dtype`` (None: as stored); its buffers (real, computed at construction) move along."""
     from accelerate.utils import set_module_tensor_to_device
@@ -172,10 +173,20 @@ def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tupl
 
 
 @torch.inference_mode()
-def collect(source: Path | Checkpoint, groups: int | tuple[int, ...] | None, data: str, tokens: int,
-            seq_len: int | None = None, device: str = "auto", text_field: str = "text", grouping: str = "contiguous",
-            allow_pickle: bool = False, compact: bool = True, progress: bool = False,
-            on_layer=None) -> CalibrationStats:  # fmt: skip
+def collect(
+    source: Path | Checkpoint,
+    groups: int | tuple[int, ...] | None,
+    data: str,
+    tokens: int,
+    seq_len: int | None = None,
+    device: str = "auto",
+    text_field: str = "text",
+    grouping: str = "contiguous",
+    allow_pickle: bool = False,
+    compact: bool = True,
+    progress: bool = False,
+    on_layer=None,
+) -> CalibrationStats:
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
     ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model (a folder,
     or an opened checkpoint such as a re-targeted one) layer by layer from its shards: the model is
@@ -245,8 +256,11 @@ def collect(source: Path | Checkpoint, groups: int | tuple[int, ...] | None, dat
                     continue
                 g = per_layer[i] if per_layer else groups
                 size = dims.num_kv_heads // g
-                chosen = (least_residual_groups(layer_full, g) if grouping == "similarity"
-                          else [list(range(j * size, (j + 1) * size)) for j in range(g)])  # fmt: skip
+                chosen = (
+                    least_residual_groups(layer_full, g)
+                    if grouping == "similarity"
+                    else [list(range(j * size, (j + 1) * size)) for j in range(g)]
+                )
                 stats.layers[i] = regroup(layer_full, chosen, dims.num_heads)
             if compact:
                 stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)

@@ -94,8 +94,9 @@ def aligned_merge_layer(
     return layer_out(q, qb, o, out_k, out_kb, out_v, out_vb)
 
 
-def weight_stats(w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, groups: int, head_dim: int,
-                 rotary_dim: int) -> LayerStats:  # fmt: skip
+def weight_stats(
+    w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, groups: int, head_dim: int, rotary_dim: int
+) -> LayerStats:
     """Calibration-free statistics from the weights alone (inputs taken as isotropic, biases as one
     more constant input): what ``aligned`` uses without ``--calibration``."""
 
@@ -105,8 +106,10 @@ def weight_stats(w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, 
         return torch.cat([t, (b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype))[:, None]], 1)
 
     # each input dimension acts as one "token": [1, heads, tokens, d]
-    q, k, v = (aug(x).T.reshape(1, -1, x_heads, head_dim).transpose(1, 2)
-               for x, x_heads in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads)))  # fmt: skip
+    q, k, v = (
+        aug(x).T.reshape(1, -1, x_heads, head_dim).transpose(1, 2)
+        for x, x_heads in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))
+    )
     stats = CalibrationStats(groups, head_dim, rotary_dim)
     accumulate(stats, 0, q, k, v)
     return stats.layers[0]

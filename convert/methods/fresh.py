@@ -18,8 +18,17 @@ def fresh_tensor(shape: tuple[int, ...], dtype: str, kind: str, std: float, seed
     return (torch.ones if kind == "norm" else torch.zeros)(shape, dtype=torch_dtype)
 
 
-def fresh_fused(fused: torch.Tensor, kind: str, family: Family, num_heads: int, num_kv_heads: int, groups: int,
-                head_dim: int, std: float, seed: int) -> torch.Tensor:  # fmt: skip
+def fresh_fused(
+    fused: torch.Tensor,
+    kind: str,
+    family: Family,
+    num_heads: int,
+    num_kv_heads: int,
+    groups: int,
+    head_dim: int,
+    std: float,
+    seed: int,
+) -> torch.Tensor:
     """A fused qkv tensor (``family``'s layout) with its q rows kept and fresh k and v rows for ``groups`` heads."""
     q, k, _ = family.split_qkv(fused, num_heads, num_kv_heads, head_dim)
     shape = (groups * head_dim, *k.shape[1:])
