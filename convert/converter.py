@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mha2gqa.convert.preflight import Source, inputs_of, preflight
+from mha2gqa.convert.prepare import Conversion, prepare
 from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
 from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
@@ -32,7 +32,7 @@ from mha2gqa.core.shard_writer import OutputTensor, write_checkpoint
 
 @dataclass
 class ConversionResult:
-    """What :func:`convert_checkpoint` wrote."""
+    """What :func:`run` wrote."""
 
     output: Path
     family: str
@@ -67,15 +67,16 @@ class ConversionResult:
         )
 
 
-def _calibrate(source: Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] | None]:
+def _calibrate(source: Conversion) -> tuple[Any, dict[str, Any] | None]:
     """Calibration statistics (None when the method needs none) and their record."""
+    s = source.settings
     if not source.layered or not source.changes:
         return None, None
     if not s.calibration:  # a layer method that works from the weights alone (aligned)
         return None, {"data": None, "tokens": 0, "rotary_dim": source.dims.rotary, "weights_only": True}
     from mha2gqa.convert.calibration.streaming import collect
 
-    groups = source.targets if source.per_layer else s.num_kv_heads
+    groups = source.targets if source.per_layer else source.targets[0]
     stats = collect(
         source.ckpt,
         groups,
@@ -90,14 +91,14 @@ def _calibrate(source: Source, s: ConvertSettings) -> tuple[Any, dict[str, Any] 
     return stats, {"data": s.calibration, "tokens": stats.tokens, "rotary_dim": stats.rotary_dim}
 
 
-def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
-    """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text,
-    choose the counts (:mod:`~mha2gqa.convert.calibration.allocation`) and set ``source.targets``;
-    returns the allocation record."""
+def _allocate(source: Conversion) -> tuple[Conversion, dict[str, Any]]:
+    """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text
+    and choose the counts (:mod:`~mha2gqa.convert.calibration.allocation`); returns the conversion
+    with those counts and the allocation record."""
     from mha2gqa.convert.calibration.allocation import allocate, layer_costs, output_costs
     from mha2gqa.convert.calibration.streaming import collect
 
-    dims = source.dims
+    s, dims = source.settings, source.dims
     candidates = dims.valid_kv_heads()
     costs: dict[int, dict[int, float]] = {}
     similarity = s.grouping == "similarity"
@@ -122,19 +123,18 @@ def _allocate(source: Source, s: ConvertSettings) -> dict[str, Any]:
     )
     ordered = [costs[i] for i in range(dims.num_layers)]
     budget = s.budget(dims.num_layers)
-    source.targets = allocate(ordered, budget)
-    if len(set(source.targets)) == 1:  # the best allocation is uniform: write exactly that
-        s.num_kv_heads = source.targets[0]
+    chosen = allocate(ordered, budget)
     uniform = {str(g): sum(c[g] for c in ordered) for g in candidates if g * dims.num_layers <= budget}
-    return {
+    record = {
         "budget_kv_heads": budget,
         "average_kv_heads": budget / dims.num_layers,
-        "chosen": list(source.targets),
-        "cost": sum(c[g] for c, g in zip(ordered, source.targets, strict=True)),
+        "chosen": list(chosen),
+        "cost": sum(c[g] for c, g in zip(ordered, chosen, strict=True)),
         "uniform_cost": uniform,
         "cost_measure": COST_MEASURES[s.allocation_cost],
         "costs": {str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)},
     }
+    return source.with_targets(tuple(chosen)), record  # uniform when the best allocation is
 
 
 def _layer_groups(stats, targets: tuple[int, ...]) -> dict[str, list[list[int]]] | None:
@@ -175,10 +175,10 @@ def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def _record(
-    source: Source, s: ConvertSettings, stats: Any, calibration: dict[str, Any] | None, tensors: list[OutputTensor]
+    source: Conversion, stats: Any, calibration: dict[str, Any] | None, tensors: list[OutputTensor]
 ) -> dict[str, Any]:
     """The conversion record (``mha2gqa_conversion.json``): settings, shapes, what changed, KV bytes."""
-    dims, targets = source.dims, source.targets
+    s, dims, targets = source.settings, source.dims, source.targets
     g = max(targets)
     kv_dtype = _kv_dtype(source.ckpt, source.family)
     esize = BY_CODE[kv_dtype].bytes
@@ -261,9 +261,9 @@ class _Checks:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTensor], record: dict[str, Any]) -> Any:
-    """Write the converted checkpoint into a staged folder beside ``dst`` and rename it into place."""
-    ckpt = source.ckpt
+def _write(source: Conversion, tensors: list[OutputTensor], record: dict[str, Any]) -> Any:
+    """Write the converted checkpoint into a staged folder beside its destination and rename it into place."""
+    ckpt, s = source.ckpt, source.settings
     new_config = {**ckpt.config, **source.family.kv_config(max(source.targets))}
     modeling = None
     if source.per_layer:  # layers with their own KV heads: loaded by mha2gqa, or transformers + remote code
@@ -271,7 +271,7 @@ def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTe
 
         fields, modeling, record["conversion"]["serving_form"] = per_layer_checkpoint(ckpt.config, list(source.targets))
         new_config |= fields
-    staged = staged_output(dst, s.overwrite, inputs_of(ckpt, s), remove_stale=s.remove_stale)
+    staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         written = write_checkpoint(
             tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync, after_each=checks.poll
@@ -289,38 +289,32 @@ def _write(dst: Path, source: Source, s: ConvertSettings, tensors: list[OutputTe
     return written
 
 
-def convert_checkpoint(
-    src: str | Path, dst: str | Path, num_kv_heads: int | None, method: str | None = None, **options: Any
-) -> ConversionResult:
-    """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``
-    (``None`` with ``num_kv_heads_per_layer="8,4,..."``: each layer its own count).
-
-    ``method`` and ``options`` are the fields of :class:`~mha2gqa.convert.settings.ConvertSettings`
-    (their defaults and meaning are there; the methods are in :mod:`mha2gqa.convert.methods`).
-    Streams tensor by tensor: peak memory is about one layer's attention weights, whatever the
-    model size. Raises :class:`~mha2gqa.core.errors.Mha2GqaError` for bad input, before anything
-    is written; nothing is left at ``dst`` then.
-    """
+def run(conversion: Conversion) -> ConversionResult:
+    """Carry out a conversion made by :func:`~mha2gqa.convert.prepare.prepare`: per-layer allocation and
+    calibration when the method needs them, the plan of every output tensor, then the staged write.
+    Streams tensor by tensor: peak memory is about one layer's attention weights, whatever the model
+    size; nothing is left at the destination when it fails."""
     start = time.perf_counter()
-    s = ConvertSettings(num_kv_heads=num_kv_heads, **({"method": method} if method else {}), **options).check()
-    source = preflight(src, Path(dst), s)
-    allocation = _allocate(source, s) if s.per_layer == "auto" else None
-    stats, calibration = _calibrate(source, s)
-    tensors = plan_conversion(source.ckpt, source.family, source.dims, source.targets, source.method, stats, s.seed)
-    record = _record(source, s, stats, calibration, tensors)
+    allocation = None
+    if conversion.settings.per_layer == "auto":
+        conversion, allocation = _allocate(conversion)
+    stats, calibration = _calibrate(conversion)
+    c = conversion
+    tensors = plan_conversion(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
+    record = _record(c, stats, calibration, tensors)
     record["conversion"]["per_layer_allocation"] = allocation
-    written = _write(Path(dst), source, s, tensors, record)
+    written = _write(c, tensors, record)
     conv = record["conversion"]
     return ConversionResult(
-        output=Path(dst).absolute(),
-        family=source.family.family,
-        method=s.method,
-        num_layers=source.dims.num_layers,
-        num_heads=source.dims.num_heads,
-        num_kv_heads_before=source.dims.num_kv_heads,
-        num_kv_heads_after=max(source.targets),
-        head_dim=source.dims.head_dim,
-        kv_heads_per_layer=list(source.targets) if source.per_layer else None,
+        output=c.dst.absolute(),
+        family=c.family.family,
+        method=c.method.name,
+        num_layers=c.dims.num_layers,
+        num_heads=c.dims.num_heads,
+        num_kv_heads_before=c.dims.num_kv_heads,
+        num_kv_heads_after=max(c.targets),
+        head_dim=c.dims.head_dim,
+        kv_heads_per_layer=list(c.targets) if c.per_layer else None,
         kv_cache_bytes_per_token_before=conv["kv_cache_bytes_per_token_before"],
         kv_cache_bytes_per_token_after=conv["kv_cache_bytes_per_token_after"],
         kv_cache_dtype=conv["kv_cache_dtype"],
@@ -329,3 +323,17 @@ def convert_checkpoint(
         seconds=time.perf_counter() - start,
         record=record,
     )
+
+
+def convert_checkpoint(
+    src: str | Path, dst: str | Path, num_kv_heads: int | None, method: str | None = None, **options: Any
+) -> ConversionResult:
+    """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``
+    (``None`` with ``num_kv_heads_per_layer="8,4,..."``: each layer its own count): ``run(prepare(...))``.
+
+    ``method`` and ``options`` are the fields of :class:`~mha2gqa.convert.settings.ConvertSettings`
+    (their defaults and meaning are there; the methods are in :mod:`mha2gqa.convert.methods`).
+    Raises :class:`~mha2gqa.core.errors.Mha2GqaError` for bad input, before anything is written.
+    """
+    s = ConvertSettings(num_kv_heads=num_kv_heads, **({"method": method} if method else {}), **options)
+    return run(prepare(src, dst, s))

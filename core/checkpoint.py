@@ -156,6 +156,17 @@ def read_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
     return config
 
 
+def check_models(**models: str | None) -> None:
+    """Each model (label -> folder or hub id) resolves and has a readable config.json: checked
+    before torch and transformers load, so a typing mistake is reported at once."""
+    for label, model in models.items():
+        if model is not None:
+            try:
+                read_config(resolve_folder(model)[0])
+            except Mha2GqaError as e:
+                raise Mha2GqaError(f"{label} {e}") from None
+
+
 def open_checkpoint(src: str, revision: str | None = None, allow_pickle: bool = False) -> Checkpoint:
     """Resolve ``src``, read its config and index every tensor (headers only)."""
     folder, repo_id, commit = resolve_folder(src, revision, allow_pickle)

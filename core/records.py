@@ -18,6 +18,8 @@ UPTRAIN_RECORD = "mha2gqa_uptrain.json"
 UPTRAIN_LOG = "uptrain_log.jsonl"
 #: Schema tag of ``eval --output`` results.
 EVAL_SCHEMA = "mha2gqa.eval/1"
+#: Schema tag of ``bench --output`` figures (read back by ``plan --bench``).
+BENCH_SCHEMA = "mha2gqa.bench/1"
 #: Written by ``run`` / ``demo`` into the folder a job owns.
 RUN_RECORD = "mha2gqa_run.json"
 #: The demo model's own settings, beside its weights.

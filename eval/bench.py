@@ -9,6 +9,7 @@ of every layer's key and value tensors), next to the planner's arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -16,6 +17,9 @@ from typing import Any
 import torch
 
 from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.records import BENCH_SCHEMA
+from mha2gqa.core.tables import Table
+from mha2gqa.eval.settings import BenchSettings
 
 
 def _sync(device: torch.device) -> None:
@@ -91,3 +95,60 @@ def bench_model(
         "num_kv_heads": dims.num_kv_heads,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def run_bench(original: str, converted: str | None, s: BenchSettings) -> dict[str, Any]:
+    """Benchmark ``original`` (and ``converted``), one model in memory at a time, with the same
+    prompt; returns the ``bench --output`` record (schema :data:`~mha2gqa.core.records.BENCH_SCHEMA`)
+    with ``converted_vs_original`` (decode speed-up, KV-cache ratio) for a pair."""
+    from mha2gqa.core.models import load_model, resolve_device, resolve_dtype
+
+    dev = resolve_device(s.device)
+    dt = resolve_dtype(s.dtype, dev)
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    settings = {**dataclasses.asdict(s), "device": str(dev), "device_name": device_name, "dtype": str(dt)}
+    results: dict[str, Any] = {"schema": BENCH_SCHEMA, "settings": settings, "models": {}}
+    for name, path in (("original", original), ("converted", converted)):
+        if path is None:
+            continue
+        loaded = load_model(path, dev, dt)
+        prompt, new = s.lengths(getattr(loaded.model.config, "max_position_embeddings", None))
+        settings.update(prompt_len=prompt, new_tokens=new)
+        figures = bench_model(loaded.model, prompt, new, s.repeats, s.warmup, s.batch_size)
+        results["models"][name] = {"path": path, **figures}
+        del loaded
+    if len(results["models"]) == 2:
+        o, c = results["models"]["original"], results["models"]["converted"]
+        results["converted_vs_original"] = {
+            "decode_speedup": c["decode_tokens_per_second"]["median"] / o["decode_tokens_per_second"]["median"],
+            "kv_cache_ratio": c["kv_cache"]["measured_bytes"] / o["kv_cache"]["measured_bytes"],
+        }
+    return results
+
+
+def bench_lines(results: dict[str, Any]) -> list[str]:
+    """The terminal's view of a :func:`run_bench` record: settings, one row per model, the ratios."""
+    s = results["settings"]
+    dtype = s["dtype"].removeprefix("torch.")
+    lines = [
+        f"{s['prompt_len']}-token prompt, {s['new_tokens']} new tokens, batch {s['batch_size']}, {s['device']} "
+        f"{dtype}, median of {s['repeats']} [min-max]"
+    ]
+    table = Table(["model", "KV heads", "prefill ms", "decode tok/s", "KV cache bytes/token", "vs planned"])
+    for name, m in results["models"].items():
+        p, d, kv = m["prefill_seconds"], m["decode_tokens_per_second"], m["kv_cache"]
+        table.add(
+            name,
+            m["num_kv_heads"],
+            f"{p['median'] * 1e3:.1f} [{p['min'] * 1e3:.1f}-{p['max'] * 1e3:.1f}]",
+            f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]",
+            f"{kv['bytes_per_token']:,.0f}",
+            f"{kv['measured_bytes'] / kv['planned_bytes'] - 1:+.1%}",
+        )
+    lines += table.text()
+    ratio = results.get("converted_vs_original")
+    if ratio:
+        lines.append(
+            f"converted: decode {ratio['decode_speedup']:.2f}x, KV cache {ratio['kv_cache_ratio']:.1%} of the original"
+        )
+    return lines

@@ -119,3 +119,13 @@ class BenchSettings:
         check_device_name(self.device)
         check_dtype_name(self.dtype)
         return self
+
+    def lengths(self, limit: int | None) -> tuple[int, int]:
+        """Prompt and new tokens: as given, else 512 and 64 cut to fit the model's ``limit`` positions."""
+        new = self.new_tokens or (min(64, max(2, limit // 4)) if limit else 64)
+        prompt = self.prompt_len or (max(1, min(512, limit - new)) if limit else 512)
+        if limit and prompt + new > limit:
+            raise SettingError(
+                "prompt_len", f"{{name}} + --new-tokens = {prompt + new} exceeds the model's {limit} positions"
+            )
+        return prompt, new

@@ -37,8 +37,8 @@ import yaml
 from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.errors import Mha2GqaError, SettingError
-from mha2gqa.core.settings import Spec, check_value, from_mapping
-from mha2gqa.demo import DemoSettings
+from mha2gqa.core.settings import Spec, check_value, from_mapping, setting, validate
+from mha2gqa.demo import DEMO_ARCHITECTURES, DemoSettings
 from mha2gqa.eval.gates import GateSettings
 from mha2gqa.eval.settings import EvalSettings
 from mha2gqa.uptrain.settings import UptrainSettings
@@ -176,6 +176,50 @@ def _parse(path: Path, data: Any) -> Job:
 
 
 @dataclass
+class DemoRequest:
+    """``mha2gqa demo``: a job file (the shipped demo by default) with a few of its values replaced."""
+
+    config: str | None = setting(None, help="Job file [default: the shipped configs/demo.yaml].")
+    num_kv_heads: tuple[int, ...] | None = setting(
+        None, help="KV-head counts (repeatable) [default: the job's].", short="-g", minimum=1
+    )
+    methods: tuple[str, ...] | None = setting(
+        None, help="Methods (repeatable) [default: the job's].", flag="--method", choices=tuple(METHODS)
+    )
+    steps: int | None = setting(None, help="Training steps of the demo model [default: the job's].", minimum=1)
+    uptrain_steps: int | None = setting(
+        None, help="Uptraining steps per conversion [default: the job's]; 0: none.", minimum=0
+    )
+    architecture: str | None = setting(
+        None,
+        help="The demo model's class [default: the job's; llama]; gpt_neox "
+        "trains a Pythia-style model, converted through PhiForCausalLM.",
+        choices=DEMO_ARCHITECTURES,
+    )
+    rebuild: bool = setting(False, help="Retrain the cached demo model.")
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_heads", "methods"):  # a repeatable option given no times: the job's own
+            if getattr(self, name) == ():
+                setattr(self, name, None)
+
+    def job(self) -> Job:
+        """The job to run: the file's, with this request's values in place of its own (checked)."""
+        validate(self)
+        job = load_job(Path(self.config) if self.config else shipped_jobs()["demo"])
+        replaced = {k: v for k, v in (("steps", self.steps), ("architecture", self.architecture)) if v is not None}
+        if replaced:
+            job.demo = validate(dataclasses.replace(job.demo, **replaced))
+        job.num_kv_heads = self.num_kv_heads or job.num_kv_heads
+        job.methods = self.methods or job.methods
+        if self.uptrain_steps == 0:
+            job.uptrain = {}
+        elif self.uptrain_steps is not None:
+            job.uptrain = {**job.uptrain, "max_steps": self.uptrain_steps}
+        return job
+
+
+@dataclass
 class RunResult:
     output_dir: Path
     results: list[Path]
@@ -239,7 +283,8 @@ def run_job(
     job: Job, output_dir: Path | None = None, log: Callable[[str], None] = print, progress: bool = False
 ) -> RunResult:
     """Convert, evaluate, report and gate as the job says; returns where everything went."""
-    from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.convert.converter import run as run_conversion
+    from mha2gqa.convert.prepare import prepare
     from mha2gqa.eval.report import load_results, load_runs, render
     from mha2gqa.uptrain import uptrain
 
@@ -261,8 +306,8 @@ def run_job(
         for g in job.num_kv_heads:
             tag = f"{method}-g{g}"
             model_dir = out / "models" / tag
-            options = dataclasses.asdict(job.convert_settings(g, method, calibration))
-            conv = convert_checkpoint(source, model_dir, **{**options, "progress": progress})
+            how = dataclasses.replace(job.convert_settings(g, method, calibration), progress=progress)
+            conv = run_conversion(prepare(source, model_dir, how))
             log(f"converted {tag}: {conv.summary()}")
             stages = [(tag, method, model_dir)]
             if up:
@@ -309,22 +354,14 @@ def _evaluate_stage(
 ) -> tuple[Path, dict[str, Any], bool]:
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed."""
-    from mha2gqa.core.output import write_json
-    from mha2gqa.eval.gates import check_gates, gates_record, verdict
-    from mha2gqa.eval.harness import evaluate
-    from mha2gqa.eval.results import Results
+    from mha2gqa.eval.outcome import evaluate_and_gate
 
     log(f"evaluating {tag} against the original")
-    results = evaluate(source, str(model_dir), settings)
-    gates = check_gates(Results.from_dict(results), job.gates)
-    passed = True
-    if gates:
-        results["gates"] = gates_record(gates)
-        passed = results["gates"]["passed"]
-        log(f"  {tag}: {verdict(gates)}")
     path = out / "results" / f"{tag}.json"
-    write_json(path, results)
-    typed = Results.from_dict(results, str(path))
+    outcome = evaluate_and_gate(source, str(model_dir), settings, job.gates, output=path)
+    if outcome.verdict:
+        log(f"  {tag}: {outcome.verdict}")
+    typed = outcome.results
     p = typed.headline
     row = {
         "tag": tag,
@@ -342,4 +379,4 @@ def _evaluate_stage(
         f"  {tag}: perplexity {row['converted_ppl']:.3f} (x{row['ppl_ratio']:.3f} the original's, "
         f"{p.original.tokens:,} tokens), KL {row['kl_mean']:.4f}, top-1 {row['top1']:.1%}"
     )
-    return path, row, passed
+    return path, row, outcome.passed

@@ -1,10 +1,13 @@
-"""Everything a conversion checks before any heavy work, without importing torch: the source
-(folder or hub id, headers only), its family and dimensions, the KV-head count, the method and
-grouping against the family, the destination against the inputs, and the layer count of the config
-against the weights. The CLI runs it before loading the converter, so a mistake is reported at once."""
+"""A conversion, prepared: :func:`prepare` checks everything before any heavy work, without importing
+torch (the source, folder or hub id, headers only; its family and dimensions; the KV-head counts; the
+method and grouping against the family; the destination against the inputs; the layer count of the
+config against the weights) and returns the frozen :class:`Conversion` that
+:func:`mha2gqa.convert.converter.run` carries out. The CLI and job files prepare each conversion once,
+so a mistake is reported before torch loads."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,16 +21,20 @@ from mha2gqa.core.output import check_destination
 from mha2gqa.core.retarget import retargeted
 
 
-@dataclass
-class Source:
-    """A checked source and what it is converted with."""
+@dataclass(frozen=True)
+class Conversion:
+    """One conversion, checked: what is read, what is written, and how. ``targets`` holds the KV
+    heads of each output layer (empty while ``--per-layer auto`` has not chosen:
+    :meth:`with_targets` gives the chosen conversion)."""
 
     ckpt: Checkpoint
+    dst: Path
+    settings: ConvertSettings
     family: Family
     dims: AttentionDims
     method: Method
     grouping: Grouping
-    targets: tuple[int, ...] = ()  # KV heads of each output layer
+    targets: tuple[int, ...] = ()
 
     @property
     def per_layer(self) -> bool:
@@ -45,14 +52,29 @@ class Source:
         """q/k/v/o are rewritten together (a layer method, or heads regrouped)."""
         return self.method.layerwise or self.grouping.reorders
 
+    @property
+    def inputs(self) -> dict[str, Path | str | None]:
+        """What this conversion reads, which its output may never replace."""
+        return inputs_of(self.ckpt, self.settings)
+
+    def with_targets(self, targets: tuple[int, ...]) -> Conversion:
+        """This conversion with each layer's KV heads chosen (equal counts: the uniform one, exactly)."""
+        settings = self.settings
+        if len(set(targets)) == 1:
+            settings = dataclasses.replace(settings, num_kv_heads=targets[0], num_kv_heads_per_layer=None)
+        return dataclasses.replace(self, targets=tuple(targets), settings=settings)
+
 
 def inputs_of(ckpt: Checkpoint, s: ConvertSettings) -> dict[str, Path | str | None]:
-    """What this conversion reads, which its output may never replace."""
+    """What a conversion reads, which its output may never replace."""
     return {"the source model": ckpt.folder, "the --calibration text": s.calibration}
 
 
-def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
-    """Open the source (headers only), check the destination and that the method applies."""
+def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
+    """Check ``s``, open the source (headers only), check the destination and that the method
+    applies; returns the conversion to :func:`~mha2gqa.convert.converter.run`."""
+    s.check()
+    dst = Path(dst)
     method, grouping = get_method(s.method), get_grouping(s.grouping)
     ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle)
     check_destination(dst, s.overwrite, inputs_of(ckpt, s))
@@ -68,8 +90,9 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
         _check_layers(ckpt, family, dims)
     if s.check_finite:
         ckpt.check_finite()
-    source = Source(ckpt, family, dims, method, grouping, targets)
-    if source.changes:
+    conversion = Conversion(ckpt, dst, s, family, dims, method, grouping)
+    conversion = conversion.with_targets(targets) if targets else conversion
+    if conversion.changes:
         reason = refusal(method, grouping, family)
         if reason:
             raise SettingError("method", reason)
@@ -82,7 +105,7 @@ def preflight(src: str | Path, dst: Path, s: ConvertSettings) -> Source:
                 "calibration (--method mean, first, random or aligned; contiguous groups)",
             )
         s.check_calibration()
-    return source
+    return conversion
 
 
 def _check_per_layer_family(family: Family, setting: str) -> None:
@@ -98,7 +121,7 @@ def _check_per_layer_family(family: Family, setting: str) -> None:
 
 def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[int, ...]:
     """Each output layer's KV heads, checked (empty for --per-layer auto, which measures first); a
-    per-layer list of equal values becomes ``-g``."""
+    per-layer list of equal values is the uniform conversion."""
     if s.per_layer == "auto":
         _check_per_layer_family(family, "per_layer")
         budget, layers = s.budget(dims.num_layers), dims.num_layers
@@ -118,8 +141,7 @@ def _targets(s: ConvertSettings, dims: AttentionDims, family: Family) -> tuple[i
         dims.check_kv_heads(s.num_kv_heads)
         return (s.num_kv_heads,) * dims.num_layers
     dims.check_kv_heads_per_layer(per_layer)
-    if len(set(per_layer)) == 1:  # the uniform conversion, exactly
-        s.num_kv_heads, s.num_kv_heads_per_layer = per_layer[0], None
+    if len(set(per_layer)) == 1:  # the uniform conversion, exactly (Conversion.with_targets)
         return per_layer
     _check_per_layer_family(family, "num_kv_heads_per_layer")
     return per_layer
