@@ -62,8 +62,8 @@ def splits(fixtures: Path, work: Path) -> dict[str, tuple[Path, str, str, int]]:
 
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import read_config
-    from mha2gqa.core.dims import AttentionDims
     from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.settings import EvalSettings
 
@@ -82,7 +82,7 @@ def main() -> None:
             if args.models and name not in args.models:
                 continue
             folder, calib, held, window = split or _neox()
-            dims = AttentionDims.from_config(read_config(folder))
+            dims = dims_of(read_config(folder))
             settings = EvalSettings(
                 data=held, seq_len=window, max_tokens=args.eval_tokens, attention=False, progress=False
             )

@@ -4,6 +4,7 @@ folder that is renamed into place only when complete."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -14,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.convert.prepare import Conversion, prepare
+from mha2gqa.convert.retarget_view import retarget_record
 from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
 from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
+from mha2gqa.core.conversion_record import Allocation, Calibration, ConversionRecord, Facts, Output, Source
 from mha2gqa.core.dims import query_heads_per_kv_head
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError
@@ -26,7 +29,6 @@ from mha2gqa.core.families import Family
 from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
-from mha2gqa.core.retarget import retarget_record
 from mha2gqa.core.shard_writer import OutputTensor, write_checkpoint
 
 
@@ -48,7 +50,7 @@ class ConversionResult:
     files: list[str]
     total_size: int
     seconds: float
-    record: dict[str, Any] = field(repr=False)
+    record: ConversionRecord = field(repr=False)
     kv_heads_per_layer: list[int] | None = None  # a per-layer conversion's count of each layer
 
     def summary(self) -> str:
@@ -67,13 +69,13 @@ class ConversionResult:
         )
 
 
-def _calibrate(source: Conversion) -> tuple[Any, dict[str, Any] | None]:
+def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
     """Calibration statistics (None when the method needs none) and their record."""
     s = source.settings
     if not source.layered or not source.changes:
         return None, None
     if not s.calibration:  # a layer method that works from the weights alone (aligned)
-        return None, {"data": None, "tokens": 0, "rotary_dim": source.dims.rotary, "weights_only": True}
+        return None, Calibration(None, 0, source.dims.rotary, weights_only=True)
     from mha2gqa.convert.calibration.streaming import collect
 
     groups = source.targets if source.per_layer else source.targets[0]
@@ -88,10 +90,10 @@ def _calibrate(source: Conversion) -> tuple[Any, dict[str, Any] | None]:
         allow_pickle=s.allow_pickle,
         progress=s.progress,
     )
-    return stats, {"data": s.calibration, "tokens": stats.tokens, "rotary_dim": stats.rotary_dim}
+    return stats, Calibration(s.calibration, stats.tokens, stats.rotary_dim)
 
 
-def _allocate(source: Conversion) -> tuple[Conversion, dict[str, Any]]:
+def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text
     and choose the counts (:mod:`~mha2gqa.convert.calibration.allocation`); returns the conversion
     with those counts and the allocation record."""
@@ -125,15 +127,15 @@ def _allocate(source: Conversion) -> tuple[Conversion, dict[str, Any]]:
     budget = s.budget(dims.num_layers)
     chosen = allocate(ordered, budget)
     uniform = {str(g): sum(c[g] for c in ordered) for g in candidates if g * dims.num_layers <= budget}
-    record = {
-        "budget_kv_heads": budget,
-        "average_kv_heads": budget / dims.num_layers,
-        "chosen": list(chosen),
-        "cost": sum(c[g] for c, g in zip(ordered, chosen, strict=True)),
-        "uniform_cost": uniform,
-        "cost_measure": COST_MEASURES[s.allocation_cost],
-        "costs": {str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)},
-    }
+    record = Allocation(
+        budget_kv_heads=budget,
+        average_kv_heads=budget / dims.num_layers,
+        chosen=list(chosen),
+        cost=sum(c[g] for c, g in zip(ordered, chosen, strict=True)),
+        uniform_cost=uniform,
+        cost_measure=COST_MEASURES[s.allocation_cost],
+        costs={str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)},
+    )
     return source.with_targets(tuple(chosen)), record  # uniform when the best allocation is
 
 
@@ -155,7 +157,7 @@ def _kv_dtype(ckpt: Checkpoint, family: Family) -> str:
     return info.dtype if info else "F32"
 
 
-def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
+def _source_record(ckpt: Checkpoint) -> Source:
     files = []
     for path in ckpt.files:
         entry: dict[str, Any] = {"name": path.name, "size": path.stat().st_size}
@@ -164,60 +166,77 @@ def _source_record(ckpt: Checkpoint) -> dict[str, Any]:
                 n = int.from_bytes(f.read(8), "little")
                 entry["header_sha256"] = hashlib.sha256(f.read(n)).hexdigest()
         files.append(entry)
-    return {
-        "path": str(ckpt.folder),
-        "repo_id": ckpt.repo_id,
-        "revision": ckpt.revision,
-        "config_sha256": hashlib.sha256((ckpt.folder / "config.json").read_bytes()).hexdigest(),
-        "format": ckpt.format,
-        "files": files,
-    }
+    return Source(
+        path=str(ckpt.folder),
+        repo_id=ckpt.repo_id,
+        revision=ckpt.revision,
+        config_sha256=hashlib.sha256((ckpt.folder / "config.json").read_bytes()).hexdigest(),
+        format=ckpt.format,
+        files=files,
+    )
 
 
 def _record(
-    source: Conversion, stats: Any, calibration: dict[str, Any] | None, tensors: list[OutputTensor]
-) -> dict[str, Any]:
+    source: Conversion,
+    stats: Any,
+    calibration: Calibration | None,
+    tensors: list[OutputTensor],
+    allocation: Allocation | None,
+    serving_form: str | None,
+) -> ConversionRecord:
     """The conversion record (``mha2gqa_conversion.json``): settings, shapes, what changed, KV bytes."""
-    s, dims, targets = source.settings, source.dims, source.targets
+    s, dims, targets, method = source.settings, source.dims, source.targets, source.method
     g = max(targets)
     kv_dtype = _kv_dtype(source.ckpt, source.family)
     esize = BY_CODE[kv_dtype].bytes
-    rewrites = sorted(
-        set(source.method.rewrites) | ({"q", "o"} if source.grouping.reorders else set()), key="qkvo".index
+    rewrites = sorted(set(method.rewrites) | ({"q", "o"} if source.grouping.reorders else set()), key="qkvo".index)
+    facts = Facts(
+        method=method.name,
+        method_summary=method.summary,
+        calibration=calibration,
+        grouping=source.grouping.name,
+        grouping_summary=source.grouping.summary,
+        source_kv_heads_per_kv_head_by_layer=_layer_groups(stats, targets) if source.grouping.reorders else None,
+        seed=s.seed if method.kind == "fresh" else None,
+        num_layers=dims.num_layers,
+        num_heads=dims.num_heads,
+        num_kv_heads_before=dims.num_kv_heads,
+        num_kv_heads_after=g,
+        num_kv_heads_per_layer=list(targets) if source.per_layer else None,
+        head_dim=dims.head_dim,
+        query_heads_per_kv_head=query_heads_per_kv_head(dims.num_heads, g),
+        source_kv_heads_per_kv_head=query_heads_per_kv_head(dims.num_kv_heads, g),
+        rewrites=rewrites if source.changes else [],
+        rewritten=rewritten(tensors, source.family),
+        kv_cache_dtype=kv_dtype,
+        kv_cache_bytes_per_token_before=dims.kv_cache_bytes_per_token(None, esize),
+        kv_cache_bytes_per_token_after=dims.kv_cache_bytes_per_token(targets, esize),
+        retarget=retarget_record(source.ckpt),
+        runs_in=source.family.serving or None,  # where checkpoints of the output class run
+        per_layer_allocation=allocation,
+        serving_form=serving_form,
     )
-    conversion = {
-        "method": s.method,
-        "method_summary": source.method.summary,
-        "calibration": calibration,
-        "grouping": s.grouping,
-        "grouping_summary": source.grouping.summary,
-        "source_kv_heads_per_kv_head_by_layer": _layer_groups(stats, targets) if source.grouping.reorders else None,
-        "seed": s.seed if source.method.kind == "fresh" else None,
-        "num_layers": dims.num_layers,
-        "num_heads": dims.num_heads,
-        "num_kv_heads_before": dims.num_kv_heads,
-        "num_kv_heads_after": g,
-        "num_kv_heads_per_layer": list(targets) if source.per_layer else None,
-        "head_dim": dims.head_dim,
-        "query_heads_per_kv_head": query_heads_per_kv_head(dims.num_heads, g),
-        "source_kv_heads_per_kv_head": query_heads_per_kv_head(dims.num_kv_heads, g),
-        "rewrites": rewrites if source.changes else [],
-        "rewritten": rewritten(tensors, source.family),
-        "kv_cache_dtype": kv_dtype,
-        "kv_cache_bytes_per_token_before": dims.kv_cache_bytes_per_token(None, esize),
-        "kv_cache_bytes_per_token_after": 2 * sum(targets) * dims.head_dim * esize,
-    }
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")}
-    conversion["retarget"] = retarget_record(source.ckpt)
-    conversion["runs_in"] = source.family.serving or None  # where checkpoints of the output class run
-    return {
-        "mha2gqa_version": version(),
-        "created": now(),
-        "family": source.family.family,
-        "source": _source_record(source.ckpt),
-        "settings": settings,
-        "conversion": conversion,
-    }
+    return ConversionRecord(
+        mha2gqa_version=version(),
+        created=now(),
+        family=source.family.family,
+        source=_source_record(source.ckpt),
+        settings=settings,
+        conversion=facts,
+    )
+
+
+def _output_config(source: Conversion) -> tuple[dict[str, Any], str | None, str | None]:
+    """The converted model's ``config.json``, the modeling file a per-layer checkpoint carries (None
+    otherwise) and which serving form it has (None for one count in every layer)."""
+    new_config = {**source.ckpt.config, **source.family.kv_config(max(source.targets))}
+    if not source.per_layer:
+        return new_config, None, None
+    from mha2gqa.core.per_layer import per_layer_checkpoint  # loaded by mha2gqa, or transformers + remote code
+
+    fields, modeling, serving_form = per_layer_checkpoint(source.ckpt.config, list(source.targets))
+    return new_config | fields, modeling, serving_form
 
 
 class _Checks:
@@ -261,16 +280,16 @@ class _Checks:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _write(source: Conversion, tensors: list[OutputTensor], record: dict[str, Any]) -> Any:
-    """Write the converted checkpoint into a staged folder beside its destination and rename it into place."""
+def _write(
+    source: Conversion,
+    tensors: list[OutputTensor],
+    new_config: dict[str, Any],
+    modeling: str | None,
+    record: ConversionRecord,
+) -> ConversionRecord:
+    """Write the converted checkpoint into a staged folder beside its destination and rename it into
+    place; returns the record as written (with its output files)."""
     ckpt, s = source.ckpt, source.settings
-    new_config = {**ckpt.config, **source.family.kv_config(max(source.targets))}
-    modeling = None
-    if source.per_layer:  # layers with their own KV heads: loaded by mha2gqa, or transformers + remote code
-        from mha2gqa.core.per_layer import per_layer_checkpoint
-
-        fields, modeling, record["conversion"]["serving_form"] = per_layer_checkpoint(ckpt.config, list(source.targets))
-        new_config |= fields
     staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         written = write_checkpoint(
@@ -283,10 +302,10 @@ def _write(source: Conversion, tensors: list[OutputTensor], record: dict[str, An
         for name in AUX_FILES:
             if (ckpt.folder / name).is_file():
                 shutil.copyfile(ckpt.folder / name, tmp / name)
-        record["output"] = {"files": written.files, "total_size": written.total_size}
-        (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        record = dataclasses.replace(record, output=Output(written.files, written.total_size))
+        (tmp / CONVERSION_RECORD).write_text(record.to_json(), encoding="utf-8")
         (tmp / "README.md").write_text(model_card(record), encoding="utf-8")
-    return written
+    return record
 
 
 def run(conversion: Conversion) -> ConversionResult:
@@ -301,10 +320,10 @@ def run(conversion: Conversion) -> ConversionResult:
     stats, calibration = _calibrate(conversion)
     c = conversion
     tensors = plan_conversion(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
-    record = _record(c, stats, calibration, tensors)
-    record["conversion"]["per_layer_allocation"] = allocation
-    written = _write(c, tensors, record)
-    conv = record["conversion"]
+    new_config, modeling, serving_form = _output_config(c)
+    record = _record(c, stats, calibration, tensors, allocation, serving_form)
+    record = _write(c, tensors, new_config, modeling, record)
+    facts, output = record.conversion, record.output
     return ConversionResult(
         output=c.dst.absolute(),
         family=c.family.family,
@@ -315,11 +334,11 @@ def run(conversion: Conversion) -> ConversionResult:
         num_kv_heads_after=max(c.targets),
         head_dim=c.dims.head_dim,
         kv_heads_per_layer=list(c.targets) if c.per_layer else None,
-        kv_cache_bytes_per_token_before=conv["kv_cache_bytes_per_token_before"],
-        kv_cache_bytes_per_token_after=conv["kv_cache_bytes_per_token_after"],
-        kv_cache_dtype=conv["kv_cache_dtype"],
-        files=written.files,
-        total_size=written.total_size,
+        kv_cache_bytes_per_token_before=facts.kv_cache_bytes_per_token_before,
+        kv_cache_bytes_per_token_after=facts.kv_cache_bytes_per_token_after,
+        kv_cache_dtype=facts.kv_cache_dtype,
+        files=output.files,
+        total_size=output.total_size,
         seconds=time.perf_counter() - start,
         record=record,
     )

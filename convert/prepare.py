@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa.convert.methods import Grouping, Method, get_grouping, get_method, refusal
+from mha2gqa.convert.retarget_view import RetargetedCheckpoint, retargeted
 from mha2gqa.convert.settings import ConvertSettings
+from mha2gqa.core.architecture import resolve
 from mha2gqa.core.checkpoint import Checkpoint, open_checkpoint
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError, SettingError
-from mha2gqa.core.families import Family, detect_family
+from mha2gqa.core.families import Family
 from mha2gqa.core.output import check_destination
-from mha2gqa.core.retarget import retargeted
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,8 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
     ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle)
     check_destination(dst, s.overwrite, inputs_of(ckpt, s))
     ckpt = retargeted(ckpt)  # GPT-NeoX -> Phi, GPT-2 -> GPTBigCode...: seen as the target class
-    family = detect_family(ckpt.config)
-    dims = AttentionDims.from_config(ckpt.config)
+    arch = ckpt.architecture if isinstance(ckpt, RetargetedCheckpoint) else resolve(ckpt.config)
+    family, dims = arch.family, arch.dims
     if dims.kv_heads_per_layer:
         raise Mha2GqaError(
             f"{ckpt.folder}: its layers already have different KV-head counts; convert its MHA source instead"

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from mha2gqa.core.conversion_record import ConversionRecord, Facts
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 
 _PER_LAYER_NOTE = (
@@ -18,9 +19,9 @@ _PER_LAYER_NOTE = (
 )
 
 
-def _serving(conv: dict[str, Any]) -> str:
+def _serving(conv: Facts) -> str:
     """The per-layer checkpoint's serving form, as the conversion wrote it."""
-    form = conv.get("serving_form")
+    form = conv.serving_form
     if not form:
         return ""
     runtimes = (
@@ -32,96 +33,86 @@ def _serving(conv: dict[str, Any]) -> str:
     return f"Serving: {form[0].upper()}{form[1:]}. {runtimes}\n\n"
 
 
-def _retargeted(conv: dict[str, Any]) -> str:
+def _retargeted(conv: Facts) -> str:
     """The class the source was re-expressed in, and where that class runs."""
-    moved, runs = conv.get("retarget"), conv.get("runs_in")
-    text = ""
+    moved, text = conv.retarget, ""
     if moved:
         text += (
-            f"Re-targeted from `{moved['source_class']}` to `{moved['target_class']}` (exact at the same head "
-            f"count): {moved['description']}.\n\n"
+            f"Re-targeted from `{moved.source_class}` to `{moved.target_class}` (exact at the same head "
+            f"count): {moved.description}.\n\n"
         )
-    if runs:
-        text += f"Runs in: {runs}.\n\n"
+    if conv.runs_in:
+        text += f"Runs in: {conv.runs_in}.\n\n"
     return text
 
 
-def _after(conv: dict[str, Any]) -> str:
-    """The KV heads after the conversion: one count, or each layer's."""
-    per_layer = conv.get("num_kv_heads_per_layer")
-    return f"{', '.join(map(str, per_layer))} per layer" if per_layer else str(conv["num_kv_heads_after"])
-
-
-def changes(conv: dict[str, Any]) -> str:
+def changes(conv: Facts) -> str:
     """What the conversion changed, in words: method, grouping, and every rewritten tensor."""
-    if conv["num_kv_heads_after"] == conv["num_kv_heads_before"] and not conv.get("num_kv_heads_per_layer"):
+    if not conv.changed:
         return "The KV-head count did not change: every tensor is a byte-for-byte copy of the source."
-    how = f"method `{conv['method']}`" + (f" ({conv['method_summary']})" if conv.get("method_summary") else "")
-    if conv.get("grouping") not in (None, "contiguous"):
-        summary = conv.get("grouping_summary", "")
-        how += f", grouping `{conv['grouping']}` ({summary}; query heads move with their KV heads)"
-    roles = conv.get("rewrites") or ["k", "v"]
+    how = f"method `{conv.method}`" + (f" ({conv.method_summary})" if conv.method_summary else "")
+    if conv.grouping != "contiguous":
+        how += f", grouping `{conv.grouping}` ({conv.grouping_summary}; query heads move with their KV heads)"
+    roles = conv.rewrites or ["k", "v"]
     scope = (
         "Only the attention K/V" if set(roles) <= {"k", "v"} else "The attention " + "/".join(r.upper() for r in roles)
     )
-    listed = ", ".join(f"`{t}`" for t in conv.get("rewritten") or [])
+    listed = ", ".join(f"`{t}`" for t in conv.rewritten)
     return (
         f"Converted with {how}. {scope} projections changed ({listed}), and `num_key_value_heads` in "
         "`config.json`; every other tensor is a byte-for-byte copy of the source."
     )
 
 
-def model_card(record: dict[str, Any]) -> str:
+def model_card(record: ConversionRecord) -> str:
     """A Hugging Face model card describing the conversion in ``record``."""
-    src = record["source"]
-    base = src.get("repo_id") or Path(src["path"]).name
-    conv = record["conversion"]
+    src, conv = record.source, record.conversion
+    base = src.name
     front = {
         "base_model": base,
         "library_name": "transformers",
-        "tags": ["mha2gqa", "gqa", "grouped-query-attention", record["family"]],
+        "tags": ["mha2gqa", "gqa", "grouped-query-attention", record.family],
     }
     groups = "; ".join(
         f"KV {j}: q {g[0]}-{g[-1]}" if len(g) > 1 else f"KV {j}: q {g[0]}"
-        for j, g in enumerate(conv["query_heads_per_kv_head"])
+        for j, g in enumerate(conv.query_heads_per_kv_head)
     )
-    if conv.get("num_kv_heads_per_layer"):  # consecutive query heads share each KV head, layer by layer
+    if conv.num_kv_heads_per_layer:  # consecutive query heads share each KV head, layer by layer
         groups = "; ".join(
-            f"layer {i}: {conv['num_heads'] // g} query heads per KV head"
-            for i, g in enumerate(conv["num_kv_heads_per_layer"])
+            f"layer {i}: {conv.num_heads // g} query heads per KV head"
+            for i, g in enumerate(conv.num_kv_heads_per_layer)
         )
     rows = [
-        ("source", f"`{base}`" + (f" @ `{src['revision']}`" if src.get("revision") else "")),
-        ("family", record["family"]),
-        ("method", f"`{conv['method']}`"),
-        ("grouping", f"`{conv.get('grouping') or 'contiguous'}`"),
-        ("query heads", conv["num_heads"]),
-        ("KV heads", f"{conv['num_kv_heads_before']} → {_after(conv)}"),
-        ("head_dim", conv["head_dim"]),
-        ("layers", conv["num_layers"]),
+        ("source", f"`{base}`" + (f" @ `{src.revision}`" if src.revision else "")),
+        ("family", record.family),
+        ("method", f"`{conv.method}`"),
+        ("grouping", f"`{conv.grouping}`"),
+        ("query heads", conv.num_heads),
+        ("KV heads", f"{conv.num_kv_heads_before} → {conv.kv_heads_after}"),
+        ("head_dim", conv.head_dim),
+        ("layers", conv.num_layers),
         (
             "KV cache per token",
-            f"{conv['kv_cache_bytes_per_token_before']:,} → {conv['kv_cache_bytes_per_token_after']:,} bytes "
-            f"({conv['kv_cache_dtype']})",
+            f"{conv.kv_cache_bytes_per_token_before:,} → {conv.kv_cache_bytes_per_token_after:,} bytes "
+            f"({conv.kv_cache_dtype})",
         ),
         ("head sharing", groups),
-        ("mha2gqa", record["mha2gqa_version"]),
+        ("mha2gqa", record.mha2gqa_version),
     ]
-    allocation = conv.get("per_layer_allocation")
+    allocation = conv.per_layer_allocation
     if allocation:
-        uniform = ", ".join(f"G = {g}: {c:.4f}" for g, c in allocation["uniform_cost"].items())
+        uniform = ", ".join(f"G = {g}: {c:.4f}" for g, c in allocation.uniform_cost.items())
         rows.append(
             (
                 "per-layer allocation",
-                f"{allocation['budget_kv_heads']} KV heads in all "
-                f"({allocation['average_kv_heads']:g} per layer), chosen from calibration: cost "
-                f"{allocation['cost']:.4f} ({allocation['cost_measure']}); uniform "
+                f"{allocation.budget_kv_heads} KV heads in all ({allocation.average_kv_heads:g} per layer), chosen "
+                f"from calibration: cost {allocation.cost:.4f} ({allocation.cost_measure}); uniform "
                 f"{uniform or 'not within the budget'}",
             )
         )
-    calibration = conv.get("calibration")
-    if calibration and calibration.get("data"):
-        rows.insert(4, ("calibration", f"`{calibration['data']}` ({calibration['tokens']:,} tokens)"))
+    calibration = conv.calibration
+    if calibration and calibration.data:
+        rows.insert(4, ("calibration", f"`{calibration.data}` ({calibration.tokens:,} tokens)"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     quality = (
         "Training-free conversions lose quality (mean pooling on RoPE decoders especially); "
@@ -129,15 +120,15 @@ def model_card(record: dict[str, Any]) -> str:
     )
     return (
         "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
-        f"# {base} as grouped-query attention ({_after(conv)} KV heads)\n\n"
-        + (_PER_LAYER_NOTE + _serving(conv) if conv.get("num_kv_heads_per_layer") else "")
+        f"# {base} as grouped-query attention ({conv.kv_heads_after} KV heads)\n\n"
+        + (_PER_LAYER_NOTE + _serving(conv) if conv.num_kv_heads_per_layer else "")
         + _retargeted(conv)
         + f"{changes(conv)}\n\n{quality}\n\n| setting | value |\n|---|---|\n{table}\n\n"
-        f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(conv, indent=2)}\n```\n"
+        f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(conv.to_dict(), indent=2)}\n```\n"
     )
 
 
-def uptrain_card(record: dict[str, Any], conversion: dict[str, Any] | None) -> str:
+def uptrain_card(record: dict[str, Any], conversion: ConversionRecord | None) -> str:
     """A model card (README.md) for an uptrained model: the uptraining, then the conversion."""
     up = record["uptrain"]
     base = Path(up["student"]).name

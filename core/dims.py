@@ -7,6 +7,7 @@ Llama-2-7B (32 layers, 32 heads of 128) in fp16: 524,288 bytes as MHA, 131,072 w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,12 @@ def _positive_int(config: Any, key: str) -> int:
     return value
 
 
+def kv_bytes_per_token(kv_heads_by_layer: Sequence[int], head_dim: int, bytes_per_element: int) -> int:
+    """The KV cache one token costs: a key and a value of ``head_dim`` elements per KV head per
+    layer, ``2 * sum(kv_heads_by_layer) * head_dim * bytes_per_element``."""
+    return 2 * sum(kv_heads_by_layer) * head_dim * bytes_per_element
+
+
 @dataclass(frozen=True)
 class AttentionDims:
     """Head counts and sizes of a decoder, read from its config."""
@@ -47,14 +54,10 @@ class AttentionDims:
 
     @classmethod
     def from_config(cls, config: Any) -> AttentionDims:
-        """From a ``config.json`` dict or a transformers config. ``head_dim`` is the config's own
-        when it has one (Gemma-7B: 256 with hidden 3072 and 16 heads), else ``hidden / heads``;
-        rotary dims are ``head_dim x partial_rotary_factor`` (transformers' rule). A family's own
-        spelling (GPT-2's ``n_head``, Falcon's ``num_kv_heads``) and a re-targeted source's config
-        (GPT-NeoX read as the Phi it becomes) are understood."""
-        from mha2gqa.core.families import find_family, standard_config
-
-        config = standard_config(config)
+        """From a config with the standard keys (a ``config.json`` dict or a transformers config;
+        :func:`mha2gqa.core.architecture.resolve` gives any family's config these keys). ``head_dim``
+        is the config's own when it has one (Gemma-7B: 256 with hidden 3072 and 16 heads), else
+        ``hidden / heads``; rotary dims are ``head_dim x partial_rotary_factor`` (transformers' rule)."""
         layers = _positive_int(config, "num_hidden_layers")
         heads = _positive_int(config, "num_attention_heads")
         hidden = _positive_int(config, "hidden_size")
@@ -78,12 +81,7 @@ class AttentionDims:
         if per_layer is not None:
             per_layer = check_per_layer(per_layer, layers, heads, f"config.json: {PER_LAYER_KEY}")
             kv = max(per_layer)
-        fam = find_family(config)
-        choices = None
-        if fam is not None and fam.flag_only:
-            arch = fam.architectures[0]
-            choices = (tuple(sorted({1, kv})), f"{arch} holds one KV head ({fam.kv_flag}) or one per query head")
-        return cls(layers, heads, kv, head_dim, hidden, int(head_dim * factor), per_layer, choices)
+        return cls(layers, heads, kv, head_dim, hidden, int(head_dim * factor), per_layer)
 
     def kv_heads_of(self, layer: int) -> int:
         """The KV heads of ``layer``."""
@@ -94,13 +92,16 @@ class AttentionDims:
         """Rotary dimensions per head (the whole head unless partial rotary)."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
-    def kv_cache_bytes_per_token(self, num_kv_heads: int | None = None, bytes_per_element: int = 2) -> int:
-        """K and V of every layer for one token: ``2 * layers * kv_heads * head_dim * bytes``
-        (``num_kv_heads``: the model's own when None)."""
-        if num_kv_heads is None and self.kv_heads_per_layer:
-            return 2 * sum(self.kv_heads_per_layer) * self.head_dim * bytes_per_element
-        g = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return 2 * self.num_layers * g * self.head_dim * bytes_per_element
+    def kv_cache_bytes_per_token(
+        self, num_kv_heads: int | Sequence[int] | None = None, bytes_per_element: int = 2
+    ) -> int:
+        """K and V of every layer for one token (:func:`kv_bytes_per_token`); ``num_kv_heads`` is one
+        count for every layer, each layer's, or None for the model's own."""
+        if num_kv_heads is None:
+            num_kv_heads = self.kv_heads_per_layer or self.num_kv_heads
+        if isinstance(num_kv_heads, int):
+            num_kv_heads = (num_kv_heads,) * self.num_layers
+        return kv_bytes_per_token(num_kv_heads, self.head_dim, bytes_per_element)
 
     def valid_kv_heads(self) -> list[int]:
         """The KV-head counts this model converts to: divisors of its current count, largest first."""

@@ -15,8 +15,6 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from mha2gqa.core.errors import Mha2GqaError
-
 _TOP_KEYS = {
     "family",
     "description",
@@ -362,39 +360,3 @@ def refused_reason(config: dict[str, Any]) -> str | None:
     if entry is None:
         return None
     return f"{(config.get('architectures') or [config.get('model_type')])[0]} is not supported: {entry.reason}"
-
-
-def detect_family(config: dict[str, Any]) -> Family:
-    """The family of a ``config.json`` (by ``architectures``, then ``model_type``); refused
-    architectures and family-specific refusals (Falcon-RW...) raise with the reason."""
-    why = refused_reason(config)
-    if why:
-        raise Mha2GqaError(why)
-    fam = find_family(config)
-    if fam is None:
-        archs = config.get("architectures") or []
-        found = ", ".join(archs) or config.get("model_type") or "unknown"
-        from mha2gqa.core.retarget import retargets
-
-        supported = ", ".join(sorted(a for f in families().values() for a in f.architectures))
-        moved = ", ".join(sorted(a for r in retargets().values() for a in r.architectures))
-        raise Mha2GqaError(f"unsupported model family ({found}); supported: {supported}; re-targeted: {moved}")
-    why = fam.refusal(config)
-    if why:
-        raise Mha2GqaError(f"{(config.get('architectures') or [fam.family])[0]}: {why}")
-    return fam
-
-
-def standard_config(config: Any) -> Any:
-    """A config (dict or transformers object) with the standard keys mha2gqa reads, whatever its
-    family calls them (:meth:`Family.standard`), a re-targeted source's read as the class it becomes
-    (GPT-NeoX as Phi); unknown families come back as they are."""
-    from mha2gqa.core.retarget import as_target
-
-    if not isinstance(config, dict):
-        if not hasattr(config, "to_dict"):
-            return config
-        config = config.to_dict()
-    config = as_target(config)
-    fam = find_family(config)
-    return fam.standard(config) if fam is not None else config

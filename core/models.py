@@ -10,12 +10,14 @@ from typing import Any
 
 import torch
 
+from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.checkpoint import read_config, resolve_folder
+from mha2gqa.core.conversion_record import Facts, read_conversion_record
 from mha2gqa.core.devices import check_device_name, check_dtype_name
-from mha2gqa.core.dims import PER_LAYER_KEY, AttentionDims
+from mha2gqa.core.dims import PER_LAYER_KEY
 from mha2gqa.core.dtypes import by_name, from_torch
 from mha2gqa.core.errors import Mha2GqaError, SettingError
-from mha2gqa.core.records import UPTRAIN_RECORD, read_conversion_record
+from mha2gqa.core.records import UPTRAIN_RECORD
 
 
 def resolve_device(device: str) -> torch.device:
@@ -47,10 +49,15 @@ class LoadedModel:
     model: torch.nn.Module
     folder: Path
 
+    def conversion(self) -> Facts | None:
+        """What ``mha2gqa convert`` recorded about this model (None: not converted by it)."""
+        record = read_conversion_record(self.folder)
+        return record.conversion if record else None
+
     def describe(self) -> dict[str, Any]:
         """Config summary, hashes and the conversion record when the folder has one."""
         cfg = self.model.config
-        dims = AttentionDims.from_config(cfg)
+        dims = dims_of(cfg)
         dtype = next(self.model.parameters()).dtype
         info: dict[str, Any] = {
             "path": self.path,
@@ -68,9 +75,9 @@ class LoadedModel:
         config_file = self.folder / "config.json"
         if config_file.is_file():
             info["config_sha256"] = hashlib.sha256(config_file.read_bytes()).hexdigest()
-        record = read_conversion_record(self.folder)
-        if record and isinstance(record.get("conversion"), dict):
-            info["conversion"] = record["conversion"]
+        facts = self.conversion()
+        if facts is not None:
+            info["conversion"] = facts.to_dict()
         info["uptrained"] = (self.folder / UPTRAIN_RECORD).is_file()
         return info
 

@@ -10,11 +10,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.core.architecture import dims_of, resolve
 from mha2gqa.core.dims import AttentionDims, config_value
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.families import TERM_NAMES, Family, detect_family
-from mha2gqa.core.retarget import as_target
+from mha2gqa.core.families import TERM_NAMES, Family
 from mha2gqa.core.settings import setting
 
 
@@ -150,7 +150,7 @@ def count_parameters(config: dict[str, Any], family: Family, num_kv_heads: int |
     family's declared terms; None when the family declares none or the config lacks a size."""
     if not family.parameter_terms:
         return None
-    dims = AttentionDims.from_config(config)
+    dims = dims_of(config)
     values: dict[str, int] = {}
     for short, key in TERM_NAMES.items():
         value = {"head_dim": dims.head_dim, "num_key_value_heads": dims.num_kv_heads}.get(key, config.get(key))
@@ -191,9 +191,8 @@ class ModelShape:
 def model_shape(config: dict[str, Any]) -> ModelShape:
     """Family, head counts and parameter counts. Counts come from the family's declared terms (no
     torch); a family without them is counted exactly by building its model class on ``meta``."""
-    source, config = config, as_target(config)  # a re-targeted source is planned as the class it becomes
-    family = detect_family(config)
-    dims = AttentionDims.from_config(config)
+    arch = resolve(config)  # a re-targeted source is planned as the class it becomes
+    source, config, family, dims = arch.source_config, arch.config, arch.family, arch.dims
     params = count_parameters(config, family)
     if params is not None:
         per_head = params - count_parameters(config, family, dims.num_kv_heads - 1)

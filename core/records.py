@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any
 
 #: Written by ``convert`` into every converted model (and carried along by ``uptrain``).
 CONVERSION_RECORD = "mha2gqa_conversion.json"
@@ -69,15 +67,3 @@ def git_revision() -> str | None:
         return rev.stdout.strip() or None if rev.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def read_conversion_record(folder: Path) -> dict[str, Any] | None:
-    """The ``convert`` record of a model folder, if it has a readable one."""
-    path = Path(folder) / CONVERSION_RECORD
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return record if isinstance(record, dict) else None

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from mha2gqa.core.capture import capturing
+from mha2gqa.core.conversion_record import Facts
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.metrics import cosine, row_stats
 
@@ -216,14 +217,9 @@ def _output_projection_name(model: torch.nn.Module) -> str | None:
     """The attribute of the attention module that holds the output projection, from the model's
     family definition (``o_proj``, Phi's ``dense``...) or, for a re-targeted source class (GPT-J,
     OPT...), its re-targeting's; None for a family we do not describe."""
-    from mha2gqa.core.families import find_family
-    from mha2gqa.core.retarget import find_retarget
+    from mha2gqa.core.architecture import resolve
 
-    config = model.config.to_dict()
-    family, spec = find_family(config), find_retarget(config)
-    if family is not None:
-        return family.o_proj.rsplit(".", 1)[-1]
-    return spec.o_proj if spec is not None else None
+    return resolve(model.config, strict=False).attention_output
 
 
 def _output_weight(module: torch.nn.Module, name: str | None) -> torch.Tensor | None:
@@ -382,11 +378,11 @@ def compare_attention(
     return {"layers": layers, "summary": summary, "tokens": batch.numel(), "seq_len": batch.shape[1], "chunk": chunk}
 
 
-def head_order_of(description: dict) -> dict[int, list[int]] | None:
-    """Per layer, the source KV heads in the converted model's order, from a model description's
-    conversion record (similarity grouping); None when the conversion kept the heads in place."""
-    groups = (description.get("conversion") or {}).get("source_kv_heads_per_kv_head_by_layer") or {}
-    return {int(layer): [h for g in gs for h in g] for layer, gs in groups.items() if gs} or None
+def head_order_of(conversion: Facts | None) -> dict[int, list[int]] | None:
+    """Per layer, the source KV heads in the converted model's order, from the conversion record
+    (similarity grouping); None when the conversion kept the heads in place."""
+    groups = conversion.groups_by_layer() if conversion else {}
+    return {layer: [h for g in gs for h in g] for layer, gs in groups.items()} or None
 
 
 def attention_similarity(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.records import BENCH_SCHEMA
 from mha2gqa.core.tables import Table
 from mha2gqa.eval.settings import BenchSettings
@@ -79,7 +79,7 @@ def bench_model(
     decode = [(new_tokens - 1) * batch_size / max(f - p, 1e-9) for f, p in zip(full, prefill, strict=True)]
     measured, tokens = cache_bytes(out.past_key_values)
     cfg = model.config
-    dims = AttentionDims.from_config(cfg)
+    dims = dims_of(cfg)
     element = next(iter(out.past_key_values.layers)).keys.element_size()
     planned = dims.kv_cache_bytes_per_token(None, element) * tokens * batch_size  # per-layer counts too
     return {

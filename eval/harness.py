@@ -163,11 +163,10 @@ def _max_positions(folder: Path) -> int | None:
 def _attention_readable(folders: list[Path]) -> bool:
     """Both models run their attention through transformers' attention interface, where the
     attention comparison reads it (Falcon's does not: then it is skipped, and said so)."""
-    from mha2gqa.core.families import find_family
-    from mha2gqa.core.retarget import as_target
+    from mha2gqa.core.architecture import resolve
 
     for folder in folders:
-        family = find_family(as_target(read_config(folder)))
+        family = resolve(read_config(folder), strict=False).family
         if family is not None and not family.attention_interface:
             sys.stderr.write(
                 f"note: {family.architectures[0]} computes attention outside transformers' attention "
@@ -327,7 +326,7 @@ def _together(run: _Run, results: dict[str, Any]) -> list[LoadedModel]:
     _protocols(run, {name: run.score(models, name) for name in run.passes}, results)
     main = is_main_process()
     if len(models) == 2 and run.attention_batch is not None and main:
-        order = head_order_of(loaded[1].describe())
+        order = head_order_of(loaded[1].conversion())
         out, seconds = _timed(
             lambda: attention_similarity(*models, run.attention_batch, run.settings.attention_chunk, order)
         )
@@ -363,13 +362,13 @@ def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[
 
 def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:
     """Bytes the original's cached scores will take (from its config, before loading it)."""
-    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.dtypes import from_torch
     from mha2gqa.eval.perplexity import IGNORE
     from mha2gqa.eval.reference import estimate_bytes
 
     config = read_config(run.folders[0])
-    dims = AttentionDims.from_config(config)
+    dims = dims_of(config)
     vocab = int(config_value(config, "vocab_size") or len(run.tokenizer))
     scored = sum(int((t != IGNORE).sum()) for windows in run.passes.values() for _, t in windows)
     attention = None
@@ -436,7 +435,7 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             scored[name] = {**res, "seconds": res["seconds"] + ref.seconds(name)}
         _protocols(run, scored, results)
         if run.attention_batch is not None and main:
-            order = head_order_of(converted.describe())
+            order = head_order_of(converted.conversion())
             out, seconds = _timed(
                 lambda: compare_attention(converted.model, run.attention_batch, ref, s.attention_chunk, order)
             )

@@ -67,7 +67,7 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
         out["per_layer_heads"] = plots.per_layer_heads(conv.kv_heads_per_layer, (att or {}).get("layers"))
     elif conv:  # one count for every layer: which query heads share each KV head
         h, g = conv.num_heads, conv.num_kv_heads
-        groups = (conv.conversion or {}).get("query_heads_per_kv_head") or [
+        groups = (conv.conversion.query_heads_per_kv_head if conv.conversion else None) or [
             list(range(j * h // g, (j + 1) * h // g)) for j in range(g)
         ]
         out["head_sharing"] = plots.head_sharing(groups, h)

@@ -13,6 +13,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.core import typed
+from mha2gqa.core.conversion_record import Facts
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError
@@ -51,7 +53,7 @@ class ModelInfo:
     max_positions: int | None = None
     kv_cache_bytes_per_token: int | None = None
     config_sha256: str | None = None
-    conversion: dict[str, Any] | None = None
+    conversion: Facts | None = None
     uptrained: bool = False
     kv_heads_per_layer: list[int] | None = None  # a per-layer checkpoint's count of each layer
 
@@ -63,7 +65,7 @@ class ModelInfo:
     @property
     def method(self) -> str:
         """The conversion method, ``+uptrain`` when the model was uptrained after it."""
-        method = (self.conversion or {}).get("method", "")
+        method = self.conversion.method if self.conversion else ""
         return f"{method}+uptrain" if method and self.uptrained else method
 
 
@@ -142,7 +144,7 @@ class Results:
             models = d.get("models")
             if not isinstance(models, dict) or "original" not in models:
                 raise _Missing("models.original is missing")
-            parsed = {n: _take(ModelInfo, m, f"models.{n}") for n, m in models.items()}
+            parsed = {n: _model(m, f"models.{n}") for n, m in models.items()}
             protocols = d.get("protocols")
             if not isinstance(protocols, dict) or not protocols:
                 raise _Missing("protocols is missing or empty")
@@ -151,7 +153,7 @@ class Results:
             out.protocols = {n: _protocol(n, p) for n, p in protocols.items()}
             agreement = d.get("agreement")
             out.agreement = _take(Agreement, agreement, "agreement") if agreement and agreement.get("kl") else None
-        except _Missing as e:
+        except (_Missing, typed.RecordError) as e:
             raise Mha2GqaError(f"{where}: {e}") from None
         except (TypeError, ValueError, KeyError) as e:
             raise Mha2GqaError(f"{where}: a field has the wrong type ({e})") from None
@@ -184,6 +186,14 @@ class Results:
         if self.converted is None:
             return Path(self.original.path).name
         return f"{Path(self.converted.path).name} vs {Path(self.original.path).name}"
+
+
+def _model(m: Any, where: str) -> ModelInfo:
+    """One model's description, its conversion record typed."""
+    info = _take(ModelInfo, {**m, "conversion": None} if isinstance(m, dict) else m, where)
+    if m.get("conversion") is not None:
+        info.conversion = typed.read(Facts, m["conversion"], f"{where}.conversion")
+    return info
 
 
 def _protocol(name: str, p: Any) -> Protocol:

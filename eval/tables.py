@@ -233,10 +233,10 @@ def overview_table(results: list[Results]) -> Table:
 
 def calibration(model: ModelInfo | None) -> str:
     """What a conversion was calibrated on: ``file (N tokens)``, ``weights only``, or ``-``."""
-    cal = ((model.conversion or {}).get("calibration") if model else None) or {}
-    if cal.get("data"):
-        return f"{Path(str(cal['data'])).name} ({cal.get('tokens', 0):,} tok)"
-    return "weights only" if cal.get("weights_only") else "-"
+    cal = model.conversion.calibration if model and model.conversion else None
+    if cal and cal.data:
+        return f"{Path(cal.data).name} ({cal.tokens:,} tok)"
+    return "weights only" if cal and cal.weights_only else "-"
 
 
 def gate_cell(r: Results) -> str:

@@ -247,10 +247,10 @@ def _demo_text(job: Job, name: str | None) -> str | None:
 
 def _check_heads(job: Job, source: str) -> None:
     """Every KV-head count of the sweep must divide the source's, checked before the first conversion."""
-    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.planning import load_config
 
-    dims = AttentionDims.from_config(load_config(source))
+    dims = dims_of(load_config(source))
     for g in job.num_kv_heads:
         try:
             dims.check_kv_heads(g)

@@ -10,9 +10,9 @@ def reference_convert(
     state: dict[str, torch.Tensor], config: dict, layout: dict, groups: int, method: str
 ) -> dict[str, torch.Tensor]:
     """``layout``: ``k``/``v`` (or ``qkv``) module templates, ``k_norm`` and its ``k_norm_layout``."""
-    from mha2gqa.core.families import standard_config
+    from mha2gqa.core.architecture import resolve
 
-    config = standard_config(config)  # GPTBigCode's n_head, Falcon's num_kv_heads...
+    config = resolve(config, strict=False).standard()  # GPTBigCode's n_head, Falcon's num_kv_heads...
     h = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or h
     d = config.get("head_dim") or config["hidden_size"] // h

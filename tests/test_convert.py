@@ -25,9 +25,9 @@ def read_all(folder) -> dict[str, torch.Tensor]:
 
 
 def source_kv(config) -> int:
-    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.architecture import dims_of
 
-    return AttentionDims.from_config(config).num_kv_heads
+    return dims_of(config).num_kv_heads
 
 
 def equalise_groups(model, family: str, groups: int, strided: bool = False) -> None:
@@ -93,18 +93,18 @@ def test_same_head_count_is_a_byte_exact_copy(family, sharded, tiny_checkpoint, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_equalised_groups_convert_without_changing_logits(family, tmp_path):
-    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.architecture import dims_of
 
     config = tiny_config(family)
     kv = source_kv(config)
-    for g in [g for g in (kv // 2, 1) if g in AttentionDims.from_config(config).valid_kv_heads()]:
+    for g in [g for g in (kv // 2, 1) if g in dims_of(config).valid_kv_heads()]:
         model = random_model(config, seed=g)
         equalise_groups(model, family, g)
         src = save(model, tmp_path / f"src{g}")
         before = logits(model, IDS)
         out = convert_checkpoint(src, tmp_path / f"out{g}", g, "mean", progress=False).output
         converted = load(out)
-        assert AttentionDims.from_config(converted.config).num_kv_heads == g
+        assert dims_of(converted.config).num_kv_heads == g
         torch.testing.assert_close(logits(converted, IDS), before, atol=1e-5, rtol=0)
 
 

@@ -4,9 +4,10 @@ import pytest
 import torch
 from conftest import FAMILY_CONFIGS, tiny_config
 
+from mha2gqa.core.architecture import resolve
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.families import detect_family, families, parse_family
+from mha2gqa.core.families import families, parse_family
 
 
 def test_every_family_has_a_tiny_model_in_the_tests():
@@ -27,7 +28,7 @@ def test_every_name_in_a_definition_exists_in_the_real_model(family):
         for norm in (fam.q_norm, fam.k_norm):
             if norm is not None:
                 assert norm.name.format(layer=layer, head=0) in names
-    assert detect_family(json.loads(config.to_json_string())) is fam
+    assert resolve(json.loads(config.to_json_string())).family is fam
 
 
 def test_unknown_keys_in_a_definition_are_an_error():
@@ -58,9 +59,9 @@ def test_unknown_keys_in_a_definition_are_an_error():
 
 def test_unknown_family_is_refused_with_the_supported_list():
     with pytest.raises(
-        Mha2GqaError, match=r"unsupported model family \(GPT2LMHeadModel\); supported: .*LlamaForCausalLM"
+        Mha2GqaError, match=r"unsupported model family \(MambaForCausalLM\); supported: .*LlamaForCausalLM"
     ):
-        detect_family({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+        resolve({"architectures": ["MambaForCausalLM"], "model_type": "mamba"})
 
 
 def test_dims_head_dim_and_kv_cache_by_hand():

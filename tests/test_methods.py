@@ -12,11 +12,11 @@ from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.convert.calibration.stats import LayerStats
 from mha2gqa.convert.methods.svd import svd_merge_layer
-from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.architecture import dims_of
 
 
 def rotary_dim(cfg) -> int:
-    return AttentionDims.from_config(cfg).rotary
+    return dims_of(cfg).rotary
 
 
 SVD_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi", "phi3", "olmo", "starcoder2"]
@@ -349,9 +349,10 @@ def test_similarity_grouping_finds_heads_that_repeat_kv_order_would_not_pair(fam
     contiguous = convert_checkpoint(src, tmp_path / "cont", 2, method, **kw).output
     assert (logits(load(contiguous), IDS) - before).abs().max() > 1e-2
     # Attention similarity compares each converted head with the head it came from: exact here.
+    from mha2gqa.core.conversion_record import read_conversion_record
     from mha2gqa.eval.attention import attention_similarity, head_order_of
 
-    order = head_order_of({"conversion": record})
+    order = head_order_of(read_conversion_record(out).conversion)
     assert order == {0: [0, 2, 1, 3], 1: [0, 2, 1, 3]}
     same = attention_similarity(load(src), load(out), IDS, chunk=8, head_order=order)["summary"]
     assert same["mean_kl"] < 1e-6 and same["mean_contribution_rel_error"] < 1e-3

@@ -234,12 +234,12 @@ def test_auto_allocation_finds_the_layers_that_can_share_and_keeps_the_logits(so
         src, tmp_path / "res", None, per_layer="auto", kv_budget=3.75, allocation_cost="residual", **kw
     )
     assert by_residual.kv_heads_per_layer == list(HEADS)
-    assert by_residual.record["conversion"]["per_layer_allocation"]["cost_measure"].startswith("mean merge residual")
+    assert by_residual.record.conversion.per_layer_allocation.cost_measure.startswith("mean merge residual")
     torch.testing.assert_close(logits(_ours(out.output), IDS), logits(_ours(src), IDS), atol=1e-4, rtol=1e-4)
-    alloc = out.record["conversion"]["per_layer_allocation"]
-    assert alloc["budget_kv_heads"] == 15 and alloc["chosen"] == list(HEADS) and alloc["cost"] < 1e-9
-    assert alloc["costs"]["3"]["1"] < 1e-9 < alloc["costs"]["0"]["4"]  # layer 3's heads are all alike
-    assert alloc["uniform_cost"]["2"] > 0.01 and "per-layer allocation" in (out.output / "README.md").read_text()
+    alloc = out.record.conversion.per_layer_allocation
+    assert alloc.budget_kv_heads == 15 and alloc.chosen == list(HEADS) and alloc.cost < 1e-9
+    assert alloc.costs["3"]["1"] < 1e-9 < alloc.costs["0"]["4"]  # layer 3's heads are all alike
+    assert alloc.uniform_cost["2"] > 0.01 and "per-layer allocation" in (out.output / "README.md").read_text()
     svd = convert_checkpoint(src, tmp_path / "svd", 2, "svd", per_layer="auto", **kw)  # budget: 2 per layer
     assert sum(svd.kv_heads_per_layer or [svd.num_kv_heads_after] * 4) <= 8
 

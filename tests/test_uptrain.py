@@ -148,13 +148,13 @@ def test_window_order_is_a_seeded_permutation_per_epoch():
 
 
 def test_train_kv_selects_only_the_key_value_projections(tiny_checkpoint):
-    from mha2gqa.core.dims import AttentionDims
-    from mha2gqa.core.families import detect_family
+    from mha2gqa.core.architecture import resolve
 
     folder = tiny_checkpoint("qwen3", num_key_value_heads=2)  # has a shared k_norm, which trains with K
     model = load(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    fam, dims = detect_family(cfg), AttentionDims.from_config(cfg)
+    arch = resolve(cfg)
+    fam, dims = arch.family, arch.dims
     kv = select_trainable(model, fam, dims, "kv")
     assert kv.names and all(("k_proj" in n or "v_proj" in n or "k_norm" in n) for n in kv.names)
     assert sum("k_norm" in n for n in kv.names) == dims.num_layers
@@ -171,7 +171,7 @@ def test_train_kv_on_fused_qkv_leaves_query_rows_bit_exact(family, groups, model
     query rows, wherever the layout puts them, stay bit-exact; the K/V rows train."""
     from transformers import AutoTokenizer
 
-    from mha2gqa.core.dims import AttentionDims
+    from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.families import families
 
     src = tiny_checkpoint(family, vocab_size=300)
@@ -181,7 +181,7 @@ def test_train_kv_on_fused_qkv_leaves_query_rows_bit_exact(family, groups, model
     uptrain(str(student), _settings(models, out, train="kv", max_steps=4, eval_data=None), log=_quiet)
     before, after = load_file(student / "model.safetensors"), load_file(out / "model.safetensors")
     fam = families()[family]
-    dims = AttentionDims.from_config(json.loads((student / "config.json").read_text()))
+    dims = dims_of(json.loads((student / "config.json").read_text()))
     q_rows = torch.tensor(fam.q_rows(dims.num_heads, dims.num_kv_heads, dims.head_dim))
     kv_rows = torch.tensor(
         sorted(set(range((dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim)) - set(q_rows.tolist()))

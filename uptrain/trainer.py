@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from mha2gqa.core.cards import uptrain_card
+from mha2gqa.core.conversion_record import read_conversion_record
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.models import resolve_device
 from mha2gqa.core.per_layer import MODELING_FILE
-from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG, UPTRAIN_RECORD, now, read_conversion_record, version
+from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG, UPTRAIN_RECORD, now, version
 from mha2gqa.core.runlog import RunLog, read_log
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.uptrain.checkpoints import (
@@ -107,14 +108,20 @@ class _Plan:
 
 def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
     """Resolve and check the sizes, the tokenizers and the text of a run (raises :class:`Mha2GqaError`)."""
+    from mha2gqa.core.architecture import resolve
     from mha2gqa.core.checkpoint import read_config, resolve_folder
-    from mha2gqa.core.families import detect_family
     from mha2gqa.core.models import check_same_tokenizer, load_tokenizer
     from mha2gqa.eval.perplexity import disjoint_windows
 
     student_folder, _, _ = resolve_folder(student)
     config = read_config(student_folder)
-    family = detect_family(config) if s.train != "all" else None
+    arch = resolve(config) if s.train != "all" else None
+    if arch is not None and arch.retarget is not None:  # trained in its own class, which has no KV-head setting
+        raise Mha2GqaError(
+            f"unsupported model family ({arch.name}) for --train {s.train}: train its conversion (a "
+            f"{arch.converts_as}) instead, or use --train all"
+        )
+    family = arch.family if arch is not None else None
     max_pos = config.get("max_position_embeddings")
     seq_len = s.seq_len or min(1024, max_pos or 1024)
     eval_seq_len = s.eval_seq_len or seq_len
@@ -315,7 +322,7 @@ class _Trainer:
             "README.md": uptrain_card(record, self.conv_record),
         }
         if self.conv_record:
-            files[CONVERSION_RECORD] = json.dumps(self.conv_record, indent=2) + "\n"
+            files[CONVERSION_RECORD] = self.conv_record.to_json()
         modeling = self.plan.student_folder / MODELING_FILE
         if modeling.is_file():  # a per-layer student: its class travels with the weights
             files[MODELING_FILE] = modeling.read_text(encoding="utf-8")
@@ -545,4 +552,6 @@ def _dims(folder: Path) -> AttentionDims:
     """Head counts through transformers' config class (its attribute maps cover GPT-2's ``n_head``...)."""
     from transformers import AutoConfig
 
-    return AttentionDims.from_config(AutoConfig.from_pretrained(folder))
+    from mha2gqa.core.architecture import dims_of
+
+    return dims_of(AutoConfig.from_pretrained(folder))

@@ -206,16 +206,16 @@ def collect(
     (:class:`LayerRun`), before they are cut (with ``groups=None``, nothing is kept)."""
     from tqdm.auto import tqdm
 
+    from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.capture import capturing, decoder_layers
     from mha2gqa.core.checkpoint import open_checkpoint
-    from mha2gqa.core.dims import AttentionDims
     from mha2gqa.core.models import resolve_device
 
     dev = resolve_device(device)
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
     model_dir = ckpt.folder
     model = _skeleton(ckpt)
-    dims = AttentionDims.from_config(model.config)
+    dims = dims_of(model.config)
     seq_len = min(seq_len or 512, getattr(model.config, "max_position_embeddings", None) or 512)
     windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
     states = _first_layer_inputs(model, ckpt, windows, dev)

@@ -1,0 +1,182 @@
+"""The conversion record (``mha2gqa_conversion.json``), typed: what ``convert`` wrote into a converted
+model, read back by the model card, ``eval`` (which model it came from, how its heads were grouped)
+and ``uptrain`` (which carries it along). The one place that knows the record's keys.
+
+Schema ``mha2gqa.conversion/1``; records written before the tag existed read as that version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mha2gqa.core import typed
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.records import CONVERSION_RECORD
+
+CONVERSION_SCHEMA = "mha2gqa.conversion/1"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a calibrated method read (``data`` None: from the weights alone)."""
+
+    data: str | None
+    tokens: int
+    rotary_dim: int | None = None
+    weights_only: bool = False
+
+
+@dataclass(frozen=True)
+class Retargeted:
+    """The class a classic MHA source was re-expressed in (exact at the same head count)."""
+
+    source_class: str
+    target_class: str
+    definition: str
+    description: str
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """``--per-layer auto``: the budget, every layer's cost of every count, the choice."""
+
+    budget_kv_heads: int
+    average_kv_heads: float
+    chosen: list[int]
+    cost: float
+    uniform_cost: dict[str, float]
+    cost_measure: str
+    costs: dict[str, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the conversion did: method, grouping, shapes before and after, KV bytes."""
+
+    method: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads_before: int
+    num_kv_heads_after: int
+    head_dim: int
+    query_heads_per_kv_head: list[list[int]]
+    kv_cache_dtype: str
+    kv_cache_bytes_per_token_before: int
+    kv_cache_bytes_per_token_after: int
+    method_summary: str = ""
+    calibration: Calibration | None = None
+    grouping: str = "contiguous"
+    grouping_summary: str = ""
+    source_kv_heads_per_kv_head_by_layer: dict[str, list[list[int]] | None] | None = None
+    seed: int | None = None
+    num_kv_heads_per_layer: list[int] | None = None
+    source_kv_heads_per_kv_head: list[list[int]] = field(default_factory=list)
+    rewrites: list[str] = field(default_factory=list)
+    rewritten: list[str] = field(default_factory=list)
+    retarget: Retargeted | None = None
+    runs_in: str | None = None
+    per_layer_allocation: Allocation | None = None
+    serving_form: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def changed(self) -> bool:
+        """Some layer's KV-head count changed (otherwise every tensor is a copy)."""
+        return self.num_kv_heads_after != self.num_kv_heads_before or bool(self.num_kv_heads_per_layer)
+
+    @property
+    def kv_heads_after(self) -> str:
+        """``4`` or ``8, 4, 2, 1 per layer``."""
+        per_layer = self.num_kv_heads_per_layer
+        return f"{', '.join(map(str, per_layer))} per layer" if per_layer else str(self.num_kv_heads_after)
+
+    def groups_by_layer(self) -> dict[int, list[list[int]]]:
+        """Similarity grouping: each layer's source KV heads per new KV head (empty when heads kept
+        their places)."""
+        found = self.source_kv_heads_per_kv_head_by_layer or {}
+        return {int(layer): groups for layer, groups in found.items() if groups}
+
+
+@dataclass(frozen=True)
+class Source:
+    """The checkpoint that was converted (hashes of its config and safetensors headers)."""
+
+    path: str
+    config_sha256: str
+    format: str
+    repo_id: str | None = None
+    revision: str | None = None
+    files: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The hub id, else the folder's name."""
+        return self.repo_id or Path(self.path).name
+
+
+@dataclass(frozen=True)
+class Output:
+    files: list[str]
+    total_size: int
+
+
+@dataclass(frozen=True)
+class ConversionRecord:
+    """One ``mha2gqa_conversion.json``."""
+
+    mha2gqa_version: str
+    created: str
+    family: str
+    source: Source
+    settings: dict[str, Any]
+    conversion: Facts
+    output: Output | None = None
+    schema: str = CONVERSION_SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        return {"schema": data.pop("schema"), **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ConversionRecord:
+        """Read a record; a damaged or foreign one raises one error naming ``where`` and the field."""
+        if isinstance(data, dict) and data.get("schema", CONVERSION_SCHEMA) != CONVERSION_SCHEMA:
+            raise Mha2GqaError(
+                f"{where}: schema {data.get('schema')!r} is not {CONVERSION_SCHEMA}: written by another mha2gqa "
+                "version; convert again with this one"
+            )
+        try:
+            return typed.read(cls, data, "record")
+        except typed.RecordError as e:
+            raise Mha2GqaError(f"{where}: damaged conversion record ({e}); convert the model again") from None
+
+
+def read_facts(data: Any, where: str) -> Facts | None:
+    """The ``conversion`` section as recorded elsewhere (e.g. in eval results); None when absent."""
+    if data is None:
+        return None
+    try:
+        return typed.read(Facts, data, "conversion")
+    except typed.RecordError as e:
+        raise Mha2GqaError(f"{where}: damaged conversion facts ({e})") from None
+
+
+def read_conversion_record(folder: Path) -> ConversionRecord | None:
+    """The record of a converted model folder; None when it has none (not converted by mha2gqa)."""
+    path = Path(folder) / CONVERSION_RECORD
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Mha2GqaError(f"{path}: not readable JSON ({e}); convert the model again") from None
+    return ConversionRecord.from_dict(data, str(path))

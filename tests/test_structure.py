@@ -1,0 +1,215 @@
+"""The house's structure, tested: core/ has no import circle, each conversion is prepared once, and
+the conversion record is read through its type alone."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import llama_with_tokenizer, story_text
+from test_layering import imports
+
+from mha2gqa.cli import main
+from mha2gqa.core import conversion_record as cr
+from mha2gqa.core.errors import Mha2GqaError
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("core", "convert", "eval", "uptrain", "mha2gqa")
+
+
+def core_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """core module -> the core modules it imports (function-local imports too)."""
+    graph = {}
+    for path in sorted((root / "core").glob("*.py")):
+        deps = set()
+        for _, module in imports(path):
+            parts = module.split(".")
+            if parts[:2] == ["mha2gqa", "core"] and len(parts) > 2:
+                deps.add(parts[2])
+        graph[path.stem] = deps - {path.stem}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle (a path back to where it started), found by depth-first search."""
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append([*path[path.index(node) :], node])
+            return
+        if node in done:
+            return
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_core_imports_in_one_direction():
+    """dims <- families <- retarget <- architecture: no module of core/ reaches itself again."""
+    assert circles(core_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "a.py").write_text("def f():\n    from mha2gqa.core.b import x\n")
+    (tmp_path / "core" / "b.py").write_text("from mha2gqa.core.a import f\n")
+    (tmp_path / "core" / "c.py").write_text("from mha2gqa.core.a import f\n")
+    assert circles(core_graph(tmp_path)) == [["a", "b", "a"]]
+
+
+def _record_keys() -> set[str]:
+    """Field names only the conversion record has (generic ones other schemas share are left out)."""
+    types = (cr.ConversionRecord, cr.Facts, cr.Allocation, cr.Calibration, cr.Retargeted, cr.Source, cr.Output)
+    names = {f.name for t in types for f in dataclasses.fields(t)}
+    shared = {
+        "path",
+        "files",
+        "settings",
+        "format",
+        "data",
+        "tokens",
+        "seed",
+        "schema",
+        "created",
+        "source",
+        "output",
+        "conversion",
+        "total_size",
+        "config_sha256",
+        "repo_id",
+        "revision",
+        "description",
+        "cost",
+        "method",
+        "calibration",
+        "family",
+        "num_layers",
+        "num_heads",
+        "head_dim",
+        "rotary_dim",
+        "costs",
+    }
+    return names - shared
+
+
+def record_lookups(root: Path = ROOT) -> list[str]:
+    """``x["key"]`` reads and ``x.get("key")`` calls of a record-only key outside the record's module."""
+    keys, found = _record_keys(), []
+    for folder in LIBRARY:
+        for path in sorted((root / folder).rglob("*.py")):
+            if path == root / "core" / "conversion_record.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                key = None
+                if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                    key = node.slice.value if isinstance(node.slice, ast.Constant) else None
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+                    first = node.args[0] if node.args else None
+                    key = first.value if isinstance(first, ast.Constant) else None
+                if key in keys:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} reads {key!r}")
+    return found
+
+
+def test_the_conversion_record_is_read_through_its_type():
+    assert record_lookups() == []
+
+
+def test_the_lookup_check_finds_a_key_lookup(tmp_path):
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "bad.py").write_text("def f(r):\n    return r['num_kv_heads_after'], r.get('serving_form')\n")
+    assert len(record_lookups(tmp_path)) == 2
+
+
+@pytest.fixture(scope="module")
+def job_source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prepare-once")
+    text = story_text(root / "t.txt")
+    return llama_with_tokenizer(root / "mha", text, max_positions=64), text
+
+
+def count_prepares(monkeypatch) -> dict[str, int]:
+    """Count every :func:`prepare` and every opening of a checkpoint, wherever it happens."""
+    import mha2gqa.convert.prepare as prepare_module
+    import mha2gqa.core.checkpoint as checkpoint_module
+
+    counts = {"prepare": 0, "open_checkpoint": 0}
+    real_prepare, real_open = prepare_module.prepare, checkpoint_module.open_checkpoint
+
+    def prepare(*args, **kwargs):
+        counts["prepare"] += 1
+        return real_prepare(*args, **kwargs)
+
+    def open_checkpoint(*args, **kwargs):
+        counts["open_checkpoint"] += 1
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "prepare", prepare)
+    monkeypatch.setattr(prepare_module, "open_checkpoint", open_checkpoint)
+    monkeypatch.setattr(checkpoint_module, "open_checkpoint", open_checkpoint)
+    return counts
+
+
+def test_mha2gqa_convert_prepares_once(job_source, tmp_path, monkeypatch):
+    counts = count_prepares(monkeypatch)
+    src, _ = job_source
+    result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "-g", "2", "-q"])
+    assert result.exit_code == 0, result.output
+    assert counts == {"prepare": 1, "open_checkpoint": 1}
+
+
+def test_a_job_prepares_each_conversion_once(job_source, tmp_path, monkeypatch):
+    src, text = job_source
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        json.dumps(
+            {
+                "source": str(src),
+                "convert": {"num_kv_heads": [2, 1], "methods": ["mean", "first"]},
+                "eval": {"data": str(text), "seq_len": 32, "max_tokens": 128},
+                "report": False,
+            }
+        )
+    )
+    counts = count_prepares(monkeypatch)
+    result = CliRunner().invoke(main, ["run", str(job), "--output-dir", str(tmp_path / "run"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert counts == {"prepare": 4, "open_checkpoint": 4}
+
+
+def test_a_record_round_trips_and_a_damaged_one_is_one_line(job_source, tmp_path):
+    from mha2gqa.convert import convert_checkpoint
+
+    src, _ = job_source
+    out = convert_checkpoint(src, tmp_path / "out", 2, progress=False)
+    record = cr.read_conversion_record(out.output)
+    assert record == out.record and record.schema == cr.CONVERSION_SCHEMA
+    assert cr.ConversionRecord.from_dict(json.loads(record.to_json()), "x") == record
+    assert record.conversion.kv_heads_after == "2" and record.conversion.changed
+    path = out.output / "mha2gqa_conversion.json"
+    data = json.loads(path.read_text())
+    data["conversion"]["num_kv_heads_after"] = "two"
+    path.write_text(json.dumps(data))
+    with pytest.raises(
+        Mha2GqaError,
+        match=r"mha2gqa_conversion.json: damaged conversion record \(record.conversion"
+        r".num_kv_heads_after is not an integer",
+    ):
+        cr.read_conversion_record(out.output)
+    path.write_text("{")
+    with pytest.raises(Mha2GqaError, match=r"mha2gqa_conversion\.json: not readable JSON"):
+        cr.read_conversion_record(out.output)
+    del data["conversion"]["method"]
+    data["conversion"]["num_kv_heads_after"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(Mha2GqaError, match=r"record.conversion.method is missing"):
+        cr.read_conversion_record(out.output)
