@@ -197,7 +197,7 @@ def _record(
         grouping=source.grouping.name,
         grouping_summary=source.grouping.summary,
         source_kv_heads_per_kv_head_by_layer=_layer_groups(stats, targets) if source.grouping.reorders else None,
-        seed=s.seed if method.kind == "fresh" else None,
+        seed=s.seed if method.fresh else None,
         num_layers=dims.num_layers,
         num_heads=dims.num_heads,
         num_kv_heads_before=dims.num_kv_heads,

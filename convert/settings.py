@@ -110,7 +110,7 @@ class ConvertSettings:
         except Exception as e:
             raise SettingError("max_shard_size", f"{{name}} {self.max_shard_size}: {e}") from None
         method, grouping = get_method(self.method), get_grouping(self.grouping)
-        if grouping.reorders and method.kind == "fresh":
+        if grouping.reorders and method.fresh:
             raise SettingError(
                 "grouping",
                 f"{{name}} {grouping.name} does not apply to --method {method.name} (fresh K/V ignore the grouping)",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.methods import Method
+from mha2gqa.convert.methods import HeadShape, Method
 from mha2gqa.convert.methods.fresh import fresh_fused, fresh_tensor
 from mha2gqa.convert.methods.pooling import Reducer, reduce_rows, reduce_stacked
 from mha2gqa.core.checkpoint import Checkpoint
@@ -51,7 +51,7 @@ class LayerMerge:
 
     def _compute(self) -> dict[str, torch.Tensor]:
         from mha2gqa.convert.methods.aligned import weight_stats
-        from mha2gqa.convert.methods.layer import permute_heads, pool_merge_layer
+        from mha2gqa.convert.methods.layer import permute_heads
 
         dims, names = self.dims, self.names()
         src = {role: self.ckpt.load(n) for role, n in names.items()}
@@ -61,15 +61,12 @@ class LayerMerge:
                 w["q" + suffix], w["k" + suffix], w["v" + suffix] = self.family.split_qkv(
                     w.pop("qkv" + suffix), dims.num_heads, dims.num_kv_heads, dims.head_dim
                 )
-        shape = (dims.num_heads, dims.num_kv_heads, self.groups, dims.head_dim, dims.rotary)
+        shape = HeadShape.of(dims, self.groups)
         # a layer method without calibration (aligned): statistics from the weights alone
-        layer_stats = weight_stats(w, *shape) if self.stats is None else self.stats.layers[self.layer]
+        layer_stats = weight_stats(w, shape=shape) if self.stats is None else self.stats.layers[self.layer]
         if layer_stats.perm is not None:  # similarity grouping: similar heads made contiguous
             w = permute_heads(w, layer_stats.perm, dims.num_heads, dims.head_dim)
-        if self.method.layerwise:
-            merged = self.method.load()(w, layer_stats, *shape)
-        else:
-            merged = pool_merge_layer(w, self.groups, dims.head_dim, self.method.load())
+        merged = self.method.merge_layer(w, layer_stats, shape=shape)
         for suffix in ("", "_bias") if self.family.fused else ():
             if "q" + suffix in merged:
                 parts = [merged.pop(x + suffix) for x in ("q", "k", "v")]
@@ -232,7 +229,7 @@ def plan_conversion(
     targets = num_kv_heads if isinstance(num_kv_heads, tuple) else (num_kv_heads,) * dims.num_layers
     planner = _Planner(ckpt, family, dims, targets, method, stats, seed)
     layers = [layer for layer in range(dims.num_layers) if targets[layer] != dims.num_kv_heads]
-    reducer = method.load() if method.kind == "pool" else None
+    reducer = None if method.fresh or method.layerwise else method.reduce
     for layer in layers:
         perm = stats.layers[layer].perm if stats is not None else None
         if method.layerwise or (perm is not None and perm != sorted(perm)):  # regrouped: q/o move too

@@ -4,7 +4,6 @@ counts from the family's declared terms, KV bytes from :class:`~mha2gqa.core.dim
 
 from __future__ import annotations
 
-import ast
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from mha2gqa.core.architecture import dims_of, resolve
 from mha2gqa.core.dims import AttentionDims, config_value
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.expressions import evaluate
 from mha2gqa.core.families import TERM_NAMES, Family
 from mha2gqa.core.settings import setting
 
@@ -127,24 +127,6 @@ def load_config(model: str, revision: str | None = None) -> dict[str, Any]:
         ) from None
 
 
-def _evaluate(expression: str, values: dict[str, int]) -> int:
-    """An arithmetic term of :data:`~mha2gqa.core.families.TERM_NAMES` (``+``, ``*``, ``-``, parentheses)."""
-
-    def walk(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult | ast.Sub):
-            a, b = walk(node.left), walk(node.right)
-            return a + b if isinstance(node.op, ast.Add) else a * b if isinstance(node.op, ast.Mult) else a - b
-        if isinstance(node, ast.Name):
-            return values[node.id]
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        raise ValueError(f"unsupported term {expression!r}")
-
-    return walk(ast.parse(expression, mode="eval"))
-
-
 def count_parameters(config: dict[str, Any], family: Family, num_kv_heads: int | None = None) -> int | None:
     """Parameters of the model ``config`` describes (with ``num_kv_heads`` KV heads), from the
     family's declared terms; None when the family declares none or the config lacks a size."""
@@ -167,7 +149,7 @@ def count_parameters(config: dict[str, Any], family: Family, num_kv_heads: int |
             on = bool(config_value(config, key, defaults[key]))
             if on == condition.startswith("!"):
                 continue
-        total += _evaluate(expression, values)
+        total += evaluate(expression, values)
     return total
 
 
@@ -261,7 +243,7 @@ def plan(
         (g, d.kv_cache_bytes_per_token(g, element), None) for g in d.valid_kv_heads()
     ]
     if per_layer:  # parameters and KV bytes are linear in the heads, so the mean count gives both
-        options.append((sum(per_layer) / d.num_layers, 2 * sum(per_layer) * d.head_dim * element, list(per_layer)))
+        options.append((sum(per_layer) / d.num_layers, d.kv_cache_bytes_per_token(per_layer, element), list(per_layer)))
     rows = []
     for g, per_token, heads in options:
         weights = round(shape.parameters_at(g)) * weights_bytes_per_param

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.core.dims import kv_bytes_per_token
+from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.tables import Table
 from mha2gqa.core.units import format_bytes
 from mha2gqa.eval.results import ModelInfo, Results
@@ -108,13 +110,10 @@ def attention_table(r: Results) -> Table | None:
             "hidden cosine",
         ]
     )
-    element = (conv.kv_cache_bytes_per_token // (2 * sum(per_layer) * conv.head_dim)) if per_layer else 0
+    element = by_name(conv.dtype).bytes
     for x in att["layers"]:
-        cells = (
-            [str(per_layer[x["layer"]]), f"{2 * per_layer[x['layer']] * conv.head_dim * element:,}"]
-            if per_layer
-            else []
-        )
+        heads = per_layer[x["layer"]] if per_layer else None
+        cells = [str(heads), f"{kv_bytes_per_token([heads], conv.head_dim, element):,}"] if per_layer else []
         t.add(
             str(x["layer"]),
             *cells,

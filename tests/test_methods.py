@@ -11,6 +11,7 @@ from test_convert import IDS, equalise_groups, read_all
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.convert.calibration.stats import LayerStats
+from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.methods.svd import svd_merge_layer
 from mha2gqa.core.architecture import dims_of
 
@@ -104,7 +105,7 @@ def test_absorbed_bases_leave_the_model_unchanged_when_complete(family):
                     if name in state:
                         w[role], names[role] = state[name].double(), name
         w["o"] = state[fam.o_proj.format(layer=layer) + ".weight"].double()
-        out = svd_merge_layer(w, stats, h, kv, kv, d, rot)
+        out = svd_merge_layer(w, stats, shape=HeadShape(h, kv, kv, d, rot))
         assert not torch.allclose(out["o"], w["o"])  # the bases really moved something
         if fam.fused:
             state[fam.qkv_proj.format(layer=layer) + ".weight"] = torch.cat([out["q"], out["k"], out["v"]]).float()

@@ -291,7 +291,7 @@ def test_streaming_equals_an_in_memory_reference_bit_for_bit(kind, tmp_path):
         streamed |= load_file(f)
     expected = _reference_target(kind, source)
     heads, d = source.config.num_attention_heads, source.config.hidden_size // source.config.num_attention_heads
-    mean = get_method("mean").load()
+    mean = get_method("mean").reduce
     for name, t in list(expected.items()):  # then the conversion: K/V pooled by the mean, as planned
         if kind in ("gpt_neox", "gptj") and (".k_proj." in name or ".v_proj." in name):
             expected[name] = reduce_rows(t, groups, d, mean)

@@ -63,7 +63,8 @@ def output_costs(
     import torch
 
     from mha2gqa.convert.calibration.grouping import regroup
-    from mha2gqa.convert.methods.layer import permute_heads, pool_merge_layer
+    from mha2gqa.convert.methods import HeadShape
+    from mha2gqa.convert.methods.layer import permute_heads
 
     n, h, d = dims.num_kv_heads, dims.num_heads, dims.head_dim
     names = {r: getattr(family, f"{r}_proj").format(layer=layer).removeprefix(run.prefix) for r in "qkvo"}
@@ -79,7 +80,7 @@ def output_costs(
             if g == n:
                 out[g] = 0.0
                 continue
-            if method.kind == "fresh":
+            if method.fresh:
                 out[g] = 1.0
                 continue
             size = n // g
@@ -90,10 +91,7 @@ def output_costs(
             )
             st = regroup(full, chosen, h)
             ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
-            if method.layerwise:
-                merged = method.load()(ww, st, h, n, g, d, dims.rotary)
-            else:
-                merged = pool_merge_layer(ww, g, d, method.load())
+            merged = method.merge_layer(ww, st, shape=HeadShape(h, n, g, d, dims.rotary))
             for r, m in mods.items():
                 m.weight = torch.nn.Parameter(merged[r], requires_grad=False)
                 if f"{r}_bias" in merged:

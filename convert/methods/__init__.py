@@ -1,20 +1,39 @@
-"""The conversion methods, one object each: what it is called, whether it needs calibration, which
-projections it rewrites, which families it supports and where its merge lives. The converter, the
-CLI's choices, job files, the conversion record and the model card all read :data:`METHODS` and
-:data:`GROUPINGS`.
+"""The conversion methods, one object each (mergekit's merge-method classes are the model): its name,
+summary, calibration need, the projections it rewrites and the families it supports are data; its
+merge is a method. The converter, the CLI's choices, job files, the conversion record and the model
+card all read :data:`METHODS` and :data:`GROUPINGS`.
 
-Importing this package imports no torch: a method's merge is imported when it runs.
+Importing this package imports no torch: a method's merge imports its module when it runs.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.families import Family
+
+#: One layer's projections by role: ``q``, ``k``, ``v`` ``[heads*d, hidden]``, ``o`` ``[hidden, H*d]``
+#: and optional ``q_bias``/``k_bias``/``v_bias`` (float32 or float64 tensors).
+Layer = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """The heads of one layer's merge: ``num_heads`` query heads, ``num_kv_heads`` KV heads before,
+    ``groups`` after, each ``head_dim`` wide with ``rotary_dim`` rotary dimensions."""
+
+    num_heads: int
+    num_kv_heads: int
+    groups: int
+    head_dim: int
+    rotary_dim: int
+
+    @classmethod
+    def of(cls, dims: AttentionDims, groups: int) -> HeadShape:
+        return cls(dims.num_heads, dims.num_kv_heads, groups, dims.head_dim, dims.rotary)
 
 
 @dataclass(frozen=True)
@@ -23,20 +42,70 @@ class Method:
 
     name: str
     summary: str  # one line: what it does (help, model card)
-    kind: str  # "pool": K/V pooled tensor by tensor; "fresh": K/V re-initialised; "layer": q/k/v/o merged together
     calibration: str  # "none", "optional" (better with it) or "required"
     rewrites: tuple[str, ...]  # projections it changes: "q", "k", "v", "o"
-    merge: str  # "module:function" of its merge, imported on use
     per_head_norms: bool = True  # works on families that normalise q/k per head
 
-    @property
-    def layerwise(self) -> bool:
-        return self.kind == "layer"
+    #: q/k/v/o are merged together (otherwise K/V alone, tensor by tensor)
+    layerwise: ClassVar[bool] = False
+    #: K/V are made anew rather than from the source heads
+    fresh: ClassVar[bool] = False
 
-    def load(self) -> Callable[..., Any]:
-        """The merge function (imported now)."""
-        module, name = self.merge.split(":")
-        return getattr(importlib.import_module(f"mha2gqa.convert.methods.{module}"), name)
+    def merge_layer(self, w: Layer, stats: Any, *, shape: HeadShape) -> Layer:
+        """One layer's projections (heads already permuted into their groups) merged to
+        ``shape.groups`` KV heads; ``stats`` are the layer's calibration statistics."""
+        raise NotImplementedError(f"--method {self.name} does not merge layers")
+
+    def reduce(self, x: Any, groups: int) -> Any:
+        """``[G_src, *per_head]`` -> ``[groups, *per_head]`` (float32): K/V pooled head by head."""
+        raise NotImplementedError(f"--method {self.name} does not pool heads")
+
+
+class _Pool(Method):
+    """K/V pooled within each group; q/o kept (a layer merge only permutes them)."""
+
+    def merge_layer(self, w: Layer, stats: Any, *, shape: HeadShape) -> Layer:
+        from mha2gqa.convert.methods.layer import pool_merge_layer
+
+        return pool_merge_layer(w, shape.groups, shape.head_dim, self.reduce)
+
+
+class MeanPool(_Pool):
+    def reduce(self, x: Any, groups: int) -> Any:
+        from mha2gqa.convert.methods.pooling import mean_heads
+
+        return mean_heads(x, groups)
+
+
+class FirstHead(_Pool):
+    def reduce(self, x: Any, groups: int) -> Any:
+        from mha2gqa.convert.methods.pooling import first_heads
+
+        return first_heads(x, groups)
+
+
+class FreshInit(Method):
+    """K/V re-initialised as the model's own initialisation would (seeded); nothing is merged."""
+
+    fresh: ClassVar[bool] = True
+
+
+class SvdMerge(Method):
+    layerwise: ClassVar[bool] = True
+
+    def merge_layer(self, w: Layer, stats: Any, *, shape: HeadShape) -> Layer:
+        from mha2gqa.convert.methods.svd import svd_merge_layer
+
+        return svd_merge_layer(w, stats, shape=shape)
+
+
+class AlignedMerge(Method):
+    layerwise: ClassVar[bool] = True
+
+    def merge_layer(self, w: Layer, stats: Any, *, shape: HeadShape) -> Layer:
+        from mha2gqa.convert.methods.aligned import aligned_merge_layer
+
+        return aligned_merge_layer(w, stats, shape=shape)
 
 
 @dataclass(frozen=True)
@@ -52,17 +121,13 @@ class Grouping:
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("mean", "the mean of each group's K/V heads (the GQA paper's conversion)", "pool", "none",
-               ("k", "v"), "pooling:mean_heads"),
-        Method("first", "the first K/V head of each group (the GQA paper's ablation)", "pool", "none",
-               ("k", "v"), "pooling:first_heads"),
-        Method("random", "fresh K/V projections as the model's own initialisation (seeded)", "fresh", "none",
-               ("k", "v"), "fresh:fresh_tensor"),
-        Method("svd", "activation-aware low-rank merge of each group, bases absorbed into q_proj/o_proj",
-               "layer", "required", ("q", "k", "v", "o"), "svd:svd_merge_layer", per_head_norms=False),
-        Method("aligned", "heads rotated onto each other (RoPE-compatible), then averaged; rotations absorbed "
-               "into q_proj/o_proj", "layer", "optional", ("q", "k", "v", "o"), "aligned:aligned_merge_layer",
-               per_head_norms=False),
+        MeanPool("mean", "the mean of each group's K/V heads (the GQA paper's conversion)", "none", ("k", "v")),
+        FirstHead("first", "the first K/V head of each group (the GQA paper's ablation)", "none", ("k", "v")),
+        FreshInit("random", "fresh K/V projections as the model's own initialisation (seeded)", "none", ("k", "v")),
+        SvdMerge("svd", "activation-aware low-rank merge of each group, bases absorbed into q_proj/o_proj",
+                 "required", ("q", "k", "v", "o"), per_head_norms=False),
+        AlignedMerge("aligned", "heads rotated onto each other (RoPE-compatible), then averaged; rotations absorbed "
+                     "into q_proj/o_proj", "optional", ("q", "k", "v", "o"), per_head_norms=False),
     )
 }  # fmt: skip
 
@@ -94,6 +159,7 @@ def refusal(method: Method, grouping: Grouping, family: Family) -> str | None:
     regrouping need keys linear in the input and heads that can be reordered."""
     if (method.per_head_norms and not grouping.reorders) or (family.k_norm is None and family.q_norm is None):
         return None
-    return (f"--method {method.name} / --grouping {grouping.name} need keys linear in the input and heads that "
-            f"can be reordered, but {family.family} normalises q/k per head; use --method mean or first, "
-            "contiguous")  # fmt: skip
+    return (
+        f"--method {method.name} / --grouping {grouping.name} need keys linear in the input and heads that "
+        f"can be reordered, but {family.family} normalises q/k per head; use --method mean or first, contiguous"
+    )

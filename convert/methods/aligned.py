@@ -5,9 +5,12 @@ from the weights alone (:func:`weight_stats`)."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import torch
 
 from mha2gqa.convert.calibration.stats import CalibrationStats, LayerStats, accumulate
+from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.methods.layer import complex_rows, layer_out
 
 
@@ -17,15 +20,7 @@ def _procrustes(cross: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
-def aligned_merge_layer(
-    w: dict[str, torch.Tensor],
-    stats: LayerStats,
-    num_heads: int,
-    num_kv_heads: int,
-    groups: int,
-    head_dim: int,
-    rotary_dim: int,
-) -> dict[str, torch.Tensor]:
+def aligned_merge_layer(w: dict[str, torch.Tensor], stats: LayerStats, *, shape: HeadShape) -> dict[str, torch.Tensor]:
     """Align every head of a group to its first head, then take the mean (arXiv 2412.20677 style).
 
     K rotary planes are aligned by a rotation per plane (a unit complex number, which commutes with
@@ -33,6 +28,7 @@ def aligned_merge_layer(
     inverse alignment goes into the ``q_proj`` rows / ``o_proj`` columns of the query heads that read
     it. Same inputs and outputs as :func:`svd_merge_layer`.
     """
+    num_heads, num_kv_heads, groups, head_dim, rotary_dim = astuple(shape)
     d, rot, s = head_dim, rotary_dim, num_kv_heads // groups
     r = num_heads // num_kv_heads
     half, rest = rot // 2, head_dim - rotary_dim
@@ -94,11 +90,10 @@ def aligned_merge_layer(
     return layer_out(q, qb, o, out_k, out_kb, out_v, out_vb)
 
 
-def weight_stats(
-    w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, groups: int, head_dim: int, rotary_dim: int
-) -> LayerStats:
+def weight_stats(w: dict[str, torch.Tensor], *, shape: HeadShape) -> LayerStats:
     """Calibration-free statistics from the weights alone (inputs taken as isotropic, biases as one
     more constant input): what ``aligned`` uses without ``--calibration``."""
+    num_heads, num_kv_heads, groups, head_dim, rotary_dim = astuple(shape)
 
     def aug(name: str) -> torch.Tensor:
         t = w[name]

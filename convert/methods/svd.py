@@ -23,26 +23,23 @@ changing its logits; with one head per group it reduces to a copy.
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import torch
 
 from mha2gqa.convert.calibration.stats import LayerStats, top_eigvecs
+from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.methods.layer import complex_rows, layer_out
 from mha2gqa.core.errors import Mha2GqaError
 
 
 def svd_merge_layer(
-    w: dict[str, torch.Tensor],
-    stats: LayerStats,
-    num_heads: int,
-    num_kv_heads: int,
-    groups: int,
-    head_dim: int,
-    rotary_dim: int,
-    weighted: bool = True,
+    w: dict[str, torch.Tensor], stats: LayerStats, *, shape: HeadShape, weighted: bool = True
 ) -> dict[str, torch.Tensor]:
     """Merge one layer. ``w`` holds float32 (or float64) ``q``, ``k``, ``v`` ``[heads*d, hidden]``, ``o``
     ``[hidden, H*d]`` and optional biases ``q_bias``/``k_bias``/``v_bias``; returns the same keys with
     ``k``/``v`` (and biases) of ``groups`` heads and the adjusted ``q``/``o``."""
+    num_heads, num_kv_heads, groups, head_dim, rotary_dim = astuple(shape)
     d, rot, s = head_dim, rotary_dim, num_kv_heads // groups
     r = num_heads // num_kv_heads  # query heads per source KV head
     half, rest = rot // 2, head_dim - rotary_dim
