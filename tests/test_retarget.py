@@ -396,14 +396,6 @@ def test_inspect_plan_and_eval_read_the_source_classes(tmp_path):
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
 
 
-def test_readme_lists_every_re_targeting():
-    from mha2gqa.core.retarget import retargets
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    for spec in retargets().values():
-        assert f"| `{spec.architectures[0]}`" in readme and f"| `{spec.target}` |" in readme, spec.source
-
-
 def test_each_output_tensor_keeps_its_sources_dtype(tmp_path):
     """A bf16 checkpoint whose norms are stored in float32: copies keep float32, computed tensors
     take their main source weight's dtype, and the written dtypes are what the header declares."""

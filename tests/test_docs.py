@@ -1,0 +1,72 @@
+"""The README and docs/ stay true to the code: the front door stays short, the method and family
+tables list what the registry and the JSON definitions hold, and every link lands somewhere."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mha2gqa.convert.methods import GROUPINGS, METHODS
+from mha2gqa.core.families import families
+from mha2gqa.core.retarget import retargets
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def text(name: str) -> str:
+    return (ROOT / name).read_text(encoding="utf-8")
+
+
+def test_the_readme_is_a_front_door():
+    readme = text("README.md")
+    assert len(readme.splitlines()) <= 200
+    first = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).splitlines()
+    assert "mha2gqa demo" in first[0] and "pytest" in first[1]  # the two set-up commands come first
+    assert "## Which method to use" in readme and "## What a good result looks like" in readme
+
+
+def test_every_method_and_grouping_is_documented():
+    methods = text("docs/methods.md")
+    for name in METHODS:
+        assert re.search(rf"^\| `{name}`", methods, re.M), name
+    for name in GROUPINGS:
+        assert f"--grouping {name}" in methods, name
+
+
+def test_the_family_table_lists_every_family_and_re_targeting():
+    page = text("docs/families.md")
+    for fam in families().values():
+        assert f"| {fam.family} | `{fam.architectures[0]}` |" in page
+    for spec in retargets().values():
+        assert f"| `{spec.architectures[0]}`" in page and f"| `{spec.target}` |" in page, spec.source
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    out = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_link_lands(page):
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        assert dest.exists(), f"{page.name}: {target} does not exist"
+        if anchor and dest.suffix == ".md":
+            assert anchor in _anchors(dest), f"{page.name}: no heading #{anchor} in {dest.name}"
+
+
+def test_the_options_reference_is_generated_from_the_commands():
+    from mha2gqa.reference import options_reference
+
+    assert text("docs/options.md") == options_reference(), "run: python -m mha2gqa.reference > docs/options.md"
