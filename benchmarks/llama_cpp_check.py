@@ -53,62 +53,20 @@ m = Llama(sys.argv[1], logits_all=True, n_ctx=64, verbose=False)
 m.eval(ids)
 np.save(sys.argv[3], np.array(m.scores[: len(ids)]))
 """
+#: the Pythia-style GPT-NeoX both NeoX cases convert (through Phi)
+NEOX = dict(hidden_size=64, num_attention_heads=8, intermediate_size=256, num_hidden_layers=2, rotary_pct=0.25,
+            max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
 #: case -> (model_type, config, conversion: ("-g", G) or per-layer list)
 CASES = {
-    "deci": (
-        "llama",
-        dict(
-            hidden_size=64,
-            intermediate_size=256,
-            num_hidden_layers=5,
-            num_attention_heads=8,
-            num_key_value_heads=8,
-            head_dim=8,
-            max_position_embeddings=512,
-            rms_norm_eps=1e-5,
-        ),
-        {"num_kv_heads": None, "num_kv_heads_per_layer": "8,4,2,1,2"},
-    ),
+    "deci": ("llama", dict(hidden_size=64, intermediate_size=256, num_hidden_layers=5, num_attention_heads=8,
+                           num_key_value_heads=8, head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-5),
+             {"num_kv_heads": None, "num_kv_heads_per_layer": "8,4,2,1,2"}),
     "gpt2-mqa": ("gpt2", dict(n_embd=64, n_head=8, n_layer=2, n_positions=128), {"num_kv_heads": 1}),
-    "falcon": (
-        "falcon",
-        dict(
-            hidden_size=64,
-            num_attention_heads=8,
-            num_kv_heads=4,
-            num_hidden_layers=2,
-            new_decoder_architecture=True,
-            max_position_embeddings=128,
-        ),
-        {"num_kv_heads": 2},
-    ),
-    "neox-phi": (
-        "gpt_neox",
-        dict(
-            hidden_size=64,
-            num_attention_heads=8,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            rotary_pct=0.25,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
-        ),
-        {"num_kv_heads": 2},
-    ),
-    "neox-phi-mha": (
-        "gpt_neox",
-        dict(
-            hidden_size=64,
-            num_attention_heads=8,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            rotary_pct=0.25,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
-        ),
-        {"num_kv_heads": 8},
-    ),
-}
+    "falcon": ("falcon", dict(hidden_size=64, num_attention_heads=8, num_kv_heads=4, num_hidden_layers=2,
+                              new_decoder_architecture=True, max_position_embeddings=128), {"num_kv_heads": 2}),
+    "neox-phi": ("gpt_neox", NEOX, {"num_kv_heads": 2}),
+    "neox-phi-mha": ("gpt_neox", NEOX, {"num_kv_heads": 8}),
+}  # fmt: skip
 
 
 def _random(model_type: str, config: dict) -> torch.nn.Module:

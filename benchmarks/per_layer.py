@@ -66,13 +66,13 @@ def main() -> None:
                         EvalSettings(**{**settings.__dict__, "reference_cache": str(cache)}),
                     )
                     d, a = r["protocols"]["disjoint"], r["agreement"]
-                    heads = out.kv_heads_per_layer or [out.num_kv_heads_after] * out.num_layers
+                    heads = out.kv_heads_per_layer
                     row = (
                         method,
                         average,
                         label,
                         ",".join(map(str, heads)),
-                        out.kv_cache_bytes_per_token_after,
+                        out.facts.kv_cache_bytes_per_token_after,
                         d["ppl_ratio"],
                         a["kl"]["mean"],
                         a["top1_agreement"],

@@ -32,54 +32,49 @@ from mha2gqa.core.records import CONVERSION_RECORD, now, version
 from mha2gqa.core.shard_writer import OutputTensor, write_checkpoint
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConversionResult:
-    """What :func:`run` wrote."""
+    """What :func:`run` wrote: the folder, its record, and how long it took."""
 
     output: Path
-    family: str
-    method: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads_before: int
-    num_kv_heads_after: int
-    head_dim: int
-    kv_cache_bytes_per_token_before: int
-    kv_cache_bytes_per_token_after: int
-    kv_cache_dtype: str
-    files: list[str]
-    total_size: int
-    seconds: float
     record: ConversionRecord = field(repr=False)
-    kv_heads_per_layer: list[int] | None = None  # a per-layer conversion's count of each layer
+    seconds: float = 0.0
+
+    @property
+    def facts(self) -> Facts:
+        """What the conversion did (method, counts, KV bytes): the record's ``conversion``."""
+        return self.record.conversion
+
+    @property
+    def kv_heads_per_layer(self) -> list[int]:
+        """Each layer's KV heads after the conversion."""
+        f = self.facts
+        return f.num_kv_heads_per_layer or [f.num_kv_heads_after] * f.num_layers
 
     def summary(self) -> str:
         """One line for the terminal."""
+        f, out = self.facts, self.record.output
         after = (
-            f"{','.join(map(str, self.kv_heads_per_layer))} (per layer)"
-            if self.kv_heads_per_layer
-            else (str(self.num_kv_heads_after))
+            f"{','.join(map(str, f.num_kv_heads_per_layer))} (per layer)"
+            if f.num_kv_heads_per_layer
+            else (str(f.num_kv_heads_after))
         )
         return (
-            f"{self.family}: KV heads {self.num_kv_heads_before} -> {after} "
-            f"({self.num_heads} query heads, {self.num_layers} layers, method {self.method}); "
-            f"KV cache {self.kv_cache_bytes_per_token_before:,} -> {self.kv_cache_bytes_per_token_after:,} "
-            f"bytes/token ({self.kv_cache_dtype}); wrote {self.total_size / 2**20:,.1f} MiB in "
-            f"{len(self.files)} shard(s) to {self.output} in {self.seconds:.1f} s"
+            f"{self.record.family}: KV heads {f.num_kv_heads_before} -> {after} "
+            f"({f.num_heads} query heads, {f.num_layers} layers, method {f.method}); "
+            f"KV cache {f.kv_cache_bytes_per_token_before:,} -> {f.kv_cache_bytes_per_token_after:,} "
+            f"bytes/token ({f.kv_cache_dtype}); wrote {out.total_size / 2**20:,.1f} MiB in "
+            f"{len(out.files)} shard(s) to {self.output} in {self.seconds:.1f} s"
         )
 
 
-def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
-    """Calibration statistics (None when the method needs none) and their record."""
-    s = source.settings
-    if not source.layered or not source.changes:
-        return None, None
-    if not s.calibration:  # a layer method that works from the weights alone (aligned)
-        return None, Calibration(None, 0, source.dims.rotary, weights_only=True)
+def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=None) -> Any:
+    """The streamed calibration pass over the conversion's text (statistics for ``groups`` KV heads;
+    ``on_layer`` sees each layer, see :func:`~mha2gqa.convert.calibration.streaming.collect`)."""
     from mha2gqa.convert.calibration.streaming import collect
 
-    groups = source.targets if source.per_layer else source.targets[0]
-    stats = collect(
+    s = source.settings
+    return collect(
         source.ckpt,
         groups,
         s.calibration,
@@ -89,7 +84,18 @@ def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
         grouping=s.grouping,
         allow_pickle=s.allow_pickle,
         progress=s.progress,
+        on_layer=on_layer,
     )
+
+
+def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
+    """Calibration statistics (None when the method needs none) and their record."""
+    s = source.settings
+    if not source.layered or not source.changes:
+        return None, None
+    if not s.calibration:  # a layer method that works from the weights alone (aligned)
+        return None, Calibration(None, 0, source.dims.rotary, weights_only=True)
+    stats = _collect(source, source.targets if source.per_layer else source.targets[0])
     return stats, Calibration(s.calibration, stats.tokens, stats.rotary_dim)
 
 
@@ -98,7 +104,6 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     and choose the counts (:mod:`~mha2gqa.convert.calibration.allocation`); returns the conversion
     with those counts and the allocation record."""
     from mha2gqa.convert.calibration.allocation import allocate, layer_costs, output_costs
-    from mha2gqa.convert.calibration.streaming import collect
 
     s, dims = source.settings, source.dims
     candidates = dims.valid_kv_heads()
@@ -111,18 +116,7 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
         else:
             costs[layer] = layer_costs(full, candidates, similarity)
 
-    collect(
-        source.ckpt,
-        None,
-        s.calibration,
-        s.calibration_tokens,
-        s.calibration_seq_len,
-        s.device,
-        grouping=s.grouping,
-        allow_pickle=s.allow_pickle,
-        progress=s.progress,
-        on_layer=measure,
-    )
+    _collect(source, None, on_layer=measure)
     ordered = [costs[i] for i in range(dims.num_layers)]
     budget = s.budget(dims.num_layers)
     chosen = allocate(ordered, budget)
@@ -323,25 +317,7 @@ def run(conversion: Conversion) -> ConversionResult:
     new_config, modeling, serving_form = _output_config(c)
     record = _record(c, stats, calibration, tensors, allocation, serving_form)
     record = _write(c, tensors, new_config, modeling, record)
-    facts, output = record.conversion, record.output
-    return ConversionResult(
-        output=c.dst.absolute(),
-        family=c.family.family,
-        method=c.method.name,
-        num_layers=c.dims.num_layers,
-        num_heads=c.dims.num_heads,
-        num_kv_heads_before=c.dims.num_kv_heads,
-        num_kv_heads_after=max(c.targets),
-        head_dim=c.dims.head_dim,
-        kv_heads_per_layer=list(c.targets) if c.per_layer else None,
-        kv_cache_bytes_per_token_before=facts.kv_cache_bytes_per_token_before,
-        kv_cache_bytes_per_token_after=facts.kv_cache_bytes_per_token_after,
-        kv_cache_dtype=facts.kv_cache_dtype,
-        files=output.files,
-        total_size=output.total_size,
-        seconds=time.perf_counter() - start,
-        record=record,
-    )
+    return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start)
 
 
 def convert_checkpoint(

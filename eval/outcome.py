@@ -36,56 +36,58 @@ class Outcome:
         return verdict(self.gates) if self.gates else None
 
 
-def check_request(
-    original: str,
-    converted: str | None,
-    settings: EvalSettings,
-    limits: GateSettings,
-    output: Path | None = None,
-    overwrite: bool = False,
-) -> dict[str, Any]:
-    """Everything checked before a model loads: gates need a pair; ``output`` and the reference
-    cache may not replace an input, and the cache must be a writable folder; both models resolve.
-    Returns the run's inputs (label -> path), which no output may replace."""
-    from mha2gqa.core.checkpoint import check_models
+@dataclass(frozen=True)
+class EvalRequest:
+    """One evaluation asked for: ``converted`` against ``original`` (None: the original alone) under
+    ``settings``, checked against ``limits``, written to ``output`` when given."""
 
-    if converted is None and limits.any:
-        raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
-    inputs = {"the --data text": settings.data, "the original model": original, "the converted model": converted}
-    if output is not None:
-        check_destination(output, overwrite, inputs, "--output", folder=False)
-    if settings.reference_cache is not None and converted is not None:
-        cache = check_overlap(Path(settings.reference_cache), inputs, "--reference-cache")
-        if cache.exists() and not cache.is_dir():
-            raise Mha2GqaError(f"--reference-cache {cache} is a file: give a folder")
-        existing = next(p for p in (cache, *cache.parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            raise Mha2GqaError(f"--reference-cache {cache}: {existing} is not a writable folder; choose another")
-    check_models(**{"--original": original, "--converted": converted})
-    return inputs
+    original: str
+    converted: str | None
+    settings: EvalSettings
+    limits: GateSettings = field(default_factory=GateSettings)
+    output: Path | None = None
+    overwrite: bool = True
 
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """What the evaluation reads, which no output may replace."""
+        return {
+            "the --data text": self.settings.data,
+            "the original model": self.original,
+            "the converted model": self.converted,
+        }
 
-def evaluate_and_gate(
-    original: str,
-    converted: str | None,
-    settings: EvalSettings,
-    limits: GateSettings,
-    output: Path | None = None,
-    overwrite: bool = True,
-    inputs: dict[str, Any] | None = None,
-    log: Callable[[str], None] | None = None,
-) -> Outcome | None:
-    """Evaluate ``converted`` against ``original``, check ``limits`` and write the results to
-    ``output`` (when given); None on every process but the main one of a multi-process run."""
-    from mha2gqa.eval.harness import evaluate, is_main_process
+    def check(self) -> EvalRequest:
+        """Everything checked before a model loads: gates need a pair; ``output`` and the reference
+        cache may not replace an input, and the cache must be a writable folder; both models resolve."""
+        from mha2gqa.core.checkpoint import check_models
 
-    record = evaluate(original, converted, settings, log=log)
-    if not is_main_process():
-        return None
-    results = Results.from_dict(record, str(output) if output is not None else None)
-    gates = check_gates(results, limits)
-    if gates:
-        record["gates"] = results.gates = gates_record(gates)
-    if output is not None:
-        write_json(output, record, "--output", overwrite, inputs)
-    return Outcome(results, record, gates, output)
+        if self.converted is None and self.limits.any:
+            raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
+        if self.output is not None:
+            check_destination(self.output, self.overwrite, self.inputs, "--output", folder=False)
+        if self.settings.reference_cache is not None and self.converted is not None:
+            cache = check_overlap(Path(self.settings.reference_cache), self.inputs, "--reference-cache")
+            if cache.exists() and not cache.is_dir():
+                raise Mha2GqaError(f"--reference-cache {cache} is a file: give a folder")
+            existing = next(p for p in (cache, *cache.parents) if p.exists())
+            if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+                raise Mha2GqaError(f"--reference-cache {cache}: {existing} is not a writable folder; choose another")
+        check_models(**{"--original": self.original, "--converted": self.converted})
+        return self
+
+    def run(self, log: Callable[[str], None] | None = None) -> Outcome | None:
+        """Evaluate, check the gates and write the results (when ``output`` is given); None on every
+        process but the main one of a multi-process run."""
+        from mha2gqa.eval.harness import evaluate, is_main_process
+
+        record = evaluate(self.original, self.converted, self.settings, log=log)
+        if not is_main_process():
+            return None
+        results = Results.from_dict(record, str(self.output) if self.output is not None else None)
+        gates = check_gates(results, self.limits)
+        if gates:
+            record["gates"] = results.gates = gates_record(gates)
+        if self.output is not None:
+            write_json(self.output, record, "--output", self.overwrite, self.inputs)
+        return Outcome(results, record, gates, self.output)

@@ -98,22 +98,10 @@ def head_similarity_curve(layers: list[dict[str, Any]]) -> bytes:
     sim = [layer["head_similarity"] for layer in layers]
     ax.plot(x, [s["original"]["mean"] for s in sim], "o-", color=OKABE_ITO[0], label="original")
     ax.plot(x, [s["converted"]["mean"] for s in sim], "s-", color=OKABE_ITO[1], label="converted")
-    if all(s["converted"]["within_groups"] is not None for s in sim):
-        ax.plot(
-            x,
-            [s["converted"]["within_groups"] for s in sim],
-            "^--",
-            color=OKABE_ITO[2],
-            label="converted, within KV groups",
-        )
-    if all(s["converted"]["across_groups"] is not None for s in sim):
-        ax.plot(
-            x,
-            [s["converted"]["across_groups"] for s in sim],
-            "v:",
-            color=OKABE_ITO[3],
-            label="converted, across KV groups",
-        )
+    for key, style, colour, where in (("within_groups", "^--", 2, "within"), ("across_groups", "v:", 3, "across")):
+        if all(s["converted"][key] is not None for s in sim):
+            values = [s["converted"][key] for s in sim]
+            ax.plot(x, values, style, color=OKABE_ITO[colour], label=f"converted, {where} KV groups")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean cosine between heads")
     ax.set_xticks(x)

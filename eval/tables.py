@@ -185,28 +185,17 @@ def tables(r: Results) -> dict[str, Table]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+#: The overview's columns (``gates`` follows when a gate was asked for).
+OVERVIEW_COLUMNS = ("comparison", "method", "KV heads", "calibration", "original PPL", "converted PPL", "tokens",
+                    "PPL ratio", "KL mean", "top-1", "KV B/token", "KV saving")  # fmt: skip
+
+
 def overview_table(results: list[Results]) -> Table:
     """The first screen: one row per comparison with everything that decides it (perplexities on
     how many tokens, ratio, KL, top-1, KV bytes and the saving, calibration, each gate's verdict),
     its first cell linking to the comparison's section."""
     gated = any(r.gates for r in results)
-    t = Table(
-        [
-            "comparison",
-            "method",
-            "KV heads",
-            "calibration",
-            "original PPL",
-            "converted PPL",
-            "tokens",
-            "PPL ratio",
-            "KL mean",
-            "top-1",
-            "KV B/token",
-            "KV saving",
-        ]
-        + (["gates"] if gated else [])
-    )
+    t = Table([*OVERVIEW_COLUMNS, *(["gates"] if gated else [])])
     for i, r in enumerate(results):
         p, a, conv = r.headline, r.agreement, r.converted
         kv = conv.kv_cache_bytes_per_token if conv else r.original.kv_cache_bytes_per_token

@@ -212,13 +212,12 @@ def eval_cmd(
     Gates (--max-ppl-ratio applies to every protocol run, --max-kl, --min-top1) print a one-line
     verdict; when one fails the exit code is 3 (1: bad input, 2: bad usage)."""
     from mha2gqa.core.settings import validate
-    from mha2gqa.eval.outcome import check_request, evaluate_and_gate
+    from mha2gqa.eval.outcome import EvalRequest
 
     limits = validate(GateSettings(**{f: options.pop(f) for f in GateSettings.__dataclass_fields__}))
     settings = EvalSettings(**options, progress=not quiet).check()
-    inputs = check_request(original, converted, settings, limits, output, overwrite)
-    log = None if quiet else lambda m: click.echo(m, err=True)
-    outcome = evaluate_and_gate(original, converted, settings, limits, output, overwrite, inputs, log)
+    request = EvalRequest(original, converted, settings, limits, output, overwrite).check()
+    outcome = request.run(log=None if quiet else lambda m: click.echo(m, err=True))
     if outcome is None:  # not the main process
         return
     if not quiet:

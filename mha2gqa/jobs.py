@@ -354,11 +354,11 @@ def _evaluate_stage(
 ) -> tuple[Path, dict[str, Any], bool]:
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed."""
-    from mha2gqa.eval.outcome import evaluate_and_gate
+    from mha2gqa.eval.outcome import EvalRequest
 
     log(f"evaluating {tag} against the original")
     path = out / "results" / f"{tag}.json"
-    outcome = evaluate_and_gate(source, str(model_dir), settings, job.gates, output=path)
+    outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run()
     if outcome.verdict:
         log(f"  {tag}: {outcome.verdict}")
     typed = outcome.results
@@ -372,8 +372,8 @@ def _evaluate_stage(
         "ppl_ratio": p.ppl_ratio,
         "kl_mean": typed.agreement.kl["mean"],
         "top1": typed.agreement.top1_agreement,
-        "kv_bytes_per_token": conv.kv_cache_bytes_per_token_after,
-        "kv_bytes_per_token_before": conv.kv_cache_bytes_per_token_before,
+        "kv_bytes_per_token": conv.facts.kv_cache_bytes_per_token_after,
+        "kv_bytes_per_token_before": conv.facts.kv_cache_bytes_per_token_before,
     }
     log(
         f"  {tag}: perplexity {row['converted_ppl']:.3f} (x{row['ppl_ratio']:.3f} the original's, "

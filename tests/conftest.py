@@ -13,6 +13,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 
+#: Llama-2-7B's config.json (planning and inspection need no weights)
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+             "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}  # fmt: skip
+
 #: family -> (model_type, extra config) for a tiny model; 4 query heads unless given.
 FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {"attention_bias": True}),
@@ -119,3 +124,17 @@ def llama_with_tokenizer(folder: Path, text: Path, max_positions: int = 64) -> P
     save(random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=max_positions)), folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def eval_argv(original, converted, data, seq_len, max_tokens, *extra, options: str = "") -> list[str]:
+    """``mha2gqa eval`` arguments comparing ``converted`` with ``original`` on ``data``; ``options``:
+    more flags as one string (split on spaces)."""
+    head = ["eval", "--original", original, "--converted", converted, "--data", data, "--seq-len", seq_len]
+    return [str(a) for a in (*head, "--max-tokens", max_tokens, *extra, *options.split())]
+
+
+def bench_argv(original, converted, output, options: str = "") -> list[str]:
+    """``mha2gqa bench`` arguments for ``original`` and ``converted``, figures to ``output``."""
+    return [str(a) for a in ("bench", "--original", original, "--converted", converted, "--output", output)] + (
+        options.split()
+    )

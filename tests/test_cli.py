@@ -38,16 +38,7 @@ def test_help_lists_commands():
 def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
     args = [
-        "demo",
-        "--steps",
-        "3",
-        "-g",
-        "2",
-        "--method",
-        "mean",
-        "--uptrain-steps",
-        "4",
-        "--output-dir",
+        *["demo", "--steps", "3", "-g", "2", "--method", "mean", "--uptrain-steps", "4", "--output-dir"],
         str(tmp_path / "run"),
     ]
     result = CliRunner().invoke(main, args)
@@ -68,18 +59,20 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
 def test_the_demo_runs_on_a_pythia_style_gpt_neox_through_phi(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
     args = [
-        "demo",
-        "--architecture",
-        "gpt_neox",
-        "--steps",
-        "3",
-        "-g",
-        "2",
-        "--method",
-        "svd",
-        "--uptrain-steps",
-        "0",
-        "--output-dir",
+        *[
+            "demo",
+            "--architecture",
+            "gpt_neox",
+            "--steps",
+            "3",
+            "-g",
+            "2",
+            "--method",
+            "svd",
+            "--uptrain-steps",
+            "0",
+            "--output-dir",
+        ],
         str(tmp_path / "run"),
     ]
     result = CliRunner().invoke(main, args)

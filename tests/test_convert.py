@@ -88,7 +88,7 @@ def test_same_head_count_is_a_byte_exact_copy(family, sharded, tiny_checkpoint, 
             name
         )
     assert torch.equal(logits(load(src), IDS), logits(load(result.output), IDS))
-    assert (len(result.files) > 1) == sharded
+    assert (len(result.record.output.files) > 1) == sharded
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import llama_with_tokenizer, story_text
+from conftest import eval_argv, llama_with_tokenizer, story_text
 
 from mha2gqa.convert import convert_checkpoint
 
@@ -16,30 +16,8 @@ def test_two_processes_equal_one(tmp_path):
     text = story_text(tmp_path / "t.txt", 400)
     src = llama_with_tokenizer(tmp_path / "mha", text)
     conv = convert_checkpoint(src, tmp_path / "g1", 1, progress=False).output
-    args = [
-        "-m",
-        "mha2gqa.cli",
-        "eval",
-        "--original",
-        str(src),
-        "--converted",
-        str(conv),
-        "--data",
-        str(text),
-        "--seq-len",
-        "64",
-        "--max-tokens",
-        "3000",
-        "--protocol",
-        "disjoint",
-        "--protocol",
-        "rolling",
-        "--doc-split",
-        "paragraph",
-        "--device",
-        "cpu",
-        "-q",
-    ]
+    options = "--protocol disjoint --protocol rolling --doc-split paragraph --device cpu -q"
+    args = ["-m", "mha2gqa.cli", *eval_argv(src, conv, text, 64, 3000, options=options)]
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     subprocess.run([sys.executable, *args, "--output", str(one)], check=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
@@ -85,25 +63,13 @@ def test_uptraining_on_two_processes_follows_the_one_process_run(tmp_path):
         str(student),
         "--data",
         str(text),
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "6",
-        "--lr",
-        "3e-3",
-        "--eval-data",
+        *["--seq-len", "32", "--batch-size", "4", "--max-steps", "6", "--lr", "3e-3", "--eval-data"],
         str(text),
         "--eval-tokens",
         "512",
         "--teacher",
         str(src),
-        "--objective",
-        "mix",
-        "--device",
-        "cpu",
-        "-q",
+        *["--objective", "mix", "--device", "cpu", "-q"],
     ]
     subprocess.run([sys.executable, *args, "--output", str(tmp_path / "one")], check=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534"]

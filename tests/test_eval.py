@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FAMILY_CONFIGS, FIXTURES, random_model, requires_fixtures, save, tiny_config
+from conftest import FAMILY_CONFIGS, FIXTURES, eval_argv, random_model, requires_fixtures, save, tiny_config
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
@@ -167,32 +167,8 @@ def test_model_against_itself_and_its_exact_conversion(trained_pair):
 def test_mean_pooled_conversion_diverges_and_results_follow_the_schema(trained_pair, tmp_path):
     src, _, pooled, text = trained_pair
     out = tmp_path / "results.json"
-    result = CliRunner().invoke(
-        main,
-        [
-            "eval",
-            "--original",
-            str(src),
-            "--converted",
-            str(pooled),
-            "--data",
-            str(text),
-            "--seq-len",
-            "64",
-            "--max-tokens",
-            "1500",
-            "--protocol",
-            "disjoint",
-            "--protocol",
-            "stride",
-            "--protocol",
-            "rolling",
-            "--doc-split",
-            "paragraph",
-            "--output",
-            str(out),
-        ],
-    )
+    options = "--protocol disjoint --protocol stride --protocol rolling --doc-split paragraph"
+    result = CliRunner().invoke(main, eval_argv(src, pooled, text, 64, 1500, "--output", out, options=options))
     assert result.exit_code == 0, result.output
     assert "agreement: KL mean" in result.stdout and "ratio" in result.stdout
     r = json.loads(out.read_text())

@@ -84,13 +84,15 @@ def test_dims_head_dim_and_kv_cache_by_hand():
 
 #: config switches that change which tensors exist, flipped for each family that has them
 SWITCHES = (
-    "tie_word_embeddings",
-    "attention_bias",
-    "mlp_bias",
-    "use_qkv_bias",
-    "qk_layernorm",
-    "use_parallel_residual",
-    "use_bias",
+    *[
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "use_qkv_bias",
+        "qk_layernorm",
+        "use_parallel_residual",
+        "use_bias",
+    ],
 )
 
 

@@ -38,6 +38,18 @@ def with_tokenizer(model, folder, text):
     return folder
 
 
+def calibrated(calib_text, method: str = "svd", **kw) -> dict:
+    """``convert_checkpoint`` keywords for ``method`` calibrated on the first 512 tokens of ``calib_text``."""
+    return {
+        "method": method,
+        "calibration": str(calib_text),
+        "calibration_tokens": 512,
+        "calibration_seq_len": 32,
+        "progress": False,
+        **kw,
+    }
+
+
 @pytest.mark.parametrize("family", SVD_FAMILIES)
 def test_svd_on_equalised_groups_keeps_the_logits(family, calib_text, tmp_path):
     config = tiny_config(family, vocab_size=300)
@@ -46,16 +58,7 @@ def test_svd_on_equalised_groups_keeps_the_logits(family, calib_text, tmp_path):
     model = random_model(config, seed=3)
     equalise_groups(model, family, g)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
-    out = convert_checkpoint(
-        src,
-        tmp_path / "out",
-        g,
-        "svd",
-        calibration=str(calib_text),
-        calibration_tokens=512,
-        calibration_seq_len=32,
-        progress=False,
-    ).output
+    out = convert_checkpoint(src, tmp_path / "out", g, **calibrated(calib_text)).output
     converted = load(out)
     assert converted.config.num_key_value_heads == g
     torch.testing.assert_close(logits(converted, IDS), logits(model, IDS), atol=1e-4, rtol=1e-4)
@@ -258,16 +261,7 @@ def test_svd_undoes_rope_commuting_transforms_between_heads(family, calib_text, 
     relate_groups(model, family, 2)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
     before = logits(model, IDS)
-    out = convert_checkpoint(
-        src,
-        tmp_path / "svd",
-        2,
-        "svd",
-        calibration=str(calib_text),
-        calibration_tokens=512,
-        calibration_seq_len=32,
-        progress=False,
-    ).output
+    out = convert_checkpoint(src, tmp_path / "svd", 2, **calibrated(calib_text)).output
     torch.testing.assert_close(logits(load(out), IDS), before, atol=2e-4, rtol=1e-3)
     mean = convert_checkpoint(src, tmp_path / "mean", 2, "mean", progress=False).output
     assert (logits(load(mean), IDS) - before).abs().max() > 1e-2  # mean pooling cannot undo them
@@ -341,13 +335,12 @@ def test_similarity_grouping_finds_heads_that_repeat_kv_order_would_not_pair(fam
     equalise_groups(model, family, 2, strided=True)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
     before = logits(model, IDS)
-    kw = {"calibration": str(calib_text), "calibration_tokens": 512, "calibration_seq_len": 32, "progress": False}
-    out = convert_checkpoint(src, tmp_path / "sim", 2, method, grouping="similarity", **kw).output
+    out = convert_checkpoint(src, tmp_path / "sim", 2, **calibrated(calib_text, method, grouping="similarity")).output
     torch.testing.assert_close(logits(load(out), IDS), before, atol=1e-4, rtol=1e-4)
     record = json.loads((out / "mha2gqa_conversion.json").read_text())["conversion"]
     assert record["grouping"] == "similarity"
     assert record["source_kv_heads_per_kv_head_by_layer"] == {"0": [[0, 2], [1, 3]], "1": [[0, 2], [1, 3]]}
-    contiguous = convert_checkpoint(src, tmp_path / "cont", 2, method, **kw).output
+    contiguous = convert_checkpoint(src, tmp_path / "cont", 2, **calibrated(calib_text, method)).output
     assert (logits(load(contiguous), IDS) - before).abs().max() > 1e-2
     # Attention similarity compares each converted head with the head it came from: exact here.
     from mha2gqa.core.conversion_record import read_conversion_record
@@ -519,16 +512,7 @@ def test_head_contribution_error_sees_through_the_basis_svd_absorbs(calib_text, 
     model = random_model(tiny_config("llama", vocab_size=300), seed=7)
     relate_groups(model, "llama", 2)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
-    svd = convert_checkpoint(
-        src,
-        tmp_path / "svd",
-        2,
-        "svd",
-        calibration=str(calib_text),
-        calibration_tokens=512,
-        calibration_seq_len=32,
-        progress=False,
-    ).output
+    svd = convert_checkpoint(src, tmp_path / "svd", 2, **calibrated(calib_text)).output
     mean = convert_checkpoint(src, tmp_path / "mean", 2, "mean", progress=False).output
     batch = torch.randint(3, 300, (1, 48), generator=torch.Generator().manual_seed(0))
     exact = attention_similarity(load(src), load(svd), batch, chunk=16)["summary"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import llama_with_tokenizer, logits, random_model, save, story_text, tiny_config
+from conftest import bench_argv, eval_argv, llama_with_tokenizer, logits, random_model, save, story_text, tiny_config
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
@@ -37,21 +37,17 @@ def _equalise(model, per_layer: tuple[int, ...]) -> None:
                         proj.weight[(j * size + m) * d : (j * size + m + 1) * d] = first
 
 
+def llama8(**overrides):
+    """A 4-layer Llama config with 8 heads of 8 (MHA), no biases."""
+    base = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, head_dim=8,
+                attention_bias=False, vocab_size=300)  # fmt: skip
+    return tiny_config("llama", **{**base, **overrides})
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("perlayer")
-    cfg = tiny_config(
-        "llama",
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        hidden_size=64,
-        head_dim=8,
-        max_position_embeddings=64,
-        attention_bias=False,
-        vocab_size=300,
-    )
-    model = random_model(cfg, seed=21)
+    model = random_model(llama8(max_position_embeddings=64), seed=21)
     _equalise(model, HEADS)
     return save(model, root / "src")
 
@@ -110,7 +106,7 @@ def test_equal_values_give_exactly_the_uniform_checkpoint(source, tmp_path):
     uniform = convert_checkpoint(source, tmp_path / "b", 4, progress=False)
     for name in ("model.safetensors", "config.json"):
         assert (listed.output / name).read_bytes() == (uniform.output / name).read_bytes(), name
-    assert not (listed.output / "modeling_mha2gqa.py").exists() and listed.kv_heads_per_layer is None
+    assert not (listed.output / "modeling_mha2gqa.py").exists() and listed.facts.num_kv_heads_per_layer is None
 
 
 def test_eval_bench_and_uptrain_run_on_a_per_layer_checkpoint(tmp_path):
@@ -132,21 +128,7 @@ def test_eval_bench_and_uptrain_run_on_a_per_layer_checkpoint(tmp_path):
     bench = tmp_path / "b.json"
     res = CliRunner().invoke(
         main,
-        [
-            "bench",
-            "--original",
-            str(parent),
-            "--converted",
-            str(out),
-            "--prompt-len",
-            "8",
-            "--new-tokens",
-            "4",
-            "--repeats",
-            "1",
-            "--output",
-            str(bench),
-        ],
+        bench_argv(parent, out, bench, "--prompt-len 8 --new-tokens 4 --repeats 1"),
     )
     assert res.exit_code == 0, res.output
     kv = json.loads(bench.read_text())["models"]["converted"]["kv_cache"]
@@ -241,7 +223,7 @@ def test_auto_allocation_finds_the_layers_that_can_share_and_keeps_the_logits(so
     assert alloc.costs["3"]["1"] < 1e-9 < alloc.costs["0"]["4"]  # layer 3's heads are all alike
     assert alloc.uniform_cost["2"] > 0.01 and "per-layer allocation" in (out.output / "README.md").read_text()
     svd = convert_checkpoint(src, tmp_path / "svd", 2, "svd", per_layer="auto", **kw)  # budget: 2 per layer
-    assert sum(svd.kv_heads_per_layer or [svd.num_kv_heads_after] * 4) <= 8
+    assert sum(svd.kv_heads_per_layer) <= 8
 
 
 def test_auto_allocation_bad_input(source, tmp_path):
@@ -264,22 +246,7 @@ def test_report_shows_the_per_layer_budget(tmp_path):
     parent = llama_with_tokenizer(tmp_path / "mha", text)
     out = convert_checkpoint(parent, tmp_path / "pl", None, num_kv_heads_per_layer="2,1", progress=False).output
     res = tmp_path / "r.json"
-    args = [
-        "eval",
-        "--original",
-        str(parent),
-        "--converted",
-        str(out),
-        "--data",
-        str(text),
-        "--seq-len",
-        "32",
-        "--max-tokens",
-        "300",
-        "-q",
-        "--output",
-        str(res),
-    ]
+    args = eval_argv(parent, out, text, "32", "300", "-q", "--output", res)
     assert CliRunner().invoke(main, args).exit_code == 0
     html = tmp_path / "r.html"
     assert CliRunner().invoke(main, ["report", str(res), "--html", str(html)]).exit_code == 0
@@ -314,17 +281,7 @@ def test_llama_sources_also_get_the_nemotron_nas_form_that_vllm_and_llama_cpp_re
 
     from mha2gqa.core.per_layer import DECI_ARCHITECTURE, ffn_width
 
-    cfg = tiny_config(
-        "llama",
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        hidden_size=64,
-        head_dim=8,
-        intermediate_size=256,
-        attention_bias=False,
-        vocab_size=300,
-    )
+    cfg = llama8(intermediate_size=256)
     src = save(random_model(cfg, seed=3), tmp_path / "src")
     out = convert_checkpoint(src, tmp_path / "out", None, num_kv_heads_per_layer="8,4,2,1", progress=False).output
     config = json.loads((out / "config.json").read_text())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import llama_with_tokenizer, story_text
+from conftest import eval_argv, llama_with_tokenizer, story_text
 from test_bad_input import assert_refused, rewrite_header, run_cli
 
 from mha2gqa.cli import main
@@ -110,22 +110,7 @@ def pair(tmp_path_factory):
 
 def eval_args(pair, *extra):
     mha, conv, text = pair
-    return [
-        "eval",
-        "--original",
-        mha,
-        "--converted",
-        conv,
-        "--data",
-        text,
-        "--seq-len",
-        32,
-        "--max-tokens",
-        200,
-        "--no-attention",
-        "-q",
-        *extra,
-    ]
+    return eval_argv(mha, conv, text, 32, 200, "--no-attention", "-q", *extra)
 
 
 def test_single_file_outputs_never_replace_inputs_or_foreign_files(pair, tmp_path):

@@ -5,25 +5,23 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURES, llama_with_tokenizer, requires_fixtures, story_text, tiny_config
+from conftest import (
+    FIXTURES,
+    LLAMA2_7B,
+    bench_argv,
+    eval_argv,
+    llama_with_tokenizer,
+    requires_fixtures,
+    story_text,
+    tiny_config,
+)
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.core.planning import model_shape, plan
 from mha2gqa.core.units import parse_size
 from mha2gqa.eval.gates import GATE_EXIT_CODE
-
-LLAMA2_7B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-}
+from mha2gqa.eval.tables import OVERVIEW_COLUMNS
 
 
 def test_planner_matches_hand_calculations_for_llama2_7b():
@@ -98,21 +96,7 @@ def pair(tmp_path_factory):
 
 def eval_args(pair, *extra):
     src, conv, text = pair
-    return [
-        "eval",
-        "--original",
-        str(src),
-        "--converted",
-        str(conv),
-        "--data",
-        str(text),
-        "--seq-len",
-        "64",
-        "--max-tokens",
-        "1200",
-        "-q",
-        *extra,
-    ]
+    return eval_argv(src, conv, text, "64", "1200", "-q", *extra)
 
 
 def test_gates_pass_and_fail_with_the_documented_exit_code(pair, tmp_path):
@@ -149,23 +133,27 @@ def test_report_has_every_section_and_image(pair, tmp_path):
     assert result.exit_code == 0, result.output
     page = html.read_text()
     for section in (
-        "overview",
-        "perplexity-0",
-        "output-agreement-0",
-        "kl-report-llama-cpp-style-0",
-        "attention-per-layer-0",
-        "kv-cache-0",
+        *[
+            "overview",
+            "perplexity-0",
+            "output-agreement-0",
+            "kl-report-llama-cpp-style-0",
+            "attention-per-layer-0",
+            "kv-cache-0",
+        ],
     ):
         assert f'id="{section}"' in page, section
     assert "<th>KL(converted ‖ original)</th>" in page and "correlation of per-token NLLs" in page
     figures = (
-        "attention_kl",
-        "head_output_error",
-        "entropy",
-        "hidden_cosine",
-        "head_similarity_curve",
-        "head_similarity",
-        "head_sharing",
+        *[
+            "attention_kl",
+            "head_output_error",
+            "entropy",
+            "hidden_cosine",
+            "head_similarity_curve",
+            "head_similarity",
+            "head_sharing",
+        ],
     )
     for fig in figures:
         m = re.search(rf'<figure id="{fig}-0"><img alt="{fig}" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
@@ -173,16 +161,7 @@ def test_report_has_every_section_and_image(pair, tmp_path):
     assert page.count("<img ") == 2 * len(figures) + 1  # two results x the figures, and the quality-vs-KV chart
     assert '<figure id="quality"><img alt="quality"' in page
     overview = page[page.index('id="overview"') : page.index('id="result-0"')]  # the first screen
-    for column in (
-        "original PPL",
-        "converted PPL",
-        "tokens",
-        "PPL ratio",
-        "KL mean",
-        "top-1",
-        "KV B/token",
-        "KV saving",
-    ):
+    for column in OVERVIEW_COLUMNS:
         assert f"<th>{column}</th>" in overview, column
     assert "<th>gates</th>" not in overview  # no gate was asked for
     assert overview.count('<a href="#result-0">') >= 1 and '<a href="#result-1">' in overview
@@ -214,21 +193,7 @@ def test_bench_measures_a_cache_of_g_heads_as_planned(pair, tmp_path):
     out = tmp_path / "b.json"
     result = CliRunner().invoke(
         main,
-        [
-            "bench",
-            "--original",
-            str(src),
-            "--converted",
-            str(conv),
-            "--prompt-len",
-            "32",
-            "--new-tokens",
-            "8",
-            "--repeats",
-            "2",
-            "--output",
-            str(out),
-        ],
+        bench_argv(src, conv, out, "--prompt-len 32 --new-tokens 8 --repeats 2"),
     )
     assert result.exit_code == 0, result.output
     b = json.loads(out.read_text())
@@ -258,22 +223,7 @@ def test_report_renders_for_a_real_fixture_pair(tmp_path):
     conv = convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output
     out = tmp_path / "r.json"
     data = FIXTURES / "text" / "tinystories_train_head.txt"
-    args = [
-        "eval",
-        "--original",
-        str(src),
-        "--converted",
-        str(conv),
-        "--data",
-        str(data),
-        "--seq-len",
-        "256",
-        "--max-tokens",
-        "4096",
-        "--output",
-        str(out),
-        "-q",
-    ]
+    args = eval_argv(src, conv, data, "256", "4096", "--output", out, "-q")
     assert CliRunner().invoke(main, args).exit_code == 0
     assert CliRunner().invoke(main, ["report", str(out), "--html", str(tmp_path / "r.html")]).exit_code == 0
     page = (tmp_path / "r.html").read_text()

@@ -23,46 +23,15 @@ from mha2gqa.core.errors import Mha2GqaError, SettingError
 IDS = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12]])
 #: source model_type -> (tiny config, target class, a KV-head count below H it converts to)
 SOURCES = {
-    "gpt_neox": (
-        dict(
-            hidden_size=32,
-            num_attention_heads=4,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            rotary_pct=0.5,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        ),
-        "PhiForCausalLM",
-        2,
-    ),
+    "gpt_neox": (dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2, rotary_pct=0.5,
+                      max_position_embeddings=64, tie_word_embeddings=False), "PhiForCausalLM", 2),
     "gptj": (dict(n_embd=32, n_head=4, n_layer=2, rotary_dim=4, n_positions=64), "PhiForCausalLM", 2),
     "gpt2": (dict(n_embd=32, n_head=4, n_layer=2, n_positions=64), "GPTBigCodeForCausalLM", 1),
-    "opt": (
-        dict(
-            hidden_size=32,
-            num_attention_heads=4,
-            num_hidden_layers=2,
-            ffn_dim=64,
-            max_position_embeddings=64,
-            word_embed_proj_dim=32,
-        ),
-        "GPTBigCodeForCausalLM",
-        1,
-    ),
-    "falcon": (
-        dict(
-            hidden_size=32,
-            num_attention_heads=8,
-            num_kv_heads=4,
-            num_hidden_layers=2,
-            new_decoder_architecture=True,
-            max_position_embeddings=64,
-        ),
-        "FalconForCausalLM",
-        2,
-    ),
-}
+    "opt": (dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, max_position_embeddings=64,
+                 word_embed_proj_dim=32), "GPTBigCodeForCausalLM", 1),
+    "falcon": (dict(hidden_size=32, num_attention_heads=8, num_kv_heads=4, num_hidden_layers=2,
+                    new_decoder_architecture=True, max_position_embeddings=64), "FalconForCausalLM", 2),
+}  # fmt: skip
 
 
 def _model(kind: str, seed: int = 0, vocab: int = 96, **overrides):

@@ -9,22 +9,9 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from conftest import llama_with_tokenizer, story_text
+from conftest import LLAMA2_7B, eval_argv, llama_with_tokenizer, story_text
 
 from mha2gqa.cli import main
-
-LLAMA2_7B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-}
 
 
 def modules_after(*argv: str) -> dict:
@@ -45,22 +32,7 @@ def results_file(tmp_path_factory):
     text = story_text(root / "t.txt")
     src = llama_with_tokenizer(root / "mha", text, max_positions=64)
     out = root / "r.json"
-    args = [
-        "eval",
-        "--original",
-        str(src),
-        "--converted",
-        str(src),
-        "--data",
-        str(text),
-        "--seq-len",
-        "32",
-        "--max-tokens",
-        "300",
-        "--output",
-        str(out),
-        "-q",
-    ]
+    args = eval_argv(src, src, text, "32", "300", "--output", out, "-q")
     assert CliRunner().invoke(main, args).exit_code == 0
     return out
 

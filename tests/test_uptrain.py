@@ -302,15 +302,7 @@ def test_cli_uptrain_then_eval(models, tmp_path):
             str(models["text"]),
             "--output",
             str(out),
-            "--seq-len",
-            "32",
-            "--batch-size",
-            "4",
-            "--grad-accum",
-            "2",
-            "--max-steps",
-            "6",
-            "--eval-data",
+            *["--seq-len", "32", "--batch-size", "4", "--grad-accum", "2", "--max-steps", "6", "--eval-data"],
             str(models["held"]),
             "--eval-tokens",
             "256",
@@ -333,12 +325,7 @@ def test_cli_uptrain_then_eval(models, tmp_path):
             str(out),
             "--data",
             str(models["held"]),
-            "--seq-len",
-            "32",
-            "--max-tokens",
-            "256",
-            "-q",
-            "--output",
+            *["--seq-len", "32", "--max-tokens", "256", "-q", "--output"],
             str(tmp_path / "res.json"),
         ],
     )
@@ -440,11 +427,7 @@ def test_an_existing_run_is_never_clobbered(models, tmp_path):
         str(models["student"]),
         "--data",
         str(models["text"]),
-        "--seq-len",
-        "32",
-        "--max-steps",
-        "2",
-        "--output",
+        *["--seq-len", "32", "--max-steps", "2", "--output"],
         str(out),
         "-q",
     ]
@@ -491,40 +474,34 @@ def test_train_all_needs_no_family_definition(tmp_path, models):
 # ---- the real model -----------------------------------------------------------------------------
 
 
+def _stories_run(tmp_path: Path, method: str, **settings) -> list[dict]:
+    """stories260K converted to 1 KV head by ``method`` (calibrated on the first half of the text) and
+    uptrained with the default objective on its first 85% at 8 x 256, lr 1e-3, evaluated on
+    the rest against the original; returns the evaluations."""
+    text = (FIXTURES / "text" / "tinystories_train_head.txt").read_text(encoding="utf-8")
+    cut = int(len(text) * 0.85)
+    for name, body in {"train": text[:cut], "calib": text[: len(text) // 2], "held": text[cut:]}.items():
+        (tmp_path / f"{name}.txt").write_text(body)
+    calibration = dict(calibration=str(tmp_path / "calib.txt"), calibration_tokens=32768, calibration_seq_len=512)
+    student = convert_checkpoint(FIXTURES / "stories260K", tmp_path / method, 1, method, progress=False, **calibration)
+    base = dict(
+        data=str(tmp_path / "train.txt"),
+        output=str(tmp_path / f"{method}-up"),
+        seq_len=256,
+        batch_size=8,
+        lr=1e-3,
+        eval_data=str(tmp_path / "held.txt"),
+        teacher=str(FIXTURES / "stories260K"),
+        progress=False,
+    )
+    return uptrain(str(student.output), UptrainSettings(**base, **settings), log=_quiet).evals
+
+
 @requires_fixtures("stories260K", "text/tinystories_train_head.txt")
 def test_stories260k_one_kv_head_recovers_quickly_from_svd(tmp_path):
     """The issue's setting, shortened: svd -> 1 KV head, 60 steps of 8 x 256 on the first 85% of the
     text at lr 1e-3, evaluated on the rest. (The 300-step curves are benchmarks/uptrain_recovery.py.)"""
-    text = (FIXTURES / "text" / "tinystories_train_head.txt").read_text(encoding="utf-8")
-    cut = int(len(text) * 0.85)
-    (tmp_path / "train.txt").write_text(text[:cut])
-    (tmp_path / "calib.txt").write_text(text[: len(text) // 2])
-    (tmp_path / "held.txt").write_text(text[cut:])
-    student = convert_checkpoint(
-        FIXTURES / "stories260K",
-        tmp_path / "svd1",
-        1,
-        "svd",
-        progress=False,
-        calibration=str(tmp_path / "calib.txt"),
-        calibration_tokens=32768,
-        calibration_seq_len=512,
-    ).output
-    settings = UptrainSettings(
-        data=str(tmp_path / "train.txt"),
-        output=str(tmp_path / "run"),
-        seq_len=256,
-        batch_size=8,
-        lr=1e-3,
-        max_steps=60,
-        eval_every=30,
-        eval_data=str(tmp_path / "held.txt"),
-        eval_tokens=16384,
-        teacher=str(FIXTURES / "stories260K"),
-        progress=False,
-    )
-    result = uptrain(str(student), settings, log=_quiet)
-    ratios = [e["ppl_ratio"] for e in result.evals]
+    ratios = [e["ppl_ratio"] for e in _stories_run(tmp_path, "svd", max_steps=60, eval_every=30, eval_tokens=16384)]
     assert ratios[0] > 3.0  # svd alone: about x3.7
     assert ratios[-1] < 1.5  # 60 steps: about x1.4
 
@@ -534,35 +511,9 @@ def test_stories260k_one_kv_head_recovers_quickly_from_svd(tmp_path):
 def test_stories260k_acceptance_300_steps(tmp_path):
     """The issue's acceptance run in full (~4 min on 2 cores; `pytest -m slow`): svd <= x1.3 and mean
     <= x1.7 after 300 steps, and svd passes mean's 300-step perplexity within 50 steps."""
-    text = (FIXTURES / "text" / "tinystories_train_head.txt").read_text(encoding="utf-8")
-    cut = int(len(text) * 0.85)
-    for name, body in {"train": text[:cut], "calib": text[: len(text) // 2], "held": text[cut:]}.items():
-        (tmp_path / f"{name}.txt").write_text(body)
     ratios = {}
     for method in ("svd", "mean"):
-        student = convert_checkpoint(
-            FIXTURES / "stories260K",
-            tmp_path / method,
-            1,
-            method,
-            progress=False,
-            calibration=str(tmp_path / "calib.txt"),
-            calibration_tokens=32768,
-            calibration_seq_len=512,
-        ).output
-        settings = UptrainSettings(
-            data=str(tmp_path / "train.txt"),
-            output=str(tmp_path / f"{method}-up"),
-            seq_len=256,
-            batch_size=8,
-            lr=1e-3,
-            max_steps=300,
-            eval_every=50,
-            eval_data=str(tmp_path / "held.txt"),
-            eval_tokens=None,
-            teacher=str(FIXTURES / "stories260K"),
-            progress=False,
-        )
-        ratios[method] = {e["step"]: e["ppl_ratio"] for e in uptrain(str(student), settings, log=_quiet).evals}
+        evals = _stories_run(tmp_path, method, max_steps=300, eval_every=50, eval_tokens=None)
+        ratios[method] = {e["step"]: e["ppl_ratio"] for e in evals}
     assert ratios["svd"][300] <= 1.3 and ratios["mean"][300] <= 1.7
     assert ratios["svd"][50] <= ratios["mean"][300]
