@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.convert.methods import Grouping, Method, get_grouping, get_method, refusal
+from mha2gqa.convert.methods import Grouping, Method, get_grouping, get_method, incompatibility
 from mha2gqa.convert.retarget_view import RetargetedCheckpoint, retargeted
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.architecture import resolve
@@ -94,7 +94,7 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
     conversion = Conversion(ckpt, dst, s, family, dims, method, grouping)
     conversion = conversion.with_targets(targets) if targets else conversion
     if conversion.changes:
-        reason = refusal(method, grouping, family)
+        reason = incompatibility(method, grouping, family)
         if reason:
             raise SettingError("method", reason)
         needs = "required" in (method.calibration, grouping.calibration) or s.per_layer == "auto"

@@ -14,7 +14,7 @@ from mha2gqa.core.architecture import Architecture, resolve
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.conversion_record import Retargeted
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.expressions import evaluate
+from mha2gqa.core.expressions import evaluate_expression
 from mha2gqa.core.retarget import Retarget, find_retarget
 from mha2gqa.core.safetensors_io import TensorInfo
 
@@ -130,7 +130,9 @@ class RetargetedCheckpoint(Checkpoint):
     def _shapes(self, op: _Op) -> dict[str, tuple[int, ...]]:
         spec, kind = op.spec, op.spec["op"]
         if kind in ("ones", "zeros"):
-            return {op.name(spec["to"]): tuple(int(evaluate(str(e), self.source.config)) for e in spec["shape"])}
+            return {
+                op.name(spec["to"]): tuple(int(evaluate_expression(str(e), self.source.config)) for e in spec["shape"])
+            }
         transpose = spec.get("transpose", False)
         if kind == "copy":
             name = self._source_name(op.name(spec["from"]), spec.get("optional", False))

@@ -22,15 +22,15 @@ from mha2gqa.core.planning import (
     ModelShape,
     PlanRow,
     PlanSettings,
+    capacity_rows,
     decode_step_seconds,
     describe,
     load_config,
     model_shape,
-    plan,
     throughput,
 )
 from mha2gqa.core.records import BENCH_SCHEMA
-from mha2gqa.core.tables import Table
+from mha2gqa.core.text_table import Table
 from mha2gqa.core.units import format_bytes
 
 
@@ -165,7 +165,7 @@ def plan_capacity(
     if per_layer is not None:
         heads = parse_kv_heads_list(per_layer)
         shape.dims.check_kv_heads_per_layer(heads)
-    rows = plan(shape, gpu.memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes, heads)
+    rows = capacity_rows(shape, gpu.memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes, heads)
     speed = throughput(shape, rows, gpu, s.seq_len, s.utilization) if gpu.bandwidth else []
     result = CapacityPlan(model, shape, s, gpu, rows, speed, bench)
     if bench is not None:

@@ -18,7 +18,7 @@ _BINOPS = {
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Is: operator.is_, ast.IsNot: operator.is_not}
 
 
-def evaluate(expr: str, config: dict[str, Any]) -> Any:
+def evaluate_expression(expr: str, config: dict[str, Any]) -> Any:
     """A config expression: source keys (``rope_parameters.rope_theta`` reads into a dict; a missing
     key is None), numbers, strings, ``+ - * / //``, ``or``, ``and``, ``not``, ``== != is`` and
     ``x if c else y``. Nothing else parses, so a definition cannot run code."""
@@ -71,7 +71,7 @@ _ALLOWED = (
 
 
 def check_expression(expr: str, fail) -> None:
-    """``expr`` uses only what :func:`evaluate` reads; ``fail(msg)`` builds the error otherwise."""
+    """``expr`` uses only what :func:`evaluate_expression` reads; ``fail(msg)`` builds the error otherwise."""
     try:
         tree = ast.parse(expr, mode="eval")
     except SyntaxError:

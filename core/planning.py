@@ -13,7 +13,7 @@ from mha2gqa.core.architecture import dims_of, resolve
 from mha2gqa.core.dims import AttentionDims, config_value
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.expressions import evaluate
+from mha2gqa.core.expressions import evaluate_expression
 from mha2gqa.core.families import TERM_NAMES, Family
 from mha2gqa.core.settings import setting
 
@@ -149,7 +149,7 @@ def count_parameters(config: dict[str, Any], family: Family, num_kv_heads: int |
             on = bool(config_value(config, key, defaults[key]))
             if on == condition.startswith("!"):
                 continue
-        total += evaluate(expression, values)
+        total += evaluate_expression(expression, values)
     return total
 
 
@@ -225,7 +225,7 @@ class PlanRow:
         return ",".join(map(str, self.kv_heads_per_layer)) if self.kv_heads_per_layer else str(self.num_kv_heads)
 
 
-def plan(
+def capacity_rows(
     shape: ModelShape,
     gpu_memory: int,
     seq_len: int,

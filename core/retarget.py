@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from mha2gqa.core.expressions import check_expression, evaluate
+from mha2gqa.core.expressions import check_expression, evaluate_expression
 from mha2gqa.core.families import check_keys, load_definitions, match_definition
 
 _TOP_KEYS = {
@@ -58,7 +58,7 @@ class Retarget:
 
         def build(spec: Any) -> Any:
             if isinstance(spec, str):
-                return evaluate(spec, config)
+                return evaluate_expression(spec, config)
             if isinstance(spec, dict) and set(spec) == {"value"}:
                 return spec["value"]
             if isinstance(spec, dict):
@@ -70,7 +70,7 @@ class Retarget:
     def refusal(self, config: dict[str, Any]) -> str | None:
         """Why this source cannot be re-expressed exactly, or None."""
         for expr, reason in self.requires:
-            if not evaluate(expr, config):
+            if not evaluate_expression(expr, config):
                 return reason
         return None
 

@@ -18,7 +18,7 @@ import torch
 
 from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.records import BENCH_SCHEMA
-from mha2gqa.core.tables import Table
+from mha2gqa.core.text_table import Table
 from mha2gqa.eval.settings import BenchSettings
 
 

@@ -94,7 +94,7 @@ def rolling_windows(tokens: Sequence[int], prefix_token: int, seq_len: int) -> l
 
 
 @dataclass
-class Agreement:
+class AgreementSums:
     """Per-token agreement of a converted model with the original on the same scored tokens."""
 
     kl: list[torch.Tensor] = field(default_factory=list)  # per-token KL(original || converted)
@@ -114,7 +114,7 @@ class PassResult:
     nll_sum: list[float]
     tokens: int
     windows: int
-    agreement: Agreement | None
+    agreement: AgreementSums | None
     seconds: float = 0.0
 
 
@@ -148,7 +148,7 @@ def top_k_form(logits: torch.Tensor, ids: torch.Tensor, k: int) -> dict[str, tor
 
 
 def _compare_top_k(
-    saved: dict[str, torch.Tensor], lc: torch.Tensor, ids: torch.Tensor, nll: list[float], agree: Agreement
+    saved: dict[str, torch.Tensor], lc: torch.Tensor, ids: torch.Tensor, nll: list[float], agree: AgreementSums
 ) -> None:
     """:func:`_compare` against the original's top-k form: the target's log-probabilities, Δp, NLLs
     and same-top are exact; both KLs are computed over the k tokens plus one bucket for the rest,
@@ -172,7 +172,7 @@ def _compare_top_k(
     agree.tokens += ids.numel()
 
 
-def _compare(lo: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, nll: list[float], agree: Agreement) -> None:
+def _compare(lo: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, nll: list[float], agree: AgreementSums) -> None:
     """Add one chunk of scored tokens, ``lo``/``lc`` ``[n, vocab]`` float32 log-probabilities of the
     original and the converted model and ``ids`` ``[n]`` their targets, to ``nll`` and ``agree``."""
     nll[0] += F.nll_loss(lo, ids, reduction="sum").item()
@@ -214,7 +214,7 @@ def score_windows(
     pair = len(models) == 2 or replay is not None
     nll = [0.0] * (2 if pair else 1)
     tokens = 0
-    agree = Agreement() if pair else None
+    agree = AgreementSums() if pair else None
     total = sum(int((t != IGNORE).sum()) for _, t in windows)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress)
     for index, batch in enumerate(_batches(windows, batch_size)):

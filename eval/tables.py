@@ -1,4 +1,4 @@
-"""Every table of evaluation results, built once as :class:`~mha2gqa.core.tables.Table` and shown by
+"""Every table of evaluation results, built once as :class:`~mha2gqa.core.text_table.Table` and shown by
 the terminal summary, the report (HTML and Markdown), the demo and job summaries."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from mha2gqa.core.dims import kv_bytes_per_token
 from mha2gqa.core.dtypes import by_name
-from mha2gqa.core.tables import Table
+from mha2gqa.core.text_table import Table
 from mha2gqa.core.units import format_bytes
 from mha2gqa.eval.results import ModelInfo, Results
 

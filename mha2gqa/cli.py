@@ -161,7 +161,7 @@ def _run_and_print(job, output_dir: Path | None, quiet: bool) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No summary.")
 @threads_option
 @user_errors
-def run(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
+def run_cmd(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
     """Run a job file: convert a model to every KV-head count and method it lists, evaluate each
     against the original, render one report and check the gates (exit 3 if one fails)."""
     from mha2gqa.jobs import load_job
@@ -238,7 +238,7 @@ def eval_cmd(
 @quiet_option
 @threads_option
 @user_errors
-def uptrain(converted: str, quiet: bool, **options: Any) -> None:
+def uptrain_cmd(converted: str, quiet: bool, **options: Any) -> None:
     """Uptrain CONVERTED (a GQA checkpoint) on --data by continued pretraining or distillation, and
     write a stock Hugging Face model to --output (run with `accelerate launch` for several GPUs)."""
     from mha2gqa.core.checkpoint import check_models
@@ -353,7 +353,7 @@ def inspect(model: str, seq_len: int, batch_size: int, revision: str | None, as_
 @overwrite_option
 @json_option
 @user_errors
-def plan(
+def plan_cmd(
     model: str,
     revision: str | None,
     plot_path: Path | None,

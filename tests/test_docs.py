@@ -67,6 +67,6 @@ def test_every_link_lands(page):
 
 
 def test_the_options_reference_is_generated_from_the_commands():
-    from mha2gqa.reference import options_reference
+    from mha2gqa.options_doc import options_reference
 
-    assert text("docs/options.md") == options_reference(), "run: python -m mha2gqa.reference > docs/options.md"
+    assert text("docs/options.md") == options_reference(), "run: python -m mha2gqa.options_doc > docs/options.md"

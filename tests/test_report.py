@@ -18,7 +18,7 @@ from conftest import (
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.core.planning import model_shape, plan
+from mha2gqa.core.planning import capacity_rows, model_shape
 from mha2gqa.core.units import parse_size
 from mha2gqa.eval.gates import GATE_EXIT_CODE
 from mha2gqa.eval.tables import OVERVIEW_COLUMNS
@@ -27,7 +27,7 @@ from mha2gqa.eval.tables import OVERVIEW_COLUMNS
 def test_planner_matches_hand_calculations_for_llama2_7b():
     shape = model_shape(LLAMA2_7B)
     assert shape.parameters == 6_738_415_616  # Llama-2-7B
-    rows = {r.num_kv_heads: r for r in plan(shape, parse_size("80GB"), 4096, "fp16", 2)}
+    rows = {r.num_kv_heads: r for r in capacity_rows(shape, parse_size("80GB"), 4096, "fp16", 2)}
     assert set(rows) == {32, 16, 8, 4, 2, 1}
     assert rows[32].kv_bytes_per_token == 524_288 and rows[8].kv_bytes_per_token == 131_072
     assert rows[32].kv_bytes_per_sequence == 524_288 * 4096
@@ -44,7 +44,7 @@ def test_throughput_estimate_matches_a_hand_calculation_and_plots(tmp_path):
     shape = model_shape(LLAMA2_7B)
     gpu = GPUS["h100-sxm"]
     assert (gpu.memory, gpu.bandwidth) == (80 * 10**9, 3.35e12)
-    rows = plan(shape, gpu.memory, 4096, "bf16", 2)
+    rows = capacity_rows(shape, gpu.memory, 4096, "bf16", 2)
     speed = {t.num_kv_heads: t for t in throughput(shape, rows, gpu, 4096, 0.5)}
     weights = 6_738_415_616 * 2  # 13.48 GB
     kv_read = 524_288 * 2048  # MHA: 512 KiB per token at the mean context of 2,048 tokens

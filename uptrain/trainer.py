@@ -85,7 +85,7 @@ def _tokens(tokenizer, setting: str, s: UptrainSettings, max_tokens: int | None)
 
 
 @dataclass
-class _Plan:
+class _Resolved:
     """Everything a run needs before any model is loaded, all of it checked."""
 
     student_folder: Path
@@ -106,7 +106,7 @@ class _Plan:
     run: dict[str, Any]  # the settings as resolved (recorded, and compared on resume)
 
 
-def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
+def _resolve(student: str, s: UptrainSettings, processes: int) -> _Resolved:
     """Resolve and check the sizes, the tokenizers and the text of a run (raises :class:`Mha2GqaError`)."""
     from mha2gqa.core.architecture import resolve
     from mha2gqa.core.checkpoint import read_config, resolve_folder
@@ -156,7 +156,7 @@ def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
         raise SettingError("warmup_steps", f"{{name}} {s.warmup_steps} must be fewer than the run's {total} steps")
     eval_every = s.eval_every or max(1, total // 10)
     run = {**asdict(s), "seq_len": seq_len, "max_steps": total, "max_tokens": None, "eval_seq_len": eval_seq_len}
-    return _Plan(
+    return _Resolved(
         student_folder,
         teacher_folder,
         _dims(student_folder),
@@ -176,7 +176,7 @@ def _plan(student: str, s: UptrainSettings, processes: int) -> _Plan:
     )
 
 
-def _models(plan: _Plan, s: UptrainSettings, acc, resume_from: Path | None):
+def _models(plan: _Resolved, s: UptrainSettings, acc, resume_from: Path | None):
     """The student in float32 (from the checkpoint being resumed, or with its LoRA adapters), what
     trains, and the frozen teacher on the device."""
     from mha2gqa.core.models import load_model
@@ -211,7 +211,7 @@ class _Trainer:
         self.main = acc.is_main_process
         self.say = log if self.main else (lambda *_: None)
         self.output = Path(s.output)
-        self.plan = plan = _plan(student, s, acc.num_processes)
+        self.plan = plan = _resolve(student, s, acc.num_processes)
         self.tokens_per_step = s.batch_size * plan.seq_len
         inputs = {
             "the student model": plan.student_folder,

@@ -154,7 +154,7 @@ def get_grouping(name: str) -> Grouping:
     return GROUPINGS[name]
 
 
-def refusal(method: Method, grouping: Grouping, family: Family) -> str | None:
+def incompatibility(method: Method, grouping: Grouping, family: Family) -> str | None:
     """Why ``method`` with ``grouping`` cannot convert ``family`` (None: it can). Layer merges and
     regrouping need keys linear in the input and heads that can be reordered."""
     if (method.per_head_norms and not grouping.reorders) or (family.k_norm is None and family.q_norm is None):
