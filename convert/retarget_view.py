@@ -15,7 +15,7 @@ from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.conversion_record import Retargeted
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.expressions import evaluate_expression
-from mha2gqa.core.retarget import Retarget, find_retarget
+from mha2gqa.core.retarget import find_retarget
 from mha2gqa.core.safetensors_io import TensorInfo
 
 
@@ -74,13 +74,12 @@ class RetargetedCheckpoint(Checkpoint):
     ``tensors`` lists the target's tensors (shapes and dtypes, no byte ranges), ``load`` computes one
     from the source tensors it needs."""
 
-    def __init__(self, source: Checkpoint, spec: Retarget) -> None:
-        config = spec.target_config(source.config)
+    def __init__(self, source: Checkpoint, architecture: Architecture) -> None:
+        """``architecture``: the source's config resolved (its re-targeting, target family and dims)."""
+        config = architecture.config  # the target class's
         super().__init__(source.folder, config, {}, source.files, "retargeted", source.repo_id, source.revision)
-        self.source, self.spec = source, spec
-        #: the source resolved: its target family and dimensions
-        self.architecture: Architecture = resolve(source.config)
-        self.family, self.dims = self.architecture.family, self.architecture.dims
+        self.source, self.spec, self.architecture = source, architecture.retarget, architecture
+        self.family, self.dims = architecture.family, architecture.dims
         self._ops: dict[str, _Op] = {}
         self._used: set[str] = set()
         self._plan()
@@ -268,7 +267,7 @@ def retargeted(ckpt: Checkpoint) -> Checkpoint:
     if why:
         arch = (ckpt.config.get("architectures") or [spec.source])[0]
         raise Mha2GqaError(f"{ckpt.folder}: {arch} cannot be re-expressed as {spec.target} exactly: {why}")
-    return RetargetedCheckpoint(ckpt, spec)
+    return RetargetedCheckpoint(ckpt, resolve(ckpt.config))
 
 
 def retarget_record(ckpt: Checkpoint) -> Retargeted | None:

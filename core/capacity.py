@@ -77,7 +77,7 @@ def inspect_model(model: str, seq_len: int, batch_size: int, revision: str | Non
 @dataclass(frozen=True)
 class CapacityPlan:
     """``mha2gqa plan``'s answer for one model: rows per KV-head count, roofline throughput (empty
-    without a bandwidth), and the checked measured benchmark when one was given."""
+    without a bandwidth), and a measured benchmark beside the estimate when one was given."""
 
     model: str
     shape: ModelShape
@@ -85,7 +85,8 @@ class CapacityPlan:
     gpu: Gpu
     rows: list[PlanRow]
     speed: list[Any]
-    bench: dict[str, Any] | None = None
+    #: a measured benchmark beside the estimate (empty without one)
+    bench_lines: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         s = self.settings
@@ -139,10 +140,6 @@ class CapacityPlan:
             )
         return out
 
-    def bench_lines(self) -> list[str]:
-        """The measured benchmark beside the estimate (empty without one)."""
-        return bench_beside_estimate(self.bench, self) if self.bench is not None else []
-
 
 def plan_capacity(
     model: str,
@@ -167,9 +164,9 @@ def plan_capacity(
         shape.dims.check_kv_heads_per_layer(heads)
     rows = capacity_rows(shape, gpu.memory, s.seq_len, s.dtype, by_name(s.weights_dtype or s.dtype).bytes, heads)
     speed = throughput(shape, rows, gpu, s.seq_len, s.utilization) if gpu.bandwidth else []
-    result = CapacityPlan(model, shape, s, gpu, rows, speed, bench)
-    if bench is not None:
-        bench_beside_estimate(bench, result)  # refuses another model's benchmark before any output
+    result = CapacityPlan(model, shape, s, gpu, rows, speed)
+    if bench is not None:  # refuses another model's benchmark before any output
+        result = dataclasses.replace(result, bench_lines=tuple(bench_beside_estimate(bench, result)))
     return result
 
 

@@ -160,16 +160,6 @@ class ConversionRecord:
             raise Mha2GqaError(f"{where}: damaged conversion record ({e}); convert the model again") from None
 
 
-def read_facts(data: Any, where: str) -> Facts | None:
-    """The ``conversion`` section as recorded elsewhere (e.g. in eval results); None when absent."""
-    if data is None:
-        return None
-    try:
-        return typed.read(Facts, data, "conversion")
-    except typed.RecordError as e:
-        raise Mha2GqaError(f"{where}: damaged conversion facts ({e})") from None
-
-
 def read_conversion_record(folder: Path) -> ConversionRecord | None:
     """The record of a converted model folder; None when it has none (not converted by mha2gqa)."""
     path = Path(folder) / CONVERSION_RECORD

@@ -185,12 +185,11 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     if source is not config:  # but its own parameters are the source's (folded norms, Phi's lm_head bias differ)
         params = _meta_total(source)
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    arch = (source.get("architectures") or config.get("architectures") or [family.architectures[0]])[0]
     converts_as = (config.get("architectures") or [None])[0] if source is not config else None
     tied = bool(config_value(config, "tie_word_embeddings", dict(family.parameter_defaults).get("tie_word_embeddings")))
     vocab = config_value(config, "vocab_size")
     lookup = 0 if tied or not isinstance(vocab, int) else vocab * dims.hidden_size
-    return ModelShape(family.family, arch, dims, params, per_head, dtype, lookup, converts_as)
+    return ModelShape(family.family, arch.name, dims, params, per_head, dtype, lookup, converts_as)
 
 
 def _meta_total(config: dict[str, Any]) -> int:

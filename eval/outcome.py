@@ -22,9 +22,7 @@ class Outcome:
     """An evaluation's results, as written, and its gates (empty when none were asked for)."""
 
     results: Results
-    record: dict[str, Any] = field(repr=False)
     gates: list[Gate]
-    path: Path | None = None
 
     @property
     def passed(self) -> bool:
@@ -90,4 +88,4 @@ class EvalRequest:
             record["gates"] = results.gates = gates_record(gates)
         if self.output is not None:
             write_json(self.output, record, "--output", self.overwrite, self.inputs)
-        return Outcome(results, record, gates, self.output)
+        return Outcome(results, gates)

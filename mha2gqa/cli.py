@@ -378,7 +378,7 @@ def plan_cmd(
     bench = read_bench(bench_path) if bench_path else None
     result = plan_capacity(model, settings, revision, per_layer, bench)
     echo_all([json.dumps(result.to_dict(), indent=2)] if as_json else result.lines())
-    echo_all(result.bench_lines())
+    echo_all(result.bench_lines)
     if plot_path is not None:
         png = throughput_plot(result.rows, result.gpu, settings.seq_len, Path(model).name or model)
         write_text(plot_path, png, "--plot", overwrite, {"MODEL": model})
