@@ -8,9 +8,12 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
 from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
-from mha2gqa.core.conversion_record import Allocation, Calibration, ConversionRecord, Facts, Output, Source
+from mha2gqa.core.conversion_record import Allocation, Calibration, ConversionRecord, Facts, Output, Refit, Source
 from mha2gqa.core.dims import query_heads_per_kv_head
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError
@@ -174,8 +177,9 @@ def _record(
     source: Conversion,
     stats: Any,
     calibration: Calibration | None,
-    tensors: list[OutputTensor],
     allocation: Allocation | None,
+    tensors: list[OutputTensor],
+    refitted: Refit | None,
     serving_form: str | None,
 ) -> ConversionRecord:
     """The conversion record (``mha2gqa_conversion.json``): settings, shapes, what changed, KV bytes."""
@@ -183,7 +187,8 @@ def _record(
     g = max(targets)
     kv_dtype = _kv_dtype(source.ckpt, source.family)
     esize = BY_CODE[kv_dtype].bytes
-    rewrites = sorted(set(method.rewrites) | ({"q", "o"} if source.grouping.reorders else set()), key="qkvo".index)
+    rewrites = set(method.rewrites) | ({"q", "o"} if source.grouping.reorders else set())
+    rewrites = sorted(rewrites | set(refitted.params if refitted else ()), key="qkvo".index)
     facts = Facts(
         method=method.name,
         method_summary=method.summary,
@@ -209,6 +214,7 @@ def _record(
         runs_in=source.family.serving or None,  # where checkpoints of the output class run
         per_layer_allocation=allocation,
         serving_form=serving_form,
+        refit=refitted,
     )
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")}
     return ConversionRecord(
@@ -231,6 +237,10 @@ def _output_config(source: Conversion) -> tuple[dict[str, Any], str | None, str 
 
     fields, modeling, serving_form = per_layer_checkpoint(source.ckpt.config, list(source.targets))
     return new_config | fields, modeling, serving_form
+
+
+#: the refit's working folder inside the staged output (removed before it is published)
+_REFIT_WORK = ".mha2gqa-refit"
 
 
 class _Checks:
@@ -277,19 +287,28 @@ class _Checks:
 def _write(
     source: Conversion,
     tensors: list[OutputTensor],
-    new_config: dict[str, Any],
-    modeling: str | None,
-    record: ConversionRecord,
+    make_record: Callable[[list[OutputTensor], Refit | None, str | None], ConversionRecord],
 ) -> ConversionRecord:
-    """Write the converted checkpoint into a staged folder beside its destination and rename it into
-    place; returns the record as written (with its output files)."""
+    """Refit (``--refit``) and write the converted checkpoint into a staged folder beside its
+    destination, then rename it into place; returns the record as written (with its output files).
+    The refit's own files (fitted layers, spilled hidden states) live in the staged folder until the
+    shards are written, so a failure or a signal leaves nothing behind."""
     ckpt, s = source.ckpt, source.settings
+    new_config, modeling, serving_form = _output_config(source)
     staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
+        refitted = None
+        if s.refit and source.changes:
+            from mha2gqa.convert.refit import refit
+
+            tensors, refitted = refit(source, tensors, tmp / _REFIT_WORK, log=_log if s.progress else None)
+            checks.poll()
+        record = make_record(tensors, refitted, serving_form)
         written = write_checkpoint(
             tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync, after_each=checks.poll
         )
         checks.wait()
+        shutil.rmtree(tmp / _REFIT_WORK, ignore_errors=True)
         (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n", encoding="utf-8")
         if modeling is not None:
             (tmp / MODELING_FILE).write_text(modeling, encoding="utf-8")
@@ -302,11 +321,17 @@ def _write(
     return record
 
 
+def _log(line: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
 def run(conversion: Conversion) -> ConversionResult:
     """Carry out a conversion made by :func:`~mha2gqa.convert.prepare.prepare`: per-layer allocation and
-    calibration when the method needs them, the plan of every output tensor, then the staged write.
-    Streams tensor by tensor: peak memory is about one layer's attention weights, whatever the model
-    size; nothing is left at the destination when it fails."""
+    calibration when the method needs them, the plan of every output tensor, the refit (``--refit``),
+    then the staged write. Streams tensor by tensor (and layer by layer): peak memory is about one
+    layer, whatever the model size; nothing is left at the destination when it fails."""
     start = time.perf_counter()
     allocation = None
     if conversion.settings.per_layer == "auto":
@@ -314,9 +339,7 @@ def run(conversion: Conversion) -> ConversionResult:
     stats, calibration = _calibrate(conversion)
     c = conversion
     tensors = plan_conversion(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
-    new_config, modeling, serving_form = _output_config(c)
-    record = _record(c, stats, calibration, tensors, allocation, serving_form)
-    record = _write(c, tensors, new_config, modeling, record)
+    record = _write(c, tensors, partial(_record, c, stats, calibration, allocation))
     return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start)
 
 

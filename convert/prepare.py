@@ -97,7 +97,7 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
         reason = incompatibility(method, grouping, family)
         if reason:
             raise SettingError("method", reason)
-        needs = "required" in (method.calibration, grouping.calibration) or s.per_layer == "auto"
+        needs = "required" in (method.calibration, grouping.calibration) or s.per_layer == "auto" or s.refit
         if not family.attention_interface and (s.calibration or needs):
             raise SettingError(
                 "calibration",

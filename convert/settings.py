@@ -68,8 +68,31 @@ class ConvertSettings:
     calibration_seq_len: int | None = setting(
         None, help="Calibration window [default: min(512, the model's positions)].", minimum=2
     )
+    refit: bool = setting(
+        False,
+        help="After the merge, refit each changed layer's projections (--refit-params) so that, given the "
+        "converted model's own hidden states, it reproduces the original layer's output on the "
+        "--calibration text; a layer keeps its merged weights when refitting does not lower its "
+        "held-out error.",
+    )
+    refit_params: str = setting(
+        "q,k,v,o", help="Projections --refit fits, comma-separated from q,k,v,o (biases included)."
+    )
+    refit_steps: int = setting(
+        200, help="Adam steps per layer of --refit (fewer when held-out error stops falling).", minimum=1
+    )
+    refit_lr: float = setting(1e-3, help="Adam learning rate of --refit.", above=0, maximum=1)
+    refit_batch: int = setting(8, help="Calibration windows per --refit step.", minimum=1)
+    refit_tokens: int | None = setting(
+        None, help="Tokens --refit fits on (the first N of --calibration) [default: --calibration-tokens].", minimum=1
+    )
+    refit_memory: str = setting(
+        "4GB",
+        help="Hidden states --refit keeps in memory (two streams, float32); beyond this they go to a "
+        "memory-mapped file beside DST.",
+    )
     device: str = setting("auto", help=f"Where calibration runs: {DEVICE_HELP}")
-    seed: int = setting(0, help="Seed of --method random.", minimum=0, maximum=2**63 - 1)
+    seed: int = setting(0, help="Seed of --method random and of --refit's window order.", minimum=0, maximum=2**63 - 1)
     max_shard_size: str = setting("5GB", help="Largest output shard, HF style ('5GB', '500MB').")
     revision: str | None = setting(None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
     overwrite: bool = setting(False, help="Replace DST if it exists and is not empty.")
@@ -109,6 +132,7 @@ class ConvertSettings:
             parse_size(self.max_shard_size)
         except Exception as e:
             raise SettingError("max_shard_size", f"{{name}} {self.max_shard_size}: {e}") from None
+        self._check_refit()
         method, grouping = get_method(self.method), get_grouping(self.grouping)
         if grouping.reorders and method.fresh:
             raise SettingError(
@@ -116,6 +140,26 @@ class ConvertSettings:
                 f"{{name}} {grouping.name} does not apply to --method {method.name} (fresh K/V ignore the grouping)",
             )
         return self
+
+    def _check_refit(self) -> None:
+        self.refit_roles()
+        try:
+            parse_size(self.refit_memory)
+        except Exception as e:
+            raise SettingError("refit_memory", f"{{name}} {self.refit_memory}: {e}") from None
+        if not self.refit:
+            for name, field in type(self).__dataclass_fields__.items():
+                if name.startswith("refit_") and getattr(self, name) != field.default:
+                    raise SettingError(name, "{name} is a setting of --refit: add --refit")
+        elif not self.calibration:
+            raise SettingError("calibration", "--refit fits each layer on calibration text: pass {name} DATA")
+
+    def refit_roles(self) -> tuple[str, ...]:
+        """``--refit-params`` as roles in q, k, v, o order."""
+        roles = [r.strip() for r in self.refit_params.split(",")]
+        if not all(roles) or set(roles) - set("qkvo") or len(set(roles)) != len(roles):
+            raise SettingError("refit_params", f"{{name}} {self.refit_params!r}: give some of q,k,v,o, comma-separated")
+        return tuple(sorted(roles, key="qkvo".index))
 
     def per_layer_heads(self) -> tuple[int, ...] | None:
         """``--num-kv-heads-per-layer`` as integers (None when not given)."""

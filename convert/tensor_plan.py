@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Container
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,18 @@ from mha2gqa.core.shard_writer import OutputTensor
 SUFFIXES = (".weight", ".bias")
 
 
+def attention_names(tensors: Container[str], family: Family, layer: int) -> dict[str, str]:
+    """Role (``q``, ``k``, ``v``, ``o``, ``qkv`` and ``*_bias``) -> name of ``layer``'s projection
+    tensors that are in ``tensors`` (the output projection's bias is never a role: no head count
+    shapes it)."""
+    fill = partial(str.format, layer=layer)
+    roles = {"o": fill(family.o_proj) + ".weight"}
+    modules = {"qkv": family.qkv_proj} if family.fused else {"q": family.q_proj, "k": family.k_proj, "v": family.v_proj}
+    for key, module in modules.items():
+        roles |= {key: fill(module) + ".weight", f"{key}_bias": fill(module) + ".bias"}
+    return {role: n for role, n in roles.items() if n in tensors}
+
+
 class LayerMerge:
     """Computes one layer's merged q/k/v/o once (a ``layer`` method, or any method under similarity
     grouping), hands the tensors out one by one and forgets them as they are written."""
@@ -37,12 +50,7 @@ class LayerMerge:
 
     def names(self) -> dict[str, str]:
         """Role (``q``, ``k_bias``, ``qkv``...) -> tensor name, for this layer's tensors that exist."""
-        fam, fill = self.family, partial(str.format, layer=self.layer)
-        roles = {"o": fill(fam.o_proj) + ".weight"}
-        modules = {"qkv": fam.qkv_proj} if fam.fused else {"q": fam.q_proj, "k": fam.k_proj, "v": fam.v_proj}
-        for key, module in modules.items():
-            roles |= {key: fill(module) + ".weight", f"{key}_bias": fill(module) + ".bias"}
-        return {role: n for role, n in roles.items() if n in self.ckpt.tensors}
+        return attention_names(self.ckpt.tensors, self.family, self.layer)
 
     def get(self, name: str) -> torch.Tensor:
         if self.ready is None:

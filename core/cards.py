@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from mha2gqa.core.conversion_record import ConversionRecord, Facts
+from mha2gqa.core.conversion_record import ConversionRecord, Facts, Refit
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 
 _PER_LAYER_NOTE = (
@@ -64,6 +64,19 @@ def changes(conv: Facts) -> str:
     )
 
 
+def refit_summary(refit: Refit) -> str:
+    """``--refit`` in words: what was fitted on what, and each layer's held-out error before -> after."""
+    layers = "; ".join(
+        f"layer {r.layer}: {r.loss_before:.3g} → {r.loss_after:.3g}" + (" (kept the merge)" if r.kept else "")
+        for r in refit.layers
+    )
+    return (
+        f"every changed layer's {'/'.join(refit.params)} refitted on {refit.tokens:,} tokens of `{refit.data}` "
+        f"to reproduce the original layer's output ({refit.windows} windows fitted, {refit.heldout_windows} "
+        f"held out); held-out error before → after: {layers}"
+    )
+
+
 def model_card(record: ConversionRecord) -> str:
     """A Hugging Face model card describing the conversion in ``record``."""
     src, conv = record.source, record.conversion
@@ -113,10 +126,16 @@ def model_card(record: ConversionRecord) -> str:
     calibration = conv.calibration
     if calibration and calibration.data:
         rows.insert(4, ("calibration", f"`{calibration.data}` ({calibration.tokens:,} tokens)"))
+    if conv.refit:
+        rows.append(("refit", refit_summary(conv.refit)))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     quality = (
         "Training-free conversions lose quality (mean pooling on RoPE decoders especially); "
         "evaluate with `mha2gqa eval` and uptrain before use."
+        if not conv.refit
+        else "Each changed layer was refitted after the merge to reproduce the original's layer outputs, which "
+        "recovers most of a merge's loss; evaluate with `mha2gqa eval` (on text unlike the calibration text too) "
+        "before use."
     )
     return (
         "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
@@ -152,6 +171,8 @@ def uptrain_card(record: dict[str, Any], conversion: ConversionRecord | None) ->
         if "ppl_ratio" in ev:
             line += f", ×{ev['ppl_ratio']:.3f} the teacher, KL {ev['kl_mean']:.4f}"
         rows.append(("held-out", line))
+    if conv.refit:
+        rows.append(("refit", refit_summary(conv.refit)))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     text = (
         "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"

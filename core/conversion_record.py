@@ -54,6 +54,37 @@ class Allocation:
 
 
 @dataclass(frozen=True)
+class RefitLayer:
+    """One layer's refit: held-out mean squared error of its output against the original layer's,
+    at the start (the merge) and at the end; ``kept``: the refit did not lower it, so the layer
+    kept its starting weights."""
+
+    layer: int
+    loss_before: float
+    loss_after: float
+    kept: bool
+    steps: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Refit:
+    """``--refit``: every changed layer's projections fitted to reproduce the original layer's output
+    on the converted model's own hidden states (:mod:`mha2gqa.convert.refit`)."""
+
+    data: str
+    tokens: int
+    windows: int
+    heldout_windows: int
+    steps: int
+    lr: float
+    batch: int
+    params: list[str]
+    seed: int
+    layers: list[RefitLayer]
+
+
+@dataclass(frozen=True)
 class Facts:
     """What the conversion did: method, grouping, shapes before and after, KV bytes."""
 
@@ -81,6 +112,7 @@ class Facts:
     runs_in: str | None = None
     per_layer_allocation: Allocation | None = None
     serving_form: str | None = None
+    refit: Refit | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

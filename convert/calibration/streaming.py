@@ -48,7 +48,7 @@ class _Catch(torch.nn.Module):
         raise _Stop
 
 
-def _materialize(
+def materialize(
     module: torch.nn.Module, ckpt, prefix: str, device: torch.device, dtype: torch.dtype | None = torch.float32
 ) -> None:
     """Give ``module``'s parameters (on ``meta``) their weights from the checkpoint on ``device``, in
@@ -94,7 +94,7 @@ def _float32_on_call(layer: torch.nn.Module):
             h.remove()
 
 
-def _release(module: torch.nn.Module) -> None:
+def release(module: torch.nn.Module) -> None:
     """Send ``module``'s parameters back to ``meta`` and hand the freed memory back to the OS
     (glibc keeps freed heap pages otherwise, and RSS would creep up layer after layer)."""
     from accelerate.utils import set_module_tensor_to_device
@@ -126,7 +126,7 @@ def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
-def _skeleton(ckpt):
+def skeleton(ckpt):
     """The model of ``ckpt`` with its parameters on ``meta`` (buffers such as RoPE tables real); a
     re-targeted checkpoint's is the target class."""
     from accelerate import init_empty_weights
@@ -141,7 +141,7 @@ def _skeleton(ckpt):
         return AutoModelForCausalLM.from_config(config).eval()
 
 
-def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
+def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
     """Run everything before the decoder layers once per window (embeddings as stored: a lookup
     loses nothing) and catch what the first layer receives, GPTQ-style; hidden states and RoPE
     tables in float32."""
@@ -152,7 +152,7 @@ def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tupl
     layers, attr = decoder_layers(model)
     others = [(n, c) for n, c in base.named_children() if n != attr]
     for name, child in others:
-        _materialize(child, ckpt, f"{prefix}{name}.", device, dtype=None)
+        materialize(child, ckpt, f"{prefix}{name}.", device, dtype=None)
     catcher = _Catch()
     setattr(base, attr, torch.nn.ModuleList([catcher]))
     try:
@@ -162,7 +162,7 @@ def _first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tupl
     finally:
         setattr(base, attr, layers)
     for _, child in others:
-        _release(child)
+        release(child)
     states = []
     for h, kw in catcher.calls:
         h = h.float()
@@ -214,11 +214,11 @@ def collect(
     dev = resolve_device(device)
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
     model_dir = ckpt.folder
-    model = _skeleton(ckpt)
+    model = skeleton(ckpt)
     dims = dims_of(model.config)
     seq_len = min(seq_len or 512, getattr(model.config, "max_position_embeddings", None) or 512)
     windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
-    states = _first_layer_inputs(model, ckpt, windows, dev)
+    states = first_layer_inputs(model, ckpt, windows, dev)
     per_layer = groups if isinstance(groups, tuple) else None
     keep = groups is not None
     stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
@@ -236,7 +236,7 @@ def collect(
 
     with capturing(model, record), bar:
         for i, layer in enumerate(layers):
-            _materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored ...
+            materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored ...
             inputs = [h for h, _ in states] if on_layer is not None else None
             with _float32_on_call(layer):  # ... and each module in float32 only while it runs
                 for n, (h, kw) in enumerate(states):
@@ -249,7 +249,7 @@ def collect(
                 with _float32_on_call(layer):
                     on_layer(i, full.layers[i], LayerRun(layer, inputs, states, f"{prefix}{i}."))
                 recording[0] = True
-            _release(layer)
+            release(layer)
             if full is not stats:  # choose this layer's groups, keep only their blocks
                 layer_full = full.layers.pop(i)
                 if not keep:

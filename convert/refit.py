@@ -1,0 +1,397 @@
+"""Layer-wise refitting after the merge (``--refit``): each changed decoder layer, in order, gets its
+projections fitted so that, reading the *converted* model's own hidden states, it reproduces what
+the *original* layer gives on the original's hidden states (so later layers also correct what
+earlier ones lost). No training of the model as a whole: one small least-squares problem per layer.
+
+Streamed like calibration (:mod:`mha2gqa.convert.calibration.streaming`): the model is built on
+``meta``, the embeddings run once, then each layer is loaded once (float32), runs the original
+stream (its outputs are the targets), is fitted on the converted stream and runs it again with the
+fitted weights, and is emptied. Memory: one layer (plus Adam's two moments of the fitted
+projections) and two streams of hidden states ``[windows, seq, hidden]`` float32, which go to a
+memory-mapped file when they exceed ``--refit-memory``.
+
+The converted layer runs as the *source* layer class with each new KV head repeated over the
+source heads it replaced (a GQA layer with ``G`` groups is exactly the MHA layer whose K/V heads are
+equal within each group), so every family's own attention, RoPE, biases and per-head norms run as
+transformers wrote them, and the gradient of a shared K/V head is the sum over its group: tied
+parameters stay tied by construction. Per-head norms and everything outside the projections stay
+as the merge left them.
+
+The fit: Adam on the mean squared error of the layer's output over ``--refit-batch`` windows per
+step; one window in :data:`HELDOUT_EVERY` (at least one) is held out and checked
+:data:`CHECKS` times per layer; the best held-out weights are kept, the fit stops after
+:data:`PATIENCE` checks without improvement, and a layer whose held-out error did not fall keeps its
+merged weights (bit for bit). A layer whose error starts at zero (an exact conversion) is not
+touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mha2gqa.convert.calibration.streaming import (
+    calibration_ids,
+    first_layer_inputs,
+    materialize,
+    release,
+    skeleton,
+)
+from mha2gqa.convert.prepare import Conversion
+from mha2gqa.convert.tensor_plan import attention_names
+from mha2gqa.core.conversion_record import Refit, RefitLayer
+from mha2gqa.core.dtypes import BY_CODE
+from mha2gqa.core.errors import SettingError
+from mha2gqa.core.shard_writer import OutputTensor
+from mha2gqa.core.signals import check as check_signals
+from mha2gqa.core.units import parse_size
+
+#: one calibration window in this many is held out (at least one)
+HELDOUT_EVERY = 8
+#: held-out checks per layer (every ``steps / CHECKS`` steps)
+CHECKS = 10
+#: checks without a lower held-out error before a layer's fit stops
+PATIENCE = 3
+#: tokens per forward call of a layer (windows batched up to this)
+CALL_TOKENS = 2048
+_FUSED = ("qkv", "qkv_bias")
+_SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer's heads: ``num_heads`` query heads, ``num_kv_heads`` in the source module, ``groups``
+    after the conversion, ``head_dim`` wide."""
+
+    num_heads: int
+    num_kv_heads: int
+    groups: int
+    head_dim: int
+
+    @property
+    def share(self) -> int:
+        """Source KV heads per new KV head."""
+        return self.num_kv_heads // self.groups
+
+
+def _repeat(x: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+    """``[groups * d, ...]`` -> ``[num_kv_heads * d, ...]``: each KV head repeated over its group."""
+    d = shape.head_dim
+    return x.reshape(shape.groups, d, *x.shape[1:]).repeat_interleave(shape.share, 0).reshape(-1, *x.shape[1:])
+
+
+class LayerWeights:
+    """The projections of one converted layer by role (``q``, ``k``, ``v``, ``o`` and biases; a fused
+    ``qkv`` split into its parts), float32, in the output's (GQA) shapes; :meth:`expanded` gives the
+    source-shaped module's view of them."""
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], names: Mapping[str, str], family, shape: LayerShape
+    ) -> None:
+        self.names, self.family, self.shape = dict(names), family, shape
+        values = {role: tensors[name].float() for role, name in names.items()}
+        for suffix in ("", "_bias"):
+            if "qkv" + suffix in values:
+                parts = family.split_qkv(values.pop("qkv" + suffix), shape.num_heads, shape.groups, shape.head_dim)
+                values |= {r + suffix: p for r, p in zip("qkv", parts, strict=True)}
+        self.values = values
+
+    def copy(self) -> dict[str, torch.Tensor]:
+        return {role: t.detach().clone() for role, t in self.values.items()}
+
+    def expanded(self, values: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        """Module-relative parameter name (under ``prefix``) -> tensor, for the source-shaped layer."""
+        shape, out = self.shape, {}
+        full = {role: _repeat(t, shape) if role in _SHAPED else t for role, t in values.items()}
+        for suffix in ("", "_bias"):
+            if "qkv" + suffix in self.names:
+                q, k, v = (full[r + suffix] for r in "qkv")
+                out["qkv" + suffix] = self.family.join_qkv(q, k, v, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        for role, t in full.items():
+            if role in self.names:
+                out[role] = t
+        return {self.names[role][len(prefix) :]: t for role, t in out.items()}
+
+    def outputs(self, values: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """Tensor name -> the tensor to write (output shapes, stored dtypes)."""
+        shape, out = self.shape, dict(values)
+        for suffix in ("", "_bias"):
+            if "qkv" + suffix in self.names:
+                parts = [out.pop(r + suffix) for r in "qkv"]
+                out["qkv" + suffix] = self.family.join_qkv(*parts, shape.num_heads, shape.groups, shape.head_dim)
+        return {self.names[r]: t.detach().to(dtypes[self.names[r]]).contiguous() for r, t in out.items()}
+
+
+@dataclass(frozen=True)
+class FitResult:
+    values: dict[str, torch.Tensor]
+    loss_before: float
+    loss_after: float
+    kept: bool
+    steps: int
+
+
+def split_windows(n: int) -> tuple[list[int], list[int]]:
+    """``(fitted, held out)`` window indices: the last one in :data:`HELDOUT_EVERY` (at least one)."""
+    held = max(1, n // HELDOUT_EVERY)
+    return list(range(n - held)), list(range(n - held, n))
+
+
+def fit_layer(
+    forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
+    start: dict[str, torch.Tensor],
+    trainable: list[str],
+    targets: Callable[[list[int]], torch.Tensor],
+    windows: int,
+    *,
+    steps: int,
+    lr: float,
+    batch: int,
+    seed: int,
+    per_call: int = 1,
+) -> FitResult:
+    """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
+    outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on the mean squared
+    error over ``batch`` windows a step (``per_call`` windows per forward), early stopped on the
+    held-out windows (:func:`split_windows`); returns the best values, or ``start`` itself when no
+    check lowered the held-out error (``kept``)."""
+    fitted, held = split_windows(windows)
+
+    def chunks(indices: list[int]) -> list[list[int]]:
+        return [indices[j : j + per_call] for j in range(0, len(indices), per_call)]
+
+    def heldout(values) -> float:
+        with torch.no_grad():
+            total = sum(float(torch.sum((forward(values, c) - targets(c)) ** 2)) for c in chunks(held))
+        return total / (len(held) * targets(held[:1]).numel())
+
+    before = heldout(start)
+    if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
+        return FitResult(start, before, before, True, 0)
+    values = {r: t.clone().requires_grad_(r in trainable) for r, t in start.items()}
+    optimizer = torch.optim.Adam([values[r] for r in trainable], lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    every = max(1, steps // CHECKS)
+    best, best_values, stale, order, done = before, None, 0, [], 0
+    for step in range(steps):
+        check_signals()
+        if not order:
+            order = torch.randperm(len(fitted), generator=generator).tolist()
+        chosen, order = [fitted[j] for j in order[:batch]], order[batch:]
+        optimizer.zero_grad(set_to_none=True)
+        for c in chunks(chosen):  # a few windows' graph at a time
+            loss = torch.mean((forward(values, c) - targets(c)) ** 2) * (len(c) / len(chosen))
+            loss.backward()
+        optimizer.step()
+        done = step + 1
+        if done % every and done != steps:
+            continue
+        now = heldout(values)
+        if now < best:
+            best, best_values, stale = now, {r: t.detach().clone() for r, t in values.items()}, 0
+        else:
+            stale += 1
+            if stale >= PATIENCE:
+                break
+    if best_values is None:
+        return FitResult(start, before, before, True, done)
+    return FitResult(best_values, before, best, False, done)
+
+
+def batched(kwargs: dict[str, Any], n: int) -> dict[str, Any]:
+    """One window's layer keyword arguments for ``n`` windows at once: tensors with a batch dimension
+    of one (masks, positions, RoPE tables) expanded to ``n``; the rest as they are."""
+
+    def expand(x):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == 1:
+            return x.expand(n, *x.shape[1:])
+        if isinstance(x, tuple):
+            return tuple(expand(y) for y in x)
+        return x
+
+    return {k: expand(v) for k, v in kwargs.items()}
+
+
+class HiddenStates:
+    """``[windows, T, hidden]`` float32 hidden states, in memory or in a memory-mapped file."""
+
+    def __init__(self, first: torch.Tensor, spill: Path | None) -> None:
+        if spill is None:
+            self.data = first.clone()
+        else:
+            spill.parent.mkdir(parents=True, exist_ok=True)
+            with open(spill, "wb") as f:
+                f.truncate(first.numel() * 4)
+            self.data = torch.from_file(str(spill), shared=True, size=first.numel(), dtype=torch.float32)
+            self.data = self.data.view(first.shape)
+            self.data.copy_(first)
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, windows: list[int]) -> torch.Tensor:
+        return self.data[windows]
+
+    def __setitem__(self, windows: list[int], value: torch.Tensor) -> None:
+        self.data[windows] = value.detach().to("cpu", torch.float32)
+
+
+def _output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _spilled(path: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _converted(tensors: Mapping[str, OutputTensor], name: str, ckpt) -> torch.Tensor:
+    """One planned output tensor's value (computed, or the source's when copied)."""
+    rule = tensors[name]
+    return rule.source() if callable(rule.source) else ckpt.load(name)
+
+
+def _norm_overrides(c: Conversion, tensors: Mapping[str, OutputTensor], layer: int, shape: LayerShape, prefix: str):
+    """The converted per-head key norm of ``layer`` in the source module's shape (``rows``: each
+    head's block repeated; ``indexed``: source head ``h`` reads new head ``h // share``)."""
+    norm = c.family.k_norm
+    if norm is None or norm.layout == "shared":
+        return {}
+    if norm.layout == "rows":
+        name = norm.name.format(layer=layer)
+        if name not in tensors:
+            return {}
+        return {name[len(prefix) :]: _repeat(_converted(tensors, name, c.ckpt).float(), shape)}
+    out = {}
+    for h in range(shape.num_kv_heads):
+        name = norm.name.format(layer=layer, head=h // shape.share)
+        if name in tensors:
+            out[norm.name.format(layer=layer, head=h)[len(prefix) :]] = _converted(tensors, name, c.ckpt).float()
+    return out
+
+
+def refit(
+    c: Conversion, tensors: list[OutputTensor], work: Path, log: Callable[[str], None] | None = None
+) -> tuple[list[OutputTensor], Refit]:
+    """Refit every changed layer of the planned conversion ``tensors`` (see the module doc); returns
+    the plan with each refitted layer's projections read from ``work`` (safetensors written there,
+    one file per layer) and the :class:`Refit` record."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from mha2gqa.core.capture import decoder_layers
+    from mha2gqa.core.models import resolve_device
+
+    s, dims = c.settings, c.dims
+    dev = resolve_device(s.device)
+    model = skeleton(c.ckpt)
+    positions = getattr(model.config, "max_position_embeddings", None) or 512
+    seq_len = min(s.calibration_seq_len or 512, positions)
+    tokens = s.refit_tokens or s.calibration_tokens
+    ids = calibration_ids(c.ckpt.folder, s.calibration, tokens, seq_len)
+    if len(ids) < 2:
+        raise SettingError(
+            "refit_tokens", f"{{name}}: {ids.numel()} tokens make one window of {seq_len}; --refit needs two or more"
+        )
+    fitted, held = split_windows(len(ids))
+    with torch.no_grad():
+        states = first_layer_inputs(model, c.ckpt, ids.to(dev), dev)
+    first = torch.cat([h.cpu() for h, _ in states])
+    kw = states[0][1]  # the same for every window: equal lengths, no padding
+    del states
+    spill = 2 * first.numel() * 4 > parse_size(s.refit_memory)
+    original = HiddenStates(first, work / "original.f32" if spill else None)
+    converted = HiddenStates(first, work / "converted.f32" if spill else None)
+    del first
+    per_call = max(1, CALL_TOKENS // seq_len)
+    every = [list(range(j, min(j + per_call, len(ids)))) for j in range(0, len(ids), per_call)]
+    work.mkdir(parents=True, exist_ok=True)
+    by_name = {t.name: t for t in tensors}
+    layers, attr = decoder_layers(model)
+    roles = s.refit_roles()
+    records: list[RefitLayer] = []
+    bar = tqdm(total=len(layers), unit="layer", desc=f"refitting on {ids.numel():,} tokens", disable=not s.progress)
+    with bar:
+        for i, layer in enumerate(layers):
+            prefix = f"{model.base_model_prefix}.{attr}.{i}."
+            materialize(layer, c.ckpt, prefix, dev, dtype=torch.float32)
+            layer.requires_grad_(False)
+            with torch.no_grad():
+                for w in every:
+                    original[w] = _output(layer(original[w].to(dev), **batched(kw, len(w))))
+            if c.targets[i] == dims.num_kv_heads:  # unchanged: an exact copy, run as it is
+                with torch.no_grad():
+                    for w in every:
+                        converted[w] = _output(layer(converted[w].to(dev), **batched(kw, len(w))))
+                release(layer)
+                bar.update(1)
+                continue
+            t0 = time.perf_counter()
+            shape = LayerShape(dims.num_heads, dims.num_kv_heads, c.targets[i], dims.head_dim)
+            names = attention_names(by_name, c.family, i)
+            weights = LayerWeights(
+                {n: _converted(by_name, n, c.ckpt).to(dev) for n in names.values()}, names, c.family, shape
+            )
+            norms = {k: v.to(dev) for k, v in _norm_overrides(c, by_name, i, shape, prefix).items()}
+
+            def forward(values, w, weights=weights, norms=norms, layer=layer, prefix=prefix):
+                params = weights.expanded(values, prefix) | norms
+                inputs = (converted[w].to(dev),)
+                return _output(torch.func.functional_call(layer, params, inputs, batched(kw, len(w))))
+
+            trainable = [r for r in weights.values if r[0] in roles]
+            result = fit_layer(
+                forward,
+                weights.copy(),
+                trainable,
+                lambda w: original[w].to(dev),
+                len(ids),
+                steps=s.refit_steps,
+                lr=s.refit_lr,
+                batch=s.refit_batch,
+                seed=s.seed * 1_000_003 + i,
+                per_call=per_call,
+            )
+            with torch.no_grad():
+                for w in every:
+                    converted[w] = forward(result.values, w)
+            dtypes = {n: BY_CODE[by_name[n].dtype].torch for n in names.values()}
+            out = weights.outputs(result.values, dtypes)
+            path = work / f"layer-{i}.safetensors"
+            save_file({n: t.cpu() for n, t in out.items()}, str(path))
+            for n in out:
+                rule = by_name[n]
+                by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
+            release(layer)
+            seconds = time.perf_counter() - t0
+            records.append(
+                RefitLayer(i, result.loss_before, result.loss_after, result.kept, result.steps, round(seconds, 3))
+            )
+            if log is not None:
+                log(
+                    f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
+                    + (" (kept the merged weights)" if result.kept else "")
+                    + f", {result.steps} steps, {seconds:.1f} s"
+                )
+            bar.update(1)
+    record = Refit(
+        data=s.calibration,
+        tokens=ids.numel(),
+        windows=len(fitted),
+        heldout_windows=len(held),
+        steps=s.refit_steps,
+        lr=s.refit_lr,
+        batch=s.refit_batch,
+        params=list(roles),
+        seed=s.seed,
+        layers=records,
+    )
+    return [by_name[t.name] for t in tensors], record

@@ -1,0 +1,250 @@
+"""Layer-wise refitting after the merge (``--refit``): exact stays exact, a refit that does not help
+is not kept, the streamed refit equals an in-memory reference, it is deterministic, every family
+that calibrates refits and loads, and bad settings are refused before any work."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import load, logits, random_model, tiny_config
+from test_convert import IDS, equalise_groups, read_all
+from test_methods import calib_text, with_tokenizer  # noqa: F401 (fixture)
+
+from mha2gqa.cli import main
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.convert.calibration.streaming import calibration_ids
+from mha2gqa.convert.refit import CALL_TOKENS, fit_layer, split_windows
+from mha2gqa.core.architecture import dims_of
+from mha2gqa.core.families import families
+
+#: every family whose attention calibration (and so the refit) can read
+REFIT_FAMILIES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "phi",
+    "phi3",
+    "stablelm",
+    "olmo",
+    "olmo2",
+    "starcoder2",
+    "gpt_bigcode",
+]
+
+
+def refit(calib_text, method: str = "mean", **kw) -> dict:
+    """``convert_checkpoint`` keywords for ``method`` + ``--refit`` on 1,024 tokens (32 windows of 32)."""
+    return {
+        "method": method,
+        "calibration": str(calib_text),
+        "calibration_tokens": 1024,
+        "calibration_seq_len": 32,
+        "refit": True,
+        "refit_steps": 20,
+        "progress": False,
+        **kw,
+    }
+
+
+def source(family, calib_text, folder, seed=0, **config):
+    return with_tokenizer(random_model(tiny_config(family, vocab_size=300, **config), seed=seed), folder, calib_text)
+
+
+def test_an_exact_conversion_stays_exact(calib_text, tmp_path):
+    model = random_model(tiny_config("llama", vocab_size=300), seed=1)
+    equalise_groups(model, "llama", 2)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    plain = convert_checkpoint(src, tmp_path / "plain", 2, "first", progress=False).output
+    out = convert_checkpoint(src, tmp_path / "refit", 2, **refit(calib_text, "first"))
+    layers = out.facts.refit.layers
+    assert [(r.loss_before, r.loss_after, r.kept, r.steps) for r in layers] == [(0.0, 0.0, True, 0)] * 2
+    a, b = read_all(plain), read_all(out.output)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.testing.assert_close(logits(load(out.output), IDS), logits(model, IDS), atol=1e-5, rtol=1e-5)
+
+
+def test_refit_lowers_every_layers_held_out_error_and_the_output_error(calib_text, tmp_path):
+    src = source("llama", calib_text, tmp_path / "src")
+    plain = convert_checkpoint(src, tmp_path / "plain", 1, "mean", progress=False).output
+    out = convert_checkpoint(src, tmp_path / "refit", 1, **refit(calib_text, refit_steps=60, refit_lr=1e-2))
+    for r in out.facts.refit.layers:
+        assert not r.kept and r.loss_after < 0.8 * r.loss_before, r
+    held = calibration_ids(src, str(calib_text), 1024, 32)[-4:]  # the refit's held-out windows
+    ref = logits(load(src), held)
+    err = {f: float(torch.mean((logits(load(f), held) - ref) ** 2)) for f in (plain, out.output)}
+    assert err[out.output] < err[plain]
+    record = json.loads((out.output / "mha2gqa_conversion.json").read_text())["conversion"]
+    assert record["refit"]["params"] == ["q", "k", "v", "o"] and record["rewrites"] == ["q", "k", "v", "o"]
+    card = (out.output / "README.md").read_text()
+    assert "refitted on 1,024 tokens" in card and "layer 1:" in card
+    assert not list(out.output.glob(".mha2gqa-refit*")) and not list(tmp_path.glob(".refit*"))
+
+
+def test_a_layer_whose_refit_does_not_help_keeps_its_merged_weights(calib_text, tmp_path):
+    src = source("llama", calib_text, tmp_path / "src")
+    plain = convert_checkpoint(src, tmp_path / "plain", 2, "mean", progress=False).output
+    out = convert_checkpoint(src, tmp_path / "refit", 2, **refit(calib_text, refit_lr=1.0, refit_steps=10))
+    assert all(r.kept and r.loss_after == r.loss_before > 0 for r in out.facts.refit.layers)
+    a, b = read_all(plain), read_all(out.output)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fit_layer_keeps_the_best_held_out_values_and_stops_when_they_stop_falling():
+    """A hand-made problem: fit ``w`` so that ``w * x`` matches ``2 * x``; the held-out window is
+    the last of eight."""
+    xs = [torch.full((1, 2, 3), float(i + 1)) for i in range(8)]
+    assert split_windows(8) == (list(range(7)), [7]) and split_windows(17) == (list(range(15)), [15, 16])
+    start = {"w": torch.tensor(1.0)}
+
+    def forward(values, w):
+        return torch.cat([values["w"] * xs[i] for i in w])
+
+    def targets(w):
+        return torch.cat([2 * xs[i] for i in w])
+
+    fit = fit_layer(forward, start, ["w"], targets, 8, steps=400, lr=0.05, batch=4, seed=0)
+    assert not fit.kept and abs(float(fit.values["w"]) - 2) < 1e-2 and fit.loss_before == 64.0
+    assert fit.loss_after < 1e-2 and start["w"] == 1.0
+    # the held-out window wants w = 0.5 while the fitted ones pull towards 2: every check is worse,
+    # the fit stops after PATIENCE checks (one every 50 / CHECKS steps) and keeps its start
+    held_out_wants_half = lambda w: torch.cat([(0.5 if i == 7 else 2) * xs[i] for i in w])  # noqa: E731
+    worse = fit_layer(forward, start, ["w"], held_out_wants_half, 8, steps=50, lr=0.05, batch=4, seed=0)
+    assert worse.kept and worse.values is start and worse.steps == 15 and worse.loss_after == worse.loss_before
+    assert fit_layer(forward, start, [], targets, 8, steps=50, lr=0.05, batch=4, seed=0).steps == 0
+
+
+def _reference(src, plain, calib_text, steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The refit done the simple way: both whole models in memory, stock transformers' GQA layer of
+    the converted model, hidden states kept as plain tensors."""
+    from torch.func import functional_call
+
+    from mha2gqa.convert.tensor_plan import attention_names
+
+    original, converted = load(src), load(plain)
+    ids = calibration_ids(src, str(calib_text), 1024, 32)
+    caught = {}
+
+    def catch(module, args, kwargs):
+        caught["h"], caught["kw"] = args[0] if args else kwargs.pop("hidden_states"), kwargs
+        raise StopIteration
+
+    handle = original.model.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    with torch.no_grad(), pytest.raises(StopIteration):
+        original(ids, use_cache=False)
+    handle.remove()
+    h_orig, kw = caught["h"], {k: v for k, v in caught["kw"].items() if k != "past_key_values"}
+    h_conv, tensors = h_orig.clone(), read_all(plain)
+    fam = families()["llama"]
+    per_call = CALL_TOKENS // 32
+    for i, (lo, lc) in enumerate(zip(original.model.layers, converted.model.layers, strict=True)):
+        with torch.no_grad():
+            target = lo(h_orig, **kw)
+            target = target[0] if isinstance(target, tuple) else target
+        prefix = f"model.layers.{i}."
+        names = attention_names(tensors, fam, i)
+
+        def forward(values, w, lc=lc, names=names, prefix=prefix):
+            params = {names[r][len(prefix) :]: v for r, v in values.items()}
+            kwb = {k: (v.expand(len(w), *v.shape[1:]) if torch.is_tensor(v) and v.dim() > 1 else v) for k, v in kw.items()}
+            out = functional_call(lc, params, (h_conv[w],), kwb)
+            return out[0] if isinstance(out, tuple) else out
+
+        start = {r: tensors[n].float() for r, n in names.items()}
+        fit = fit_layer(
+            forward, start, list(start), lambda w, t=target: t[w], len(ids), steps=steps, lr=1e-3, batch=8,
+            seed=seed * 1_000_003 + i, per_call=per_call,
+        )  # fmt: skip
+        with torch.no_grad():
+            h_conv = forward(fit.values, list(range(len(ids))))
+        h_orig = target
+        for r, n in names.items():
+            tensors[n] = fit.values[r]
+    return tensors
+
+
+def test_the_streamed_refit_equals_an_in_memory_reference(calib_text, tmp_path):
+    src = source("llama", calib_text, tmp_path / "src", attention_bias=False)
+    plain = convert_checkpoint(src, tmp_path / "plain", 2, "mean", progress=False).output
+    out = convert_checkpoint(src, tmp_path / "refit", 2, **refit(calib_text, refit_steps=15)).output
+    expected, got = _reference(src, plain, calib_text, steps=15), read_all(out)
+    assert expected.keys() == got.keys()
+    moved = 0
+    for name, t in got.items():
+        torch.testing.assert_close(t, expected[name], atol=2e-5, rtol=1e-4)
+        moved += not torch.equal(t, read_all(plain)[name])
+    assert moved == 8  # q/k/v/o of both layers
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(calib_text, tmp_path):
+    src = source("qwen2", calib_text, tmp_path / "src")
+    runs = [
+        convert_checkpoint(src, tmp_path / f"r{n}", 2, **refit(calib_text, seed=seed)).output
+        for n, seed in enumerate((0, 0, 1))
+    ]
+    data = [(r / "model.safetensors").read_bytes() for r in runs]
+    assert data[0] == data[1] and data[0] != data[2]
+
+
+@pytest.mark.parametrize("family", REFIT_FAMILIES)
+def test_every_family_refits_and_loads_with_stock_transformers(family, calib_text, tmp_path):
+    src = source(family, calib_text, tmp_path / "src")
+    dims = dims_of(load(src).config)
+    g = max(g for g in dims.valid_kv_heads() if g < dims.num_kv_heads)
+    out = convert_checkpoint(src, tmp_path / "out", g, **refit(calib_text, refit_steps=30))
+    converted = load(out.output)
+    assert dims_of(converted.config).num_kv_heads == g
+    assert torch.isfinite(logits(converted, IDS)).all()
+    layers = out.facts.refit.layers
+    assert len(layers) == 2 and all(r.loss_after <= r.loss_before for r in layers)
+    assert any(not r.kept and r.loss_after < r.loss_before for r in layers), layers
+
+
+def test_a_per_layer_conversion_refits_only_its_changed_layers_and_loads_with_its_remote_code(calib_text, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = source("llama", calib_text, tmp_path / "src", num_hidden_layers=3)
+    out = convert_checkpoint(src, tmp_path / "out", None, **refit(calib_text, num_kv_heads_per_layer="4,2,1"))
+    assert [r.layer for r in out.facts.refit.layers] == [1, 2]
+    model = AutoModelForCausalLM.from_pretrained(out.output, trust_remote_code=True, dtype=torch.float32).eval()
+    assert torch.isfinite(logits(model, IDS)).all()
+    a, b = read_all(src), read_all(out.output)
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("model.layers.0."))
+
+
+def test_refit_spills_hidden_states_beyond_its_memory_budget_with_the_same_result(calib_text, tmp_path):
+    src = source("llama", calib_text, tmp_path / "src")
+    a = convert_checkpoint(src, tmp_path / "a", 2, **refit(calib_text)).output
+    b = convert_checkpoint(src, tmp_path / "b", 2, **refit(calib_text, refit_memory="64KB")).output
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("--refit", "--refit fits each layer on calibration text: pass --calibration DATA"),
+        ("--refit-steps 10 --calibration CAL", "--refit-steps is a setting of --refit: add --refit"),
+        ("--refit --refit-params q,x --calibration CAL", "--refit-params 'q,x': give some of q,k,v,o"),
+        ("--refit --refit-lr 0 --calibration CAL", "--refit-lr"),
+        ("--refit --refit-lr nan --calibration CAL", "--refit-lr"),
+        ("--refit --refit-memory -1GB --calibration CAL", "--refit-memory -1GB"),
+        ("--refit --refit-tokens 20 --calibration CAL", "--refit needs two or more"),
+    ],
+)
+def test_bad_refit_settings_are_one_line_errors_before_any_work(args, message, calib_text, tmp_path):
+    src = source("llama", calib_text, tmp_path / "src")
+    argv = ["convert", str(src), str(tmp_path / "out"), "-g", "2", "--calibration-seq-len", "16"]
+    argv += args.replace("CAL", str(calib_text)).split()
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_family_whose_attention_calibration_cannot_read_refuses_refit(calib_text, tmp_path):
+    src = source("falcon", calib_text, tmp_path / "src")
+    r = CliRunner().invoke(
+        main, ["convert", str(src), str(tmp_path / "o"), "-g", "2", "--refit", "--calibration", str(calib_text)]
+    )
+    assert r.exit_code != 0 and "does not run its attention through" in r.output
