@@ -3,14 +3,18 @@
 
 For each model: calibrate on one text (``svd``), evaluate on held-out text with the disjoint
 protocol (perplexity, ratio to the original, mean per-token KL, top-1 agreement) and time the
-conversion (calibration included). One table at the end.
+conversion (calibration included). With ``--refit``, the ``--refit-methods`` (contiguous grouping)
+are converted again with ``--refit`` on the same calibration text, and both the plain and the
+refitted conversion are also scored out of domain (``--ood``: a text of another kind than the
+calibration text); ``closer`` is how many times nearer 1 the refitted ratio is. One table at the end.
 
-    python benchmarks/methods.py [--fixtures ../shared/fixtures] [--eval-tokens 32768]
+    python benchmarks/methods.py [--fixtures ../shared/fixtures] [--eval-tokens 32768] [--refit]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -60,11 +64,27 @@ def splits(fixtures: Path, work: Path) -> dict[str, tuple[Path, str, str, int]]:
     }
 
 
+def _score(folder: Path, out: Path, settings, ood_settings, head: tuple, seconds: float, plain=None) -> tuple:
+    """One table row: ``head`` (model, KV heads, label), the in-domain figures, the time, the
+    out-of-domain ratio (with ``ood_settings``) and how many times closer to 1 than ``plain``."""
+    from mha2gqa.eval.harness import evaluate
+
+    r = evaluate(str(folder), str(out), settings)
+    d, agree = r["protocols"]["disjoint"], r["agreement"]
+    ood = None
+    if ood_settings is not None:
+        ood = evaluate(str(folder), str(out), ood_settings)["protocols"]["disjoint"]["ppl_ratio"]
+    closer = (plain[5] - 1) / (d["ppl_ratio"] - 1) if plain and d["ppl_ratio"] != 1 else None
+    row = (*head, d["original"]["ppl"], d["converted"]["ppl"], d["ppl_ratio"], agree["kl"]["mean"],
+           agree["top1_agreement"], seconds, ood, closer)  # fmt: skip
+    print("  ".join(map(str, row)), flush=True)
+    return row
+
+
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import read_config
-    from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.settings import EvalSettings
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,7 +92,13 @@ def main() -> None:
     p.add_argument("--eval-tokens", type=int, default=32768)
     p.add_argument("--calibration-tokens", type=int, default=32768)
     p.add_argument("--models", nargs="*", default=None)
+    p.add_argument("--methods", nargs="*", default=None, help="only these methods")
+    p.add_argument("--refit", action="store_true", help="add a refitted row for each of --refit-methods")
+    p.add_argument("--refit-methods", nargs="*", default=["mean", "svd"])
+    p.add_argument("--refit-steps", type=int, default=200)
+    p.add_argument("--ood", type=Path, default=None, help="out-of-domain text [default: wikitext2_test.txt]")
     args = p.parse_args()
+    ood_text = str(args.ood or args.fixtures / "text" / "wikitext2_test.txt")
     if not args.fixtures.is_dir():
         raise SystemExit(f"{args.fixtures}: fixtures not found (pass --fixtures)")
     rows = []
@@ -86,47 +112,50 @@ def main() -> None:
             settings = EvalSettings(
                 data=held, seq_len=window, max_tokens=args.eval_tokens, attention=False, progress=False
             )
+            ood = dataclasses.replace(settings, data=ood_text)
+
             for g in [g for g in range(dims.num_kv_heads - 1, 0, -1) if dims.num_kv_heads % g == 0]:
                 for method, grouping in METHODS:
+                    if args.methods and method not in args.methods:
+                        continue
+                    refit = args.refit and method in args.refit_methods and grouping == "contiguous"
+                    options = dict(
+                        calibration=calib, calibration_tokens=args.calibration_tokens, calibration_seq_len=window,
+                        progress=False, overwrite=True, grouping=grouping,
+                    )  # fmt: skip
                     t = time.perf_counter()
-                    out = convert_checkpoint(
-                        folder,
-                        work / f"{name}-{method}-{g}",
-                        g,
-                        method,
-                        calibration=calib,
-                        calibration_tokens=args.calibration_tokens,
-                        calibration_seq_len=window,
-                        progress=False,
-                        overwrite=True,
-                        grouping=grouping,
-                    )
-                    seconds = time.perf_counter() - t
-                    r = evaluate(str(folder), str(out.output), settings)
-                    d = r["protocols"]["disjoint"]
-                    agree = r["agreement"]
+                    out = convert_checkpoint(folder, work / f"{name}-{method}-{g}", g, method, **options)
                     label = method if grouping == "contiguous" else f"{method} + similarity grouping"
-                    row = (
-                        name,
-                        f"{dims.num_kv_heads}->{g}",
-                        label,
-                        d["original"]["ppl"],
-                        d["converted"]["ppl"],
-                        d["ppl_ratio"],
-                        agree["kl"]["mean"],
-                        agree["top1_agreement"],
-                        seconds,
-                    )
-                    rows.append(row)
-                    print("  ".join(map(str, row)), flush=True)
+                    head = (name, f"{dims.num_kv_heads}->{g}")
+                    seconds = time.perf_counter() - t
+                    plain = _score(folder, out.output, settings, ood if refit else None, (*head, label), seconds)
+                    rows.append(plain)
+                    if refit:
+                        t = time.perf_counter()
+                        out = convert_checkpoint(
+                            folder, work / f"{name}-{method}-{g}-refit", g, method, refit=True,
+                            refit_steps=args.refit_steps, **options,
+                        )  # fmt: skip
+                        seconds = time.perf_counter() - t
+                        label = f"{method} + refit"
+                        rows.append(_score(folder, out.output, settings, ood, (*head, label), seconds, plain))
     print(
         f"\ndisjoint perplexity on held-out text ({args.eval_tokens:,} tokens), svd calibrated on "
-        f"{args.calibration_tokens:,} tokens of separate text\n"
+        f"{args.calibration_tokens:,} tokens of separate text"
+        + (f"; out of domain: {Path(ood_text).name}" if args.refit else "")
+        + "\n"
     )
-    print("| model | KV heads | method | original PPL | converted PPL | ratio | mean KL | top-1 | convert s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, g, method, po, pc, ratio, kl, top1, sec in rows:
-        print(f"| {name} | {g} | {method} | {po:.3f} | {pc:.3f} | x{ratio:.2f} | {kl:.3f} | {top1:.1%} | {sec:.1f} |")
+    print("| model | KV heads | method | original PPL | converted PPL | ratio | mean KL | top-1 | convert s |", end="")
+    print(
+        " out-of-domain ratio | closer |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        if args.refit
+        else "\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for name, g, method, po, pc, ratio, kl, top1, sec, ood_ratio, closer in rows:
+        line = f"| {name} | {g} | {method} | {po:.3f} | {pc:.3f} | x{ratio:.3f} | {kl:.3f} | {top1:.1%} | {sec:.1f} |"
+        if args.refit:
+            line += f" {f'x{ood_ratio:.3f}' if ood_ratio else ''} | {f'{closer:.1f}x' if closer else ''} |"
+        print(line)
 
 
 if __name__ == "__main__":

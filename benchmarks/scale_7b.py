@@ -8,6 +8,10 @@ runs, each command in its own process so its peak RSS is its own:
 - ``copy``: ``shutil.copytree`` of the checkpoint, the floor for any tool that rewrites it;
 - ``convert -g 8`` (mean pooling), against the copy (target: <= 1 GB peak RSS, <= 2x the copy);
 - ``convert -g 8 --method svd`` with 512 calibration tokens (target: <= 4 GB; seconds per layer);
+- ``refit``: the same svd conversion with ``--refit`` on 2,048 tokens (windows of 512), one Adam step
+  per layer by default (``--refit-steps``; peak memory does not depend on the step count), target
+  <= 2.5 GB peak RSS for the 4-layer checkpoint; seconds per step, and the seconds per layer a GPU
+  needs for the default 200 steps, from the FLOPs (:func:`refit_flops_per_layer`);
 - ``eval`` original vs converted on 2,048 tokens in bf16 with attention similarity, one model in
   memory at a time (two bf16 7B models, 27 GB, do not fit 24 GB; one does);
 - ``inspect`` and ``plan``.
@@ -63,12 +67,24 @@ def prepare(workdir: Path, layers: int) -> Path:
     return src
 
 
+def refit_flops_per_layer(src: Path, steps: int = 200, batch: int = 8, seq_len: int = 512) -> float:
+    """FLOPs of one layer's default refit: forward + backward (3 x 2 x parameters per token, the
+    attention scores 3 x 4 x T x hidden per token) over ``steps x batch`` windows of ``seq_len``."""
+    config = json.loads((src / "config.json").read_text())
+    h, i = config["hidden_size"], config["intermediate_size"]
+    params = 4 * h * h + 3 * h * i
+    tokens = steps * batch * seq_len
+    return 3 * tokens * (2 * params + 4 * seq_len * h)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("bench-7b"))
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--calibration-tokens", type=int, default=512)
     parser.add_argument("--layers", type=int, default=32, help="fewer for a quick trial of the script")
+    parser.add_argument("--refit-tokens", type=int, default=2048)
+    parser.add_argument("--refit-steps", type=int, default=1, help="Adam steps per layer of the refit step")
     parser.add_argument("--skip", nargs="*", default=[], help="steps to leave out (copy, mean, svd, eval, inspect)")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +116,26 @@ def main() -> None:
             str(args.calibration_tokens),
             "--calibration-seq-len",
             str(min(512, args.calibration_tokens)),
+            "-q",
+            "--overwrite",
+        ),
+        "refit": _cli(
+            "convert",
+            str(src),
+            str(svd_dst),
+            "-g",
+            "8",
+            "--method",
+            "svd",
+            "--calibration",
+            str(work / "calibration.txt"),
+            "--calibration-tokens",
+            str(args.refit_tokens),
+            "--calibration-seq-len",
+            "512",
+            "--refit",
+            "--refit-steps",
+            str(args.refit_steps),
             "-q",
             "--overwrite",
         ),
@@ -140,8 +176,13 @@ def main() -> None:
         print(f"{name:8s} wall {wall:8.1f} s   peak RSS {rss:8.0f} MiB", flush=True)
         if name == "copy":
             shutil.rmtree(work / "copy", ignore_errors=True)
-        if name == "svd":
+        if name in ("svd", "refit"):
             out[name]["seconds_per_layer"] = wall / args.layers
+        if name == "refit":
+            record = json.loads((svd_dst / "mha2gqa_conversion.json").read_text())["conversion"]["refit"]
+            out[name]["refit_seconds_per_layer"] = [r["seconds"] for r in record["layers"]]
+            out[name]["refit_steps"] = args.refit_steps
+        if name in ("svd", "refit"):
             shutil.rmtree(svd_dst, ignore_errors=True)
     if "eval" in out:
         r = json.loads(results_file.read_text())
@@ -163,6 +204,14 @@ def main() -> None:
             against = f"{m['seconds'] / copy:.2f}x the copy's wall (target <= 2x); RSS target <= 1 GB"
         elif name == "svd":
             against = f"{m['seconds_per_layer']:.1f} s per layer; RSS target <= 4 GB"
+        elif name == "refit":
+            fit = sum(m["refit_seconds_per_layer"]) / len(m["refit_seconds_per_layer"])
+            flops = refit_flops_per_layer(src)
+            against = (
+                f"{fit:.0f} s per layer for {m['refit_steps']} step(s) on this CPU; the default 200 steps x 8 windows "
+                f"x 512 tokens are {flops / 1e15:.2f} PFLOP a layer: ~{flops / 200e12:.0f} s a layer on a GPU at "
+                f"200 TFLOP/s (TF32), ~{flops / 30e12:.0f} s at 30 TFLOP/s (FP32); RSS target <= 2.5 GB (4 layers)"
+            )
         elif name == "eval":
             two = 2 * size / 2**30
             against = (

@@ -301,8 +301,8 @@ def _write(
         if s.refit and source.changes:
             from mha2gqa.convert.refit import refit
 
+            checks.wait()  # the checks import transformers in their thread: never two importers at once
             tensors, refitted = refit(source, tensors, tmp / _REFIT_WORK, log=_log if s.progress else None)
-            checks.poll()
         record = make_record(tensors, refitted, serving_form)
         written = write_checkpoint(
             tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync, after_each=checks.poll

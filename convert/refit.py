@@ -39,6 +39,7 @@ import torch
 from mha2gqa.convert.calibration.streaming import (
     calibration_ids,
     first_layer_inputs,
+    map_large_allocations,
     materialize,
     release,
     skeleton,
@@ -59,7 +60,7 @@ CHECKS = 10
 #: checks without a lower held-out error before a layer's fit stops
 PATIENCE = 3
 #: tokens per forward call of a layer (windows batched up to this)
-CALL_TOKENS = 2048
+CALL_TOKENS = 512
 _FUSED = ("qkv", "qkv_bias")
 _SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
 
@@ -86,10 +87,29 @@ def _repeat(x: torch.Tensor, shape: LayerShape) -> torch.Tensor:
     return x.reshape(shape.groups, d, *x.shape[1:]).repeat_interleave(shape.share, 0).reshape(-1, *x.shape[1:])
 
 
+class RepeatedHeads(torch.nn.Module):
+    """A K or V projection with ``shape.groups`` heads whose output is each head repeated over its
+    group: what the source layer's attention reads from a GQA projection, at the cost of the
+    activations (``[B, T, num_kv_heads * d]``) rather than of a repeated weight."""
+
+    def __init__(self, linear: torch.nn.Linear, shape: LayerShape) -> None:
+        super().__init__()
+        self.shape = shape
+        rows = shape.groups * shape.head_dim
+        self.weight = torch.nn.Parameter(torch.empty(rows, linear.in_features, device="meta"), requires_grad=False)
+        has_bias = linear.bias is not None
+        self.bias = torch.nn.Parameter(torch.empty(rows, device="meta"), requires_grad=False) if has_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        heads = y.unflatten(-1, (self.shape.groups, self.shape.head_dim))
+        return heads.repeat_interleave(self.shape.share, -2).flatten(-2)
+
+
 class LayerWeights:
     """The projections of one converted layer by role (``q``, ``k``, ``v``, ``o`` and biases; a fused
-    ``qkv`` split into its parts), float32, in the output's (GQA) shapes; :meth:`expanded` gives the
-    source-shaped module's view of them."""
+    ``qkv`` split into its parts), float32, in the output's (GQA) shapes; :meth:`module_view` gives the
+    source-shaped module's parameters, after :meth:`adapt` has fitted the module to read them."""
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], names: Mapping[str, str], family, shape: LayerShape
@@ -101,14 +121,28 @@ class LayerWeights:
                 parts = family.split_qkv(values.pop("qkv" + suffix), shape.num_heads, shape.groups, shape.head_dim)
                 values |= {r + suffix: p for r, p in zip("qkv", parts, strict=True)}
         self.values = values
+        self.repeated_outputs = False
 
-    def copy(self) -> dict[str, torch.Tensor]:
-        return {role: t.detach().clone() for role, t in self.values.items()}
+    def adapt(self, layer: torch.nn.Module, prefix: str) -> None:
+        """Give ``layer`` (the source layer class, weights loaded) K/V projections of the new head
+        count that repeat their outputs (:class:`RepeatedHeads`), where they are separate linear
+        modules; a fused projection keeps its module and gets repeated weights instead."""
+        paths = [self.names[r][len(prefix) : -len(".weight")] for r in ("k", "v") if r in self.names]
+        modules = [layer.get_submodule(p) for p in paths]
+        if self.family.fused or len(paths) != 2 or not all(type(m) is torch.nn.Linear for m in modules):
+            return
+        for path, module in zip(paths, modules, strict=True):
+            parent, _, attr = path.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, attr, RepeatedHeads(module, self.shape))
+        self.repeated_outputs = True
 
-    def expanded(self, values: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-        """Module-relative parameter name (under ``prefix``) -> tensor, for the source-shaped layer."""
+    def module_view(self, values: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        """Module-relative parameter name (under ``prefix``) -> tensor, for the adapted layer."""
         shape, out = self.shape, {}
-        full = {role: _repeat(t, shape) if role in _SHAPED else t for role, t in values.items()}
+        full = {
+            role: _repeat(t, shape) if role in _SHAPED and not self.repeated_outputs else t
+            for role, t in values.items()
+        }
         for suffix in ("", "_bias"):
             if "qkv" + suffix in self.names:
                 q, k, v = (full[r + suffix] for r in "qkv")
@@ -174,8 +208,8 @@ def fit_layer(
     before = heldout(start)
     if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
         return FitResult(start, before, before, True, 0)
-    values = {r: t.clone().requires_grad_(r in trainable) for r, t in start.items()}
-    optimizer = torch.optim.Adam([values[r] for r in trainable], lr=lr)
+    values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
+    optimizer = torch.optim.Adam([values[r] for r in trainable], lr=lr, foreach=False)  # no temporaries
     generator = torch.Generator().manual_seed(seed)
     every = max(1, steps // CHECKS)
     best, best_values, stale, order, done = before, None, 0, [], 0
@@ -284,6 +318,7 @@ def refit(
     """Refit every changed layer of the planned conversion ``tensors`` (see the module doc); returns
     the plan with each refitted layer's projections read from ``work`` (safetensors written there,
     one file per layer) and the :class:`Refit` record."""
+    from accelerate.utils import set_module_tensor_to_device
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -291,6 +326,7 @@ def refit(
     from mha2gqa.core.models import resolve_device
 
     s, dims = c.settings, c.dims
+    map_large_allocations()
     dev = resolve_device(s.device)
     model = skeleton(c.ckpt)
     positions = getattr(model.config, "max_position_embeddings", None) or 512
@@ -341,16 +377,19 @@ def refit(
                 {n: _converted(by_name, n, c.ckpt).to(dev) for n in names.values()}, names, c.family, shape
             )
             norms = {k: v.to(dev) for k, v in _norm_overrides(c, by_name, i, shape, prefix).items()}
+            for name in [*weights.module_view(weights.values, prefix), *norms]:  # replaced on every call: free them
+                set_module_tensor_to_device(layer, name, "meta")
+            weights.adapt(layer, prefix)
 
             def forward(values, w, weights=weights, norms=norms, layer=layer, prefix=prefix):
-                params = weights.expanded(values, prefix) | norms
+                params = weights.module_view(values, prefix) | norms
                 inputs = (converted[w].to(dev),)
                 return _output(torch.func.functional_call(layer, params, inputs, batched(kw, len(w))))
 
             trainable = [r for r in weights.values if r[0] in roles]
             result = fit_layer(
                 forward,
-                weights.copy(),
+                weights.values,
                 trainable,
                 lambda w: original[w].to(dev),
                 len(ids),
@@ -370,6 +409,7 @@ def refit(
             for n in out:
                 rule = by_name[n]
                 by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
+            del weights, norms, forward, out  # before the next layer's fit: one layer's tensors at a time
             release(layer)
             seconds = time.perf_counter() - t0
             records.append(
@@ -381,6 +421,7 @@ def refit(
                     + (" (kept the merged weights)" if result.kept else "")
                     + f", {result.steps} steps, {seconds:.1f} s"
                 )
+            del result
             bar.update(1)
     record = Refit(
         data=s.calibration,
