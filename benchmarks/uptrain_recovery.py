@@ -3,7 +3,8 @@ issue's acceptance run).
 
 stories260K (8 query / 4 KV heads) -> 1 KV head by ``mean`` and by ``svd`` (calibrated on the first
 half of tinystories_train_head.txt), then ``mha2gqa uptrain``: 300 steps of 8 x 256 tokens on the
-first 85% of the text, AdamW lr 1e-3 (cosine to 10%, no warm-up), CPU, held-out perplexity on the
+first 85% of the text (``svd+refit``: the svd conversion refitted first, ``--refit`` on the same
+calibration text), AdamW lr 1e-3 (cosine to 10%, no warm-up), CPU, held-out perplexity on the
 last 15% every 25 steps. Prints the curves as ratios to the original model, at the training
 window (256) and, after training, at the model's full 512 positions; writes an HTML report.
 
@@ -33,7 +34,7 @@ def main() -> None:
     p.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "fixtures")
     p.add_argument("--out", type=Path, default=None, help="Keep runs and the report here [default: a temp folder].")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--methods", nargs="*", default=["svd", "mean"])
+    p.add_argument("--methods", nargs="*", default=["svd", "mean"], help="methods; METHOD+refit refits first")
     p.add_argument("--objectives", nargs="*", default=["ce"])
     args = p.parse_args()
     model = args.fixtures / "stories260K"
@@ -49,11 +50,13 @@ def main() -> None:
             (work / f"{name}.txt").write_text(body, encoding="utf-8")
         curves, finals = {}, {}
         for method in args.methods:
+            base, _, extra = method.partition("+")
             student = convert_checkpoint(
                 model,
                 work / f"{method}-1kv",
                 1,
-                method,
+                base,
+                refit=extra == "refit",
                 calibration=str(work / "calib.txt"),
                 calibration_tokens=32768,
                 calibration_seq_len=512,
@@ -100,6 +103,10 @@ def main() -> None:
         print("|---|---|---|---|")
         for name, (ratio, kl, sec) in finals.items():
             print(f"| {name} | x{ratio:.3f} | {kl:.4f} | {sec:.0f} |")
+        if "svd+refit-ce" in curves and "svd-ce" in curves:
+            target = curves["svd-ce"][args.steps]
+            passed = next((s for s in steps if curves["svd+refit-ce"][s] <= target), None)
+            print(f"\nsvd+refit reaches svd's step-{args.steps} perplexity (x{target:.3f}) at step {passed}")
         if "svd-ce" in curves and "mean-ce" in curves:
             mean_final = curves["mean-ce"][args.steps]
             passed = next((s for s in steps if curves["svd-ce"][s] <= mean_final), None)

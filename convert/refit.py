@@ -1,7 +1,7 @@
 """Layer-wise refitting after the merge (``--refit``): each changed decoder layer, in order, gets its
 projections fitted so that, reading the *converted* model's own hidden states, it reproduces what
 the *original* layer gives on the original's hidden states (so later layers also correct what
-earlier ones lost). No training of the model as a whole: one small least-squares problem per layer.
+earlier ones lost). No training of the model as a whole: one small regression per layer.
 
 Streamed like calibration (:mod:`mha2gqa.convert.calibration.streaming`): the model is built on
 ``meta``, the embeddings run once, then each layer is loaded once (float32), runs the original
@@ -10,12 +10,13 @@ fitted weights, and is emptied. Memory: one layer (plus Adam's two moments of th
 projections) and two streams of hidden states ``[windows, seq, hidden]`` float32, which go to a
 memory-mapped file when they exceed ``--refit-memory``.
 
-The converted layer runs as the *source* layer class with each new KV head repeated over the
-source heads it replaced (a GQA layer with ``G`` groups is exactly the MHA layer whose K/V heads are
-equal within each group), so every family's own attention, RoPE, biases and per-head norms run as
-transformers wrote them, and the gradient of a shared K/V head is the sum over its group: tied
-parameters stay tied by construction. Per-head norms and everything outside the projections stay
-as the merge left them.
+The converted layer runs as the *source* layer class reading the new K/V heads each repeated over
+the source heads it replaced (a GQA layer with ``G`` groups is exactly the MHA layer whose K/V heads
+are equal within each group): separate K/V projections are swapped for :class:`RepeatedHeads`,
+which repeat their outputs; a fused projection gets repeated weights. So every family's own
+attention, RoPE, biases and per-head norms run as transformers wrote them, and the gradient of a
+shared K/V head is the sum over its group: tied parameters stay tied by construction. Per-head norms
+and everything outside the projections stay as the merge left them.
 
 The fit: Adam on the mean squared error of the layer's output over ``--refit-batch`` windows per
 step; one window in :data:`HELDOUT_EVERY` (at least one) is held out and checked
@@ -61,7 +62,6 @@ CHECKS = 10
 PATIENCE = 3
 #: tokens per forward call of a layer (windows batched up to this)
 CALL_TOKENS = 512
-_FUSED = ("qkv", "qkv_bias")
 _SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
 
 
@@ -362,6 +362,7 @@ def refit(
             layer.requires_grad_(False)
             with torch.no_grad():
                 for w in every:
+                    check_signals()
                     original[w] = _output(layer(original[w].to(dev), **batched(kw, len(w))))
             if c.targets[i] == dims.num_kv_heads:  # unchanged: an exact copy, run as it is
                 with torch.no_grad():
@@ -399,17 +400,18 @@ def refit(
                 seed=s.seed * 1_000_003 + i,
                 per_call=per_call,
             )
-            with torch.no_grad():
-                for w in every:
-                    converted[w] = forward(result.values, w)
             dtypes = {n: BY_CODE[by_name[n].dtype].torch for n in names.values()}
             out = weights.outputs(result.values, dtypes)
+            written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
+            with torch.no_grad():
+                for w in every:
+                    converted[w] = forward(written, w)
             path = work / f"layer-{i}.safetensors"
             save_file({n: t.cpu() for n, t in out.items()}, str(path))
             for n in out:
                 rule = by_name[n]
                 by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
-            del weights, norms, forward, out  # before the next layer's fit: one layer's tensors at a time
+            del weights, norms, forward, out, written  # before the next layer's fit: one layer's tensors at a time
             release(layer)
             seconds = time.perf_counter() - t0
             records.append(

@@ -81,7 +81,7 @@ class ConvertSettings:
     refit_steps: int = setting(
         200, help="Adam steps per layer of --refit (fewer when held-out error stops falling).", minimum=1
     )
-    refit_lr: float = setting(1e-3, help="Adam learning rate of --refit.", above=0, maximum=1)
+    refit_lr: float = setting(3e-3, help="Adam learning rate of --refit.", above=0, maximum=1)
     refit_batch: int = setting(8, help="Calibration windows per --refit step.", minimum=1)
     refit_tokens: int | None = setting(
         None, help="Tokens --refit fits on (the first N of --calibration) [default: --calibration-tokens].", minimum=1

@@ -9,12 +9,13 @@ import torch
 from click.testing import CliRunner
 from conftest import load, logits, random_model, tiny_config
 from test_convert import IDS, equalise_groups, read_all
-from test_methods import calib_text, with_tokenizer  # noqa: F401 (fixture)
+from test_methods import with_tokenizer
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.convert.calibration.streaming import calibration_ids
 from mha2gqa.convert.refit import CALL_TOKENS, fit_layer, split_windows
+from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.families import families
 
@@ -33,6 +34,13 @@ REFIT_FAMILIES = [
     "starcoder2",
     "gpt_bigcode",
 ]
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cal") / "cal.txt"
+    path.write_text("\n\n".join(f"the {i % 9} cats sat on {i % 4} mats while {i % 7} dogs ran" for i in range(400)))
+    return path
 
 
 def refit(calib_text, method: str = "mean", **kw) -> dict:
@@ -146,17 +154,27 @@ def _reference(src, plain, calib_text, steps: int, seed: int = 0) -> dict[str, t
         prefix = f"model.layers.{i}."
         names = attention_names(tensors, fam, i)
 
-        def forward(values, w, lc=lc, names=names, prefix=prefix):
+        def forward(values, w, lc=lc, names=names, prefix=prefix, h=h_conv):
             params = {names[r][len(prefix) :]: v for r, v in values.items()}
-            kwb = {k: (v.expand(len(w), *v.shape[1:]) if torch.is_tensor(v) and v.dim() > 1 else v) for k, v in kw.items()}
-            out = functional_call(lc, params, (h_conv[w],), kwb)
+            kwb = {
+                k: v.expand(len(w), *v.shape[1:]) if torch.is_tensor(v) and v.dim() > 1 else v for k, v in kw.items()
+            }
+            out = functional_call(lc, params, (h[w],), kwb)
             return out[0] if isinstance(out, tuple) else out
 
         start = {r: tensors[n].float() for r, n in names.items()}
         fit = fit_layer(
-            forward, start, list(start), lambda w, t=target: t[w], len(ids), steps=steps, lr=1e-3, batch=8,
-            seed=seed * 1_000_003 + i, per_call=per_call,
-        )  # fmt: skip
+            forward,
+            start,
+            list(start),
+            lambda w, t=target: t[w],
+            len(ids),
+            steps=steps,
+            lr=ConvertSettings.refit_lr,
+            batch=8,
+            seed=seed * 1_000_003 + i,
+            per_call=per_call,
+        )
         with torch.no_grad():
             h_conv = forward(fit.values, list(range(len(ids))))
         h_orig = target
