@@ -171,8 +171,6 @@ def uptrain_card(record: dict[str, Any], conversion: ConversionRecord | None) ->
         if "ppl_ratio" in ev:
             line += f", ×{ev['ppl_ratio']:.3f} the teacher, KL {ev['kl_mean']:.4f}"
         rows.append(("held-out", line))
-    if conv.refit:
-        rows.append(("refit", refit_summary(conv.refit)))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     text = (
         "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
