@@ -93,6 +93,26 @@ def main() -> None:
     work = args.workdir
     mean_dst, svd_dst = work / "gqa-g8-mean", work / "gqa-g8-svd"
     results_file = work / "eval.json"
+
+    def svd(tokens: int, *extra: str) -> list[str]:
+        """``convert -g 8 --method svd`` calibrated on ``tokens`` tokens (windows of up to 512), plus ``extra``."""
+        calibration = ("--calibration", str(work / "calibration.txt"), "--calibration-tokens", str(tokens))
+        window = ("--calibration-seq-len", str(min(512, tokens)))
+        return _cli(
+            "convert",
+            str(src),
+            str(svd_dst),
+            "-g",
+            "8",
+            "--method",
+            "svd",
+            *calibration,
+            *window,
+            *extra,
+            "-q",
+            "--overwrite",
+        )
+
     steps = {
         "copy": [
             sys.executable,
@@ -102,43 +122,8 @@ def main() -> None:
             str(work / "copy"),
         ],
         "mean": _cli("convert", str(src), str(mean_dst), "-g", "8", "-q", "--overwrite"),
-        "svd": _cli(
-            "convert",
-            str(src),
-            str(svd_dst),
-            "-g",
-            "8",
-            "--method",
-            "svd",
-            "--calibration",
-            str(work / "calibration.txt"),
-            "--calibration-tokens",
-            str(args.calibration_tokens),
-            "--calibration-seq-len",
-            str(min(512, args.calibration_tokens)),
-            "-q",
-            "--overwrite",
-        ),
-        "refit": _cli(
-            "convert",
-            str(src),
-            str(svd_dst),
-            "-g",
-            "8",
-            "--method",
-            "svd",
-            "--calibration",
-            str(work / "calibration.txt"),
-            "--calibration-tokens",
-            str(args.refit_tokens),
-            "--calibration-seq-len",
-            "512",
-            "--refit",
-            "--refit-steps",
-            str(args.refit_steps),
-            "-q",
-            "--overwrite",
-        ),
+        "svd": svd(args.calibration_tokens),
+        "refit": svd(args.refit_tokens, "--refit", "--refit-steps", str(args.refit_steps)),
         "eval": _cli(
             "eval",
             "--original",

@@ -171,6 +171,11 @@ class FitResult:
     steps: int
 
 
+def chunks(indices: list[int], size: int) -> list[list[int]]:
+    """``indices`` in consecutive runs of ``size`` (the last may be shorter)."""
+    return [indices[j : j + size] for j in range(0, len(indices), size)]
+
+
 def split_windows(n: int) -> tuple[list[int], list[int]]:
     """``(fitted, held out)`` window indices: the last one in :data:`HELDOUT_EVERY` (at least one)."""
     held = max(1, n // HELDOUT_EVERY)
@@ -197,12 +202,9 @@ def fit_layer(
     check lowered the held-out error (``kept``)."""
     fitted, held = split_windows(windows)
 
-    def chunks(indices: list[int]) -> list[list[int]]:
-        return [indices[j : j + per_call] for j in range(0, len(indices), per_call)]
-
     def heldout(values) -> float:
         with torch.no_grad():
-            total = sum(float(torch.sum((forward(values, c) - targets(c)) ** 2)) for c in chunks(held))
+            total = sum(float(torch.sum((forward(values, c) - targets(c)) ** 2)) for c in chunks(held, per_call))
         return total / (len(held) * targets(held[:1]).numel())
 
     before = heldout(start)
@@ -219,7 +221,7 @@ def fit_layer(
             order = torch.randperm(len(fitted), generator=generator).tolist()
         chosen, order = [fitted[j] for j in order[:batch]], order[batch:]
         optimizer.zero_grad(set_to_none=True)
-        for c in chunks(chosen):  # a few windows' graph at a time
+        for c in chunks(chosen, per_call):  # a few windows' graph at a time
             loss = torch.mean((forward(values, c) - targets(c)) ** 2) * (len(c) / len(chosen))
             loss.backward()
         optimizer.step()
@@ -259,7 +261,6 @@ class HiddenStates:
         if spill is None:
             self.data = first.clone()
         else:
-            spill.parent.mkdir(parents=True, exist_ok=True)
             with open(spill, "wb") as f:
                 f.truncate(first.numel() * 4)
             self.data = torch.from_file(str(spill), shared=True, size=first.numel(), dtype=torch.float32)
@@ -274,6 +275,13 @@ class HiddenStates:
 
     def __setitem__(self, windows: list[int], value: torch.Tensor) -> None:
         self.data[windows] = value.detach().to("cpu", torch.float32)
+
+    def advance(self, runs: list[list[int]], step: Callable[[torch.Tensor, list[int]], torch.Tensor], dev) -> None:
+        """Replace the states by ``step(states, windows)`` (one layer), ``runs`` of windows at a time."""
+        with torch.no_grad():
+            for w in runs:
+                check_signals()
+                self[w] = step(self[w].to(dev), w)
 
 
 def _output(out) -> torch.Tensor:
@@ -343,13 +351,13 @@ def refit(
     first = torch.cat([h.cpu() for h, _ in states])
     kw = states[0][1]  # the same for every window: equal lengths, no padding
     del states
+    work.mkdir(parents=True, exist_ok=True)
     spill = 2 * first.numel() * 4 > parse_size(s.refit_memory)
     original = HiddenStates(first, work / "original.f32" if spill else None)
     converted = HiddenStates(first, work / "converted.f32" if spill else None)
     del first
     per_call = max(1, CALL_TOKENS // seq_len)
-    every = [list(range(j, min(j + per_call, len(ids)))) for j in range(0, len(ids), per_call)]
-    work.mkdir(parents=True, exist_ok=True)
+    every = chunks(list(range(len(ids))), per_call)
     by_name = {t.name: t for t in tensors}
     layers, attr = decoder_layers(model)
     roles = s.refit_roles()
@@ -360,14 +368,13 @@ def refit(
             prefix = f"{model.base_model_prefix}.{attr}.{i}."
             materialize(layer, c.ckpt, prefix, dev, dtype=torch.float32)
             layer.requires_grad_(False)
-            with torch.no_grad():
-                for w in every:
-                    check_signals()
-                    original[w] = _output(layer(original[w].to(dev), **batched(kw, len(w))))
+
+            def source_layer(h, w, layer=layer):
+                return _output(layer(h, **batched(kw, len(w))))
+
+            original.advance(every, source_layer, dev)
             if c.targets[i] == dims.num_kv_heads:  # unchanged: an exact copy, run as it is
-                with torch.no_grad():
-                    for w in every:
-                        converted[w] = _output(layer(converted[w].to(dev), **batched(kw, len(w))))
+                converted.advance(every, source_layer, dev)
                 release(layer)
                 bar.update(1)
                 continue
@@ -382,10 +389,12 @@ def refit(
                 set_module_tensor_to_device(layer, name, "meta")
             weights.adapt(layer, prefix)
 
-            def forward(values, w, weights=weights, norms=norms, layer=layer, prefix=prefix):
+            def converted_layer(values, h, w, weights=weights, norms=norms, layer=layer, prefix=prefix):
                 params = weights.module_view(values, prefix) | norms
-                inputs = (converted[w].to(dev),)
-                return _output(torch.func.functional_call(layer, params, inputs, batched(kw, len(w))))
+                return _output(torch.func.functional_call(layer, params, (h,), batched(kw, len(w))))
+
+            def forward(values, w, converted_layer=converted_layer):
+                return converted_layer(values, converted[w].to(dev), w)
 
             trainable = [r for r in weights.values if r[0] in roles]
             result = fit_layer(
@@ -403,15 +412,20 @@ def refit(
             dtypes = {n: BY_CODE[by_name[n].dtype].torch for n in names.values()}
             out = weights.outputs(result.values, dtypes)
             written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
-            with torch.no_grad():
-                for w in every:
-                    converted[w] = forward(written, w)
+            converted.advance(every, partial(converted_layer, written), dev)
             path = work / f"layer-{i}.safetensors"
             save_file({n: t.cpu() for n, t in out.items()}, str(path))
             for n in out:
                 rule = by_name[n]
                 by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
-            del weights, norms, forward, out, written  # before the next layer's fit: one layer's tensors at a time
+            del (
+                weights,
+                norms,
+                forward,
+                converted_layer,
+                out,
+                written,
+            )  # before the next layer's fit: one layer's tensors at a time
             release(layer)
             seconds = time.perf_counter() - t0
             records.append(

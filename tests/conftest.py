@@ -94,6 +94,14 @@ def tiny_checkpoint(tmp_path_factory):
     return build
 
 
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    """A small repetitive English calibration text (one per test module)."""
+    path = tmp_path_factory.mktemp("cal") / "cal.txt"
+    path.write_text("\n\n".join(f"the {i % 9} cats sat on {i % 4} mats while {i % 7} dogs ran" for i in range(400)))
+    return path
+
+
 def load(folder: Path):
     from transformers import AutoModelForCausalLM
 

@@ -23,13 +23,6 @@ def rotary_dim(cfg) -> int:
 SVD_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "phi", "phi3", "olmo", "starcoder2"]
 
 
-@pytest.fixture(scope="module")
-def calib_text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cal") / "cal.txt"
-    path.write_text("\n\n".join(f"the {i % 9} cats sat on {i % 4} mats while {i % 7} dogs ran" for i in range(400)))
-    return path
-
-
 def with_tokenizer(model, folder, text):
     from mha2gqa.demo import build_tokenizer
 

@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 from conftest import load, logits, random_model, tiny_config
 from test_convert import IDS, equalise_groups, read_all
-from test_methods import with_tokenizer
+from test_methods import calibrated, with_tokenizer
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
@@ -36,25 +36,9 @@ REFIT_FAMILIES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def calib_text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cal") / "cal.txt"
-    path.write_text("\n\n".join(f"the {i % 9} cats sat on {i % 4} mats while {i % 7} dogs ran" for i in range(400)))
-    return path
-
-
 def refit(calib_text, method: str = "mean", **kw) -> dict:
     """``convert_checkpoint`` keywords for ``method`` + ``--refit`` on 1,024 tokens (32 windows of 32)."""
-    return {
-        "method": method,
-        "calibration": str(calib_text),
-        "calibration_tokens": 1024,
-        "calibration_seq_len": 32,
-        "refit": True,
-        "refit_steps": 20,
-        "progress": False,
-        **kw,
-    }
+    return calibrated(calib_text, method, **{"calibration_tokens": 1024, "refit": True, "refit_steps": 20, **kw})
 
 
 def source(family, calib_text, folder, seed=0, **config):
