@@ -134,6 +134,12 @@ class ConvertSettings:
             raise SettingError("max_shard_size", f"{{name}} {self.max_shard_size}: {e}") from None
         self._check_refit()
         method, grouping = get_method(self.method), get_grouping(self.grouping)
+        if self.calibration and not self.reads_calibration:
+            raise SettingError(
+                "calibration",
+                f"--method {method.name} with --grouping {grouping.name} does not read {{name}}: did you mean "
+                "--method svd (or --refit after the merge)? Otherwise drop {name}",
+            )
         if grouping.reorders and method.fresh:
             raise SettingError(
                 "grouping",
@@ -153,6 +159,12 @@ class ConvertSettings:
                     raise SettingError(name, "{name} is a setting of --refit: add --refit")
         elif not self.calibration:
             raise SettingError("calibration", "--refit fits each layer on calibration text: pass {name} DATA")
+
+    @property
+    def reads_calibration(self) -> bool:
+        """The method, grouping, per-layer allocation or refit reads calibration text."""
+        method, grouping = get_method(self.method), get_grouping(self.grouping)
+        return method.calibration != "none" or grouping.calibration != "none" or self.per_layer == "auto" or self.refit
 
     def refit_roles(self) -> tuple[str, ...]:
         """``--refit-params`` as roles in q, k, v, o order."""

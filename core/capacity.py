@@ -149,8 +149,9 @@ def plan_capacity(
     bench: dict[str, Any] | None = None,
 ) -> CapacityPlan:
     """Plan ``model`` (config only) for every valid KV-head count, plus ``per_layer`` counts
-    (comma-separated) when given; ``bench`` (a :func:`read_bench` file) is checked to be of this
-    model now, so a mismatch is refused before anything prints."""
+    (comma-separated) when given, else the model's own when it is a per-layer checkpoint; ``bench`` (a
+    :func:`read_bench` file) is checked to be of this model now, so a mismatch is refused before anything
+    prints."""
     from mha2gqa.core.settings import validate
 
     s = validate(settings)
@@ -158,7 +159,7 @@ def plan_capacity(
     if bench is not None and not gpu.bandwidth:
         raise SettingError("gpu", "--bench compares with the estimate: give {name} or --bandwidth")
     shape = model_shape(load_config(model, revision))
-    heads = None
+    heads = shape.dims.kv_heads_per_layer  # a per-layer checkpoint is planned with its own counts too
     if per_layer is not None:
         heads = parse_kv_heads_list(per_layer)
         shape.dims.check_kv_heads_per_layer(heads)

@@ -12,6 +12,7 @@ Importing this module imports neither torch nor click.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -38,6 +39,7 @@ class Spec:
     short: str | None = None  # e.g. "-g"
     flag: str | None = None  # the option's name when it is not --field-name (e.g. --protocol)
     cli: bool = True  # offered as a command-line option
+    empty: bool = False  # a list setting that may be empty (none of its choices)
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", **spec: Any) -> Any:
@@ -107,7 +109,7 @@ def check_value(name: str, value: Any, annotation: Any, spec: Spec) -> Any:
         raise SettingError(name, "{name} needs a value")
     if tuple in kinds and isinstance(value, list | tuple):
         items = tuple(check_value(name, v, element, spec) for v in value)
-        if not items:
+        if not items and not spec.empty:
             raise SettingError(name, "{name} needs at least one value")
         return items
     if not _type_ok(value, kinds):
@@ -171,6 +173,17 @@ def from_mapping(
         raise SettingError(missing[0] if missing else where, f"'{where}.{{name}}' is required ({e})") from None
 
 
+def _split_choices(ctx: Any, param: Any, values: tuple[str, ...], choices: tuple[str, ...]) -> tuple[str, ...]:
+    """A repeatable choice option's values, each possibly a comma-separated list, checked."""
+    import click
+
+    out = tuple(v.strip() for value in values for v in value.split(","))
+    for v in out:
+        if v not in choices:
+            raise click.BadParameter(f"{v!r} is not one of {', '.join(map(repr, choices))}", ctx, param)
+    return out
+
+
 def click_options(cls: type, exclude: tuple[str, ...] = ()) -> Callable:
     """A decorator adding one click option per field of ``cls`` (but ``exclude`` and fields with
     ``cli=False``): ``--field-name`` (or the field's ``flag``), its type, choices, default and help
@@ -200,6 +213,10 @@ def click_options(cls: type, exclude: tuple[str, ...] = ()) -> Callable:
                 kwargs["type"] = click.Choice(list(spec.choices)) if spec.choices else base
             if tuple in kinds:
                 kwargs["multiple"] = True
+                if spec.choices:  # repeated, or comma-separated: --protocol disjoint,rolling
+                    kwargs["type"] = str
+                    kwargs["metavar"] = f"[{'|'.join(spec.choices)}]"
+                    kwargs["callback"] = functools.partial(_split_choices, choices=spec.choices)
             if default is dataclasses.MISSING:
                 kwargs["required"] = True
             else:

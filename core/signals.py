@@ -25,6 +25,8 @@ class Terminated(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+        #: What was kept and how to go on, when the command keeps something (default: nothing kept).
+        self.kept: str | None = None
 
     @property
     def name(self) -> str:

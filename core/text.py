@@ -60,6 +60,10 @@ def check_text_source(source: str | None, setting: str = "data") -> None:
         return
     path = Path(source).expanduser()
     if path.suffix.lower() in _BUILDERS or path.exists():  # a file ("org/name:split" is a datasets name)
+        if path.is_dir():
+            raise SettingError(
+                setting, f"{{name}} {source} is a folder: give one text file (.txt, .jsonl, .json or .parquet)"
+            )
         if not path.is_file():
             raise SettingError(setting, f"{{name}} {source}: no such file")
         if path.suffix.lower() not in _BUILDERS:

@@ -9,8 +9,13 @@ from dataclasses import dataclass, field
 
 
 def _verdict_class(cell: str) -> str | None:
-    """The HTML class that colours a verdict cell: ``pass`` green, ``FAIL...`` red."""
-    return "pass" if cell == "pass" else "fail" if cell.startswith("FAIL") else None
+    """The HTML class that colours a verdict cell: ``pass`` green, ``borderline...`` amber, ``FAIL...``
+    and ``fail...`` red."""
+    if cell == "pass":
+        return "pass"
+    if cell.startswith(("FAIL", "fail")):
+        return "fail"
+    return "borderline" if cell.startswith("borderline") else None
 
 
 @dataclass

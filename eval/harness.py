@@ -25,6 +25,7 @@ import torch
 from mha2gqa.core.checkpoint import read_config, resolve_folder
 from mha2gqa.core.dims import config_value
 from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.memory import map_large_allocations
 from mha2gqa.core.models import (
     LoadedModel,
     check_same_tokenizer,
@@ -38,6 +39,7 @@ from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
 from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
 from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.metrics import agreement_stats, summarize
+from mha2gqa.eval.pair import calibration_overlap
 from mha2gqa.eval.perplexity import Window, disjoint_windows, rolling_windows, score_windows, stride_windows
 from mha2gqa.eval.settings import EvalSettings
 
@@ -319,7 +321,21 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def _together(run: _Run, results: dict[str, Any]) -> list[LoadedModel]:
+@dataclass
+class _Scored:
+    """What the scoring leaves for the results: each model's description, and where the last ran."""
+
+    descriptions: list[dict[str, Any]]
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, descriptions: list[dict[str, Any]], last: torch.nn.Module) -> _Scored:
+        p = next(last.parameters())
+        return cls(descriptions, p.device, p.dtype)
+
+
+def _together(run: _Run, results: dict[str, Any]) -> _Scored:
     """One model, or a pair with both models in memory (``load_both``)."""
     loaded = [_load(run, i) for i in range(len(run.paths))]
     models = [m.model for m in loaded]
@@ -333,7 +349,7 @@ def _together(run: _Run, results: dict[str, Any]) -> list[LoadedModel]:
         results["attention"] = {**out, "seconds": seconds}
     if len(models) == 2 and run.prompts and main:
         results["samples"] = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
-    return loaded
+    return _Scored.of([m.describe() for m in loaded], models[-1])
 
 
 def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
@@ -387,7 +403,7 @@ def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:
     return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention, run.settings.reference_top_k)
 
 
-def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None] | None) -> list[LoadedModel]:
+def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None] | None) -> _Scored:
     """A pair, one model in memory at a time: the original's scores come from (or go to) the
     reference cache, then the converted model is scored against them."""
     import tempfile
@@ -428,6 +444,8 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
                     ref.manifest["samples"] = _generate(run, original.model)
                 ref.manifest["model"] = original.describe()
                 _free(original)
+        if log:
+            log(f"scoring the converted model {run.paths[1]}")
         converted = _load(run, 1)
         scored = {}
         for name in run.passes:
@@ -435,12 +453,16 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             scored[name] = {**res, "seconds": res["seconds"] + ref.seconds(name)}
         _protocols(run, scored, results)
         if run.attention_batch is not None and main:
+            if log:
+                log("attention similarity, layer by layer, against the cached original")
             order = head_order_of(converted.conversion())
             out, seconds = _timed(
                 lambda: compare_attention(converted.model, run.attention_batch, ref, s.attention_chunk, order)
             )
             results["attention"] = {**out, "seconds": seconds + ref.seconds("attention")}
         if run.prompts and main:
+            if log:
+                log(f"{len(run.prompts)} sample generation(s) of {run.new_tokens} tokens")
             results["samples"] = _samples(run, ref.manifest["samples"], _generate(run, converted.model))
         results["reference"] = {
             "key": key,
@@ -448,21 +470,41 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             "bytes": ref.size(),
             "form": f"top-{s.reference_top_k}" if s.reference_top_k else "exact",
         }
-        return [_Reference(run.paths[0], ref.manifest["model"]), converted]
+        scored_pair = _Scored.of([ref.manifest["model"], converted.describe()], converted.model)
+        _free(converted)
+        if s.compare_quantization:
+            results["quantization"] = {name: _quantized(run, ref, name, log) for name in s.compare_quantization}
+        return scored_pair
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
 
 
-@dataclass
-class _Reference:
-    """The original of a pair evaluated one model at a time: its description, from the cache."""
+def _quantized(run: _Run, ref: Any, name: str, log: Callable[[str], None] | None) -> dict[str, Any]:
+    """The original quantized with scheme ``name``, scored against its cached self: the perplexity
+    ratio of every protocol asked for and the output agreement (the yardstick of the verdict)."""
+    from mha2gqa.eval.quantization import SCHEMES, quantize_model
 
-    path: str
-    description: dict[str, Any]
-
-    def describe(self) -> dict[str, Any]:
-        return self.description
+    scheme = SCHEMES[name]
+    if log:
+        log(f"yardstick: scoring the original with {scheme.description}, against the original")
+    model = _load(run, 0)
+    weights = quantize_model(model.model, scheme)
+    scored = {p: run.score([model.model], p, replay=ref.replayer(p)) for p in run.passes}
+    _free(model)
+    ratios = {
+        p: math.exp((scored[p]["nll_sum"][1] - scored[p]["nll_sum"][0]) / scored[p]["tokens"])
+        for p in run.settings.protocols
+    }
+    return {
+        "description": scheme.description,
+        "bits": scheme.bits,
+        "group": scheme.group,
+        "weights": weights,
+        "ppl_ratio": ratios,
+        "agreement": scored["disjoint"]["agreement"],
+        "seconds": sum(r["seconds"] for r in scored.values()),
+    }
 
 
 def evaluate(
@@ -471,6 +513,7 @@ def evaluate(
     """Evaluate ``original`` (and ``converted`` against it) on ``settings.data``; see module doc.
     ``log`` hears, before the scoring starts, how much will be scored."""
     started = time.perf_counter()
+    map_large_allocations()  # logits come and go batch after batch: keep the heap from fragmenting
     run = _prepare(original, converted, settings.check())
     pair = converted is not None
     if log is not None:
@@ -480,6 +523,9 @@ def evaluate(
             f"{len(run.passes)} pass(es) of windows of {run.seq_len} ({', '.join(settings.protocols)})"
             + (", then attention similarity" if run.attention_batch is not None else "")
         )
+    overlap = calibration_overlap(run.data, settings.data, run.folders[1], settings.text_field) if pair else None
+    if overlap is not None and overlap.flagged:
+        sys.stderr.write(overlap.warning() + "\n")
     results: dict[str, Any] = {
         "schema": EVAL_SCHEMA,
         "created": now(),
@@ -491,13 +537,16 @@ def evaluate(
         },
         "models": {},
         "tokenizer": tokenizer_info(run.tokenizer),
-        "data": {**run.data.describe(), "stream_tokens": run.ids.numel()},
+        "data": {
+            **run.data.describe(),
+            "stream_tokens": run.ids.numel(),
+            **({"calibration_overlap": overlap.to_dict()} if overlap is not None else {}),
+        },
         "protocols": {},
     }
-    loaded = _one_at_a_time(run, results, log) if pair and not settings.load_both else _together(run, results)
-    results["models"] = {n: m.describe() for n, m in zip(run.names, loaded, strict=True)}
-    last = next(loaded[-1].model.parameters())
-    results["device"] = _device_info(last.device, last.dtype, settings.device_map)
+    scored = _one_at_a_time(run, results, log) if pair and not settings.load_both else _together(run, results)
+    results["models"] = dict(zip(run.names, scored.descriptions, strict=True))
+    results["device"] = _device_info(scored.device, scored.dtype, settings.device_map)
     results["versions"] = versions()
     results["git_revision"] = git_revision()
     results["seconds"] = time.perf_counter() - started

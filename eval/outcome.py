@@ -12,7 +12,8 @@ from typing import Any
 
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import check_destination, check_overlap, write_json
-from mha2gqa.eval.gates import Gate, GateSettings, check_gates, gates_record, verdict
+from mha2gqa.eval.gates import GATE_EXIT_CODE, Gate, GateSettings, check_gates, gates_record
+from mha2gqa.eval.gates import verdict as gates_verdict
 from mha2gqa.eval.results import Results
 from mha2gqa.eval.settings import EvalSettings
 
@@ -29,9 +30,25 @@ class Outcome:
         return all(g.passed for g in self.gates)
 
     @property
-    def verdict(self) -> str | None:
+    def gates_line(self) -> str | None:
         """``gates passed: ...`` / ``GATES FAILED: ...`` (None without gates)."""
-        return verdict(self.gates) if self.gates else None
+        return gates_verdict(self.gates) if self.gates else None
+
+    @property
+    def verdict_line(self) -> str | None:
+        """``verdict: PASS (...)``: the recommended thresholds' verdict (None for one model alone)."""
+        return self.results.verdict.sentence() if self.results.verdict else None
+
+    def lines(self) -> list[str]:
+        """The closing lines: the gates' result, then the verdict, last."""
+        return [line for line in (self.gates_line, self.verdict_line) if line]
+
+    def exit_code(self, strict: bool = False) -> int:
+        """Non-zero (:data:`GATE_EXIT_CODE`) when a gate failed, or with ``strict`` when the verdict
+        is not ``pass``."""
+        verdict = self.results.verdict
+        failed = not self.passed or (strict and verdict is not None and verdict.tier != "pass")
+        return GATE_EXIT_CODE if failed else 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,7 @@ class EvalRequest:
         """Everything checked before a model loads: gates need a pair; ``output`` and the reference
         cache may not replace an input, and the cache must be a writable folder; both models resolve."""
         from mha2gqa.core.checkpoint import check_models
+        from mha2gqa.eval.pair import check_pair
 
         if self.converted is None and self.limits.any:
             raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
@@ -72,6 +90,12 @@ class EvalRequest:
             if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
                 raise Mha2GqaError(f"--reference-cache {cache}: {existing} is not a writable folder; choose another")
         check_models(**{"--original": self.original, "--converted": self.converted})
+        if self.converted is not None:
+            check_pair(self.original, self.converted, self.settings.revision)
+        elif self.settings.compare_quantization:
+            raise Mha2GqaError(
+                "--compare-quantization places a conversion among quantized copies of its original: pass --converted"
+            )
         return self
 
     def run(self, log: Callable[[str], None] | None = None) -> Outcome | None:
@@ -86,6 +110,9 @@ class EvalRequest:
         gates = check_gates(results, self.limits)
         if gates:
             record["gates"] = results.gates = gates_record(gates)
+        results.verdict = results.judge()
+        if results.verdict is not None:
+            record["verdict"] = results.verdict.to_dict()
         if self.output is not None:
             write_json(self.output, record, "--output", self.overwrite, self.inputs)
         return Outcome(results, gates)

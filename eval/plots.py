@@ -5,6 +5,7 @@ Colour-blind-safe choices: the cividis colour map for heat maps and the Okabe-It
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mha2gqa.core.figures import OKABE_ITO
@@ -156,6 +157,41 @@ def head_sharing(groups: list[list[int]], num_heads: int) -> bytes:
     return _png(plt, fig)
 
 
+#: Tick ladders for log axes, finest first: mantissas repeated every decade.
+LADDERS = ((1, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2, 3, 5), (1, 1.2, 1.5, 2, 3, 5), (1, 2, 5), (1,))
+
+
+def log_ticks(values: list[float], most: int = 8) -> list[float]:
+    """Labelled ticks for a log axis over ``values`` (positive): one at or below the smallest, one at
+    or above the largest, the steps between from the finest ladder that needs at most ``most``."""
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    if not positive:
+        return [1.0]
+    low, high = min(positive), max(positive)
+    decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 2)
+    for ladder in LADDERS:
+        steps = sorted({float(f"{m * 10.0**d:.6g}") for d in decades for m in ladder})
+        below = max(t for t in steps if t <= low * (1 + 1e-9))
+        above = min(t for t in steps if t >= high * (1 - 1e-9))
+        ticks = [t for t in steps if below <= t <= above]
+        if len(ticks) <= most:
+            return ticks if len(ticks) > 1 else [ticks[0], next(t for t in steps if t > ticks[0])]
+    return ticks  # more than ``most`` decades: one tick each
+
+
+def log_axis(ax: Any, values: list[float]) -> list[float]:
+    """Put ``ax``'s y axis on a log scale whose labelled ticks cover ``values``; returns the ticks."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ticks = log_ticks(values)
+    ax.set_yscale("log")
+    ax.set_ylim(ticks[0] / 1.005, ticks[-1] * 1.005)
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+    return ticks
+
+
 def recovery_curves(runs: list[tuple[str, list[dict[str, Any]]]]) -> bytes:
     """Held-out perplexity (ratio to the teacher when the log has one) and KL to the teacher
     against training tokens seen, one line per uptraining run."""
@@ -171,21 +207,19 @@ def recovery_curves(runs: list[tuple[str, list[dict[str, Any]]]]) -> bytes:
         )
         if with_kl:
             axes[1].plot(x, [e.get("kl_mean") for e in evals], marker + "-", ms=3, color=colour, label=label)
-    axes[0].set_yscale("log")
     axes[0].set_ylabel("perplexity / teacher's" if ratio else "held-out perplexity")
     axes[0].set_title("Held-out perplexity during uptraining")
     if ratio:
         axes[0].axhline(1.0, ls="--", color=OKABE_ITO[7], lw=1, label="teacher (MHA)")
     if with_kl:
-        axes[1].set_yscale("log")
         axes[1].set_ylabel("mean KL(teacher ‖ student), nats")
         axes[1].set_title("Distance to the MHA parent")
-    from matplotlib.ticker import FuncFormatter
-
+    values = [e["ppl_ratio" if ratio else "ppl"] for _, evals in runs for e in evals]
+    log_axis(axes[0], values + ([1.0] if ratio else []))
+    if with_kl:
+        log_axis(axes[1], [e["kl_mean"] for _, evals in runs for e in evals if e.get("kl_mean")])
     for ax in axes:
         ax.set_xlabel("training tokens seen")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
     axes[0].legend(frameon=False, fontsize=8)
     return _png(plt, fig)
 
@@ -208,11 +242,9 @@ def quality_vs_kv(points: list[tuple[str, float, float]]) -> bytes:
     ax.axhline(1.0, ls=":", color=OKABE_ITO[7], lw=1, label="original (MHA)")
     ax.set_xlabel("KV cache per token, % of the original")
     ax.set_ylabel("perplexity / original's")
-    ax.set_yscale("log")
-    from matplotlib.ticker import FuncFormatter
-
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
+    log_axis(ax, [y for _, _, y in points] + [1.0])
+    if len({x for _, x, _ in points}) == 1:  # one KV share: show it on the whole 0-100% scale
+        ax.set_xlim(0, 100)
     ax.set_title("Quality against KV-cache size (lower left is better)")
     ax.legend(frameon=False, fontsize=8)
     return _png(plt, fig)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import html
 import re
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,16 @@ from mha2gqa.core.records import FILE_MARK
 from mha2gqa.core.runlog import read_log
 from mha2gqa.eval import plots
 from mha2gqa.eval.results import Results
-from mha2gqa.eval.tables import gate_cell, overview_table, recovery_table, tables, worst
+from mha2gqa.eval.tables import (
+    gate_cell,
+    overview_table,
+    recovery_table,
+    shared_original,
+    tables,
+    verdict_cell,
+    worst,
+)
+from mha2gqa.eval.verdict import SOURCE, THRESHOLDS, TIERS
 
 
 def load_results(paths: list[Path]) -> list[Results]:
@@ -95,8 +106,10 @@ table{border-collapse:collapse;margin:.6em 0;font-size:.92em}
 th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}th{background:#eef4fa}
 td:first-child,th:first-child{text-align:left}img{max-width:100%;margin:.4em 0;border:1px solid #eee}
 .meta{color:#555;font-size:.9em}.fail{color:#D55E00;font-weight:bold}.pass{color:#009E73;font-weight:bold}
+.borderline{color:#A66F00;font-weight:bold}
 .verdict{padding:.6em 1em;border-radius:6px;font-weight:bold;margin:1em 0}.verdict.pass{background:#e3f5ee}
-.verdict.fail{background:#fbe9e1}details{border:1px solid #ddd;border-radius:6px;padding:.3em .8em;margin:.8em 0}
+.verdict.fail{background:#fbe9e1}.verdict.borderline{background:#fdf3d7}
+.wide{overflow-x:auto}details{border:1px solid #ddd;border-radius:6px;padding:.3em .8em;margin:.8em 0}
 summary{cursor:pointer;font-size:1.15em;font-weight:600;padding:.3em 0}nav a{margin-right:1em}ul.worst{font-size:.92em}
 """
 
@@ -162,15 +175,28 @@ def _figure(
         parts_md += [f"![{caption}]({fig_dir.name}/{stem}.png)", ""]
 
 
-def _verdict(results: list[Results]) -> tuple[str, str] | None:
-    """``(css class, sentence)`` over every comparison's gates; None when no gate was asked for."""
+def _verdict(results: list[Results]) -> list[tuple[str, str]]:
+    """The first lines of the report, ``(css class, sentence)``: the verdict over every comparison
+    (one: its sentence; several: how many in each tier and the worst), then the gates' result."""
+    lines: list[tuple[str, str]] = []
+    judged = [(r, v) for r in results if (v := r.judge()) is not None]
+    if len(judged) == 1:
+        sentence = judged[0][1].sentence()
+        lines.append((judged[0][1].tier, sentence[0].upper() + sentence[1:]))
+    elif judged:
+        counts = Counter(v.tier for _, v in judged)
+        worst_tier = max(counts, key=TIERS.index)
+        tally = ", ".join(f"{counts[t]} {t}" for t in TIERS if counts[t])
+        best = min(judged, key=lambda rv: (TIERS.index(rv[1].tier), rv[0].headline.ppl_ratio or 1))[0]
+        lines.append((worst_tier, f"Verdicts: {tally} (worst: {worst_tier}; best: {best.title}, {verdict_cell(best)})"))
     gated = [r for r in results if r.gates]
-    if not gated:
-        return None
-    failed = [f"{r.title} ({gate_cell(r).removeprefix('FAIL: ')})" for r in gated if not r.gates["passed"]]
-    if failed:
-        return "fail", f"GATES FAILED in {len(failed)} of {len(gated)}: " + "; ".join(failed)
-    return "pass", f"All gates passed ({len(gated)} comparison{'s' if len(gated) > 1 else ''})"
+    if gated:
+        failed = [f"{r.title} ({gate_cell(r).removeprefix('FAIL: ')})" for r in gated if not r.gates["passed"]]
+        if failed:
+            lines.append(("fail", f"GATES FAILED in {len(failed)} of {len(gated)}: " + "; ".join(failed)))
+        else:
+            lines.append(("pass", f"All gates passed ({len(gated)} comparison{'s' if len(gated) > 1 else ''})"))
+    return lines
 
 
 def render(
@@ -179,6 +205,7 @@ def render(
     md_path: Path | None = None,
     runs: list[tuple[str, list[dict[str, Any]]]] | None = None,
     overwrite: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
     """Write the HTML page and/or the Markdown summary (its figures in ``<stem>_files/``);
     ``runs`` (from :func:`load_runs`) add the uptraining recovery curves. Both destinations are
@@ -198,6 +225,8 @@ def render(
         page.recovery(runs)
     scales = shared_scales(results)
     for i, r in enumerate(results):
+        if log is not None:
+            log(f"  report: {r.title} ({i + 1}/{len(results)})")
         page.comparison(i, r, scales)
     written: dict[str, Path] = {}
     if html_path is not None:
@@ -231,15 +260,29 @@ class _Page:
     def overview(self, results: list[Results], runs) -> None:
         if results:
             self.html.append(f'<p class="meta">{html.escape(_meta(results[0]))}</p>')
-        verdict = _verdict(results)
-        if verdict:
-            self.html.append(f'<div class="verdict {verdict[0]}">{html.escape(verdict[1])}</div>')
-            self.md += [f"**{verdict[1]}**", ""]
+        flagged: dict[str, list[str]] = {}
+        for r in results:
+            if r.overlap_warning:
+                flagged.setdefault(r.overlap_warning, []).append(r.title)
+        warnings = [("borderline", f"Warning, {', '.join(titles)}: {w}") for w, titles in flagged.items()]
+        for css, sentence in [*_verdict(results), *warnings]:
+            self.html.append(f'<div class="verdict {css}">{html.escape(sentence)}</div>')
+            self.md += [f"**{sentence}**", ""]
+        if results and any(r.converted for r in results):
+            sign = {"<=": "≤", ">=": "≥"}
+            limits = [f"{t.figure} pass {sign[t.op]} {t.passing:g}, borderline {sign[t.op]} {t.borderline:g}"
+                      for t in THRESHOLDS]  # fmt: skip
+            how = f"verdict thresholds (why: mha2gqa's {SOURCE}): " + "; ".join(limits)
+            self.html.append(f'<p class="meta">{html.escape(how)}</p>')
+            self.md += [f"_{how}_", ""]
+        original = shared_original(results)
+        if original and len(results) > 1:
+            self.html.append(f'<p class="meta">every comparison against {html.escape(original)}</p>')
         links = [("#overview", "Overview")] + ([("#uptraining", "Uptraining")] if runs else [])
         links += [(f"#result-{i}", r.title) for i, r in enumerate(results)]
         self.html.append("<nav>" + "".join(f'<a href="{h}">{html.escape(t)}</a>' for h, t in links) + "</nav>")
         table = overview_table(results)
-        self.html += ['<h2 id="overview">Overview</h2>', table.html()]
+        self.html += ['<h2 id="overview">Overview</h2>', f'<div class="wide">{table.html()}</div>']
         self.md += ["## Overview", "", table.markdown(), ""]
         chart = quality_chart(results)
         if chart is not None:

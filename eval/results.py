@@ -18,6 +18,7 @@ from mha2gqa.core.conversion_record import Facts
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 
 class _Missing(Mha2GqaError):
@@ -114,6 +115,19 @@ class Agreement:
 
 
 @dataclass
+class Quantized:
+    """The original quantized (``--compare-quantization``) and scored against itself: the yardstick."""
+
+    description: str
+    bits: int
+    group: int | None
+    weights: int
+    ppl_ratio: dict[str, float]
+    agreement: Agreement
+    seconds: float = 0.0
+
+
+@dataclass
 class Results:
     """One results file."""
 
@@ -129,6 +143,8 @@ class Results:
     agreement: Agreement | None = None
     attention: dict[str, Any] | None = None
     gates: dict[str, Any] | None = None
+    verdict: Verdict | None = None
+    quantization: dict[str, Quantized] = field(default_factory=dict)
     samples: list[dict[str, str]] = field(default_factory=list)
     git_revision: str | None = None
     seconds: float = 0.0
@@ -148,11 +164,18 @@ class Results:
             protocols = d.get("protocols")
             if not isinstance(protocols, dict) or not protocols:
                 raise _Missing("protocols is missing or empty")
-            out = _take(cls, {**d, "models": {}, "protocols": {}, "agreement": None}, "results")
+            plain = {**d, "models": {}, "protocols": {}, "agreement": None, "verdict": None, "quantization": {}}
+            out = _take(cls, plain, "results")
             out.models = parsed
             out.protocols = {n: _protocol(n, p) for n, p in protocols.items()}
             agreement = d.get("agreement")
             out.agreement = _take(Agreement, agreement, "agreement") if agreement and agreement.get("kl") else None
+            if d.get("verdict") is not None:
+                out.verdict = Verdict.from_dict(d["verdict"], "verdict")
+            quantization = d.get("quantization") or {}
+            if not isinstance(quantization, dict):
+                raise _Missing("quantization is not an object")
+            out.quantization = {n: _quantized(q, f"quantization.{n}") for n, q in quantization.items()}
         except (_Missing, typed.RecordError) as e:
             raise Mha2GqaError(f"{where}: {e}") from None
         except (TypeError, ValueError, KeyError) as e:
@@ -181,6 +204,44 @@ class Results:
         """The protocol tables lead with: ``disjoint`` when it ran, else the first."""
         return self.protocols.get("disjoint") or next(iter(self.protocols.values()))
 
+    def judge(self) -> Verdict | None:
+        """The recorded verdict, else one judged from the numbers (results written before verdicts
+        existed); None for a model evaluated alone."""
+        if self.verdict is not None:
+            return self.verdict
+        if self.converted is None or self.agreement is None:
+            return None
+        ratios = {n: p.ppl_ratio for n, p in self.protocols.items()}
+        values = figures_of(ratios, self.agreement.kl["mean"], self.agreement.top1_agreement)
+        return judge(values, self.placement())
+
+    @property
+    def overlap_warning(self) -> str | None:
+        """The warning when the evaluation text is (or overlaps) the conversion's calibration text."""
+        o = self.data.get("calibration_overlap")
+        if not isinstance(o, dict) or not o.get("flagged"):
+            return None
+        what = "is" if o.get("same") else f"shares {float(o.get('share', 0)):.1%} of its lines with"
+        return f"evaluation text {what} the conversion's {o.get('use', 'calibration')} text {o.get('text')}"
+
+    def placement(self) -> str | None:
+        """Where the conversion sits among the quantized yardsticks, by mean KL to the original:
+        ``costs less than int4 weight quantization (KL 0.012 vs 0.034); more than int8 (vs 0.0004)``."""
+        if not self.quantization or self.agreement is None:
+            return None
+        kl = self.agreement.kl["mean"]
+        ranked = sorted(self.quantization.items(), key=lambda nq: nq[1].agreement.kl["mean"])
+        less = [(n, q) for n, q in ranked if kl <= q.agreement.kl["mean"]]
+        more = [(n, q) for n, q in ranked if kl > q.agreement.kl["mean"]]
+        parts = []
+        if less:
+            n, q = less[0]
+            parts.append(f"costs less than {n} weight quantization (KL {kl:.4g} vs {q.agreement.kl['mean']:.4g})")
+        if more:
+            n, q = more[-1]
+            parts.append(f"costs more than {n} weight quantization (KL {kl:.4g} vs {q.agreement.kl['mean']:.4g})")
+        return "; ".join(parts)
+
     @property
     def title(self) -> str:
         if self.converted is None:
@@ -196,6 +257,14 @@ def _model(m: Any, where: str) -> ModelInfo:
     return info
 
 
+def _quantized(q: Any, where: str) -> Quantized:
+    if not isinstance(q, dict):
+        raise _Missing(f"{where} is not an object")
+    out = _take(Quantized, {**q, "agreement": None}, where)
+    out.agreement = _take(Agreement, q.get("agreement"), f"{where}.agreement")
+    return out
+
+
 def _protocol(name: str, p: Any) -> Protocol:
     if not isinstance(p, dict):
         raise _Missing(f"protocols.{name} is not an object")
@@ -206,4 +275,4 @@ def _protocol(name: str, p: Any) -> Protocol:
     return out
 
 
-__all__ = ["Agreement", "ModelInfo", "Protocol", "Results", "Score"]
+__all__ = ["Agreement", "ModelInfo", "Protocol", "Quantized", "Results", "Score"]

@@ -9,6 +9,7 @@ from mha2gqa.core.devices import DEVICE_HELP, DTYPE_HELP, check_device_name, che
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import setting, validate
 from mha2gqa.core.text import DOC_SPLITS, check_text_source
+from mha2gqa.eval.quantization import SCHEMES
 
 #: The perplexity protocols (:mod:`mha2gqa.eval.perplexity` says what each is).
 PROTOCOLS = ("disjoint", "stride", "rolling")
@@ -80,6 +81,14 @@ class EvalSettings:
         "logits.",
         minimum=0,
     )
+    compare_quantization: tuple[str, ...] = setting(
+        (),
+        help="Also score round-to-nearest weight-quantized copies of the original against it (int8 per "
+        "channel, int4 in groups of 128), one model at a time through the reference cache: a yardstick "
+        "the verdict places the conversion against.",
+        choices=tuple(SCHEMES),
+        empty=True,
+    )
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
     progress: bool = setting(True, help="Progress bars.", cli=False)
 
@@ -92,6 +101,11 @@ class EvalSettings:
             raise SettingError(
                 "reference_top_k",
                 "{name} shapes the cached original's scores; with --load-both nothing is cached: drop one of them",
+            )
+        if self.load_both and self.compare_quantization:
+            raise SettingError(
+                "compare_quantization",
+                "{name} scores the quantized copies one model at a time against the cached original: drop --load-both",
             )
         if self.stride is not None and self.seq_len is not None and self.stride > self.seq_len:
             raise SettingError("stride", f"{{name}} {self.stride} must be between 1 and --seq-len {self.seq_len}")

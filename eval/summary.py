@@ -14,6 +14,8 @@ def summary_lines(results: Results) -> list[str]:
         f"device {device['type']} {device['dtype']}",
         *perplexity_table(results).text(),
     ]
+    if results.overlap_warning:
+        lines.insert(1, f"warning: {results.overlap_warning}: its numbers flatter the conversion")
     a = results.agreement
     if a is not None:
         kl = a.kl
@@ -34,6 +36,12 @@ def summary_lines(results: Results) -> list[str]:
                 f"(RMS {dp['rms']:.2%}), same top {a.top1_agreement:.2%} ± {a.top1_error:.2%}, "
                 f"ln PPL ratio {a.nll_delta:+.4f} ± {a.nll_delta_error:.4f}, NLL correlation {a.nll_correlation:.4f}"
             )
+    for name, q in results.quantization.items():
+        ratios = ", ".join(f"{p} x{r:.4f}" for p, r in q.ppl_ratio.items())
+        lines.append(
+            f"yardstick {name} ({q.description}): perplexity {ratios}, KL mean {q.agreement.kl['mean']:.4g}, "
+            f"top-1 {q.agreement.top1_agreement:.2%} ({q.seconds:.1f} s)"
+        )
     attention = results.attention
     if attention:
         s = attention["summary"]

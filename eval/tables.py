@@ -141,9 +141,7 @@ def kv_rows(r: Results) -> list[list[str]]:
     rows = []
     for name, m in r.models.items():
         per_token = m.kv_cache_bytes_per_token
-        rows.append(
-            [name, str(m.num_kv_heads), m.dtype, f"{per_token:,}"] + [format_bytes(per_token * n) for n in lens]
-        )
+        rows.append([name, kv_heads(m), m.dtype, f"{per_token:,}"] + [format_bytes(per_token * n) for n in lens])
     if r.converted is not None:
         a, c = r.original.kv_cache_bytes_per_token, r.converted.kv_cache_bytes_per_token
         rows.append(["saving", "", "", f"{1 - c / a:.1%}"] + [f"{1 - c / a:.1%}"] * len(lens))
@@ -186,33 +184,59 @@ def tables(r: Results) -> dict[str, Table]:
 
 
 #: The overview's columns (``gates`` follows when a gate was asked for).
-OVERVIEW_COLUMNS = ("comparison", "method", "KV heads", "calibration", "original PPL", "converted PPL", "tokens",
-                    "PPL ratio", "KL mean", "top-1", "KV B/token", "KV saving")  # fmt: skip
+OVERVIEW_COLUMNS = ("comparison", "method", "KV heads", "calibration", "PPL original → converted", "tokens",
+                    "ratio", "KL mean", "top-1", "KV B/token (saving)", "verdict")  # fmt: skip
+
+
+def kv_heads(model: ModelInfo) -> str:
+    """A model's KV heads: ``4``, or each layer's count for a per-layer checkpoint (``4,1,1,4,1,1``;
+    past 8 layers the average and the first 6, ``avg 2.3: 4,1,1,4,1,1,…``)."""
+    counts = model.kv_heads_per_layer
+    if not counts:
+        return str(model.num_kv_heads)
+    if len(counts) <= 8:
+        return ",".join(map(str, counts))
+    return f"avg {sum(counts) / len(counts):.3g}: " + ",".join(map(str, counts[:6])) + ",…"
+
+
+def verdict_cell(r: Results) -> str:
+    """``pass``, or ``borderline``/``fail`` with the figure that decided it; empty for one model."""
+    v = r.judge()
+    if v is None:
+        return ""
+    return v.tier if v.tier == "pass" else f"{v.tier}: {v.decided_by} {v.value:.4g}"
+
+
+def shared_original(results: list[Results]) -> str | None:
+    """The original every comparison was scored against, when they share one."""
+    paths = {r.original.path for r in results}
+    return paths.pop() if len(paths) == 1 else None
 
 
 def overview_table(results: list[Results]) -> Table:
     """The first screen: one row per comparison with everything that decides it (perplexities on
-    how many tokens, ratio, KL, top-1, KV bytes and the saving, calibration, each gate's verdict),
-    its first cell linking to the comparison's section."""
+    how many tokens, ratio, KL, top-1, KV bytes and the saving, calibration, the verdict and each
+    gate's result), its first cell linking to the comparison's section (named by the converted model
+    alone when every comparison shares one original)."""
     gated = any(r.gates for r in results)
+    short = shared_original(results) is not None
     t = Table([*OVERVIEW_COLUMNS, *(["gates"] if gated else [])])
     for i, r in enumerate(results):
         p, a, conv = r.headline, r.agreement, r.converted
         kv = conv.kv_cache_bytes_per_token if conv else r.original.kv_cache_bytes_per_token
-        saving = 1 - kv / r.original.kv_cache_bytes_per_token
+        saving = f" ({1 - kv / r.original.kv_cache_bytes_per_token:.1%})" if conv else ""
         t.add(
-            r.title,
+            Path(conv.path).name if short and conv else r.title,
             conv.method if conv else "",
-            str(conv.num_kv_heads) if conv else "",
+            kv_heads(conv) if conv else "",
             calibration(conv),
-            f"{p.original.ppl:.3f}",
-            f"{p.converted.ppl:.3f}" if p.converted else "",
+            f"{p.original.ppl:.3f}" + (f" → {p.converted.ppl:.3f}" if p.converted else ""),
             f"{p.original.tokens:,}",
             f"{p.ppl_ratio or 1:.3f}x",
             f"{a.kl['mean']:.4f}" if a else "",
-            f"{a.top1_agreement:.2%}" if a else "",
-            f"{kv:,}",
-            f"{saving:.1%}" if conv else "",
+            f"{a.top1_agreement:.1%}" if a else "",
+            f"{kv:,}{saving}",
+            verdict_cell(r),
             *([gate_cell(r)] if gated else []),
             link=f"#result-{i}",
         )
@@ -263,12 +287,11 @@ def samples_table(r: Results) -> Table | None:
 
 def sweep_table(rows: list[dict[str, Any]]) -> Table:
     """The summary of a job or the demo: the original, then every conversion (and uptrained model)."""
-    t = Table(["model", "KV heads", "KV cache B/token", "perplexity", "ratio", "KL", "top-1"])
+    t = Table(["model", "KV heads", "KV cache B/token", "perplexity", "ratio", "KL", "top-1", "verdict"])
     if rows:
         first = rows[0]
-        t.add(
-            "original", "", f"{first['kv_bytes_per_token_before']:,}", f"{first['original_ppl']:.3f}", "1.00x", "", ""
-        )
+        before = f"{first['kv_bytes_per_token_before']:,}"
+        t.add("original", "", before, f"{first['original_ppl']:.3f}", "1.00x", "", "", "")
     for r in rows:
         label = f"{r['method']} -> {r['num_kv_heads']} KV heads"
         t.add(
@@ -279,6 +302,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
             f"{r['ppl_ratio']:.2f}x",
             f"{r['kl_mean']:.3f}",
             f"{r['top1']:.1%}",
+            r.get("verdict", ""),
         )
     return t
 

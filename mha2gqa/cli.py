@@ -46,7 +46,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except Terminated as e:
-            click.echo(f"Error: stopped by {e.name}; nothing partial was left behind", err=True)
+            click.echo(f"Error: stopped by {e.name}; {e.kept or 'nothing partial was left behind'}", err=True)
             sys.exit(128 + e.signum)
         except Exception as e:
             if os.environ.get(DEBUG_ENV):
@@ -201,16 +201,25 @@ def demo(output_dir: Path | None, **options: Any) -> None:
 @output_option("Write the results JSON here.")
 @overwrite_option
 @click_options(GateSettings)
+@click.option("--strict", is_flag=True, help="Exit 3 unless the verdict is pass (gates or not).")
 @quiet_option
 @threads_option
 @user_errors
 def eval_cmd(
-    original: str, converted: str | None, output: Path | None, overwrite: bool, quiet: bool, **options: Any
+    original: str,
+    converted: str | None,
+    output: Path | None,
+    overwrite: bool,
+    strict: bool,
+    quiet: bool,
+    **options: Any,
 ) -> None:
     """Perplexity, output agreement and attention similarity: ORIGINAL vs CONVERTED.
 
-    Gates (--max-ppl-ratio applies to every protocol run, --max-kl, --min-top1) print a one-line
-    verdict; when one fails the exit code is 3 (1: bad input, 2: bad usage)."""
+    The last line is the verdict (pass / borderline / fail against the recommended thresholds, and
+    the figure that decided it). Gates (--max-ppl-ratio applies to every protocol run, --max-kl,
+    --min-top1) decide the exit code: 3 when one fails (1: bad input, 2: bad usage); --strict
+    also exits 3 on a verdict other than pass."""
     from mha2gqa.core.settings import validate
     from mha2gqa.eval.outcome import EvalRequest
 
@@ -226,10 +235,9 @@ def eval_cmd(
         echo_all(summary_lines(outcome.results))
         if output is not None:
             click.echo(f"results: {output}")
-    if outcome.verdict:
-        click.echo(outcome.verdict)
-        if not outcome.passed:
-            sys.exit(GATE_EXIT_CODE)
+    echo_all(outcome.lines())
+    if code := outcome.exit_code(strict):
+        sys.exit(code)
 
 
 @main.command(context_settings={"show_default": True})
@@ -245,10 +253,18 @@ def uptrain_cmd(converted: str, quiet: bool, **options: Any) -> None:
 
     settings = UptrainSettings(**options, progress=not quiet).check()
     check_models(CONVERTED=converted, **{"--teacher": settings.teacher})
+    from mha2gqa.core.signals import Terminated
     from mha2gqa.eval.harness import is_main_process
     from mha2gqa.uptrain import uptrain as run_uptrain
 
-    result = run_uptrain(converted, settings, log=(lambda m: None) if quiet else click.echo)
+    try:
+        result = run_uptrain(converted, settings, log=(lambda m: None) if quiet else click.echo)
+    except Terminated as e:
+        e.kept = (
+            f"the checkpoints written so far stay in {settings.output} (no final model): run the same command "
+            "with --resume to continue from the last one"
+        )
+        raise
     if not quiet and is_main_process():
         click.echo(result.summary())
 

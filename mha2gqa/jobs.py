@@ -24,6 +24,7 @@ anything runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 from collections.abc import Callable
@@ -65,11 +66,14 @@ class Job:
     output_dir: Path | None = None
 
     def convert_settings(self, num_kv_heads: int, method: str, calibration: str | None = None) -> ConvertSettings:
-        """The settings of one conversion of the sweep (checked)."""
+        """The settings of one conversion of the sweep (checked); the sweep's calibration text goes to
+        the methods that read it."""
         options = {**self.convert, **({"calibration": calibration} if calibration else {})}
-        return ConvertSettings(
-            num_kv_heads=num_kv_heads, method=method, overwrite=True, progress=False, **options
-        ).check()
+        settings = ConvertSettings(num_kv_heads=num_kv_heads, method=method, overwrite=True, progress=False)
+        settings = dataclasses.replace(settings, **options)
+        if not settings.reads_calibration:
+            settings = dataclasses.replace(settings, calibration=None)
+        return settings.check()
 
 
 def shipped_jobs() -> dict[str, Path]:
@@ -167,11 +171,21 @@ def _parse(path: Path, data: Any) -> Job:
         report=data.get("report", True),
         output_dir=(path.parent / data["output_dir"]) if data.get("output_dir") else None,
     )
+    calibration = _checkable(conv).get("calibration")
+    readers = []
     for method in methods:  # every conversion's settings, checked now
         try:
-            job.convert_settings(heads[0], method, _checkable(conv).get("calibration")).check_calibration()
+            settings = job.convert_settings(heads[0], method, calibration)
+            settings.check_calibration()
         except SettingError as e:
             raise SettingError(e.setting, e.render(f"convert.{e.setting}")) from None
+        readers += [method] if settings.calibration else []
+    if calibration and not readers:
+        raise SettingError(
+            "convert.calibration",
+            f"no method of the sweep ({', '.join(methods)}) reads '{{name}}': add one that does (svd, aligned) "
+            "or refit: true, or drop it",
+        )
     return job
 
 
@@ -283,6 +297,27 @@ def run_job(
     job: Job, output_dir: Path | None = None, log: Callable[[str], None] = print, progress: bool = False
 ) -> RunResult:
     """Convert, evaluate, report and gate as the job says; returns where everything went."""
+    with _quiet_bars(not progress):
+        return _run_job(job, output_dir, log, progress)
+
+
+@contextlib.contextmanager
+def _quiet_bars(quiet: bool):
+    """transformers' own progress bars (loading and writing shards) off while a job runs quietly: its
+    output is our lines only."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _run_job(job: Job, output_dir: Path | None, log: Callable[[str], None], progress: bool) -> RunResult:
     from mha2gqa.convert.converter import run as run_conversion
     from mha2gqa.convert.prepare import prepare
     from mha2gqa.eval.report import load_results, load_runs, render
@@ -322,7 +357,7 @@ def run_job(
                         overwrite=True,
                         progress=progress,
                     ),
-                    log=lambda m: None,
+                    log=lambda m, tag=tag: log(f"  {tag}: {m}"),
                 )
                 log(f"uptrained {tag}: {result.summary()}")
                 stages.append((f"{tag}-uptrained", f"{method}+uptrain", up_dir))
@@ -336,7 +371,9 @@ def run_job(
         shutil.rmtree(cache, ignore_errors=True)
     report = None
     if job.report and paths:
-        report = render(load_results(paths), out / "report.html", out / "report.md", load_runs(runs))["html"]
+        log(f"rendering the report: {len(paths)} comparison(s)" + (f", {len(runs)} uptraining run(s)" if runs else ""))
+        pages = render(load_results(paths), out / "report.html", out / "report.md", load_runs(runs), log=log)
+        report = pages["html"]
     return RunResult(out, paths, report, rows, passed)
 
 
@@ -355,12 +392,11 @@ def _evaluate_stage(
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed."""
     from mha2gqa.eval.outcome import EvalRequest
+    from mha2gqa.eval.tables import verdict_cell
 
     log(f"evaluating {tag} against the original")
     path = out / "results" / f"{tag}.json"
-    outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run()
-    if outcome.verdict:
-        log(f"  {tag}: {outcome.verdict}")
+    outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run(log=lambda m: log(f"  {m}"))
     typed = outcome.results
     p = typed.headline
     row = {
@@ -374,9 +410,12 @@ def _evaluate_stage(
         "top1": typed.agreement.top1_agreement,
         "kv_bytes_per_token": conv.facts.kv_cache_bytes_per_token_after,
         "kv_bytes_per_token_before": conv.facts.kv_cache_bytes_per_token_before,
+        "verdict": verdict_cell(typed),
     }
     log(
         f"  {tag}: perplexity {row['converted_ppl']:.3f} (x{row['ppl_ratio']:.3f} the original's, "
         f"{p.original.tokens:,} tokens), KL {row['kl_mean']:.4f}, top-1 {row['top1']:.1%}"
     )
+    for line in outcome.lines():  # the gates, then the verdict
+        log(f"  {tag}: {line}")
     return path, row, outcome.passed

@@ -11,7 +11,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+#: Where the real small checkpoints and texts are: ``$MHA2GQA_FIXTURES``, else ``../shared/fixtures``
+#: beside the checkout. Tests that need them skip (and the run says how many) when they are absent.
+FIXTURES_ENV = "MHA2GQA_FIXTURES"
+FIXTURES = Path(os.environ.get(FIXTURES_ENV) or Path(__file__).resolve().parents[1].parent / "shared" / "fixtures")
+FIXTURES_ABSENT = "real fixtures absent"
 
 #: Llama-2-7B's config.json (planning and inspection need no weights)
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -114,8 +118,21 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def requires_fixtures(*names: str):
+    """Skip a test unless ``names`` (paths under :data:`FIXTURES`) exist."""
     missing = [n for n in names if not (FIXTURES / n).exists()]
-    return pytest.mark.skipif(bool(missing), reason=f"shared fixtures absent: {missing}")
+    return pytest.mark.skipif(bool(missing), reason=f"{FIXTURES_ABSENT}: {', '.join(missing)}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """One line saying how many real-model tests were skipped for want of the fixtures, and how to
+    point the run at them."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if FIXTURES_ABSENT in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_line(
+            f"{len(skipped)} real-model test(s) skipped: no fixtures at {FIXTURES} "
+            f"(set {FIXTURES_ENV}=/path/to/shared/fixtures to run them)",
+            yellow=True,
+        )
 
 
 def story_text(path: Path, lines: int = 300) -> Path:

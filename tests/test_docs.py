@@ -26,6 +26,17 @@ def test_the_readme_is_a_front_door():
     first = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).splitlines()
     assert "mha2gqa demo" in first[0] and "pytest" in first[1]  # the two set-up commands come first
     assert "## Which method to use" in readme and "## What a good result looks like" in readme
+    first_screen = "\n".join(readme.splitlines()[:60])  # the advice comes before the demo's output
+    assert "## Which method to use" in first_screen and "## What a good result looks like" in first_screen
+
+
+def test_the_verdict_thresholds_are_the_code_s():
+    from mha2gqa.eval.verdict import SOURCE, thresholds_table
+
+    assert thresholds_table() in text("README.md")
+    page = text("docs/evaluation.md")
+    assert thresholds_table() in page and "## What a good result looks like" in page
+    assert SOURCE.split("#")[0] == "docs/evaluation.md"
 
 
 def test_every_method_and_grouping_is_documented():

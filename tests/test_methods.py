@@ -32,15 +32,14 @@ def with_tokenizer(model, folder, text):
 
 
 def calibrated(calib_text, method: str = "svd", **kw) -> dict:
-    """``convert_checkpoint`` keywords for ``method`` calibrated on the first 512 tokens of ``calib_text``."""
-    return {
-        "method": method,
-        "calibration": str(calib_text),
-        "calibration_tokens": 512,
-        "calibration_seq_len": 32,
-        "progress": False,
-        **kw,
-    }
+    """``convert_checkpoint`` keywords for ``method`` calibrated on the first 512 tokens of ``calib_text``
+    (no calibration when the method and grouping do not read it: convert refuses it then)."""
+    from mha2gqa.convert.settings import ConvertSettings
+
+    calibration = {"calibration": str(calib_text), "calibration_tokens": 512, "calibration_seq_len": 32}
+    if not ConvertSettings(num_kv_heads=1, method=method, **kw).reads_calibration:
+        calibration = {}
+    return {"method": method, **calibration, "progress": False, **kw}
 
 
 @pytest.mark.parametrize("family", SVD_FAMILIES)
@@ -184,9 +183,8 @@ def test_svd_beats_mean_by_a_wide_margin_on_a_real_model(tmp_path):
     settings = EvalSettings(data=str(held), seq_len=512, max_tokens=8192, attention=False, progress=False)
     ratios = {}
     for method in ("mean", "svd"):
-        out = convert_checkpoint(
-            src, tmp_path / method, 2, method, calibration=str(calib), calibration_tokens=8192, progress=False
-        ).output
+        calibration = {"calibration": str(calib), "calibration_tokens": 8192} if method == "svd" else {}
+        out = convert_checkpoint(src, tmp_path / method, 2, method, progress=False, **calibration).output
         r = evaluate(str(src), str(out), settings)
         ratios[method] = (r["protocols"]["disjoint"]["ppl_ratio"], r["agreement"]["kl"]["mean"])
     (mean_ratio, mean_kl), (svd_ratio, svd_kl) = ratios["mean"], ratios["svd"]

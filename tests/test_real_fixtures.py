@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import FIXTURES, load, logits, requires_fixtures
+from conftest import FIXTURES, FIXTURES_ABSENT, load, logits, requires_fixtures
 
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.eval.perplexity import disjoint_windows, score_windows
@@ -26,7 +26,7 @@ def text_ids(model_dir, text, n):
 def test_pooling_duplicated_heads_recovers_the_real_gqa_model(name, tmp_path):
     pytest.importorskip("transformers")
     if not (FIXTURES / f"{name}-mha-expanded").exists():
-        pytest.skip("shared fixtures absent")
+        pytest.skip(f"{FIXTURES_ABSENT}: {name}-mha-expanded")
     out = convert_checkpoint(FIXTURES / f"{name}-mha-expanded", tmp_path / "out", 4, "mean", progress=False).output
     ids = torch.randint(3, 100, (2, 96), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits(load(out), ids), logits(load(FIXTURES / name), ids), atol=1e-5, rtol=0)

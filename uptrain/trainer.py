@@ -224,6 +224,8 @@ class _Trainer:
         from accelerate.utils import set_seed
 
         set_seed(s.seed)
+        teacher = f" and the teacher {s.teacher}" if s.teacher else ""
+        self.say(f"loading the student {student}{teacher} ({len(plan.windows):,} training windows ready)")
         model, self.trainable, self.teacher = _models(plan, s, acc, self.resume_from)
         self.conv_record = read_conversion_record(plan.student_folder)
         if self.main:  # everything is checked: now the output folder may be written
@@ -277,7 +279,8 @@ class _Trainer:
         self.say(
             f"uptrain: {self.trainable.count:,} of {total_params:,} parameters ({s.train}), objective "
             f"{s.objective}, {len(plan.windows):,} windows of {plan.seq_len}, {plan.total:,} steps x "
-            f"{s.batch_size} on {acc.num_processes} x {acc.device} ({acc.mixed_precision})"
+            f"{s.batch_size} on {acc.num_processes} x {acc.device} "
+            f"({'full precision' if acc.mixed_precision == 'no' else acc.mixed_precision + ' mixed precision'})"
         )
         if plan.max_positions and plan.seq_len < plan.max_positions:
             self.say(
@@ -297,6 +300,10 @@ class _Trainer:
         )
         self.evals.append(record)
         self.log.write(record)
+        against = (
+            f" (x{record['ppl_ratio']:.3f} the teacher's, KL {record['kl_mean']:.4f})" if "ppl_ratio" in record else ""
+        )
+        self.say(f"step {step:,}/{self.plan.total:,}: held-out perplexity {record['ppl']:.3f}{against}")
 
     def model_files(self, step: int) -> dict[str, str]:
         """Model card, uptraining record and conversion record of the model at ``step``."""

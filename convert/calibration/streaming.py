@@ -6,6 +6,7 @@ activations, never the whole model."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.errors import SettingError
+from mha2gqa.core.memory import trim
 from mha2gqa.core.signals import check as check_signals
 
 
@@ -101,36 +103,7 @@ def release(module: torch.nn.Module) -> None:
 
     for name, _ in module.named_parameters():
         set_module_tensor_to_device(module, name, "meta")
-    _trim()
-
-
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    with contextlib.suppress(OSError):
-        return ctypes.CDLL(name) if name else None
-    return None
-
-
-def _trim() -> None:
-    libc = _libc()
-    with contextlib.suppress(AttributeError):
-        if libc is not None:
-            libc.malloc_trim(0)
-
-
-def map_large_allocations(threshold: int = 1 << 20) -> None:
-    """Serve every allocation of ``threshold`` bytes or more with its own ``mmap`` (glibc), so a freed
-    tensor goes back to the OS at once. glibc otherwise raises that threshold to the largest block
-    freed so far and keeps later large blocks on its heap, where a training loop's short-lived
-    activations and gradients fragment it (measured on a 7B-shaped refit: 2.67 -> 2.32 GB peak RSS).
-    Elsewhere a no-op."""
-    libc = _libc()
-    with contextlib.suppress(AttributeError):
-        if libc is not None:
-            libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    trim()
 
 
 def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_field: str = "text") -> torch.Tensor:
@@ -142,6 +115,11 @@ def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_
     if ids.numel() < seq_len:
         raise SettingError("calibration", f"{{name}} {data}: {ids.numel()} tokens, fewer than one window of {seq_len}")
     n = ids.numel() // seq_len
+    if n * seq_len < tokens:
+        sys.stderr.write(
+            f"warning: --calibration {data} gives {n * seq_len:,} tokens ({n} windows of {seq_len}) of the "
+            f"{tokens:,} asked for: give more text, or lower --calibration-tokens to silence this\n"
+        )
     return ids[: n * seq_len].reshape(n, seq_len)
 
 

@@ -1,0 +1,127 @@
+"""Is this a valid comparison? Checked from the configs and records before any model loads.
+
+A swapped pair (the "converted" model has more KV heads than the "original", or the original's
+conversion record names the other folder as its source) and a pair with different vocabularies are
+refused with the fix. Evaluation text that is (or overlaps) the text the conversion was calibrated or
+refitted on is flagged: its numbers flatter the conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mha2gqa.core.architecture import dims_of
+from mha2gqa.core.checkpoint import read_config, resolve_folder
+from mha2gqa.core.conversion_record import read_conversion_record
+from mha2gqa.core.dims import config_value
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.text import TextData, load_text
+
+#: Lines shorter than this are not compared (blank lines, headings and boilerplate repeat anyway).
+MIN_LINE = 40
+#: Share of the evaluation text's lines found in the calibration text above which it is flagged.
+FLAG_SHARE = 0.01
+
+
+def _kv_heads(config: dict[str, Any]) -> int:
+    """KV heads over all layers (a per-layer checkpoint's sum)."""
+    dims = dims_of(config)
+    return sum(dims.kv_heads_per_layer) if dims.kv_heads_per_layer else dims.num_kv_heads * dims.num_layers
+
+
+def check_pair(original: str, converted: str, revision: str | None = None) -> None:
+    """Refuse a pair that is swapped or whose vocabularies differ (both configs are read; nothing loads)."""
+    folders = [resolve_folder(p, revision)[0] for p in (original, converted)]
+    configs = [read_config(f) for f in folders]
+    record = read_conversion_record(folders[0])
+    if record is not None:
+        source = Path(record.source.path).expanduser()
+        config_file = folders[1] / "config.json"
+        same_config = config_file.is_file() and (
+            hashlib.sha256(config_file.read_bytes()).hexdigest() == record.source.config_sha256
+        )
+        if (source.exists() and source.resolve() == folders[1].resolve()) or same_config:
+            raise Mha2GqaError(
+                f"--original {original} was converted from --converted {converted}: the pair is swapped; "
+                f"pass --original {converted} --converted {original}"
+            )
+    before, after = (_kv_heads(c) for c in configs)
+    if after > before:
+        raise Mha2GqaError(
+            f"--converted {converted} has more KV heads ({after} over all layers) than --original {original} "
+            f"({before}): the pair looks swapped; pass the model it was converted from as --original"
+        )
+    vocab = [config_value(c, "vocab_size") for c in configs]
+    if None not in vocab and vocab[0] != vocab[1]:
+        raise Mha2GqaError(
+            f"--original {original} and --converted {converted} have different vocabularies ({vocab[0]:,} vs "
+            f"{vocab[1]:,} tokens): compare a model with its own conversion"
+        )
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The evaluation text against what the conversion read: ``share`` of its lines (of at least
+    :data:`MIN_LINE` characters) also in ``text``, ``same``: the same text outright."""
+
+    text: str
+    use: str  # "calibration" or "refit"
+    same: bool
+    share: float
+    lines: int
+
+    @property
+    def flagged(self) -> bool:
+        return self.same or self.share >= FLAG_SHARE
+
+    def warning(self) -> str:
+        what = "is the same text as" if self.same else f"shares {self.share:.1%} of its lines with"
+        return (
+            f"warning: the evaluation text {what} the conversion's {self.use} text {self.text}: its numbers "
+            "flatter the conversion; evaluate on held-out text"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "flagged": self.flagged}
+
+
+def compared_lines(documents: list[str]) -> set[str]:
+    """The lines of ``documents`` that overlap is measured on: stripped, at least :data:`MIN_LINE` long."""
+    return {line.strip() for doc in documents for line in doc.splitlines() if len(line.strip()) >= MIN_LINE}
+
+
+def calibration_overlap(data: TextData, source: str, converted_folder: Path, text_field: str) -> Overlap | None:
+    """How much of the evaluation text ``data`` (read from ``source``) the conversion in
+    ``converted_folder`` was calibrated or refitted on; None when it read no text (or the text is
+    no longer where it was)."""
+    record = read_conversion_record(converted_folder)
+    facts = record.conversion if record else None
+    if facts is None:
+        return None
+    texts = []
+    if facts.refit is not None:
+        texts.append((facts.refit.data, "refit"))
+    if facts.calibration is not None and facts.calibration.data:
+        texts.append((facts.calibration.data, "calibration"))
+    found: Overlap | None = None
+    mine = compared_lines(data.documents)
+    here = Path(source).expanduser()
+    for text, use in texts:
+        path = Path(text).expanduser()
+        if text == source or (path.is_file() and here.is_file() and path.resolve() == here.resolve()):
+            return Overlap(text, use, True, 1.0, len(mine))
+        if not path.is_file():
+            continue  # a dataset name, or moved since: nothing here to compare with
+        try:
+            theirs = load_text(text, text_field, setting=use)
+        except Mha2GqaError:
+            continue
+        if "".join(theirs.documents) == "".join(data.documents):
+            return Overlap(text, use, True, 1.0, len(mine))
+        share = len(mine & compared_lines(theirs.documents)) / len(mine) if mine else 0.0
+        if found is None or share > found.share:
+            found = Overlap(text, use, False, share, len(mine))
+    return found
