@@ -281,7 +281,7 @@ class _Page:
         links = [("#overview", "Overview")] + ([("#uptraining", "Uptraining")] if runs else [])
         links += [(f"#result-{i}", r.title) for i, r in enumerate(results)]
         self.html.append("<nav>" + "".join(f'<a href="{h}">{html.escape(t)}</a>' for h, t in links) + "</nav>")
-        table = overview_table(results)
+        table = overview_table(results, runs)
         self.html += ['<h2 id="overview">Overview</h2>', f'<div class="wide">{table.html()}</div>']
         self.md += ["## Overview", "", table.markdown(), ""]
         chart = quality_chart(results)

@@ -11,6 +11,7 @@ from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.text_table import Table
 from mha2gqa.core.units import format_bytes
 from mha2gqa.eval.results import ModelInfo, Results
+from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 #: Sequence lengths of the KV-cache table (those past the model's positions are left out).
 SEQ_LENS = (2048, 8192, 32768)
@@ -201,10 +202,18 @@ def kv_heads(model: ModelInfo) -> str:
 
 def verdict_cell(r: Results) -> str:
     """``pass``, or ``borderline``/``fail`` with the figure that decided it; empty for one model."""
-    v = r.judge()
+    return verdict_text(r.judge())
+
+
+def verdict_text(v: Verdict | None) -> str:
+    """A verdict in a table cell (empty for none)."""
     if v is None:
         return ""
-    return v.tier if v.tier == "pass" else f"{v.tier}: {v.decided_by} {v.value:.4g}"
+    if v.tier == "pass":
+        return "pass"
+    name = v.decided_by.replace("ppl_ratio", "ratio").replace("kl_mean", "KL").replace("top1_agreement", "top-1")
+    value = f"{v.value:.1%}" if name == "top-1" else f"{v.value:.3g}x" if name.startswith("ratio") else f"{v.value:.3g}"
+    return f"{v.tier}: {name} {value}"
 
 
 def shared_original(results: list[Results]) -> str | None:
@@ -213,7 +222,7 @@ def shared_original(results: list[Results]) -> str | None:
     return paths.pop() if len(paths) == 1 else None
 
 
-def overview_table(results: list[Results]) -> Table:
+def overview_table(results: list[Results], runs: list[tuple[str, list[dict[str, Any]]]] | None = None) -> Table:
     """The first screen: one row per comparison with everything that decides it (perplexities on
     how many tokens, ratio, KL, top-1, KV bytes and the saving, calibration, the verdict and each
     gate's result), its first cell linking to the comparison's section (named by the converted model
@@ -240,7 +249,32 @@ def overview_table(results: list[Results]) -> Table:
             *([gate_cell(r)] if gated else []),
             link=f"#result-{i}",
         )
+    evaluated = {Path(r.converted.path).name for r in results if r.converted}
+    for label, records in runs or []:
+        if label not in evaluated:  # an uptraining run only seen through its log: its last evaluation
+            t.add(*_run_row(label, records), *([""] if gated else []), link="#uptraining")
     return t
+
+
+def _run_row(label: str, records: list[dict[str, Any]]) -> list[str]:
+    """An overview row for an uptraining run from its log's last held-out evaluation (vs its teacher)."""
+    start, evals = records[0], [r for r in records if r.get("type") == "eval"]
+    last = evals[-1] if evals else {}
+    ratio, kl = last.get("ppl_ratio"), last.get("kl_mean")
+    verdict = judge(figures_of({"held-out": ratio} if ratio else {}, kl, None))
+    return [
+        label,
+        "uptrain",
+        str(start.get("num_kv_heads", "")),
+        "-",
+        f"{last['teacher_ppl']:.3f} → {last['ppl']:.3f}" if "teacher_ppl" in last else "",
+        f"{last.get('eval_tokens', 0):,}" if last else "",
+        f"{ratio:.3f}x" if ratio else "",
+        f"{kl:.4f}" if kl is not None else "",
+        "",
+        "",
+        verdict_text(verdict),
+    ]
 
 
 def calibration(model: ModelInfo | None) -> str:

@@ -151,6 +151,18 @@ def llama_with_tokenizer(folder: Path, text: Path, max_positions: int = 64) -> P
     return folder
 
 
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """``(original, its mean 4 -> 2 conversion, text)``: a tiny Llama with a real tokenizer, per module."""
+    from mha2gqa.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("pair")
+    text = story_text(root / "t.txt")
+    src = llama_with_tokenizer(root / "mha", text, max_positions=128)
+    conv = convert_checkpoint(src, root / "g2", 2, progress=False).output
+    return src, conv, text
+
+
 def eval_argv(original, converted, data, seq_len, max_tokens, *extra, options: str = "") -> list[str]:
     """``mha2gqa eval`` arguments comparing ``converted`` with ``original`` on ``data``; ``options``:
     more flags as one string (split on spaces)."""

@@ -51,9 +51,32 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "results" / "mean-g2-uptrained.json").is_file()
     assert "## Uptraining recovery" in (tmp_path / "run" / "report.md").read_text()
     folder = next(tmp_path.glob("demo-*"))
-    assert (folder / "mha" / "model.safetensors").is_file() and (folder / "heldout.txt").is_file()
+    assert (folder / "mha" / "model.safetensors").is_file() and (folder / "heldout-unseen.txt").is_file()
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0 and "training the demo" not in again.output  # cached
+
+
+def test_every_waiting_stage_of_a_job_says_so_within_5_seconds(tmp_path, monkeypatch):
+    """A job logs each stage as it starts (conversion, uptraining set-up and evaluations, each
+    evaluation's scoring, attention and samples, the report, comparison by comparison), so no line is
+    more than 5 s after the one before (log timestamps)."""
+    import itertools
+    import time
+
+    from mha2gqa.jobs import DemoRequest, run_job
+
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
+    job = DemoRequest(steps=3, num_kv_heads=(2,), methods=("svd",), uptrain_steps=4).job()
+    stamps: list[tuple[float, str]] = [(time.monotonic(), "start")]
+    run_job(job, tmp_path / "run", log=lambda line: stamps.append((time.monotonic(), line)))
+    stamps.append((time.monotonic(), "end"))
+    gaps = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(stamps)]
+    assert max(gaps)[0] < 5, max(gaps)
+    text = "\n".join(line for _, line in stamps)
+    for stage in ("converted svd-g2", "loading the student", "step 4/4: held-out perplexity", "evaluating svd-g2",
+                  "scoring the converted model", "attention similarity", "sample generation", "verdict: ",
+                  "rendering the report", "report: svd-g2-uptrained"):  # fmt: skip
+        assert stage in text, stage
 
 
 def test_the_demo_runs_on_a_pythia_style_gpt_neox_through_phi(tmp_path, monkeypatch):

@@ -85,15 +85,6 @@ def test_inspect_and_plan_cli(tmp_path):
     assert re.search(r"^\s+8\s+131,072\s+512\.00 MiB", text, re.M), text
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rep")
-    text = story_text(root / "t.txt")
-    src = llama_with_tokenizer(root / "mha", text, max_positions=128)
-    conv = convert_checkpoint(src, root / "g2", 2, progress=False).output
-    return src, conv, text
-
-
 def eval_args(pair, *extra):
     src, conv, text = pair
     return eval_argv(src, conv, text, "64", "1200", "-q", *extra)

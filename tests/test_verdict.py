@@ -15,7 +15,6 @@ from conftest import (
     FIXTURES,
     FIXTURES_ENV,
     eval_argv,
-    llama_with_tokenizer,
     random_model,
     requires_fixtures,
     save,
@@ -65,15 +64,6 @@ def test_a_damaged_verdict_is_refused():
 
 
 # -- end to end on a tiny pair --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("verdict")
-    text = story_text(root / "t.txt")
-    src = llama_with_tokenizer(root / "mha", text, max_positions=128)
-    conv = convert_checkpoint(src, root / "g2", 2, progress=False).output
-    return src, conv, text
-
-
 def eval_args(pair, *extra):
     src, conv, text = pair
     return eval_argv(src, conv, text, "64", "1200", "--no-attention", "--samples", "0", *extra)
@@ -314,3 +304,34 @@ def test_a_folder_given_as_text_says_so(pair):
     src, conv, text = pair
     res = CliRunner().invoke(main, eval_argv(src, conv, text.parent, "64", "1200"))
     assert res.exit_code == 1 and "is a folder: give one text file" in res.output
+
+
+def test_uptraining_runs_seen_only_through_their_logs_join_the_overview():
+    from mha2gqa.eval.tables import overview_table
+
+    start = {"type": "start", "settings": {"objective": "kd", "train": "all", "max_steps": 4}, "num_kv_heads": 2,
+             "tokens_per_step": 64}  # fmt: skip
+    evals = [{"type": "eval", "step": s, "ppl": p, "teacher_ppl": 10.0, "ppl_ratio": p / 10, "kl_mean": k,
+              "eval_tokens": 512} for s, p, k in ((0, 14.0, 0.4), (4, 10.4, 0.04))]  # fmt: skip
+    table = overview_table([], [("g2-uptrained", [start, *evals])])
+    (row,) = table.rows
+    assert row[0] == "g2-uptrained" and row[1] == "uptrain" and row[2] == "2" and row[6] == "1.040x"
+    assert row[-1] == "pass" and table.html().count('href="#uptraining"') == 1
+
+
+def test_a_stopped_uptraining_points_at_resume(pair, tmp_path, monkeypatch):
+    import signal
+
+    import mha2gqa.uptrain as uptrain_package
+    from mha2gqa.core.signals import Terminated
+
+    def stopped(*args, **kwargs):
+        raise Terminated(signal.SIGINT)
+
+    monkeypatch.setattr(uptrain_package, "uptrain", stopped)
+    _, conv, text = pair
+    argv = ["uptrain", str(conv), "--data", str(text), "--output", str(tmp_path / "up"), "--max-steps", "2"]
+    res = CliRunner().invoke(main, argv)
+    assert res.exit_code == 128 + signal.SIGINT
+    assert "stopped by SIGINT; the checkpoints written so far stay in" in res.output and "--resume" in res.output
+    assert "nothing partial" not in res.output
