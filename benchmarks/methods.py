@@ -83,6 +83,7 @@ def _score(folder: Path, out: Path, settings, ood_settings, head: tuple, seconds
 
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.convert.settings import ConvertSettings
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import read_config
     from mha2gqa.eval.settings import EvalSettings
@@ -119,12 +120,15 @@ def main() -> None:
                     if args.methods and method not in args.methods:
                         continue
                     refit = args.refit and method in args.refit_methods and grouping == "contiguous"
-                    options = dict(
-                        calibration=calib, calibration_tokens=args.calibration_tokens, calibration_seq_len=window,
-                        progress=False, overwrite=True, grouping=grouping,
-                    )  # fmt: skip
+                    calibrated = dict(
+                        calibration=calib, calibration_tokens=args.calibration_tokens, calibration_seq_len=window
+                    )
+                    options = dict(progress=False, overwrite=True, grouping=grouping)
+                    reads = ConvertSettings(num_kv_heads=g, method=method, grouping=grouping).reads_calibration
                     t = time.perf_counter()
-                    out = convert_checkpoint(folder, work / f"{name}-{method}-{g}", g, method, **options)
+                    out = convert_checkpoint(
+                        folder, work / f"{name}-{method}-{g}", g, method, **options, **(calibrated if reads else {})
+                    )
                     label = method if grouping == "contiguous" else f"{method} + similarity grouping"
                     head = (name, f"{dims.num_kv_heads}->{g}")
                     seconds = time.perf_counter() - t
@@ -134,7 +138,7 @@ def main() -> None:
                         t = time.perf_counter()
                         out = convert_checkpoint(
                             folder, work / f"{name}-{method}-{g}-refit", g, method, refit=True,
-                            refit_steps=args.refit_steps, **options,
+                            refit_steps=args.refit_steps, **options, **calibrated,
                         )  # fmt: skip
                         seconds = time.perf_counter() - t
                         label = f"{method} + refit"

@@ -25,6 +25,7 @@ BUDGETS = ((4.0, 4), (2.0, 2), (1.5, 1))  # (KV heads per layer on average, the 
 
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.convert.settings import ConvertSettings
     from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.settings import EvalSettings
 
@@ -55,7 +56,9 @@ def main() -> None:
         cache = work / "reference"
         for method in args.methods:
             for average, uniform_g in BUDGETS:
-                uniform = convert_checkpoint(folder, work / f"{method}-u{uniform_g}", uniform_g, method, **kw)
+                plain = ConvertSettings(num_kv_heads=uniform_g, method=method).reads_calibration
+                uniform_kw = kw if plain else {k: v for k, v in kw.items() if not k.startswith("calibration")}
+                uniform = convert_checkpoint(folder, work / f"{method}-u{uniform_g}", uniform_g, method, **uniform_kw)
                 auto = convert_checkpoint(
                     folder, work / f"{method}-a{average}", None, method, per_layer="auto", kv_budget=average, **kw
                 )

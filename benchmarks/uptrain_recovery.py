@@ -25,6 +25,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.convert.settings import ConvertSettings
     from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.report import load_runs, render
     from mha2gqa.eval.settings import EvalSettings
@@ -49,6 +50,7 @@ def main() -> None:
         for name, body in files.items():
             (work / f"{name}.txt").write_text(body, encoding="utf-8")
         curves, finals = {}, {}
+        calibrated = dict(calibration=str(work / "calib.txt"), calibration_tokens=32768, calibration_seq_len=512)
         for method in args.methods:
             base, _, extra = method.partition("+")
             student = convert_checkpoint(
@@ -57,11 +59,13 @@ def main() -> None:
                 1,
                 base,
                 refit=extra == "refit",
-                calibration=str(work / "calib.txt"),
-                calibration_tokens=32768,
-                calibration_seq_len=512,
                 progress=False,
                 overwrite=True,
+                **(
+                    calibrated
+                    if ConvertSettings(num_kv_heads=1, method=base, refit=extra == "refit").reads_calibration
+                    else {}
+                ),
             ).output
             for objective in args.objectives:
                 name = f"{method}-{objective}"

@@ -20,6 +20,7 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.families import Family
 from mha2gqa.core.output import check_destination
+from mha2gqa.core.retarget import find_retarget
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
     method, grouping = get_method(s.method), get_grouping(s.grouping)
     ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle)
     check_destination(dst, s.overwrite, inputs_of(ckpt, s))
+    if find_retarget(ckpt.config) is not None:  # held to its own class's checks: every tensor, every shape
+        from mha2gqa.core.expected_tensors import check_tensors, expected_tensors  # (torch: only now)
+
+        present = {name: info.shape for name, info in ckpt.tensors.items()}
+        check_tensors(present, expected_tensors(ckpt.config), str(ckpt.folder))
     ckpt = retargeted(ckpt)  # GPT-NeoX -> Phi, GPT-2 -> GPTBigCode...: seen as the target class
     arch = ckpt.architecture if isinstance(ckpt, RetargetedCheckpoint) else resolve(ckpt.config)
     family, dims = arch.family, arch.dims

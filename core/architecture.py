@@ -58,6 +58,11 @@ class Architecture:
 
 def _as_dict(config: Any) -> dict[str, Any]:
     if isinstance(config, dict):
+        archs, model_type = config.get("architectures"), config.get("model_type")
+        if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+            raise Mha2GqaError(f"config.json: 'architectures' must be a list of class names (found {archs!r:.40})")
+        if model_type is not None and not isinstance(model_type, str):
+            raise Mha2GqaError(f"config.json: 'model_type' must be a name (found {model_type!r:.40})")
         return config
     if hasattr(config, "to_dict"):  # a transformers config object
         return config.to_dict()

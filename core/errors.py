@@ -23,3 +23,13 @@ class SettingError(Mha2GqaError):
     def render(self, name: str) -> str:
         """The message with the setting called ``name``."""
         return self.template.replace("{name}", name)
+
+
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config whose values it refuses (a field of the wrong type or a
+    bad combination): ``ValueError``, and huggingface_hub's strict-dataclass errors where it has them."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: configs are not strict dataclasses
+        return (ValueError,)
+    return (ValueError, StrictDataclassError)

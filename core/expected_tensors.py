@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core.dims import PER_LAYER_KEY
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, config_errors
 from mha2gqa.core.per_layer import causal_lm_class, per_layer_class
 
 #: Buffers that old checkpoints carry and transformers ignores when loading.
@@ -28,6 +28,9 @@ class Expected:
     shapes: dict[str, tuple[int, ...]]
     tied: set[str]
     ignore: list[re.Pattern[str]]
+    prefix: str = ""  # the base model's prefix, which some checkpoints leave out (GPT-2's hub files)
+    renames: tuple[tuple[str, str], ...] = ()  # transformers' key renamings on load (GPT-NeoX embed_out -> lm_head)
+    converted: bool = False  # transformers also merges or splits tensors on load: names are not compared
 
 
 def expected_tensors(config: dict[str, Any]) -> Expected:
@@ -46,18 +49,60 @@ def expected_tensors(config: dict[str, Any]) -> Expected:
                 model = per_layer_class(causal_lm_class(cfg))(cfg)
             else:
                 model = AutoModelForCausalLM.from_config(cfg)
+    except (*config_errors(), TypeError, KeyError, AttributeError, IndexError, ArithmeticError, RuntimeError) as e:
+        # transformers' own validation of the values (a field of the wrong type, a bad combination), or a
+        # value its model cannot be built with (zero heads, a negative size)
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300] or type(e).__name__
+        raise Mha2GqaError(f"config.json ({model_type}): transformers cannot build this model from it: {why}") from None
     finally:
         logging.set_verbosity(verbosity)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     ignore = [re.compile(p) for p in (model._keys_to_ignore_on_load_unexpected or [])]
-    return Expected(shapes, tied, [*ignore, *_IGNORABLE])
+    renames, converted = _load_renames(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    return Expected(shapes, tied, [*ignore, *_IGNORABLE], prefix, renames, converted)
+
+
+def _load_renames(model: Any) -> tuple[tuple[tuple[str, str], ...], bool]:
+    """transformers' renamings of checkpoint keys for ``model`` (regex -> replacement), and whether it
+    also converts tensors (merges, splits) on load; none with a transformers that has no such mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return (), False
+    renames, converted = [], False
+    for transform in get_model_conversion_mapping(model):
+        if not isinstance(transform, WeightRenaming) or getattr(transform, "scope_prefix", None):
+            converted = True
+            continue
+        (target,) = transform.target_patterns
+        renames += [(source, target) for source in transform.source_patterns]
+    return tuple(renames), converted
+
+
+def _as_loaded(name: str, expected: Expected) -> str:
+    """A checkpoint key as transformers loads it: its renamings applied, the base prefix added where
+    the checkpoint leaves it out."""
+    if name in expected.shapes:
+        return name
+    for source, target in expected.renames:
+        renamed = re.sub(source, target, name)
+        if renamed != name and renamed in expected.shapes:
+            return renamed
+    prefixed = f"{expected.prefix}.{name}"
+    return prefixed if expected.prefix and prefixed in expected.shapes else name
 
 
 def check_tensors(present: dict[str, tuple[int, ...]], expected: Expected, what: str) -> None:
     """Raise a one-line :class:`Mha2GqaError` when ``present`` (name -> shape) does not match
     ``expected``: missing tensors, extra tensors or shape mismatches."""
     shapes, tied, ignore = expected.shapes, expected.tied, expected.ignore
+    present = {_as_loaded(k, expected): v for k, v in present.items()}
+    if expected.converted:  # transformers reshapes some tensors on load: compare the shapes of common names
+        present = {k: v for k, v in present.items() if k in shapes}
+        shapes = {k: v for k, v in shapes.items() if k in present}
     missing = sorted(k for k in shapes if k not in present and k not in tied)
     extra = sorted(k for k in present if k not in shapes and not any(p.search(k) for p in ignore))
     wrong = sorted(k for k in present if k in shapes and shapes[k] != present[k])

@@ -16,7 +16,7 @@ from mha2gqa.core.conversion_record import Facts, read_conversion_record
 from mha2gqa.core.devices import check_device_name, check_dtype_name
 from mha2gqa.core.dims import PER_LAYER_KEY
 from mha2gqa.core.dtypes import by_name, from_torch
-from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors
 from mha2gqa.core.records import UPTRAIN_RECORD
 
 
@@ -86,6 +86,7 @@ def load_model(
     path: str, device: torch.device, dtype: torch.dtype, device_map: str | None = None, revision: str | None = None
 ) -> LoadedModel:
     """A causal LM in eval mode on ``device`` (or spread by ``device_map='auto'`` across GPUs)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -103,7 +104,7 @@ def load_model(
 
             cls = per_layer_class(causal_lm_class(AutoConfig.from_pretrained(folder)))
         model = cls.from_pretrained(folder, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, SafetensorError, *config_errors()) as e:
         raise Mha2GqaError(f"{path}: cannot be loaded as a causal LM: {str(e).splitlines()[0]}") from None
     if not device_map:
         model.to(device)

@@ -103,6 +103,10 @@ def check_destination(
     dst = check_overlap(dst, inputs, what, folder)
     if dst.is_symlink() and not dst.exists():
         raise Mha2GqaError(f"{what} {dst} is a dangling symbolic link: remove it or choose another output path")
+    if dst.is_symlink():  # the output is published by renaming onto the path: that would replace the link
+        raise Mha2GqaError(
+            f"{what} {dst} is a symbolic link (to {os.path.realpath(dst)}): give the real path, or remove the link"
+        )
     if dst.exists():
         if folder and not dst.is_dir():
             raise Mha2GqaError(f"{what} {dst} exists and is not a folder: choose another output path")

@@ -74,7 +74,10 @@ class PlanSettings:
         "preset's; without either, no throughput estimate].",
     )
     tflops: float | None = setting(
-        None, help="Dense bf16 TFLOP/s for the prefill estimate [default: the --gpu preset's].", above=0
+        None,
+        help="Dense bf16 TFLOP/s for the prefill estimate [default: the --gpu preset's].",
+        above=0,
+        maximum=1e6,  # an exaFLOP/s: far beyond any accelerator; anything more is a typing mistake
     )
     utilization: float = setting(
         0.5, help="Share of --tflops prefill reaches (model FLOPs utilisation).", above=0, maximum=1

@@ -19,6 +19,10 @@ _UNITS = {
 }
 
 
+#: The largest size (or rate, in bytes per second) taken: 2^63 bytes, 8 EiB, beyond any real memory or disk.
+MAX_SIZE = 2**63
+
+
 def parse_size(text: str | int) -> int:
     """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30, ``"1024"`` -> 1024 bytes. Refuses zero,
     negative, NaN, infinite and unknown units."""
@@ -38,7 +42,12 @@ def parse_size(text: str | int) -> int:
             raise Mha2GqaError(f"{text!r} is not a size; write e.g. 80GB, 24GiB or 500MB") from None
     if not math.isfinite(number) or number <= 0:
         raise Mha2GqaError(f"{text!r} is not a size; write a positive number with a unit, e.g. 80GB, 24GiB or 500MB")
-    size = int(number * _UNITS[unit])
+    scaled = number * _UNITS[unit]
+    if not scaled < MAX_SIZE:
+        raise Mha2GqaError(
+            f"{text!r} is beyond any real size (at most {MAX_SIZE:.3g} bytes); check the number and unit"
+        )
+    size = int(scaled)
     if size < 1:
         raise Mha2GqaError(f"{text!r} is less than one byte")
     return size

@@ -24,7 +24,7 @@ import torch
 
 from mha2gqa.core.checkpoint import read_config, resolve_folder
 from mha2gqa.core.dims import config_value
-from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors
 from mha2gqa.core.memory import map_large_allocations
 from mha2gqa.core.models import (
     LoadedModel,
@@ -158,7 +158,7 @@ def _max_positions(folder: Path) -> int | None:
 
     try:
         return getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
-    except (OSError, ValueError) as e:
+    except (OSError, *config_errors()) as e:
         raise Mha2GqaError(f"{folder}: cannot read its config: {str(e).splitlines()[0]}") from None
 
 
@@ -386,6 +386,12 @@ def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:
     config = read_config(run.folders[0])
     dims = dims_of(config)
     vocab = int(config_value(config, "vocab_size") or len(run.tokenizer))
+    if run.settings.reference_top_k > vocab:
+        raise SettingError(
+            "reference_top_k",
+            f"{{name}} {run.settings.reference_top_k} is more than the vocabulary ({vocab:,} tokens): "
+            f"give at most {vocab:,}, or 0 to cache exact logits",
+        )
     scored = sum(int((t != IGNORE).sum()) for windows in run.passes.values() for _, t in windows)
     attention = None
     if run.attention_batch is not None:
@@ -408,8 +414,8 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
     reference cache, then the converted model is scored against them."""
     import tempfile
 
-    from mha2gqa.eval.attention import compare_attention, record_attention
-    from mha2gqa.eval.reference import build, find
+    from mha2gqa.eval.attention import compare_attention
+    from mha2gqa.eval.reference import locked
 
     s = run.settings
     device = resolve_device(s.device)
@@ -419,31 +425,8 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
     root = Path(tempfile.mkdtemp(prefix="mha2gqa-reference-")) if temporary else Path(s.reference_cache)
     main = is_main_process()
     try:
-        ref = find(root, key)
-        if ref is not None:
-            if log:
-                log(f"the original's scores: reusing {ref.folder}")
-        else:
-            inputs = {
-                "the original model": run.paths[0],
-                "the converted model": run.paths[1],
-                "the --data text": s.data,
-            }
-            need = _reference_size(run, device, dtype)
-            with build(root, key, material, need, inputs) as ref:
-                if log:
-                    log(f"scoring the original once, its scores cached in {root if temporary else root / key}")
-                original = _load(run, 0)
-                for name in run.passes:
-                    res = run.score([original.model], name, record=ref.recorder(name, s.reference_top_k))
-                    ref.add_seconds(name, res["seconds"])
-                if run.attention_batch is not None and main:
-                    _, seconds = _timed(lambda: record_attention(original.model, run.attention_batch, ref))
-                    ref.add_seconds("attention", seconds)
-                if run.prompts and main:
-                    ref.manifest["samples"] = _generate(run, original.model)
-                ref.manifest["model"] = original.describe()
-                _free(original)
+        with locked(root, key, log):
+            ref = _reference(run, root, key, material, temporary, log)
         if log:
             log(f"scoring the converted model {run.paths[1]}")
         converted = _load(run, 1)
@@ -478,6 +461,44 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _reference(run: _Run, root: Path, key: str, material: dict[str, Any], temporary: bool, log) -> Any:
+    """The original's cached scores: the entry ``key`` under ``root`` when it exists (checked), else
+    built now, the original loaded, scored and freed (under the entry's lock, held by the caller)."""
+    from mha2gqa.eval.attention import record_attention
+    from mha2gqa.eval.reference import build, find
+
+    s = run.settings
+    ref = find(root, key)
+    if ref is not None:
+        if log:
+            log(f"the original's scores: reusing {ref.folder}")
+        return ref
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    main = is_main_process()
+    inputs = {
+        "the original model": run.paths[0],
+        "the converted model": run.paths[1],
+        "the --data text": s.data,
+    }
+    need = _reference_size(run, device, dtype)
+    with build(root, key, material, need, inputs) as ref:
+        if log:
+            log(f"scoring the original once, its scores cached in {root if temporary else root / key}")
+        original = _load(run, 0)
+        for name in run.passes:
+            res = run.score([original.model], name, record=ref.recorder(name, s.reference_top_k))
+            ref.add_seconds(name, res["seconds"])
+        if run.attention_batch is not None and main:
+            _, seconds = _timed(lambda: record_attention(original.model, run.attention_batch, ref))
+            ref.add_seconds("attention", seconds)
+        if run.prompts and main:
+            ref.manifest["samples"] = _generate(run, original.model)
+        ref.manifest["model"] = original.describe()
+        _free(original)
+    return ref
 
 
 def _quantized(run: _Run, ref: Any, name: str, log: Callable[[str], None] | None) -> dict[str, Any]:

@@ -75,7 +75,7 @@ class EvalRequest:
     def check(self) -> EvalRequest:
         """Everything checked before a model loads: gates need a pair; ``output`` and the reference
         cache may not replace an input, and the cache must be a writable folder; both models resolve."""
-        from mha2gqa.core.checkpoint import check_models
+        from mha2gqa.core.checkpoint import check_loadable, check_models
         from mha2gqa.eval.pair import check_pair
 
         if self.converted is None and self.limits.any:
@@ -96,6 +96,9 @@ class EvalRequest:
             raise Mha2GqaError(
                 "--compare-quantization places a conversion among quantized copies of its original: pass --converted"
             )
+        for label, model in (("--original", self.original), ("--converted", self.converted)):
+            if model is not None:  # whole weights, the tensors their configs describe: before any scoring
+                check_loadable(label, model, self.settings.revision)
         return self
 
     def run(self, log: Callable[[str], None] | None = None) -> Outcome | None:

@@ -36,6 +36,12 @@ def check_pair(original: str, converted: str, revision: str | None = None) -> No
     """Refuse a pair that is swapped or whose vocabularies differ (both configs are read; nothing loads)."""
     folders = [resolve_folder(p, revision)[0] for p in (original, converted)]
     configs = [read_config(f) for f in folders]
+    counts = []
+    for label, folder, config in zip(("--original", "--converted"), folders, configs, strict=True):
+        try:
+            counts.append(_kv_heads(config))
+        except Mha2GqaError as e:
+            raise Mha2GqaError(f"{label} {folder}: {e}") from None
     record = read_conversion_record(folders[0])
     if record is not None:
         source = Path(record.source.path).expanduser()
@@ -48,7 +54,7 @@ def check_pair(original: str, converted: str, revision: str | None = None) -> No
                 f"--original {original} was converted from --converted {converted}: the pair is swapped; "
                 f"pass --original {converted} --converted {original}"
             )
-    before, after = (_kv_heads(c) for c in configs)
+    before, after = counts
     if after > before:
         raise Mha2GqaError(
             f"--converted {converted} has more KV heads ({after} over all layers) than --original {original} "

@@ -17,6 +17,11 @@ comparison needs is saved; each converted model is then scored against it. An en
     The original's post-RoPE ``q``, ``k``, ``v``, its mask, output projection and layer output on
     the attention batch (one layer at a time is read back).
 
+Every file's size and sha256 are recorded in the manifest when it is written and checked when it is
+read back: a missing, truncated or altered file is refused with its path, never used. Evaluations
+sharing one cache take a lock beside the entry (``.<key>.lock``): the first builds it, the others wait
+and then reuse it.
+
 The key is a hash of everything that decides those numbers: the original (path, config, weight
 files' names, sizes and modification times), the exact windows of every pass, batch size, device,
 dtype, process rank, the attention batch and sample prompts, and the library versions. An entry
@@ -101,12 +106,7 @@ class Reference:
     def recorder(self, name: str, top_k: int = 0) -> Record:
         """Saves each batch of pass ``name`` (for :func:`~mha2gqa.eval.perplexity.score_windows`):
         the logits as they are (exact), or with ``top_k`` their top-k form."""
-        from safetensors.torch import save_file
-
         from mha2gqa.eval.perplexity import top_k_form
-
-        folder = self.folder / "logits" / name
-        folder.mkdir(parents=True, exist_ok=True)
 
         def save(index: int, chunks: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
             out: dict[str, torch.Tensor] = {}
@@ -115,36 +115,65 @@ class Reference:
                     out |= {f"{start}:{k}": v.cpu().contiguous() for k, v in top_k_form(logits, ids, top_k).items()}
                 else:
                     out[start] = logits.cpu().contiguous()
-            save_file(out, folder / f"{index:06d}.safetensors")
+            self._write(f"logits/{name}/{index:06d}.safetensors", out)
 
         return save
 
     def replayer(self, name: str) -> Replay:
-        """Gives back what :meth:`recorder` saved for pass ``name``."""
-        from safetensors.torch import load_file
-
-        folder = self.folder / "logits" / name
-        if not folder.is_dir():
+        """Gives back what :meth:`recorder` saved for pass ``name`` (each file checked)."""
+        if not any(f.startswith(f"logits/{name}/") for f in self.manifest.get("files", {})):
             raise Mha2GqaError(f"reference cache {self.folder} has no '{name}' pass: it is damaged; remove it")
-        return lambda index: load_file(folder / f"{index:06d}.safetensors")
+        return lambda index: self._read(f"logits/{name}/{index:06d}.safetensors")[0]
 
     # -- attention (a LayerStore) -------------------------------------------------------------
     def put(self, layer: int, tensors: dict[str, torch.Tensor], scaling: float, window: int | None) -> None:
-        from safetensors.torch import save_file
-
-        folder = self.folder / "attention"
-        folder.mkdir(parents=True, exist_ok=True)
         meta = {"scaling": repr(float(scaling)), "window": "" if window is None else str(int(window))}
         copies = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-        save_file(copies, folder / f"{layer:04d}.safetensors", metadata=meta)
+        self._write(f"attention/{layer:04d}.safetensors", copies, meta)
 
     def take(self, layer: int, device: torch.device) -> tuple[dict[str, torch.Tensor], float, int | None]:
-        from safetensors import safe_open
+        tensors, meta = self._read(f"attention/{layer:04d}.safetensors")
+        try:
+            scaling, window = float(meta["scaling"]), int(meta["window"]) if meta["window"] else None
+        except (KeyError, ValueError):
+            raise self._damaged(f"attention/{layer:04d}.safetensors", "its metadata is not ours") from None
+        return {k: v.to(device) for k, v in tensors.items()}, scaling, window
 
-        with safe_open(self.folder / "attention" / f"{layer:04d}.safetensors", "pt", device=str(device)) as f:
-            meta = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        return tensors, float(meta["scaling"]), int(meta["window"]) if meta["window"] else None
+    # -- files, with their checksums ----------------------------------------------------------
+    def _write(self, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:
+        """Write ``tensors`` to ``name`` (relative) and record its size and sha256 in the manifest."""
+        from safetensors.torch import save
+
+        data = save(tensors, metadata=meta)
+        path = self.folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        self.manifest.setdefault("files", {})[name] = [len(data), hashlib.sha256(data).hexdigest()]
+
+    def _read(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The tensors and metadata of ``name``, refused unless its bytes are the ones written."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        expected = self.manifest.get("files", {}).get(name)
+        if expected is None:
+            raise self._damaged(name, "it is not in the manifest")
+        try:
+            data = (self.folder / name).read_bytes()
+        except OSError as e:
+            raise self._damaged(name, f"it cannot be read ({e.strerror or e})") from None
+        if len(data) != expected[0] or hashlib.sha256(data).hexdigest() != expected[1]:
+            raise self._damaged(name, f"its content changed since it was written ({len(data):,} bytes)")
+        try:
+            return load(data), _metadata(data)
+        except (SafetensorError, ValueError) as e:
+            raise self._damaged(name, f"it is not a safetensors file ({e})") from None
+
+    def _damaged(self, name: str, why: str) -> Mha2GqaError:
+        return Mha2GqaError(
+            f"reference cache {self.folder}: {name} is damaged ({why}); remove {self.folder} and evaluate "
+            "again to rebuild it"
+        )
 
     # -- manifest -----------------------------------------------------------------------------
     def seconds(self, name: str) -> float:
@@ -157,9 +186,61 @@ class Reference:
         return sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file())
 
 
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file held in ``data``."""
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("its metadata is not an object")
+    return meta
+
+
+#: What a complete entry's manifest holds: key -> the JSON types it may have.
+_MANIFEST = {"schema": (str,), "key": (str,), "material": (dict,), "model": (dict,), "files": (dict,),
+             "seconds": (dict,), "samples": (list,), "created": (int, float)}  # fmt: skip
+_REQUIRED = ("schema", "key", "material", "model", "files")
+
+
+def _check_manifest(manifest: Any, folder: Path, key: str) -> None:
+    """A manifest's keys, types and files (present, each of its recorded size), or one error naming it."""
+    path = folder / REFERENCE_RECORD
+
+    def bad(why: str) -> Mha2GqaError:
+        return Mha2GqaError(f"reference cache {path}: {why}; remove {folder} and evaluate again to rebuild it")
+
+    if not isinstance(manifest, dict):
+        raise bad("not a manifest (not a JSON object)")
+    if manifest.get("schema") != SCHEMA or manifest.get("key") != key:
+        raise bad("its schema or key does not match its folder")
+    for name in _REQUIRED:
+        if name not in manifest:
+            raise bad(f"'{name}' is missing")
+    for name, kinds in _MANIFEST.items():
+        if name in manifest and (not isinstance(manifest[name], kinds) or isinstance(manifest[name], bool)):
+            raise bad(f"'{name}' has the wrong type")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in manifest.get("seconds", {}).values()):
+        raise bad("'seconds' holds a value that is not a number")
+    if not all(isinstance(v, str) for v in manifest.get("samples", [])):
+        raise bad("'samples' holds a value that is not text")
+    recorded = manifest["material"].get("settings")
+    wanted = recorded.get("samples", 0) if isinstance(recorded, dict) else 0
+    if isinstance(wanted, int) and wanted and len(manifest.get("samples", [])) != wanted:
+        raise bad(f"it should hold {wanted} sample generation(s)")
+    for name, entry in manifest["files"].items():
+        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and isinstance(entry[1], str)
+        if not ok or "/" not in name or ".." in name.split("/") or name.startswith("/"):
+            raise bad(f"its record of {name!r} is malformed")
+        file = folder / name
+        if not file.is_file():
+            raise bad(f"{name} is missing")
+        if file.stat().st_size != entry[0]:
+            raise bad(f"{name} has {file.stat().st_size:,} bytes, not the {entry[0]:,} written (truncated?)")
+
+
 def find(root: Path, key: str) -> Reference | None:
     """The complete entry ``key`` under ``root``, or None. A folder of that name that is not a
-    complete entry is refused (never overwritten)."""
+    complete, intact entry (manifest keys and types, every file present at its written size) is
+    refused, never overwritten; each file's checksum is verified when it is read."""
     folder = root / key
     if not folder.exists():
         return None
@@ -171,9 +252,37 @@ def find(root: Path, key: str) -> Reference | None:
             f"--reference-cache {folder} exists but is not a complete reference entry: remove it, "
             "or choose another --reference-cache"
         ) from None
-    if manifest.get("schema") != SCHEMA or manifest.get("key") != key:
-        raise Mha2GqaError(f"--reference-cache {folder}: its manifest does not match its name: remove it")
+    _check_manifest(manifest, folder, key)
     return Reference(folder, manifest)
+
+
+@contextmanager
+def locked(root: Path, key: str, log: Any = None) -> Iterator[None]:
+    """Hold the lock of entry ``key`` under ``root`` (``.<key>.lock`` beside it): evaluations sharing a
+    cache build an entry once; the others wait here, then find it. No-op where ``fcntl`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (two builders: the second is refused at publication)
+        yield
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = open(root / f".{key}.lock", "a+")  # noqa: SIM115 (held across the yield)
+    except OSError as e:
+        raise Mha2GqaError(
+            f"--reference-cache {root}: cannot create its lock ({e.strerror or e}); choose a writable folder"
+        ) from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if log:
+                log(f"waiting for another evaluation that is scoring the same original into {root / key}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextmanager

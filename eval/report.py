@@ -14,9 +14,11 @@ import html
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import check_destination, write_text
 from mha2gqa.core.records import FILE_MARK
@@ -146,11 +148,51 @@ def load_runs(paths: list[Path]) -> list[tuple[str, list[dict[str, Any]]]]:
     out = []
     for p in paths:
         records = read_log(Path(p))
-        if not records or records[0].get("type") != "start":
+        if not records or not isinstance(records[0], dict) or records[0].get("type") != "start":
             raise Mha2GqaError(f"{p}: not a log of `mha2gqa uptrain` (no start record)")
+        try:
+            typed.read(_RunStart, records[0], "start record")
+            for i, r in enumerate(records):
+                if not isinstance(r, dict):
+                    raise typed.RecordError(f"record {i + 1} is not an object")
+                if r.get("type") == "eval":
+                    typed.read(_RunEval, r, f"record {i + 1} (eval)")
+                elif "step" in r:
+                    typed.value(int, r["step"], f"record {i + 1}.step")
+        except typed.RecordError as e:
+            raise Mha2GqaError(f"{p}: {e}") from None
         folder = Path(p) if Path(p).is_dir() else Path(p).parent
         out.append((folder.resolve().name, records))
     return out
+
+
+@dataclass
+class _RunSettings:
+    objective: str
+    train: str
+    max_steps: int
+
+
+@dataclass
+class _RunStart:
+    """What the report reads of an uptraining log's start record."""
+
+    settings: _RunSettings
+    tokens_per_step: int
+    num_kv_heads: int | None = None
+
+
+@dataclass
+class _RunEval:
+    """What the report reads of an uptraining log's evaluation records."""
+
+    step: int
+    tokens: int
+    ppl: float
+    teacher_ppl: float | None = None
+    ppl_ratio: float | None = None
+    kl_mean: float | None = None
+    eval_tokens: int | None = None
 
 
 def _figure(

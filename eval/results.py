@@ -9,7 +9,7 @@ here and derived where the numbers allow (e.g. a model's KV bytes per token from
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +18,12 @@ from mha2gqa.core.conversion_record import Facts
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.records import EVAL_SCHEMA
 from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 
 class _Missing(Mha2GqaError):
     pass
-
-
-def _take(cls: type, data: Any, where: str) -> Any:
-    """``cls(**data)`` from the fields of ``data`` that ``cls`` declares; a missing required one
-    is an error naming ``where.field``."""
-    if not isinstance(data, dict):
-        raise _Missing(f"{where} is not an object")
-    kwargs = {}
-    for f in fields(cls):
-        if f.name in data:
-            kwargs[f.name] = data[f.name]
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise _Missing(f"{where}.{f.name} is missing")
-    return cls(**kwargs)
 
 
 @dataclass
@@ -152,33 +139,30 @@ class Results:
 
     @classmethod
     def from_dict(cls, d: Any, path: str | None = None) -> Results:
-        """Read a results dict; raises :class:`Mha2GqaError` naming what is missing."""
+        """Read a results dict, every field the readers use checked for presence and type (nested
+        sections included); raises :class:`Mha2GqaError` naming the file and the field."""
         where = path or "results"
         try:
-            if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("mha2gqa.eval/"):
-                raise _Missing("not a results file of `mha2gqa eval --output`")
+            _check_schema(d)
             models = d.get("models")
             if not isinstance(models, dict) or "original" not in models:
                 raise _Missing("models.original is missing")
-            parsed = {n: _model(m, f"models.{n}") for n, m in models.items()}
+            parsed = {n: typed.read(ModelInfo, m, f"models.{n}") for n, m in models.items()}
             protocols = d.get("protocols")
             if not isinstance(protocols, dict) or not protocols:
                 raise _Missing("protocols is missing or empty")
-            plain = {**d, "models": {}, "protocols": {}, "agreement": None, "verdict": None, "quantization": {}}
-            out = _take(cls, plain, "results")
+            plain = {**d, "models": {}, "protocols": {}, "agreement": None, "verdict": None, "path": None}
+            out = typed.read(cls, plain, "results")
             out.models = parsed
             out.protocols = {n: _protocol(n, p) for n, p in protocols.items()}
             agreement = d.get("agreement")
-            out.agreement = _take(Agreement, agreement, "agreement") if agreement and agreement.get("kl") else None
+            out.agreement = typed.read(Agreement, agreement, "agreement") if agreement else None
             if d.get("verdict") is not None:
                 out.verdict = Verdict.from_dict(d["verdict"], "verdict")
-            quantization = d.get("quantization") or {}
-            if not isinstance(quantization, dict):
-                raise _Missing("quantization is not an object")
-            out.quantization = {n: _quantized(q, f"quantization.{n}") for n, q in quantization.items()}
+            _check_sections(out)
         except (_Missing, typed.RecordError) as e:
             raise Mha2GqaError(f"{where}: {e}") from None
-        except (TypeError, ValueError, KeyError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise Mha2GqaError(f"{where}: a field has the wrong type ({e})") from None
         out.path = path
         return out
@@ -249,30 +233,200 @@ class Results:
         return f"{Path(self.converted.path).name} vs {Path(self.original.path).name}"
 
 
-def _model(m: Any, where: str) -> ModelInfo:
-    """One model's description, its conversion record typed."""
-    info = _take(ModelInfo, {**m, "conversion": None} if isinstance(m, dict) else m, where)
-    if m.get("conversion") is not None:
-        info.conversion = typed.read(Facts, m["conversion"], f"{where}.conversion")
-    return info
-
-
-def _quantized(q: Any, where: str) -> Quantized:
-    if not isinstance(q, dict):
-        raise _Missing(f"{where} is not an object")
-    out = _take(Quantized, {**q, "agreement": None}, where)
-    out.agreement = _take(Agreement, q.get("agreement"), f"{where}.agreement")
-    return out
+def _check_schema(d: Any) -> None:
+    """A results file of a version this mha2gqa reads (``mha2gqa.eval/N``, N at most ours)."""
+    schema = d.get("schema") if isinstance(d, dict) else None
+    if not isinstance(schema, str) or not schema.startswith("mha2gqa.eval/"):
+        raise _Missing("not a results file of `mha2gqa eval --output`")
+    version, ours = schema.rsplit("/", 1)[1], EVAL_SCHEMA.rsplit("/", 1)[1]
+    if not version.isdigit():
+        raise _Missing(f"schema {schema!r} is not one mha2gqa writes")
+    if int(version) > int(ours):
+        raise _Missing(f"written by a newer mha2gqa (schema {schema}; this one reads up to {EVAL_SCHEMA}): upgrade")
 
 
 def _protocol(name: str, p: Any) -> Protocol:
     if not isinstance(p, dict):
         raise _Missing(f"protocols.{name} is not an object")
-    out = _take(Protocol, {**p, "name": name, "original": None}, f"protocols.{name}")
-    out.original = _take(Score, p.get("original"), f"protocols.{name}.original")
-    if p.get("converted") is not None:
-        out.converted = _take(Score, p["converted"], f"protocols.{name}.converted")
+    out = typed.read(Protocol, {**p, "name": name}, f"protocols.{name}")
+    for key in ("seq_len",):
+        if not isinstance(out.settings.get(key), int):
+            raise _Missing(f"protocols.{name}.settings.{key} is missing or not an integer")
     return out
+
+
+# -- the nested sections the readers index into, checked once here ---------------------------------
+@dataclass
+class _Data:
+    source: str
+    documents: int
+    stream_tokens: int
+
+
+@dataclass
+class _Device:
+    type: str
+    dtype: str
+
+
+@dataclass
+class _KL:
+    mean: float
+    median: float
+    q90: float
+    q95: float
+    q99: float
+    q99_9: float
+    max: float
+
+
+@dataclass
+class _Stats(_KL):
+    """llama.cpp's full statistics of a per-token figure (the KL report reads every one)."""
+
+    std_error: float
+    min: float
+    q0_1: float
+    q1: float
+    q5: float
+    q10: float
+
+
+@dataclass
+class _DeltaP(_Stats):
+    rms: float
+    rms_error: float
+
+
+@dataclass
+class _Report:
+    """What the KL report needs beside the statistics (present whenever Δp and the reverse KL are)."""
+
+    top1_error: float
+    nll_delta_error: float
+    nll_correlation: float
+
+
+@dataclass
+class _RestMass:
+    mean: float
+    max: float
+
+
+@dataclass
+class _Head:
+    kl: float
+    output_rel_error: float
+    contribution_rel_error: float | None = None
+
+
+@dataclass
+class _Similarity:
+    mean: float
+    matrix: list[list[float]]
+    within_groups: float | None = None
+    across_groups: float | None = None
+
+
+@dataclass
+class _HeadSimilarity:
+    original: _Similarity
+    converted: _Similarity
+
+
+@dataclass
+class _Layer:
+    layer: int
+    heads: list[_Head]
+    mean_kl: float
+    mean_js: float
+    mean_cosine: float
+    mean_entropy_original: float
+    mean_entropy_converted: float
+    entropy_uniform: float
+    hidden_cosine: float
+    mean_output_rel_error: float
+    mean_contribution_rel_error: float | None = None
+    head_similarity: _HeadSimilarity | None = None
+
+
+@dataclass
+class _Summary:
+    mean_kl: float
+    mean_js: float
+    mean_cosine: float
+    mean_entropy_original: float
+    mean_entropy_converted: float
+    entropy_uniform: float
+    mean_hidden_cosine: float
+    mean_output_rel_error: float
+    mean_contribution_rel_error: float | None = None
+    head_similarity_original_mean: float | None = None
+    head_similarity_converted_mean: float | None = None
+    head_similarity_converted_within_groups: float | None = None
+    head_similarity_converted_across_groups: float | None = None
+
+
+@dataclass
+class _Attention:
+    seq_len: int
+    summary: _Summary
+    layers: list[_Layer]
+
+
+@dataclass
+class _Check:
+    name: str
+    value: float
+    limit: float
+    op: str
+    passed: bool
+
+
+@dataclass
+class _Gates:
+    passed: bool
+    checks: list[_Check]
+
+
+@dataclass
+class _Sample:
+    prompt: str
+    original: str = ""
+    converted: str = ""
+
+
+def _check_sections(r: Results) -> None:
+    """The sections kept as plain dicts, checked against what the terminal, report and tables read."""
+    if r.converted is not None:  # a pair: every protocol scored both models
+        for name, p in r.protocols.items():
+            if p.converted is None or p.ppl_ratio is None:
+                raise _Missing(f"protocols.{name}: a pair's protocol needs its converted score and ppl_ratio")
+            if (p.original.bits_per_byte is None) != (p.converted.bits_per_byte is None):
+                raise _Missing(f"protocols.{name}: bits_per_byte is given for one model only")
+    typed.read(_Data, r.data, "data")
+    typed.read(_Device, r.device, "device")
+    a = r.agreement
+    if a is not None:
+        typed.read(_KL, a.kl, "agreement.kl")
+        if a.kl_reverse is not None and a.delta_p is not None:  # the llama.cpp-style report
+            typed.read(_Stats, a.kl, "agreement.kl")
+            typed.read(_Stats, a.kl_reverse, "agreement.kl_reverse")
+            typed.read(_DeltaP, a.delta_p, "agreement.delta_p")
+            typed.read(_Report, asdict(a), "agreement")
+        if a.reference_rest_mass is not None:
+            typed.read(_RestMass, a.reference_rest_mass, "agreement.reference_rest_mass")
+    if r.attention is not None:
+        attention = typed.read(_Attention, r.attention, "attention")
+        if not attention.layers or any(not layer.heads for layer in attention.layers):
+            raise _Missing("attention.layers is empty, or a layer has no heads")
+    if r.gates is not None:
+        typed.read(_Gates, r.gates, "gates")
+    for i, sample in enumerate(r.samples):
+        typed.read(_Sample, sample, f"samples[{i}]")
+    overlap = r.data.get("calibration_overlap")
+    if overlap is not None and not isinstance(overlap, dict):
+        raise _Missing("data.calibration_overlap is not an object")
 
 
 __all__ = ["Agreement", "ModelInfo", "Protocol", "Quantized", "Results", "Score"]

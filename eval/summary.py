@@ -51,8 +51,11 @@ def summary_lines(results: Results) -> list[str]:
             f"{s['mean_entropy_converted']:.3f} (uniform {s['entropy_uniform']:.3f}), head contribution error "
             f"{head_error(s):.4f}, hidden cosine {s['mean_hidden_cosine']:.4f}"
         )
-        if s.get("head_similarity_original_mean") is not None:
-            within, across = s["head_similarity_converted_within_groups"], s["head_similarity_converted_across_groups"]
+        if s.get("head_similarity_original_mean") is not None and s.get("head_similarity_converted_mean") is not None:
+            within, across = (
+                s.get("head_similarity_converted_within_groups"),
+                s.get("head_similarity_converted_across_groups"),
+            )
             groups = f" (within KV groups {within:.3f}, across {across:.3f})" if within is not None and across else ""
             lines.append(
                 f"head similarity: {s['head_similarity_original_mean']:.3f} -> "

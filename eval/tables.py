@@ -133,7 +133,8 @@ def attention_table(r: Results) -> Table | None:
 def head_error(entry: dict[str, Any]) -> float:
     """A layer's (or the summary's) mean per-head contribution error; files written before it was
     measured give the raw output error."""
-    return entry.get("mean_contribution_rel_error", entry["mean_output_rel_error"])
+    found = entry.get("mean_contribution_rel_error")
+    return found if found is not None else entry["mean_output_rel_error"]
 
 
 def kv_rows(r: Results) -> list[list[str]]:
@@ -267,8 +268,8 @@ def _run_row(label: str, records: list[dict[str, Any]]) -> list[str]:
         "uptrain",
         str(start.get("num_kv_heads", "")),
         "-",
-        f"{last['teacher_ppl']:.3f} → {last['ppl']:.3f}" if "teacher_ppl" in last else "",
-        f"{last.get('eval_tokens', 0):,}" if last else "",
+        f"{last['teacher_ppl']:.3f} → {last['ppl']:.3f}" if last.get("teacher_ppl") is not None else "",
+        f"{last.get('eval_tokens') or 0:,}" if last else "",
         f"{ratio:.3f}x" if ratio else "",
         f"{kl:.4f}" if kl is not None else "",
         "",
@@ -357,9 +358,10 @@ def recovery_table(runs: list[tuple[str, list[dict[str, Any]]]]) -> Table:
         ]
         if evals:
             a, b = evals[0], evals[-1]
-            row.append(f"{a['ppl']:.3f} → {b['ppl']:.3f} ({b.get('eval_tokens', 0):,} tok)")
-            row.append(f"{a['ppl_ratio']:.3f}x → {b['ppl_ratio']:.3f}x" if "ppl_ratio" in b else "")
-            row.append(f"{a['kl_mean']:.4f} → {b['kl_mean']:.4f}" if "kl_mean" in b else "")
+            both = {k: a.get(k) is not None and b.get(k) is not None for k in ("ppl_ratio", "kl_mean")}
+            row.append(f"{a['ppl']:.3f} → {b['ppl']:.3f} ({b.get('eval_tokens') or 0:,} tok)")
+            row.append(f"{a['ppl_ratio']:.3f}x → {b['ppl_ratio']:.3f}x" if both["ppl_ratio"] else "")
+            row.append(f"{a['kl_mean']:.4f} → {b['kl_mean']:.4f}" if both["kl_mean"] else "")
         else:
             row += ["(no --eval-data)", "", ""]
         t.add(*row)

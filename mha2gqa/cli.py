@@ -80,7 +80,7 @@ def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     option = click.option(
         "--threads",
-        type=click.IntRange(min=1),
+        type=click.IntRange(min=1, max=4096),
         default=None,
         help="CPU threads for torch [default: OMP_NUM_THREADS, else the idle cores].",
     )

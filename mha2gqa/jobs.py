@@ -46,7 +46,7 @@ from mha2gqa.uptrain.settings import UptrainSettings
 
 _TOP = ("name", "source", "demo", "convert", "eval", "uptrain", "gates", "report", "output_dir")
 #: settings the job decides itself (per conversion, or from other sections)
-_CONVERT_FIXED = ("num_kv_heads", "method", "overwrite", "progress")
+_CONVERT_FIXED = ("num_kv_heads", "num_kv_heads_per_layer", "method", "overwrite", "progress")
 _EVAL_FIXED = ("progress",)
 _UPTRAIN_FIXED = ("output", "teacher", "eval_data", "resume", "overwrite", "progress", "stop_after")
 
@@ -56,7 +56,7 @@ class Job:
     name: str
     source: str
     demo: DemoSettings
-    num_kv_heads: tuple[int, ...]
+    num_kv_heads: tuple[int | tuple[int, ...], ...]  # a count for every layer, or each layer's own
     methods: tuple[str, ...]
     convert: dict[str, Any] = field(default_factory=dict)  # further ConvertSettings fields
     eval: EvalSettings | None = None
@@ -65,11 +65,16 @@ class Job:
     report: bool = True
     output_dir: Path | None = None
 
-    def convert_settings(self, num_kv_heads: int, method: str, calibration: str | None = None) -> ConvertSettings:
+    def convert_settings(
+        self, num_kv_heads: int | tuple[int, ...], method: str, calibration: str | None = None
+    ) -> ConvertSettings:
         """The settings of one conversion of the sweep (checked); the sweep's calibration text goes to
         the methods that read it."""
         options = {**self.convert, **({"calibration": calibration} if calibration else {})}
-        settings = ConvertSettings(num_kv_heads=num_kv_heads, method=method, overwrite=True, progress=False)
+        heads = {"num_kv_heads": num_kv_heads}
+        if isinstance(num_kv_heads, tuple):  # each layer its own count
+            heads = {"num_kv_heads": None, "num_kv_heads_per_layer": ",".join(map(str, num_kv_heads))}
+        settings = ConvertSettings(**heads, method=method, overwrite=True, progress=False)
         settings = dataclasses.replace(settings, **options)
         if not settings.reads_calibration:
             settings = dataclasses.replace(settings, calibration=None)
@@ -105,10 +110,18 @@ def _sweep(conv: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...], dict
     """``num_kv_heads`` and ``methods`` (one value or a list each) and the other convert settings."""
     conv = dict(conv)
     heads = conv.pop("num_kv_heads", None)
+    per_layer = conv.pop("num_kv_heads_per_layer", None)
     methods = conv.pop("methods", [ConvertSettings.method])  # the command line's default method
-    heads = check_value(
-        "convert.num_kv_heads", heads if isinstance(heads, list) else [heads], tuple[int, ...], Spec("", minimum=1)
-    )
+    heads = [] if heads is None and per_layer is not None else heads if isinstance(heads, list) else [heads]
+    uniform = check_value("convert.num_kv_heads", [h for h in heads if not isinstance(h, list | str)],
+                          tuple[int, ...], Spec("", minimum=1, empty=True))  # fmt: skip
+    lists = [h for h in heads if isinstance(h, list | str)]  # per-layer entries among the counts ...
+    lists += per_layer if isinstance(per_layer, list) and any(isinstance(x, list | str) for x in per_layer) else (
+        [per_layer] if per_layer is not None else [])  # fmt: skip
+    each = tuple(_per_layer(x) for x in lists)  # ... and under num_kv_heads_per_layer
+    if not uniform and not each:
+        raise SettingError("convert.num_kv_heads", "{name} needs a value: a count, a list of them, or per-layer lists")
+    heads = (*uniform, *each)
     methods = check_value(
         "convert.methods",
         methods if isinstance(methods, list) else [methods],
@@ -116,6 +129,22 @@ def _sweep(conv: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...], dict
         Spec("", choices=tuple(METHODS)),
     )
     return heads, methods, conv
+
+
+def _per_layer(value: Any) -> tuple[int, ...]:
+    """A per-layer entry of a sweep: ``"4,1,2"`` or ``[4, 1, 2]``."""
+    from mha2gqa.core.dims import parse_kv_heads_list
+
+    if isinstance(value, list):
+        value = ",".join(str(v) for v in value)
+    if not isinstance(value, str):
+        raise SettingError("convert.num_kv_heads_per_layer", f"{{name}} {value!r}: give each layer's count, e.g. 4,1,2")
+    return parse_kv_heads_list(value, "convert.num_kv_heads_per_layer")
+
+
+def heads_tag(heads: int | tuple[int, ...]) -> str:
+    """A sweep entry in file names and tables: ``4``, or ``4-1-2`` for each layer's own count."""
+    return "-".join(map(str, heads)) if isinstance(heads, tuple) else str(heads)
 
 
 def load_job(path: Path) -> Job:
@@ -141,7 +170,9 @@ def _parse(path: Path, data: Any) -> Job:
         raise SettingError("source", "'{name}' is required (a folder, a hub id, or demo)")
     demo = from_mapping(DemoSettings, _section(data, "demo"), "demo")
     heads, methods, conv = _sweep(_section(data, "convert"))
-    fixed = {"num_kv_heads": heads[0], "method": methods[0], "overwrite": True, "progress": False}
+    first = {"num_kv_heads": heads[0]} if not isinstance(heads[0], tuple) else {
+        "num_kv_heads": None, "num_kv_heads_per_layer": ",".join(map(str, heads[0]))}  # fmt: skip
+    fixed = {**first, "method": methods[0], "overwrite": True, "progress": False}
     from_mapping(ConvertSettings, _checkable(conv), "convert", fixed=fixed)  # keys and types
     ev = _section(data, "eval")
     if "data" not in ev:
@@ -261,15 +292,21 @@ def _demo_text(job: Job, name: str | None) -> str | None:
 
 def _check_heads(job: Job, source: str) -> None:
     """Every KV-head count of the sweep must divide the source's, checked before the first conversion."""
-    from mha2gqa.core.architecture import dims_of
+    from mha2gqa.core.architecture import resolve
     from mha2gqa.core.planning import load_config
 
-    dims = dims_of(load_config(source))
+    try:
+        dims = resolve(load_config(source)).dims  # BLOOM, T5...: refused with the reason convert gives
+    except Mha2GqaError as e:
+        raise Mha2GqaError(f"source {source}: {e}") from None
     for g in job.num_kv_heads:
         try:
-            dims.check_kv_heads(g)
+            if isinstance(g, tuple):
+                dims.check_kv_heads_per_layer(g, "num_kv_heads_per_layer")
+            else:
+                dims.check_kv_heads(g)
         except SettingError as e:
-            raise Mha2GqaError(e.render("convert.num_kv_heads")) from None
+            raise Mha2GqaError(e.render(f"convert.{e.setting}")) from None
 
 
 def _claim_run_folder(out: Path, job: Job, source: str) -> Path:
@@ -339,7 +376,7 @@ def _run_job(job: Job, output_dir: Path | None, log: Callable[[str], None], prog
     passed = True
     for method in job.methods:
         for g in job.num_kv_heads:
-            tag = f"{method}-g{g}"
+            tag = f"{method}-g{heads_tag(g)}"
             model_dir = out / "models" / tag
             how = dataclasses.replace(job.convert_settings(g, method, calibration), progress=progress)
             conv = run_conversion(prepare(source, model_dir, how))
@@ -402,7 +439,7 @@ def _evaluate_stage(
     row = {
         "tag": tag,
         "method": label,
-        "num_kv_heads": g,
+        "num_kv_heads": heads_tag(g).replace("-", ","),
         "original_ppl": p.original.ppl,
         "converted_ppl": p.converted.ppl,
         "ppl_ratio": p.ppl_ratio,

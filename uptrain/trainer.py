@@ -221,6 +221,8 @@ class _Trainer:
         }
         check_output(self.output, s.resume, s.overwrite, inputs)
         self.resume_from, self.start_step = _resume_point(self.output, s.resume, plan.run)
+        if self.resume_from is not None:  # its weights whole before anything loads
+            _check_resume(self.resume_from)
         from accelerate.utils import set_seed
 
         set_seed(s.seed)
@@ -239,7 +241,7 @@ class _Trainer:
         self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
         skip_model_weights(acc)
         if self.resume_from is not None:
-            acc.load_state(str(self.resume_from))
+            _load_state(acc, self.resume_from)
         self.order = WindowOrder(len(plan.windows), s.batch_size, s.seed)
         self.log = RunLog(self.output / UPTRAIN_LOG, self.main, self.start_step if self.resume_from else None)
         # every evaluation of the run so far (a resumed run's earlier ones come from its log)
@@ -465,9 +467,51 @@ class _Window:
         return rec
 
 
+def _check_resume(folder: Path) -> None:
+    """A checkpoint to resume from, whole: a full model as any loaded model (its config and weights),
+    LoRA adapters by their safetensors headers (a truncated file is found here, not mid-load)."""
+    from mha2gqa.core.checkpoint import check_loadable
+    from mha2gqa.core.safetensors_io import read_shard_index
+
+    label = f"--resume: the checkpoint {folder}:"
+    if (folder / "config.json").is_file():
+        check_loadable(label, str(folder))
+        return
+    try:
+        read_shard_index(sorted(folder.glob("*.safetensors")))
+    except Mha2GqaError as e:
+        raise Mha2GqaError(f"{label} {e}") from None
+
+
+def _load_state(acc: Any, folder: Path) -> None:
+    """A resumed run's model, optimizer and scheduler state (accelerate's checkpoint), or one line
+    saying which checkpoint cannot be read (truncated, damaged, or a pickle that is not plain data:
+    torch's weights-only loading refuses it, and it is never loaded otherwise)."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    try:
+        acc.load_state(str(folder))
+    except (pickle.UnpicklingError, SafetensorError, EOFError, OSError, RuntimeError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if "weights_only" in first or isinstance(e, pickle.UnpicklingError):
+            first = "it holds a pickle that is not plain tensors and data, refused as unsafe"
+        raise Mha2GqaError(
+            f"--resume: the checkpoint {folder} cannot be read ({first}); remove it to resume from the one "
+            "before, or start again without --resume"
+        ) from None
+
+
 def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult:
     """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
-    trainer = _Trainer(student, settings.check(), log)
+    from mha2gqa.core.checkpoint import check_loadable
+
+    settings = settings.check()
+    check_loadable("the student", student)
+    if settings.teacher:
+        check_loadable("--teacher", settings.teacher)
+    trainer = _Trainer(student, settings, log)
     trainer.announce()
     return trainer.finish(trainer.train())
 
