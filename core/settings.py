@@ -118,12 +118,12 @@ def check_value(name: str, value: Any, annotation: Any, spec: Spec) -> Any:
         value = float(value)  # a whole number where a float is wanted
     if isinstance(value, float) and not math.isfinite(value):
         raise SettingError(name, f"{{name}} must be a finite number (got {value})")
-    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
-        raise SettingError(name, f"{{name}} {value} does not fit in 64 bits; check the number")
     if spec.choices is not None and value not in spec.choices:
         raise SettingError(name, f"{{name}} {value!r}: choose one of {', '.join(map(str, spec.choices))}")
     if isinstance(value, int | float) and not isinstance(value, bool):
         _check_bounds(name, value, spec)
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        raise SettingError(name, f"{{name}} {value} does not fit in 64 bits; check the number")
     return value
 
 
