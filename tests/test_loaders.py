@@ -256,3 +256,20 @@ def test_a_job_sweeps_per_layer_counts_and_refuses_a_refused_family_first(pair, 
     with pytest.raises(Mha2GqaError, match="BloomForCausalLM is not supported: BLOOM uses ALiBi"):
         run_job(load_job(job), tmp_path / "run2", log=lambda m: None)
     assert not (tmp_path / "run2").exists()
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line(pair, tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    def full(self, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                           "data/2: file write failed")  # fmt: skip
+
+    monkeypatch.setattr(Accelerator, "save_state", full)
+    _, conv, text = pair
+    out = tmp_path / "up"
+    argv = ["uptrain", str(conv), "--data", str(text), "--output", str(out), "--max-steps", "2", "--batch-size", "2",
+            "--seq-len", "32", "-q"]  # fmt: skip
+    res = CliRunner().invoke(main, argv)
+    assert res.exit_code == 1 and "disk full" in res.output and "Traceback" not in res.output, res.output
+    assert not [p for p in out.rglob("*") if p.name.startswith(".")]  # no half-written checkpoint

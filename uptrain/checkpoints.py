@@ -14,6 +14,7 @@ Only complete checkpoints have their final name, so ``--resume`` always finds a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -146,10 +147,23 @@ def _building(tmp: Path, accelerator) -> Iterator[None]:
     accelerator.wait_for_everyone()
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
+        if _out_of_space(e):  # torch and safetensors report a full disk in their own words
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from None
         raise
+
+
+#: How torch's and safetensors' writers say the disk is full (they raise their own error types).
+_FULL_DISK = ("No space left on device", "file write failed", "os error 28")
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """``e`` is a full disk, whoever raised it."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, Exception) and any(s in str(e) for s in _FULL_DISK)
 
 
 def skip_model_weights(accelerator) -> None:
