@@ -334,33 +334,31 @@ class _HeadSimilarity:
     converted: _Similarity
 
 
-@dataclass
-class _Layer:
-    layer: int
-    heads: list[_Head]
+@dataclass(kw_only=True)
+class _Means:
+    """The per-head means a layer and the whole model both report."""
+
     mean_kl: float
     mean_js: float
     mean_cosine: float
     mean_entropy_original: float
     mean_entropy_converted: float
     entropy_uniform: float
-    hidden_cosine: float
     mean_output_rel_error: float
     mean_contribution_rel_error: float | None = None
+
+
+@dataclass(kw_only=True)
+class _Layer(_Means):
+    layer: int
+    heads: list[_Head]
+    hidden_cosine: float
     head_similarity: _HeadSimilarity | None = None
 
 
-@dataclass
-class _Summary:
-    mean_kl: float
-    mean_js: float
-    mean_cosine: float
-    mean_entropy_original: float
-    mean_entropy_converted: float
-    entropy_uniform: float
+@dataclass(kw_only=True)
+class _Summary(_Means):
     mean_hidden_cosine: float
-    mean_output_rel_error: float
-    mean_contribution_rel_error: float | None = None
     head_similarity_original_mean: float | None = None
     head_similarity_converted_mean: float | None = None
     head_similarity_converted_within_groups: float | None = None
@@ -398,12 +396,16 @@ class _Sample:
 
 def _check_sections(r: Results) -> None:
     """The sections kept as plain dicts, checked against what the terminal, report and tables read."""
+    if r.converted is None and (r.attention or r.agreement or r.quantization or r.samples or r.verdict):
+        raise _Missing("models.converted is missing, but the file holds a comparison's sections")
     if r.converted is not None:  # a pair: every protocol scored both models
         for name, p in r.protocols.items():
             if p.converted is None or p.ppl_ratio is None:
                 raise _Missing(f"protocols.{name}: a pair's protocol needs its converted score and ppl_ratio")
             if (p.original.bits_per_byte is None) != (p.converted.bits_per_byte is None):
                 raise _Missing(f"protocols.{name}: bits_per_byte is given for one model only")
+    for name, q in r.quantization.items():
+        typed.read(_KL, q.agreement.kl, f"quantization.{name}.agreement.kl")
     typed.read(_Data, r.data, "data")
     typed.read(_Device, r.device, "device")
     a = r.agreement
