@@ -20,12 +20,12 @@ SAFE_SINGLE = "model.safetensors"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 
+#: A folder holding one of these has a tokenizer of its own (fast, slow or sentencepiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: Files copied next to the converted weights (tokenizer, generation and chat-template files).
 AUX_FILES = (
     "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
+    *TOKENIZER_FILES,
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.json",

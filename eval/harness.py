@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.core.checkpoint import read_config, resolve_folder
+from mha2gqa.core.checkpoint import TOKENIZER_FILES, read_config, resolve_folder
 from mha2gqa.core.dims import config_value
 from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors
 from mha2gqa.core.memory import map_large_allocations
@@ -185,10 +185,8 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     paths = [original] + ([converted] if converted else [])
     folders = [resolve_folder(p, s.revision)[0] for p in paths]
     tok = load_tokenizer(folders[0])
-    if converted:
-        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        if any((folders[1] / f).is_file() for f in files):
-            check_same_tokenizer(tok, load_tokenizer(folders[1]), original, converted)
+    if converted and any((folders[1] / f).is_file() for f in TOKENIZER_FILES):
+        check_same_tokenizer(tok, load_tokenizer(folders[1]), original, converted)
     limits = [p for p in map(_max_positions, folders) if p]
     max_pos = min(limits) if limits else None
     seq_len = s.seq_len or min(2048, max_pos or 2048)
