@@ -161,7 +161,7 @@ def head_sharing(groups: list[list[int]], num_heads: int) -> bytes:
 LADDERS = ((1, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2, 3, 5), (1, 1.2, 1.5, 2, 3, 5), (1, 2, 5), (1,))
 
 
-def log_ticks(values: list[float], most: int = 8) -> list[float]:
+def log_ticks(values: list[float], most: int = 6) -> list[float]:
     """Labelled ticks for a log axis over ``values`` (positive): one at or below the smallest, one at
     or above the largest, the steps between from the finest ladder that needs at most ``most``."""
     positive = [v for v in values if v > 0 and math.isfinite(v)]
