@@ -33,3 +33,10 @@ def config_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # an older huggingface_hub: configs are not strict dataclasses
         return (ValueError,)
     return (ValueError, StrictDataclassError)
+
+
+def disk_full(e: BaseException) -> bool:
+    """``e`` is the OS saying the disk (or the user's quota) is full."""
+    import errno
+
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)

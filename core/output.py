@@ -36,7 +36,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, disk_full
 from mha2gqa.core.records import OWNED_FILE_MARKERS, OWNED_FOLDER_MARKERS
 from mha2gqa.core.signals import check as check_signals
 
@@ -250,7 +250,7 @@ def handle_stale(dst: Path, remove: bool) -> None:
 
 
 def _space_error(e: OSError, dst: Path, what: str, need: int | None = None) -> Mha2GqaError | None:
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    if not disk_full(e):
         return None
     from mha2gqa.core.units import format_bytes
 

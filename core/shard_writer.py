@@ -9,7 +9,6 @@ produced one at a time. Memory stays bounded by the largest computed tensor.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mha2gqa.core.dtypes import BY_CODE
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, disk_full
 from mha2gqa.core.safetensors_io import TensorInfo, copy_range
 from mha2gqa.core.signals import check as check_signals
 
@@ -130,7 +129,7 @@ def write_checkpoint(
             finally:
                 os.close(fd)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if disk_full(e):
             need = tqdm.format_sizeof(total, "B", 1024)
             raise Mha2GqaError(
                 f"disk full while writing {folder.parent}: the output needs {need}; free space or choose another DST"

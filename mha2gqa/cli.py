@@ -8,7 +8,6 @@ defaults, choices and help are written once; values are checked before anything 
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
@@ -20,7 +19,7 @@ from typing import Any
 import click
 
 from mha2gqa.convert.settings import ConvertSettings
-from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.errors import Mha2GqaError, SettingError, disk_full
 from mha2gqa.core.planning import PlanSettings
 from mha2gqa.core.settings import click_options, flag
 from mha2gqa.eval.gates import GATE_EXIT_CODE, GateSettings
@@ -62,7 +61,7 @@ def _one_line(e: Exception) -> str:
         return e.render(e.setting if "." in e.setting else flag(e.setting))
     if isinstance(e, Mha2GqaError):
         return str(e)
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if disk_full(e):
         where = f" while writing {e.filename}" if e.filename else ""
         return f"disk full{where}: free space or choose another output path"
     raise e

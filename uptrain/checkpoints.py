@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, disk_full
 from mha2gqa.core.output import Inputs, check_destination, check_overlap, publish, staged_output
 
 CHECKPOINTS = "checkpoints"
@@ -162,7 +162,7 @@ _FULL_DISK = ("No space left on device", "file write failed", "os error 28")
 def _out_of_space(e: BaseException) -> bool:
     """``e`` is a full disk, whoever raised it."""
     if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+        return disk_full(e)
     return isinstance(e, Exception) and any(s in str(e) for s in _FULL_DISK)
 
 
