@@ -424,7 +424,7 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
     main = is_main_process()
     try:
         with locked(root, key, log):
-            ref = _reference(run, root, key, material, temporary, log)
+            ref = _reference(run, root, key, material, (device, dtype), temporary, log)
         if log:
             log(f"scoring the converted model {run.paths[1]}")
         converted = _load(run, 1)
@@ -461,9 +461,18 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _reference(run: _Run, root: Path, key: str, material: dict[str, Any], temporary: bool, log) -> Any:
+def _reference(
+    run: _Run,
+    root: Path,
+    key: str,
+    material: dict[str, Any],
+    place: tuple[torch.device, torch.dtype],
+    temporary: bool,
+    log: Callable[[str], None] | None,
+) -> Any:
     """The original's cached scores: the entry ``key`` under ``root`` when it exists (checked), else
-    built now, the original loaded, scored and freed (under the entry's lock, held by the caller)."""
+    built now on ``place`` (device, dtype), the original loaded, scored and freed (under the entry's
+    lock, held by the caller)."""
     from mha2gqa.eval.attention import record_attention
     from mha2gqa.eval.reference import build, find
 
@@ -473,15 +482,13 @@ def _reference(run: _Run, root: Path, key: str, material: dict[str, Any], tempor
         if log:
             log(f"the original's scores: reusing {ref.folder}")
         return ref
-    device = resolve_device(s.device)
-    dtype = resolve_dtype(s.dtype, device)
     main = is_main_process()
     inputs = {
         "the original model": run.paths[0],
         "the converted model": run.paths[1],
         "the --data text": s.data,
     }
-    need = _reference_size(run, device, dtype)
+    need = _reference_size(run, *place)
     with build(root, key, material, need, inputs) as ref:
         if log:
             log(f"scoring the original once, its scores cached in {root if temporary else root / key}")
@@ -511,10 +518,7 @@ def _quantized(run: _Run, ref: Any, name: str, log: Callable[[str], None] | None
     weights = quantize_model(model.model, scheme)
     scored = {p: run.score([model.model], p, replay=ref.replayer(p)) for p in run.passes}
     _free(model)
-    ratios = {
-        p: math.exp((scored[p]["nll_sum"][1] - scored[p]["nll_sum"][0]) / scored[p]["tokens"])
-        for p in run.settings.protocols
-    }
+    ratios = {p: _protocol_result(run.names, scored[p], {})["ppl_ratio"] for p in run.settings.protocols}
     return {
         "description": scheme.description,
         "bits": scheme.bits,
