@@ -29,7 +29,7 @@ FLAG_SHARE = 0.01
 def _kv_heads(config: dict[str, Any]) -> int:
     """KV heads over all layers (a per-layer checkpoint's sum)."""
     dims = dims_of(config)
-    return sum(dims.kv_heads_per_layer) if dims.kv_heads_per_layer else dims.num_kv_heads * dims.num_layers
+    return sum(dims.kv_heads_of(layer) for layer in range(dims.num_layers))
 
 
 def check_pair(original: str, converted: str, revision: str | None = None) -> None:
@@ -107,15 +107,15 @@ def calibration_overlap(data: TextData, source: str, converted_folder: Path, tex
     facts = record.conversion if record else None
     if facts is None:
         return None
-    texts = []
+    texts: dict[str, str] = {}  # text -> what read it; a refit usually reads the calibration text: once
     if facts.refit is not None:
-        texts.append((facts.refit.data, "refit"))
+        texts[facts.refit.data] = "refit"
     if facts.calibration is not None and facts.calibration.data:
-        texts.append((facts.calibration.data, "calibration"))
+        texts.setdefault(facts.calibration.data, "calibration")
     found: Overlap | None = None
     mine = compared_lines(data.documents)
     here = Path(source).expanduser()
-    for text, use in texts:
+    for text, use in texts.items():
         path = Path(text).expanduser()
         if text == source or (path.is_file() and here.is_file() and path.resolve() == here.resolve()):
             return Overlap(text, use, True, 1.0, len(mine))

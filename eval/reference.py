@@ -46,6 +46,7 @@ import torch
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import Inputs, staged_output
 from mha2gqa.core.records import REFERENCE_RECORD, versions
+from mha2gqa.core.safetensors_io import read_header
 from mha2gqa.core.units import format_bytes
 from mha2gqa.eval.perplexity import Record, Replay, Window
 
@@ -135,7 +136,7 @@ class Reference:
         tensors, meta = self._read(f"attention/{layer:04d}.safetensors")
         try:
             scaling, window = float(meta["scaling"]), int(meta["window"]) if meta["window"] else None
-        except (KeyError, ValueError):
+        except (KeyError, TypeError, ValueError):
             raise self._damaged(f"attention/{layer:04d}.safetensors", "its metadata is not ours") from None
         return {k: v.to(device) for k, v in tensors.items()}, scaling, window
 
@@ -165,8 +166,8 @@ class Reference:
         if len(data) != expected[0] or hashlib.sha256(data).hexdigest() != expected[1]:
             raise self._damaged(name, f"its content changed since it was written ({len(data):,} bytes)")
         try:
-            return load(data), _metadata(data)
-        except (SafetensorError, ValueError) as e:
+            return load(data), read_header(self.folder / name)[1]
+        except (SafetensorError, Mha2GqaError) as e:
             raise self._damaged(name, f"it is not a safetensors file ({e})") from None
 
     def _damaged(self, name: str, why: str) -> Mha2GqaError:
@@ -184,15 +185,6 @@ class Reference:
 
     def size(self) -> int:
         return sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file())
-
-
-def _metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file held in ``data``."""
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise ValueError("its metadata is not an object")
-    return meta
 
 
 #: What a complete entry's manifest holds: key -> the JSON types it may have.
