@@ -71,11 +71,8 @@ class Job:
         """The settings of one conversion of the sweep (checked); the sweep's calibration text goes to
         the methods that read it."""
         options = {**self.convert, **({"calibration": calibration} if calibration else {})}
-        heads = {"num_kv_heads": num_kv_heads}
-        if isinstance(num_kv_heads, tuple):  # each layer its own count
-            heads = {"num_kv_heads": None, "num_kv_heads_per_layer": ",".join(map(str, num_kv_heads))}
-        settings = ConvertSettings(**heads, method=method, overwrite=True, progress=False)
-        settings = dataclasses.replace(settings, **options)
+        heads = heads_settings(num_kv_heads)
+        settings = ConvertSettings(**heads, method=method, overwrite=True, progress=False, **options)
         if not settings.reads_calibration:
             settings = dataclasses.replace(settings, calibration=None)
         return settings.check()
@@ -142,9 +139,17 @@ def _per_layer(value: Any) -> tuple[int, ...]:
     return parse_kv_heads_list(value, "convert.num_kv_heads_per_layer")
 
 
-def heads_tag(heads: int | tuple[int, ...]) -> str:
-    """A sweep entry in file names and tables: ``4``, or ``4-1-2`` for each layer's own count."""
-    return "-".join(map(str, heads)) if isinstance(heads, tuple) else str(heads)
+def heads_tag(heads: int | tuple[int, ...], sep: str = "-") -> str:
+    """A sweep entry in file names (``4``, or ``4-1-2`` for each layer's own count) and, with ``sep``
+    ``,``, in tables."""
+    return sep.join(map(str, heads)) if isinstance(heads, tuple) else str(heads)
+
+
+def heads_settings(heads: int | tuple[int, ...]) -> dict[str, Any]:
+    """The ConvertSettings fields of a sweep entry: one count, or each layer's own."""
+    if isinstance(heads, tuple):
+        return {"num_kv_heads": None, "num_kv_heads_per_layer": heads_tag(heads, ",")}
+    return {"num_kv_heads": heads}
 
 
 def load_job(path: Path) -> Job:
@@ -170,9 +175,7 @@ def _parse(path: Path, data: Any) -> Job:
         raise SettingError("source", "'{name}' is required (a folder, a hub id, or demo)")
     demo = from_mapping(DemoSettings, _section(data, "demo"), "demo")
     heads, methods, conv = _sweep(_section(data, "convert"))
-    first = {"num_kv_heads": heads[0]} if not isinstance(heads[0], tuple) else {
-        "num_kv_heads": None, "num_kv_heads_per_layer": ",".join(map(str, heads[0]))}  # fmt: skip
-    fixed = {**first, "method": methods[0], "overwrite": True, "progress": False}
+    fixed = {**heads_settings(heads[0]), "method": methods[0], "overwrite": True, "progress": False}
     from_mapping(ConvertSettings, _checkable(conv), "convert", fixed=fixed)  # keys and types
     ev = _section(data, "eval")
     if "data" not in ev:
@@ -439,7 +442,7 @@ def _evaluate_stage(
     row = {
         "tag": tag,
         "method": label,
-        "num_kv_heads": heads_tag(g).replace("-", ","),
+        "num_kv_heads": heads_tag(g, ","),
         "original_ppl": p.original.ppl,
         "converted_ppl": p.converted.ppl,
         "ppl_ratio": p.ppl_ratio,
