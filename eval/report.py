@@ -311,9 +311,9 @@ class _Page:
             self.html.append(f'<div class="verdict {css}">{html.escape(sentence)}</div>')
             self.md += [f"**{sentence}**", ""]
         if results and any(r.converted for r in results):
-            sign = {"<=": "≤", ">=": "≥"}
-            limits = [f"{t.figure} pass {sign[t.op]} {t.passing:g}, borderline {sign[t.op]} {t.borderline:g}"
-                      for t in THRESHOLDS]  # fmt: skip
+            limits = [
+                f"{t.figure} pass {t.sign} {t.passing:g}, borderline {t.sign} {t.borderline:g}" for t in THRESHOLDS
+            ]
             how = f"verdict thresholds (why: mha2gqa's {SOURCE}): " + "; ".join(limits)
             self.html.append(f'<p class="meta">{html.escape(how)}</p>')
             self.md += [f"_{how}_", ""]

@@ -34,6 +34,11 @@ class Threshold:
     borderline: float
     why: str
 
+    @property
+    def sign(self) -> str:
+        """``op`` as printed: ``≤`` or ``≥``."""
+        return "≤" if self.op == "<=" else "≥"
+
     def tier(self, value: float) -> str:
         within = (lambda limit: value <= limit) if self.op == "<=" else (lambda limit: value >= limit)
         return "pass" if within(self.passing) else "borderline" if within(self.borderline) else "fail"
@@ -109,7 +114,7 @@ def thresholds_table() -> str:
     }
     rows = ["| figure | pass | borderline | fail |", "|---|---|---|---|"]
     for t in THRESHOLDS:
-        op, worse = ("≤", ">") if t.op == "<=" else ("≥", "<")
+        op, worse = t.sign, ">" if t.op == "<=" else "<"
         rows.append(f"| {names[t.figure]} | {op} {t.passing:g} | {op} {t.borderline:g} | {worse} {t.borderline:g} |")
     return "\n".join(rows)
 
