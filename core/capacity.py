@@ -146,18 +146,31 @@ def plan_capacity(
     settings: PlanSettings,
     revision: str | None = None,
     per_layer: str | None = None,
-    bench: dict[str, Any] | None = None,
+    bench_path: Path | None = None,
+    plot_path: Path | None = None,
+    overwrite: bool = False,
 ) -> CapacityPlan:
     """Plan ``model`` (config only) for every valid KV-head count, plus ``per_layer`` counts
-    (comma-separated) when given, else the model's own when it is a per-layer checkpoint; ``bench`` (a
-    :func:`read_bench` file) is checked to be of this model now, so a mismatch is refused before anything
-    prints."""
+    (comma-separated) when given, else the model's own when it is a per-layer checkpoint. A
+    ``bench_path`` (a ``bench --output`` file) is checked to be of this model now, and ``plot_path``
+    to be a destination this tool may write, so a mismatch is refused before anything prints; the
+    plot (decode tokens/s against batch size) is written last."""
+    from mha2gqa.core.output import check_destination, write_text
+    from mha2gqa.core.planning import throughput_plot
     from mha2gqa.core.settings import validate
 
     s = validate(settings)
     gpu = s.hardware()
-    if bench is not None and not gpu.bandwidth:
-        raise SettingError("gpu", "--bench compares with the estimate: give {name} or --bandwidth")
+    inputs = {"MODEL": model, "--bench": bench_path}
+    for option, given in (
+        ("--bench compares with the estimate", bench_path),
+        ("--plot draws decode throughput", plot_path),
+    ):
+        if given is not None and not gpu.bandwidth:
+            raise SettingError("gpu", f"{option}: give {{name}} or --bandwidth")
+    if plot_path is not None:
+        check_destination(plot_path, overwrite, inputs, "--plot", folder=False)
+    bench = read_bench(bench_path) if bench_path is not None else None
     shape = model_shape(load_config(model, revision))
     heads = shape.dims.kv_heads_per_layer  # a per-layer checkpoint is planned with its own counts too
     if per_layer is not None:
@@ -168,6 +181,10 @@ def plan_capacity(
     result = CapacityPlan(model, shape, s, gpu, rows, speed)
     if bench is not None:  # refuses another model's benchmark before any output
         result = dataclasses.replace(result, bench_lines=tuple(bench_beside_estimate(bench, result)))
+    if plot_path is not None:
+        png = throughput_plot(result.rows, result.gpu, s.seq_len, Path(model).name or model)
+        write_text(plot_path, png, "--plot", overwrite, inputs)
+        result = dataclasses.replace(result, bench_lines=(*result.bench_lines, f"plot: {plot_path}"))
     return result
 
 
@@ -195,6 +212,8 @@ def read_bench(path: Path) -> dict[str, Any]:
     for key in ("prompt_len", "new_tokens", "batch_size"):
         if not isinstance(settings.get(key), int) or isinstance(settings.get(key), bool) or settings[key] < 1:
             raise Mha2GqaError(f"--bench {path}: settings.{key} is not a positive integer")
+    if unknown := set(models) - {"original", "converted"}:
+        raise Mha2GqaError(f"--bench {path}: models has entries {sorted(unknown)!r} besides original and converted")
     for name, m in models.items():
         if not isinstance(m, dict) or not isinstance(m.get("decode_tokens_per_second"), dict):
             raise Mha2GqaError(f"--bench {path}: models.{name} has no decode figures")

@@ -1,6 +1,7 @@
 """One evaluation from request to verdict, the same for ``mha2gqa eval`` and job files: check the
 paths before any model loads, evaluate, check the gates, write the results JSON (with its gates
-record). Torch loads only when the evaluation starts."""
+record); and one decode benchmark (``mha2gqa bench``) the same way. Torch loads only when the work
+starts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mha2gqa.core.output import check_destination, check_overlap, write_json
 from mha2gqa.eval.gates import GATE_EXIT_CODE, Gate, GateSettings, check_gates, gates_record
 from mha2gqa.eval.gates import verdict as gates_verdict
 from mha2gqa.eval.results import Results
-from mha2gqa.eval.settings import EvalSettings
+from mha2gqa.eval.settings import BenchSettings, EvalSettings
 
 
 @dataclass
@@ -119,3 +120,27 @@ class EvalRequest:
         if self.output is not None:
             write_json(self.output, record, "--output", self.overwrite, self.inputs)
         return Outcome(results, gates)
+
+
+def benchmark(
+    original: str,
+    converted: str | None,
+    settings: BenchSettings,
+    output: Path | None = None,
+    overwrite: bool = False,
+) -> list[str]:
+    """``mha2gqa bench``: check the settings, the destination and both models, benchmark them one at a
+    time, write the record to ``output`` (when given); returns the terminal lines."""
+    from mha2gqa.core.checkpoint import check_models
+
+    settings = settings.check()
+    inputs = {"the original model": original, "the converted model": converted}
+    if output is not None:
+        check_destination(output, overwrite, inputs, "--output", folder=False)
+    check_models(**{"--original": original, "--converted": converted})
+    from mha2gqa.eval.bench import bench_lines, run_bench
+
+    results = run_bench(original, converted, settings)
+    if output is not None:
+        write_json(output, results, "--output", overwrite, inputs)
+    return bench_lines(results)

@@ -284,6 +284,25 @@ def render(
     return written
 
 
+def render_files(
+    results: list[Path],
+    runs: list[Path],
+    html_path: Path | None = None,
+    md_path: Path | None = None,
+    overwrite: bool = False,
+) -> dict[str, Path]:
+    """``mha2gqa report``: read eval ``results`` files and uptraining ``runs`` (every file validated
+    before anything is written) and :func:`render` them; without a destination the page goes beside
+    the first input, with ``.html``."""
+    if not results and not runs:
+        raise Mha2GqaError("nothing to report: give eval RESULTS files and/or --uptrain RUN")
+    loaded, logs = load_results(results), load_runs(runs)
+    if html_path is None and md_path is None:
+        first = results[0] if results else (runs[0] / "report" if runs[0].is_dir() else runs[0])
+        html_path = first.with_suffix(".html")
+    return render(loaded, html_path, md_path, logs, overwrite=overwrite)
+
+
 class _Page:
     """The report's HTML and Markdown, built side by side."""
 

@@ -8,88 +8,33 @@ defaults, choices and help are written once; values are checked before anything 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from mha2gqa.cli_common import (
+    CONTEXT,
+    DEBUG_ENV,
+    echo_all,
+    json_option,
+    output_option,
+    overwrite_option,
+    quiet_option,
+    revision_option,
+    threads_option,
+    user_errors,
+)
 from mha2gqa.convert.settings import ConvertSettings
-from mha2gqa.core.errors import Mha2GqaError, SettingError, disk_full
 from mha2gqa.core.planning import PlanSettings
-from mha2gqa.core.settings import click_options, flag
+from mha2gqa.core.settings import click_options
 from mha2gqa.eval.gates import GATE_EXIT_CODE, GateSettings
 from mha2gqa.eval.settings import BenchSettings, EvalSettings
 from mha2gqa.jobs import DemoRequest
 from mha2gqa.uptrain.settings import UptrainSettings
-
-CONTEXT = {"auto_envvar_prefix": "MHA2GQA", "show_default": True, "help_option_names": ["-h", "--help"]}
-#: Set to 1 to see the traceback of a user error (for bug reports).
-DEBUG_ENV = "MHA2GQA_DEBUG"
-
-
-def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """One error path: :class:`Mha2GqaError` becomes click's one-line ``Error: ...`` and exit code 1
-    (a :class:`SettingError` names the option, ``--calibration-tokens``, rather than the field); a
-    full disk says so in one line; SIGTERM/SIGHUP stop like SIGINT, after the cleanup, with exit code
-    128 + signal. ``--debug`` (or ``MHA2GQA_DEBUG=1``) shows the traceback instead."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from mha2gqa.core.signals import Terminated
-
-        try:
-            return fn(*args, **kwargs)
-        except Terminated as e:
-            click.echo(f"Error: stopped by {e.name}; {e.kept or 'nothing partial was left behind'}", err=True)
-            sys.exit(128 + e.signum)
-        except Exception as e:
-            if os.environ.get(DEBUG_ENV):
-                raise
-            raise click.ClickException(_one_line(e)) from None
-
-    return wrapper
-
-
-def _one_line(e: Exception) -> str:
-    """The message of a user error (anything else is a bug and keeps its traceback)."""
-    if isinstance(e, SettingError):
-        return e.render(e.setting if "." in e.setting else flag(e.setting))
-    if isinstance(e, Mha2GqaError):
-        return str(e)
-    if disk_full(e):
-        where = f" while writing {e.filename}" if e.filename else ""
-        return f"disk full{where}: free space or choose another output path"
-    raise e
-
-
-def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``--threads N`` for a command that computes: applied before any work (see core/threads.py)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, threads: int | None = None, **kwargs: Any) -> Any:
-        from mha2gqa.core.threads import use_threads
-
-        use_threads(threads)
-        return fn(*args, **kwargs)
-
-    option = click.option(
-        "--threads",
-        type=click.IntRange(min=1, max=4096),
-        default=None,
-        help="CPU threads for torch [default: OMP_NUM_THREADS, else the idle cores].",
-    )
-    return option(wrapper)
-
-
-quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary.")
-overwrite_option = click.option(
-    "--overwrite", is_flag=True, help="Replace an existing output file (only one mha2gqa wrote)."
-)
 
 
 @click.group(context_settings=CONTEXT)
@@ -102,17 +47,6 @@ def main(debug: bool) -> None:
     click.get_current_context().call_on_close(install())
     if debug:
         os.environ[DEBUG_ENV] = "1"
-
-
-def output_option(help: str, name: str = "--output", dest: str = "output", folder: bool = False):
-    """A path option for a file (or ``folder``) the command writes."""
-    kind = click.Path(file_okay=not folder, dir_okay=folder, path_type=Path)
-    return click.option(name, dest, type=kind, default=None, help=help)
-
-
-def echo_all(lines: list[str]) -> None:
-    for line in lines:
-        click.echo(line)
 
 
 @main.command()
@@ -248,22 +182,11 @@ def eval_cmd(
 def uptrain_cmd(converted: str, quiet: bool, **options: Any) -> None:
     """Uptrain CONVERTED (a GQA checkpoint) on --data by continued pretraining or distillation, and
     write a stock Hugging Face model to --output (run with `accelerate launch` for several GPUs)."""
-    from mha2gqa.core.checkpoint import check_models
-
-    settings = UptrainSettings(**options, progress=not quiet).check()
-    check_models(CONVERTED=converted, **{"--teacher": settings.teacher})
-    from mha2gqa.core.signals import Terminated
+    settings = UptrainSettings(**options, progress=not quiet).check()  # before torch loads
     from mha2gqa.eval.harness import is_main_process
     from mha2gqa.uptrain import uptrain as run_uptrain
 
-    try:
-        result = run_uptrain(converted, settings, log=(lambda m: None) if quiet else click.echo)
-    except Terminated as e:
-        e.kept = (
-            f"the checkpoints written so far stay in {settings.output} (no final model): run the same command "
-            "with --resume to continue from the last one"
-        )
-        raise
+    result = run_uptrain(converted, settings, log=(lambda m: None) if quiet else click.echo)
     if not quiet and is_main_process():
         click.echo(result.summary())
 
@@ -285,16 +208,9 @@ def report(
     results: tuple[Path, ...], runs: tuple[Path, ...], html_path: Path | None, md_path: Path | None, overwrite: bool
 ) -> None:
     """Render eval RESULTS files (and --uptrain runs) as an HTML page (figures embedded) and Markdown."""
-    from mha2gqa.eval.report import load_results, load_runs, render
+    from mha2gqa.eval.report import render_files
 
-    if not results and not runs:
-        raise Mha2GqaError("nothing to report: give eval RESULTS files and/or --uptrain RUN")
-    loaded = load_results(list(results))
-    logs = load_runs(list(runs))
-    if html_path is None and md_path is None:
-        first = results[0] if results else (runs[0] / "report" if runs[0].is_dir() else runs[0])
-        html_path = first.with_suffix(".html")
-    for kind, path in render(loaded, html_path, md_path, logs, overwrite=overwrite).items():
+    for kind, path in render_files(list(results), list(runs), html_path, md_path, overwrite).items():
         click.echo(f"{kind}: {path}")
 
 
@@ -308,24 +224,9 @@ def report(
 @user_errors
 def bench(original: str, converted: str | None, output: Path | None, overwrite: bool, **options: Any) -> None:
     """Prefill latency, decode tokens/s and allocated KV cache: ORIGINAL vs CONVERTED."""
-    from mha2gqa.core.checkpoint import check_models
-    from mha2gqa.core.output import check_destination, write_json
+    from mha2gqa.eval.outcome import benchmark
 
-    settings = BenchSettings(**options).check()
-    inputs = {"the original model": original, "the converted model": converted}
-    if output is not None:
-        check_destination(output, overwrite, inputs, "--output", folder=False)
-    check_models(**{"--original": original, "--converted": converted})
-    from mha2gqa.eval.bench import bench_lines, run_bench
-
-    results = run_bench(original, converted, settings)
-    echo_all(bench_lines(results))
-    if output is not None:
-        write_json(output, results, "--output", overwrite, inputs)
-
-
-revision_option = click.option("--revision", default=None, help="Hub revision when MODEL is a hub id.")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+    echo_all(benchmark(original, converted, BenchSettings(**options), output, overwrite))
 
 
 @main.command()
@@ -380,24 +281,11 @@ def plan_cmd(
 ) -> None:
     """For every valid KV-head count: KV cache, weights, how many sequences fit and (with --gpu or
     --bandwidth) estimated decode tokens/s and prefill time (config only)."""
-    from mha2gqa.core.capacity import plan_capacity, read_bench
-    from mha2gqa.core.output import check_destination, write_text
-    from mha2gqa.core.planning import throughput_plot
-    from mha2gqa.core.settings import validate
+    from mha2gqa.core.capacity import plan_capacity
 
-    settings = validate(PlanSettings(**options))
-    if plot_path is not None:
-        if not settings.hardware().bandwidth:
-            raise SettingError("gpu", "--plot draws decode throughput: give {name} or --bandwidth")
-        check_destination(plot_path, overwrite, {"MODEL": model}, "--plot", folder=False)
-    bench = read_bench(bench_path) if bench_path else None
-    result = plan_capacity(model, settings, revision, per_layer, bench)
+    result = plan_capacity(model, PlanSettings(**options), revision, per_layer, bench_path, plot_path, overwrite)
     echo_all([json.dumps(result.to_dict(), indent=2)] if as_json else result.lines())
     echo_all(result.bench_lines)
-    if plot_path is not None:
-        png = throughput_plot(result.rows, result.gpu, settings.seq_len, Path(model).name or model)
-        write_text(plot_path, png, "--plot", overwrite, {"MODEL": model})
-        click.echo(f"plot: {plot_path}")
 
 
 if __name__ == "__main__":  # pragma: no cover

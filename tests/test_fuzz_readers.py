@@ -212,7 +212,7 @@ BENCH = {
 @given(data=st.data())
 @FUZZ
 def test_bench_file(tmp_path_factory, data):
-    from mha2gqa.core.capacity import BENCH_SCHEMA, plan_capacity, read_bench
+    from mha2gqa.core.capacity import BENCH_SCHEMA, plan_capacity
     from mha2gqa.core.planning import PlanSettings
 
     root = tmp_path_factory.mktemp("bench")
@@ -220,7 +220,7 @@ def test_bench_file(tmp_path_factory, data):
     path = _write(root / "b.json", data.draw(damaged({**BENCH, "schema": BENCH_SCHEMA})))
 
     def read_and_compare():
-        plan_capacity(str(root / "m"), PlanSettings(gpu="h100-sxm"), bench=read_bench(path))
+        plan_capacity(str(root / "m"), PlanSettings(gpu="h100-sxm"), bench_path=path)
 
     _refused_or_read(read_and_compare, path, names=False)
 

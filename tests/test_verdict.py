@@ -322,13 +322,13 @@ def test_uptraining_runs_seen_only_through_their_logs_join_the_overview():
 def test_a_stopped_uptraining_points_at_resume(pair, tmp_path, monkeypatch):
     import signal
 
-    import mha2gqa.uptrain as uptrain_package
     from mha2gqa.core.signals import Terminated
+    from mha2gqa.uptrain import trainer
 
     def stopped(*args, **kwargs):
         raise Terminated(signal.SIGINT)
 
-    monkeypatch.setattr(uptrain_package, "uptrain", stopped)
+    monkeypatch.setattr(trainer._Trainer, "train", stopped)
     _, conv, text = pair
     argv = ["uptrain", str(conv), "--data", str(text), "--output", str(tmp_path / "up"), "--max-steps", "2"]
     res = CliRunner().invoke(main, argv)

@@ -505,15 +505,25 @@ def _load_state(acc: Any, folder: Path) -> None:
 
 def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult:
     """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
-    from mha2gqa.core.checkpoint import check_loadable
+    from mha2gqa.core.checkpoint import check_loadable, check_models
+    from mha2gqa.core.signals import Terminated
 
     settings = settings.check()
+    check_models(CONVERTED=student, **{"--teacher": settings.teacher})
     check_loadable("the student", student)
     if settings.teacher:
         check_loadable("--teacher", settings.teacher)
     trainer = _Trainer(student, settings, log)
     trainer.announce()
-    return trainer.finish(trainer.train())
+    try:
+        steps = trainer.train()
+    except Terminated as e:
+        e.kept = (
+            f"the checkpoints written so far stay in {settings.output} (no final model): run the same command "
+            "with --resume to continue from the last one"
+        )
+        raise
+    return trainer.finish(steps)
 
 
 def _enable_checkpointing(model) -> None:
