@@ -1,16 +1,15 @@
-"""Model cards (README.md with YAML front matter) of converted and uptrained checkpoints, rendered
-from their records alone (``mha2gqa_conversion.json``, ``mha2gqa_uptrain.json``)."""
+"""Model cards (README.md with YAML front matter) of converted checkpoints, rendered from their
+record alone (``mha2gqa_conversion.json``; an uptrained model's card, :mod:`mha2gqa.uptrain.record`,
+ends with this one)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any
 
 import yaml
 
 from mha2gqa.core.conversion_record import ConversionRecord, Facts, Refit
-from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
+from mha2gqa.core.records import CONVERSION_RECORD
 
 _PER_LAYER_NOTE = (
     "Each layer has its own KV-head count (`num_key_value_heads_per_layer` in `config.json`). Load it with "
@@ -145,39 +144,3 @@ def model_card(record: ConversionRecord) -> str:
         + f"{changes(conv)}\n\n{quality}\n\n| setting | value |\n|---|---|\n{table}\n\n"
         f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(conv.to_dict(), indent=2)}\n```\n"
     )
-
-
-def uptrain_card(record: dict[str, Any], conversion: ConversionRecord | None) -> str:
-    """A model card (README.md) for an uptrained model: the uptraining, then the conversion."""
-    up = record["uptrain"]
-    base = Path(up["student"]).name
-    front = {
-        "base_model": base,
-        "library_name": "transformers",
-        "tags": ["mha2gqa", "gqa", "grouped-query-attention", "uptrained"],
-    }
-    s = up["settings"]
-    rows = [
-        ("student", f"`{base}`"),
-        ("objective", s["objective"] + (f" (teacher `{Path(s['teacher']).name}`)" if s.get("teacher") else "")),
-        ("trained", f"{s['train']} ({up['trainable_parameters']:,} parameters)"),
-        ("steps", f"{up['steps']:,} × batch {s['batch_size']} × {s['seq_len']} tokens = {up['tokens']:,} tokens"),
-        ("optimizer", f"AdamW lr {s['lr']:g}, warm-up {up['warmup_steps']}, cosine to {s['min_lr_ratio']:g}× lr"),
-        ("data", f"`{s['data']}`"),
-    ]
-    ev = up.get("last_eval")
-    if ev:
-        line = f"perplexity {ev['ppl']:.4f} on `{s['eval_data']}` ({ev['eval_tokens']:,} tokens)"
-        if "ppl_ratio" in ev:
-            line += f", ×{ev['ppl_ratio']:.3f} the teacher, KL {ev['kl_mean']:.4f}"
-        rows.append(("held-out", line))
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    text = (
-        "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
-        f"# {base}, uptrained\n\nA grouped-query-attention model uptrained with `mha2gqa uptrain`.\n\n"
-        f"| setting | value |\n|---|---|\n{table}\n\nExact settings and evaluations: `{UPTRAIN_RECORD}`.\n"
-    )
-    if conversion:
-        body = model_card(conversion).split("---\n", 2)[2]
-        text += "\n## Conversion\n" + body.replace("\n# ", "\n### ", 1)
-    return text

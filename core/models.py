@@ -17,6 +17,7 @@ from mha2gqa.core.devices import check_device_name, check_dtype_name
 from mha2gqa.core.dims import PER_LAYER_KEY
 from mha2gqa.core.dtypes import by_name, from_torch
 from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors
+from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import UPTRAIN_RECORD
 
 
@@ -54,32 +55,28 @@ class LoadedModel:
         record = read_conversion_record(self.folder)
         return record.conversion if record else None
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ModelInfo:
         """Config summary, hashes and the conversion record when the folder has one."""
         cfg = self.model.config
         dims = dims_of(cfg)
         dtype = next(self.model.parameters()).dtype
-        info: dict[str, Any] = {
-            "path": self.path,
-            "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
-            "num_layers": dims.num_layers,
-            "num_heads": dims.num_heads,
-            "num_kv_heads": dims.num_kv_heads,
-            **({"kv_heads_per_layer": list(dims.kv_heads_per_layer)} if dims.kv_heads_per_layer else {}),
-            "head_dim": dims.head_dim,
-            "max_positions": getattr(cfg, "max_position_embeddings", None),
-            "parameters": sum(p.numel() for p in self.model.parameters()),
-            "dtype": str(dtype).removeprefix("torch."),
-            "kv_cache_bytes_per_token": dims.kv_cache_bytes_per_token(None, from_torch(dtype).bytes),
-        }
         config_file = self.folder / "config.json"
-        if config_file.is_file():
-            info["config_sha256"] = hashlib.sha256(config_file.read_bytes()).hexdigest()
-        facts = self.conversion()
-        if facts is not None:
-            info["conversion"] = facts.to_dict()
-        info["uptrained"] = (self.folder / UPTRAIN_RECORD).is_file()
-        return info
+        return ModelInfo(
+            path=self.path,
+            architecture=(getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
+            num_layers=dims.num_layers,
+            num_heads=dims.num_heads,
+            num_kv_heads=dims.num_kv_heads,
+            kv_heads_per_layer=list(dims.kv_heads_per_layer) if dims.kv_heads_per_layer else None,
+            head_dim=dims.head_dim,
+            max_positions=getattr(cfg, "max_position_embeddings", None),
+            parameters=sum(p.numel() for p in self.model.parameters()),
+            dtype=str(dtype).removeprefix("torch."),
+            kv_cache_bytes_per_token=dims.kv_cache_bytes_per_token(None, from_torch(dtype).bytes),
+            config_sha256=hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.is_file() else None,
+            conversion=self.conversion(),
+            uptrained=(self.folder / UPTRAIN_RECORD).is_file(),
+        )
 
 
 def load_model(

@@ -347,7 +347,7 @@ def _together(run: _Run, results: dict[str, Any]) -> _Scored:
         results["attention"] = {**out, "seconds": seconds}
     if len(models) == 2 and run.prompts and main:
         results["samples"] = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
-    return _Scored.of([m.describe() for m in loaded], models[-1])
+    return _Scored.of([m.describe().to_dict() for m in loaded], models[-1])
 
 
 def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
@@ -451,7 +451,7 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             "bytes": ref.size(),
             "form": f"top-{s.reference_top_k}" if s.reference_top_k else "exact",
         }
-        scored_pair = _Scored.of([ref.manifest["model"], converted.describe()], converted.model)
+        scored_pair = _Scored.of([ref.manifest["model"], converted.describe().to_dict()], converted.model)
         _free(converted)
         if s.compare_quantization:
             results["quantization"] = {name: _quantized(run, ref, name, log) for name in s.compare_quantization}
@@ -501,7 +501,7 @@ def _reference(
             ref.add_seconds("attention", seconds)
         if run.prompts and main:
             ref.manifest["samples"] = _generate(run, original.model)
-        ref.manifest["model"] = original.describe()
+        ref.manifest["model"] = original.describe().to_dict()
         _free(original)
     return ref
 

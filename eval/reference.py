@@ -43,7 +43,9 @@ from typing import Any
 
 import torch
 
+from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.output import Inputs, staged_output
 from mha2gqa.core.records import REFERENCE_RECORD, versions
 from mha2gqa.core.safetensors_io import read_header
@@ -214,6 +216,10 @@ def _check_manifest(manifest: Any, folder: Path, key: str) -> None:
         raise bad("'seconds' holds a value that is not a number")
     if not all(isinstance(v, str) for v in manifest.get("samples", [])):
         raise bad("'samples' holds a value that is not text")
+    try:
+        typed.read(ModelInfo, manifest["model"], "model")
+    except typed.RecordError as e:
+        raise bad(f"its model description is damaged ({e})") from None
     recorded = manifest["material"].get("settings")
     wanted = recorded.get("samples", 0) if isinstance(recorded, dict) else 0
     if isinstance(wanted, int) and wanted and len(manifest.get("samples", [])) != wanted:

@@ -14,47 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.core import typed
-from mha2gqa.core.conversion_record import Facts
-from mha2gqa.core.dims import AttentionDims
-from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import EVAL_SCHEMA
 from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 
 class _Missing(Mha2GqaError):
     pass
-
-
-@dataclass
-class ModelInfo:
-    """One evaluated model: what it is and its KV cache per token in the evaluated dtype."""
-
-    path: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    architecture: str = ""
-    parameters: int = 0
-    max_positions: int | None = None
-    kv_cache_bytes_per_token: int | None = None
-    config_sha256: str | None = None
-    conversion: Facts | None = None
-    uptrained: bool = False
-    kv_heads_per_layer: list[int] | None = None  # a per-layer checkpoint's count of each layer
-
-    def __post_init__(self) -> None:
-        if self.kv_cache_bytes_per_token is None:  # files from before the field was recorded
-            dims = AttentionDims(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, 0)
-            self.kv_cache_bytes_per_token = dims.kv_cache_bytes_per_token(None, by_name(self.dtype).bytes)
-
-    @property
-    def method(self) -> str:
-        """The conversion method, ``+uptrain`` when the model was uptrained after it."""
-        method = self.conversion.method if self.conversion else ""
-        return f"{method}+uptrain" if method and self.uptrained else method
 
 
 @dataclass

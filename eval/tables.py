@@ -8,9 +8,10 @@ from typing import Any
 
 from mha2gqa.core.dims import kv_bytes_per_token
 from mha2gqa.core.dtypes import by_name
+from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.text_table import Table
 from mha2gqa.core.units import format_bytes
-from mha2gqa.eval.results import ModelInfo, Results
+from mha2gqa.eval.results import Results
 from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 #: Sequence lengths of the KV-cache table (those past the model's positions are left out).

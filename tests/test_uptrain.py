@@ -20,6 +20,7 @@ from mha2gqa.uptrain.checkpoints import checkpoint_dirs
 from mha2gqa.uptrain.data import WindowOrder, pack_windows
 from mha2gqa.uptrain.objectives import combined, cross_entropy, distillation
 from mha2gqa.uptrain.params import select_trainable
+from mha2gqa.uptrain.record import UptrainRecord
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +230,12 @@ def test_uptrain_improves_and_writes_a_stock_gqa_model(models, tmp_path):
     assert cache.layers[0].keys.shape[1] == 2  # the KV cache holds G heads
     record = json.loads((out / "mha2gqa_uptrain.json").read_text())["uptrain"]
     assert record["steps"] == 30 and record["last_eval"]["ppl"] == evals[-1]["ppl"]
+    typed_record = UptrainRecord.read(out)  # the typed record reads back what was written
+    assert typed_record.steps == 30 and typed_record.to_json() == (out / "mha2gqa_uptrain.json").read_text()
+    damaged = json.loads(typed_record.to_json())
+    damaged["uptrain"]["steps"] = "thirty"
+    with pytest.raises(Mha2GqaError, match=r"damaged uptraining record.*steps"):
+        UptrainRecord.from_dict(damaged, "x.json")
     assert (out / "mha2gqa_conversion.json").is_file()
     card = (out / "README.md").read_text()
     assert "uptrained" in card and "## Conversion" in card

@@ -10,7 +10,6 @@ hold the optimizer, scheduler and RNG state, so a resumed run continues the same
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,14 +18,13 @@ from typing import Any
 
 import torch
 
-from mha2gqa.core.cards import uptrain_card
 from mha2gqa.core.conversion_record import read_conversion_record
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.models import resolve_device
 from mha2gqa.core.per_layer import MODELING_FILE
-from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG, UPTRAIN_RECORD, now, version
+from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG, UPTRAIN_RECORD, now
 from mha2gqa.core.runlog import RunLog, read_log
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.uptrain.checkpoints import (
@@ -41,6 +39,7 @@ from mha2gqa.uptrain.checkpoints import (
 from mha2gqa.uptrain.data import WindowOrder, pack_windows
 from mha2gqa.uptrain.objectives import combined
 from mha2gqa.uptrain.params import adapters, apply_lora, lora_targets, param_groups, select_trainable
+from mha2gqa.uptrain.record import UptrainRecord
 from mha2gqa.uptrain.settings import RUN_FIELDS, UptrainSettings
 
 
@@ -310,25 +309,21 @@ class _Trainer:
     def model_files(self, step: int) -> dict[str, str]:
         """Model card, uptraining record and conversion record of the model at ``step``."""
         s, evals = self.s, self.evals
-        record = {
-            "uptrain": {
-                "student": self.student,
-                "settings": self.plan.run,
-                "steps": step,
-                "tokens": step * self.tokens_per_step,
-                "warmup_steps": s.warmup_steps,
-                "trainable_parameters": self.trainable.count,
-                "first_eval": evals[0] if evals else None,
-                "last_eval": evals[-1] if evals else None,
-                "processes": self.acc.num_processes,
-                "mixed_precision": self.acc.mixed_precision,
-            },
-            "mha2gqa_version": version(),
-            "created": now(),
-        }
+        record = UptrainRecord(
+            student=self.student,
+            settings=self.plan.run,
+            steps=step,
+            tokens=step * self.tokens_per_step,
+            warmup_steps=s.warmup_steps,
+            trainable_parameters=self.trainable.count,
+            processes=self.acc.num_processes,
+            mixed_precision=str(self.acc.mixed_precision),
+            first_eval=evals[0] if evals else None,
+            last_eval=evals[-1] if evals else None,
+        )
         files = {
-            UPTRAIN_RECORD: json.dumps(record, indent=2) + "\n",
-            "README.md": uptrain_card(record, self.conv_record),
+            UPTRAIN_RECORD: record.to_json(),
+            "README.md": record.card(self.conv_record),
         }
         if self.conv_record:
             files[CONVERSION_RECORD] = self.conv_record.to_json()

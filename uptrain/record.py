@@ -1,0 +1,103 @@
+"""``mha2gqa_uptrain.json``: what an uptraining run did, written into the final model and every
+checkpoint, and the model card rendered from it (the conversion's card follows, from its record)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mha2gqa.core import typed
+from mha2gqa.core.cards import model_card
+from mha2gqa.core.conversion_record import ConversionRecord
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.records import UPTRAIN_RECORD, now, version
+
+UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
+
+
+@dataclass(frozen=True)
+class UptrainRecord:
+    """One uptraining run up to ``steps``: the student, the run's settings (the ``--resume`` identity),
+    what was trained, and the first and last held-out evaluations (log records)."""
+
+    student: str
+    settings: dict[str, Any]
+    steps: int
+    tokens: int
+    warmup_steps: int
+    trainable_parameters: int
+    processes: int
+    mixed_precision: str
+    first_eval: dict[str, Any] | None = None
+    last_eval: dict[str, Any] | None = None
+    mha2gqa_version: str = dataclasses.field(default_factory=version)
+    created: str = dataclasses.field(default_factory=now)
+    schema: str = UPTRAIN_SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        head = {k: data.pop(k) for k in ("schema", "mha2gqa_version", "created")}
+        return {"schema": head["schema"], "uptrain": data, **{k: head[k] for k in ("mha2gqa_version", "created")}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> UptrainRecord:
+        """Read a record; a damaged or foreign one raises one error naming ``where`` and the field."""
+        if not isinstance(data, dict) or not isinstance(data.get("uptrain"), dict):
+            raise Mha2GqaError(f"{where}: not an uptraining record (no 'uptrain' object)")
+        if data.get("schema", UPTRAIN_SCHEMA) != UPTRAIN_SCHEMA:
+            raise Mha2GqaError(f"{where}: schema {data.get('schema')!r} is not {UPTRAIN_SCHEMA}")
+        flat = {**data["uptrain"], **{k: data[k] for k in ("mha2gqa_version", "created", "schema") if k in data}}
+        try:
+            return typed.read(cls, flat, "uptrain")
+        except typed.RecordError as e:
+            raise Mha2GqaError(f"{where}: damaged uptraining record ({e})") from None
+
+    @classmethod
+    def read(cls, folder: Path) -> UptrainRecord:
+        path = Path(folder) / UPTRAIN_RECORD
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise Mha2GqaError(f"{path}: not readable JSON ({e})") from None
+        return cls.from_dict(data, str(path))
+
+    def card(self, conversion: ConversionRecord | None) -> str:
+        """The model card (README.md) of the uptrained model: the uptraining, then the conversion."""
+        base, s = Path(self.student).name, self.settings
+        front = {
+            "base_model": base,
+            "library_name": "transformers",
+            "tags": ["mha2gqa", "gqa", "grouped-query-attention", "uptrained"],
+        }
+        teacher = f" (teacher `{Path(s['teacher']).name}`)" if s.get("teacher") else ""
+        rows = [
+            ("student", f"`{base}`"),
+            ("objective", s["objective"] + teacher),
+            ("trained", f"{s['train']} ({self.trainable_parameters:,} parameters)"),
+            ("steps", f"{self.steps:,} × batch {s['batch_size']} × {s['seq_len']} tokens = {self.tokens:,} tokens"),
+            ("optimizer", f"AdamW lr {s['lr']:g}, warm-up {self.warmup_steps}, cosine to {s['min_lr_ratio']:g}× lr"),
+            ("data", f"`{s['data']}`"),
+        ]
+        if ev := self.last_eval:
+            line = f"perplexity {ev['ppl']:.4f} on `{s['eval_data']}` ({ev['eval_tokens']:,} tokens)"
+            if "ppl_ratio" in ev:
+                line += f", ×{ev['ppl_ratio']:.3f} the teacher, KL {ev['kl_mean']:.4f}"
+            rows.append(("held-out", line))
+        table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+        text = (
+            "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
+            f"# {base}, uptrained\n\nA grouped-query-attention model uptrained with `mha2gqa uptrain`.\n\n"
+            f"| setting | value |\n|---|---|\n{table}\n\nExact settings and evaluations: `{UPTRAIN_RECORD}`.\n"
+        )
+        if conversion:
+            body = model_card(conversion).split("---\n", 2)[2]
+            text += "\n## Conversion\n" + body.replace("\n# ", "\n### ", 1)
+        return text
