@@ -24,7 +24,7 @@ from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
 from mha2gqa.core.conversion_record import Allocation, Calibration, ConversionRecord, Facts, Output, Refit, Source
-from mha2gqa.core.dims import query_heads_per_kv_head
+from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
@@ -143,8 +143,7 @@ def _layer_groups(stats, targets: tuple[int, ...]) -> dict[str, list[list[int]]]
     out = {}
     for layer, st in sorted(stats.layers.items()):
         perm, groups = st.perm or [], targets[layer]
-        size = len(perm) // groups if perm else 0
-        out[str(layer)] = [perm[j * size : (j + 1) * size] for j in range(groups)] if perm else None
+        out[str(layer)] = [[perm[i] for i in grp] for grp in contiguous_groups(len(perm), groups)] if perm else None
     return out
 
 
@@ -203,8 +202,8 @@ def _record(
         num_kv_heads_after=g,
         num_kv_heads_per_layer=list(targets) if source.per_layer else None,
         head_dim=dims.head_dim,
-        query_heads_per_kv_head=query_heads_per_kv_head(dims.num_heads, g),
-        source_kv_heads_per_kv_head=query_heads_per_kv_head(dims.num_kv_heads, g),
+        query_heads_per_kv_head=contiguous_groups(dims.num_heads, g),
+        source_kv_heads_per_kv_head=contiguous_groups(dims.num_kv_heads, g),
         rewrites=rewrites if source.changes else [],
         rewritten=rewritten(tensors, source.family),
         kv_cache_dtype=kv_dtype,

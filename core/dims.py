@@ -169,7 +169,9 @@ def check_per_layer(values: Any, layers: int, heads: int, what: str) -> tuple[in
     return tuple(values)
 
 
-def query_heads_per_kv_head(num_heads: int, num_kv_heads: int) -> list[list[int]]:
-    """transformers' ``repeat_kv`` grouping: KV head ``j`` serves query heads ``[j*r, (j+1)*r)``."""
-    r = num_heads // num_kv_heads
-    return [list(range(j * r, (j + 1) * r)) for j in range(num_kv_heads)]
+def contiguous_groups(n: int, groups: int) -> list[list[int]]:
+    """``n`` heads in ``groups`` equal runs: group ``j`` holds ``[j*r, (j+1)*r)``, ``r = n // groups``.
+    transformers' ``repeat_kv`` grouping (KV head ``j`` serves these query heads), and the default
+    grouping of source KV heads pooled into one new KV head."""
+    r = n // groups
+    return [list(range(j * r, (j + 1) * r)) for j in range(groups)]

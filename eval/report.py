@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.core import typed
+from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import check_destination, write_text
 from mha2gqa.core.records import FILE_MARK
@@ -80,9 +81,7 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
         out["per_layer_heads"] = plots.per_layer_heads(conv.kv_heads_per_layer, (att or {}).get("layers"))
     elif conv:  # one count for every layer: which query heads share each KV head
         h, g = conv.num_heads, conv.num_kv_heads
-        groups = (conv.conversion.query_heads_per_kv_head if conv.conversion else None) or [
-            list(range(j * h // g, (j + 1) * h // g)) for j in range(g)
-        ]
+        groups = (conv.conversion.query_heads_per_kv_head if conv.conversion else None) or contiguous_groups(h, g)
         out["head_sharing"] = plots.head_sharing(groups, h)
     return out
 

@@ -20,7 +20,7 @@ from typing import Any
 from mha2gqa.convert.calibration.grouping import least_residual_groups, merge_residual
 from mha2gqa.convert.calibration.stats import LayerStats
 from mha2gqa.convert.methods import Method
-from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.dims import AttentionDims, contiguous_groups
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.families import Family
 
@@ -33,10 +33,7 @@ def layer_costs(full: LayerStats, candidates: list[int], similarity: bool) -> di
         if g == n:
             out[g] = 0.0
             continue
-        size = n // g
-        groups = (
-            least_residual_groups(full, g) if similarity else [list(range(j * size, (j + 1) * size)) for j in range(g)]
-        )
+        groups = least_residual_groups(full, g) if similarity else contiguous_groups(n, g)
         out[g] = sum(merge_residual(full, grp) for grp in groups) / g
     return out
 
@@ -83,12 +80,7 @@ def output_costs(
             if method.fresh:
                 out[g] = 1.0
                 continue
-            size = n // g
-            chosen = (
-                least_residual_groups(full, g)
-                if similarity
-                else [list(range(j * size, (j + 1) * size)) for j in range(g)]
-            )
+            chosen = least_residual_groups(full, g) if similarity else contiguous_groups(n, g)
             st = regroup(full, chosen, h)
             ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
             merged = method.merge_layer(ww, st, shape=HeadShape(h, n, g, d, dims.rotary))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from mha2gqa.convert.calibration.stats import LayerStats
+from mha2gqa.core.dims import contiguous_groups
 
 
 def merge_residual(full: LayerStats, heads: list[int]) -> float:
@@ -47,7 +48,7 @@ def least_residual_groups(full: LayerStats, groups: int) -> list[list[int]]:
             free.remove(best)
             group.append(best)
         greedy.append(sorted(group))
-    contiguous = [list(range(j * size, (j + 1) * size)) for j in range(groups)]
+    contiguous = contiguous_groups(n, groups)
 
     def cost(gs: list[list[int]]) -> float:
         return sum(merge_residual(full, g) for g in gs)

@@ -15,6 +15,7 @@ import torch
 from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
 from mha2gqa.core.checkpoint import Checkpoint
+from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import trim
 from mha2gqa.core.signals import check as check_signals
@@ -252,11 +253,10 @@ def collect(
                 if not keep:
                     continue
                 g = per_layer[i] if per_layer else groups
-                size = dims.num_kv_heads // g
                 chosen = (
                     least_residual_groups(layer_full, g)
                     if grouping == "similarity"
-                    else [list(range(j * size, (j + 1) * size)) for j in range(g)]
+                    else contiguous_groups(dims.num_kv_heads, g)
                 )
                 stats.layers[i] = regroup(layer_full, chosen, dims.num_heads)
             if compact:

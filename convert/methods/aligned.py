@@ -12,6 +12,7 @@ import torch
 from mha2gqa.convert.calibration.stats import CalibrationStats, LayerStats, accumulate
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.methods.layer import complex_rows, layer_out
+from mha2gqa.core.dims import contiguous_groups
 
 
 def _procrustes(cross: torch.Tensor) -> torch.Tensor:
@@ -36,8 +37,7 @@ def aligned_merge_layer(w: dict[str, torch.Tensor], stats: LayerStats, *, shape:
     qb = w["q_bias"].clone() if w.get("q_bias") is not None else None
     kb, vb = w.get("k_bias"), w.get("v_bias")
     out_k, out_kb, out_v, out_vb = [], [], [], []
-    for j in range(groups):
-        members = list(range(j * s, (j + 1) * s))
+    for j, members in enumerate(contiguous_groups(groups * s, groups)):
         new_k = torch.zeros(d, w["k"].shape[1], dtype=w["k"].dtype)
         new_kb = torch.zeros(d, dtype=w["k"].dtype) if kb is not None else None
         new_v = torch.zeros(d, w["v"].shape[1], dtype=w["v"].dtype)

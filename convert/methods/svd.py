@@ -30,6 +30,7 @@ import torch
 from mha2gqa.convert.calibration.stats import LayerStats, top_eigvecs
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.methods.layer import complex_rows, layer_out
+from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.errors import Mha2GqaError
 
 
@@ -53,8 +54,7 @@ def svd_merge_layer(
     kb, vb = w.get("k_bias"), w.get("v_bias")
     if stats.value_row(0, d).shape[1] != s * d:
         raise Mha2GqaError("calibration statistics do not match this conversion (group size or head_dim)")
-    for j in range(groups):
-        members = list(range(j * s, (j + 1) * s))
+    for j, members in enumerate(contiguous_groups(groups * s, groups)):
         # ---- V: shared principal subspace, basis into o_proj
         u = stats.value_basis(j, d).to(w["v"].dtype)  # [s*d, d]
         v_stack = torch.cat([w["v"][h * d : (h + 1) * d] for h in members])
