@@ -106,7 +106,7 @@ class ConvertSettings:
     remove_stale: bool = setting(
         False, help="Delete temporary outputs beside DST left by killed runs (reported otherwise)."
     )
-    progress: bool = setting(True, help="Progress bars.", cli=False)
+    progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 
     def check(self) -> ConvertSettings:
         """Every value checked (types, ranges, choices, how settings combine), before any work."""

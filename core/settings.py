@@ -40,6 +40,8 @@ class Spec:
     flag: str | None = None  # the option's name when it is not --field-name (e.g. --protocol)
     cli: bool = True  # offered as a command-line option
     empty: bool = False  # a list setting that may be empty (none of its choices)
+    job: bool = True  # a job file may set it (False: the job decides it itself)
+    identity: bool = False  # defines a run's trajectory: a resumed run must keep its value
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", **spec: Any) -> Any:
@@ -50,6 +52,11 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", **spec: Any) -> 
 
 def spec_of(field: dataclasses.Field) -> Spec:
     return field.metadata.get(_KEY) or Spec("")
+
+
+def names_where(cls: type, flag: str) -> tuple[str, ...]:
+    """The settings of ``cls`` whose :class:`Spec` has ``flag`` set (e.g. ``identity``)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if getattr(spec_of(f), flag))
 
 
 _FLAGS: dict[str, str] = {}  # settings whose option is not --field-name (filled as options are built)
@@ -155,9 +162,14 @@ def from_mapping(
     exclude: tuple[str, ...] = (),
 ) -> Any:
     """``cls(**data, **fixed)`` for a job-file section ``where``: unknown keys, wrong types and bad
-    values are :class:`SettingError`\\ s naming ``where.key``; ``exclude`` keys are not allowed."""
+    values are :class:`SettingError`\\ s naming ``where.key``; ``fixed`` keys, ``exclude`` keys and
+    settings whose spec says ``job=False`` are not allowed."""
     data = dict(data or {})
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in exclude and f.name not in (fixed or {})]
+    names = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if spec_of(f).job and f.name not in exclude and f.name not in (fixed or {})
+    ]
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise SettingError(unknown[0], f"unknown key '{where}.{{name}}'; known: {', '.join(names)}")

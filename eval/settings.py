@@ -90,7 +90,7 @@ class EvalSettings:
         empty=True,
     )
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
-    progress: bool = setting(True, help="Progress bars.", cli=False)
+    progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 
     def check(self) -> EvalSettings:
         validate(self)

@@ -45,10 +45,6 @@ from mha2gqa.eval.settings import EvalSettings
 from mha2gqa.uptrain.settings import UptrainSettings
 
 _TOP = ("name", "source", "demo", "convert", "eval", "uptrain", "gates", "report", "output_dir")
-#: settings the job decides itself (per conversion, or from other sections)
-_CONVERT_FIXED = ("num_kv_heads", "num_kv_heads_per_layer", "method", "overwrite", "progress")
-_EVAL_FIXED = ("progress",)
-_UPTRAIN_FIXED = ("output", "teacher", "eval_data", "resume", "overwrite", "progress", "stop_after")
 
 
 @dataclass
@@ -180,14 +176,14 @@ def _parse(path: Path, data: Any) -> Job:
     ev = _section(data, "eval")
     if "data" not in ev:
         raise SettingError("eval.data", "{name} is required")
-    evaluation = from_mapping(EvalSettings, _checkable(ev), "eval", exclude=_EVAL_FIXED).check()
+    evaluation = from_mapping(EvalSettings, _checkable(ev), "eval").check()
     evaluation.data = ev["data"]
     up = _section(data, "uptrain")
     if up and "data" not in up:
         raise SettingError("uptrain.data", "{name} is required (the training text)")
     if up:
         fixed = {"output": "-", "teacher": data["source"]}  # the job's own
-        from_mapping(UptrainSettings, _checkable(up), "uptrain", fixed=fixed, exclude=_UPTRAIN_FIXED).check()
+        from_mapping(UptrainSettings, _checkable(up), "uptrain", fixed=fixed).check()
     gates = from_mapping(GateSettings, _section(data, "gates"), "gates")
     for key, kind in (("report", bool), ("name", str), ("output_dir", str)):
         if key in data and not isinstance(data[key], kind):

@@ -7,78 +7,69 @@ from dataclasses import dataclass
 
 from mha2gqa.core.devices import DEVICE_HELP, check_device_name
 from mha2gqa.core.errors import SettingError
-from mha2gqa.core.settings import setting, validate
+from mha2gqa.core.settings import names_where, setting, validate
 from mha2gqa.core.text import DOC_SPLITS, check_text_source
 
 OBJECTIVES = ("ce", "kd", "mix")
 TRAINABLE = ("all", "attention", "kv")
 MIXED_PRECISION = ("auto", "no", "bf16")
 
-#: settings that define the trajectory: a resumed run must use the same ones
-RUN_FIELDS = (
-    "data",
-    "text_field",
-    "doc_split",
-    "objective",
-    "teacher",
-    "kd_weight",
-    "temperature",
-    "train",
-    "lora_rank",
-    "lora_alpha",
-    "lora_dropout",
-    "max_steps",
-    "max_tokens",
-    "batch_size",
-    "grad_accum",
-    "seq_len",
-    "lr",
-    "min_lr_ratio",
-    "warmup_steps",
-    "weight_decay",
-    "adam_beta2",
-    "max_grad_norm",
-    "seed",
-)
-
 
 @dataclass
 class UptrainSettings:
     """Every knob of an uptraining run (recorded verbatim in the log, checkpoints and output)."""
 
-    data: str = setting(help="Training text (same sources as eval --data); packed into --seq-len windows.")
-    output: str = setting(help="Run folder: final model, checkpoints/, log.")
+    data: str = setting(
+        help="Training text (same sources as eval --data); packed into --seq-len windows.", identity=True
+    )
+    output: str = setting(help="Run folder: final model, checkpoints/, log.", job=False)
     objective: str = setting(
         "ce",
         help="ce: next-token cross-entropy; kd: KL to --teacher's next-token distribution; mix: both.",
         choices=OBJECTIVES,
+        identity=True,
     )
-    teacher: str | None = setting(None, help="The MHA parent (folder or hub id): kd/mix target, and KL in evaluations.")
-    kd_weight: float = setting(0.5, help="mix: loss = (1 - w) * ce + w * kd.", minimum=0, maximum=1)
-    temperature: float = setting(1.0, help="Distillation temperature (loss scaled by T^2).", above=0)
+    teacher: str | None = setting(
+        None, help="The MHA parent (folder or hub id): kd/mix target, and KL in evaluations.", identity=True, job=False
+    )
+    kd_weight: float = setting(0.5, help="mix: loss = (1 - w) * ce + w * kd.", minimum=0, maximum=1, identity=True)
+    temperature: float = setting(1.0, help="Distillation temperature (loss scaled by T^2).", above=0, identity=True)
     train: str = setting(
         "all",
         help="What trains: every parameter, the attention projections, or only the K/V projections.",
         choices=TRAINABLE,
+        identity=True,
     )
-    lora_rank: int = setting(0, help="LoRA adapters of this rank (peft) on what --train names; 0: off.", minimum=0)
-    lora_alpha: float | None = setting(None, help="LoRA alpha [default: 2 x rank].", above=0)
-    lora_dropout: float = setting(0.0, help="LoRA dropout.", minimum=0, below=1)
-    max_steps: int | None = setting(None, help="Optimizer steps [default: --max-tokens, else one epoch].", minimum=1)
-    max_tokens: int | None = setting(None, help="Training tokens (steps = tokens / (batch x seq_len)).", minimum=1)
-    batch_size: int = setting(8, help="Sequences per optimizer step, over all processes.", minimum=1)
-    grad_accum: int = setting(1, help="Micro-batches per step (gradient accumulation).", minimum=1)
-    seq_len: int | None = setting(None, help="Window length [default: min(1024, the model's positions)].", minimum=2)
-    lr: float = setting(1e-4, help="Peak AdamW learning rate.", above=0)
-    min_lr_ratio: float = setting(0.1, help="Cosine decay ends at lr x this.", minimum=0, maximum=1)
-    warmup_steps: int = setting(0, help="Linear warm-up steps.", minimum=0)
-    weight_decay: float = setting(0.0, help="AdamW weight decay (matrices only).", minimum=0)
-    adam_beta2: float = setting(0.999, help="AdamW beta2.", minimum=0, below=1)
-    max_grad_norm: float = setting(1.0, help="Gradient clipping (0: off).", minimum=0)
-    seed: int = setting(0, help="Seed for data order and any randomness.", minimum=0, maximum=2**63 - 1)
-    text_field: str = setting("text", help="Field holding the text in .jsonl/.parquet/datasets sources.")
-    doc_split: str = setting("file", help="How a .txt file is cut into documents.", choices=tuple(DOC_SPLITS))
-    eval_data: str | None = setting(None, help="Held-out text evaluated periodically (perplexity; KL with --teacher).")
+    lora_rank: int = setting(
+        0, help="LoRA adapters of this rank (peft) on what --train names; 0: off.", minimum=0, identity=True
+    )
+    lora_alpha: float | None = setting(None, help="LoRA alpha [default: 2 x rank].", above=0, identity=True)
+    lora_dropout: float = setting(0.0, help="LoRA dropout.", minimum=0, below=1, identity=True)
+    max_steps: int | None = setting(
+        None, help="Optimizer steps [default: --max-tokens, else one epoch].", minimum=1, identity=True
+    )
+    max_tokens: int | None = setting(
+        None, help="Training tokens (steps = tokens / (batch x seq_len)).", minimum=1, identity=True
+    )
+    batch_size: int = setting(8, help="Sequences per optimizer step, over all processes.", minimum=1, identity=True)
+    grad_accum: int = setting(1, help="Micro-batches per step (gradient accumulation).", minimum=1, identity=True)
+    seq_len: int | None = setting(
+        None, help="Window length [default: min(1024, the model's positions)].", minimum=2, identity=True
+    )
+    lr: float = setting(1e-4, help="Peak AdamW learning rate.", above=0, identity=True)
+    min_lr_ratio: float = setting(0.1, help="Cosine decay ends at lr x this.", minimum=0, maximum=1, identity=True)
+    warmup_steps: int = setting(0, help="Linear warm-up steps.", minimum=0, identity=True)
+    weight_decay: float = setting(0.0, help="AdamW weight decay (matrices only).", minimum=0, identity=True)
+    adam_beta2: float = setting(0.999, help="AdamW beta2.", minimum=0, below=1, identity=True)
+    max_grad_norm: float = setting(1.0, help="Gradient clipping (0: off).", minimum=0, identity=True)
+    seed: int = setting(0, help="Seed for data order and any randomness.", minimum=0, maximum=2**63 - 1, identity=True)
+    text_field: str = setting("text", help="Field holding the text in .jsonl/.parquet/datasets sources.", identity=True)
+    doc_split: str = setting(
+        "file", help="How a .txt file is cut into documents.", choices=tuple(DOC_SPLITS), identity=True
+    )
+    eval_data: str | None = setting(
+        None, help="Held-out text evaluated periodically (perplexity; KL with --teacher).", job=False
+    )
     eval_every: int | None = setting(None, help="Steps between evaluations [default: a tenth of the run].", minimum=1)
     eval_tokens: int | None = setting(65536, help="Held-out tokens per evaluation.", minimum=1)
     eval_seq_len: int | None = setting(None, help="Evaluation window [default: --seq-len].", minimum=2)
@@ -89,16 +80,21 @@ class UptrainSettings:
     save_total_limit: int = setting(2, help="Checkpoints kept (the newest).", minimum=1)
     log_every: int = setting(10, help="Steps between train records in the log.", minimum=1)
     stop_after: int | None = setting(
-        None, help="Stop after this many steps (checkpointed), e.g. for a time slot; continue with --resume.", minimum=1
+        None,
+        help="Stop after this many steps (checkpointed), e.g. for a time slot; continue with --resume.",
+        minimum=1,
+        job=False,
     )
-    resume: bool = setting(False, help="Continue the run in --output from its last checkpoint (same settings).")
-    overwrite: bool = setting(False, help="Delete a previous run in --output and start over.")
+    resume: bool = setting(
+        False, help="Continue the run in --output from its last checkpoint (same settings).", job=False
+    )
+    overwrite: bool = setting(False, help="Delete a previous run in --output and start over.", job=False)
     device: str = setting("auto", help=f"{DEVICE_HELP} (accelerate launch picks each process's GPU)")
     mixed_precision: str = setting(
         "auto", help="auto: bf16 autocast on GPUs that support it, float32 otherwise.", choices=MIXED_PRECISION
     )
     gradient_checkpointing: bool = setting(False, help="Recompute activations in the backward pass.")
-    progress: bool = setting(True, help="Progress bars.", cli=False)
+    progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 
     def check(self) -> UptrainSettings:
         """Every value and combination checked before anything is loaded."""
@@ -113,3 +109,7 @@ class UptrainSettings:
         if self.max_steps and self.max_tokens:
             raise SettingError("max_steps", "give {name} or --max-tokens, not both")
         return self
+
+
+#: settings that define the trajectory: a resumed run must use the same ones
+RUN_FIELDS = names_where(UptrainSettings, "identity")
