@@ -45,6 +45,7 @@ from mha2gqa.convert.calibration.streaming import (
     skeleton,
 )
 from mha2gqa.convert.prepare import Conversion
+from mha2gqa.convert.settings import calibration_window
 from mha2gqa.convert.tensor_plan import attention_names
 from mha2gqa.core.conversion_record import Refit, RefitLayer
 from mha2gqa.core.dtypes import BY_CODE
@@ -337,8 +338,7 @@ def refit(
     map_large_allocations()
     dev = resolve_device(s.device)
     model = skeleton(c.ckpt)
-    positions = getattr(model.config, "max_position_embeddings", None) or 512
-    seq_len = min(s.calibration_seq_len or 512, positions)
+    seq_len = calibration_window(s.calibration_seq_len, getattr(model.config, "max_position_embeddings", None))
     tokens = s.refit_tokens or s.calibration_tokens
     ids = calibration_ids(c.ckpt.folder, s.calibration, tokens, seq_len)
     if len(ids) < 2:

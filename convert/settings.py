@@ -21,6 +21,15 @@ COST_MEASURES = {
 _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
 
 
+#: The calibration window when none is given (cut to the model's positions).
+CALIBRATION_WINDOW = 512
+
+
+def calibration_window(given: int | None, positions: int | None) -> int:
+    """``--calibration-seq-len``, else :data:`CALIBRATION_WINDOW`, cut to the model's ``positions``."""
+    return min(given or CALIBRATION_WINDOW, positions or CALIBRATION_WINDOW)
+
+
 @dataclass
 class ConvertSettings:
     """How a checkpoint is converted (``convert_checkpoint(src, dst, **fields)``)."""
@@ -66,7 +75,7 @@ class ConvertSettings:
     )
     calibration_tokens: int = setting(16384, help="Calibration tokens (the first N of the text).", minimum=1)
     calibration_seq_len: int | None = setting(
-        None, help="Calibration window [default: min(512, the model's positions)].", minimum=2
+        None, help=f"Calibration window [default: min({CALIBRATION_WINDOW}, the model's positions)].", minimum=2
     )
     refit: bool = setting(
         False,

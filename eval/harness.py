@@ -189,7 +189,7 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
         check_same_tokenizer(tok, load_tokenizer(folders[1]), original, converted)
     limits = [p for p in map(_max_positions, folders) if p]
     max_pos = min(limits) if limits else None
-    seq_len = s.seq_len or min(2048, max_pos or 2048)
+    seq_len = s.window(max_pos)
     if max_pos and seq_len > max_pos:
         raise SettingError(
             "seq_len",
@@ -212,7 +212,7 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     if "stride" in s.protocols:
         passes["stride"] = stride_windows(ids, seq_len, stride)
     used: list[str] = []
-    rolling_len = s.seq_len or max_pos or 2048  # lm-eval: the model's full length (2048 when unknown)
+    rolling_len = s.rolling_window(max_pos)
     if "rolling" in s.protocols:
         special = s.rolling_convention == "lm-eval-0.4.10"
         docs, used = document_tokens(tok, data, s.max_tokens, special_tokens=special)
@@ -220,7 +220,7 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
         passes["rolling"] = [w for d in docs for w in rolling_windows(d, prefix, rolling_len)]
     batch = None
     if converted and s.attention and _attention_readable(folders):
-        t = min(s.attention_seq_len or min(seq_len, 1024), seq_len)
+        t = s.attention_window(seq_len)
         windows = [w for w, _ in disjoint_windows(ids, t) if w.numel() == t][: s.attention_windows]
         batch = torch.stack(windows) if windows else None
     # Samples: the first quarter of the first windows (at most 32 tokens), cut to the positions.

@@ -19,6 +19,12 @@ PROTOCOLS = ("disjoint", "stride", "rolling")
 ROLLING_CONVENTIONS = ("lm-eval-0.4.9", "lm-eval-0.4.10")
 
 
+#: The perplexity window when none is given (cut to the model's positions).
+EVAL_WINDOW = 2048
+#: The attention-similarity window when none is given (cut to the perplexity window).
+ATTENTION_WINDOW = 1024
+
+
 @dataclass
 class EvalSettings:
     """Every knob of an evaluation run (recorded verbatim in the results)."""
@@ -33,7 +39,8 @@ class EvalSettings:
     )
     seq_len: int | None = setting(
         None,
-        help="Window length [default: min(2048, the model's positions); 'rolling': the model's positions, as lm-eval].",
+        help=f"Window length [default: min({EVAL_WINDOW}, the model's positions); 'rolling': the model's "
+        f"positions ({EVAL_WINDOW} when unknown), as lm-eval].",
         minimum=2,
     )
     stride: int | None = setting(None, help="Stride of the 'stride' protocol [default: seq_len // 2].", minimum=1)
@@ -54,7 +61,7 @@ class EvalSettings:
     )
     attention: bool = setting(True, help="Per-layer, per-head attention similarity (pairs only).")
     attention_seq_len: int | None = setting(
-        None, help="Window for attention similarity [default: min(seq_len, 1024)].", minimum=2
+        None, help=f"Window for attention similarity [default: min(seq_len, {ATTENTION_WINDOW})].", minimum=2
     )
     attention_windows: int = setting(1, help="Windows the attention similarity averages over.", minimum=1)
     samples: int = setting(
@@ -91,6 +98,18 @@ class EvalSettings:
     )
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
     progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
+
+    def window(self, positions: int | None) -> int:
+        """The disjoint/stride window: ``seq_len``, else :data:`EVAL_WINDOW` cut to the ``positions``."""
+        return self.seq_len or min(EVAL_WINDOW, positions or EVAL_WINDOW)
+
+    def rolling_window(self, positions: int | None) -> int:
+        """lm-eval's rolling window: ``seq_len``, else the model's full length (2048 when unknown)."""
+        return self.seq_len or positions or EVAL_WINDOW
+
+    def attention_window(self, window: int) -> int:
+        """The attention-similarity window, never longer than the perplexity ``window``."""
+        return min(self.attention_seq_len or min(window, ATTENTION_WINDOW), window)
 
     def check(self) -> EvalSettings:
         validate(self)

@@ -13,6 +13,8 @@ from mha2gqa.core.text import DOC_SPLITS, check_text_source
 OBJECTIVES = ("ce", "kd", "mix")
 TRAINABLE = ("all", "attention", "kv")
 MIXED_PRECISION = ("auto", "no", "bf16")
+#: The training window when none is given (cut to the model's positions).
+UPTRAIN_WINDOW = 1024
 
 
 @dataclass
@@ -54,7 +56,7 @@ class UptrainSettings:
     batch_size: int = setting(8, help="Sequences per optimizer step, over all processes.", minimum=1, identity=True)
     grad_accum: int = setting(1, help="Micro-batches per step (gradient accumulation).", minimum=1, identity=True)
     seq_len: int | None = setting(
-        None, help="Window length [default: min(1024, the model's positions)].", minimum=2, identity=True
+        None, help=f"Window length [default: min({UPTRAIN_WINDOW}, the model's positions)].", minimum=2, identity=True
     )
     lr: float = setting(1e-4, help="Peak AdamW learning rate.", above=0, identity=True)
     min_lr_ratio: float = setting(0.1, help="Cosine decay ends at lr x this.", minimum=0, maximum=1, identity=True)
@@ -95,6 +97,10 @@ class UptrainSettings:
     )
     gradient_checkpointing: bool = setting(False, help="Recompute activations in the backward pass.")
     progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
+
+    def window(self, positions: int | None) -> int:
+        """The training window: ``seq_len``, else :data:`UPTRAIN_WINDOW` cut to the ``positions``."""
+        return self.seq_len or min(UPTRAIN_WINDOW, positions or UPTRAIN_WINDOW)
 
     def check(self) -> UptrainSettings:
         """Every value and combination checked before anything is loaded."""

@@ -122,7 +122,7 @@ def _resolve(student: str, s: UptrainSettings, processes: int) -> _Resolved:
         )
     family = arch.family if arch is not None else None
     max_pos = config.get("max_position_embeddings")
-    seq_len = s.seq_len or min(1024, max_pos or 1024)
+    seq_len = s.window(max_pos)
     eval_seq_len = s.eval_seq_len or seq_len
     for flag, n in (("--seq-len", seq_len), ("--eval-seq-len", eval_seq_len)):
         if max_pos and n > max_pos:

@@ -14,6 +14,7 @@ import torch
 
 from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
+from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.errors import SettingError
@@ -214,7 +215,7 @@ def collect(
     model_dir = ckpt.folder
     model = skeleton(ckpt)
     dims = dims_of(model.config)
-    seq_len = min(seq_len or 512, getattr(model.config, "max_position_embeddings", None) or 512)
+    seq_len = calibration_window(seq_len, getattr(model.config, "max_position_embeddings", None))
     windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
     states = first_layer_inputs(model, ckpt, windows, dev)
     per_layer = groups if isinstance(groups, tuple) else None
