@@ -32,7 +32,7 @@ from mha2gqa.core.families import Family
 from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
-from mha2gqa.core.shard_writer import OutputTensor, write_checkpoint
+from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from mha2gqa.core.conversion_record import Refit, RefitLayer
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
-from mha2gqa.core.shard_writer import OutputTensor
+from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.core.units import parse_size
 

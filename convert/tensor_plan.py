@@ -20,7 +20,7 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.families import Family
 from mha2gqa.core.safetensors_io import TensorInfo
-from mha2gqa.core.shard_writer import OutputTensor
+from mha2gqa.convert.shard_writer import OutputTensor
 
 SUFFIXES = (".weight", ".bias")
 

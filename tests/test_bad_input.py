@@ -181,7 +181,7 @@ def test_empty_existing_output_is_fine(src, tmp_path):
 
 
 def test_disk_full_mid_write_removes_the_temp_folder(src, tmp_path, monkeypatch):
-    import mha2gqa.core.shard_writer as writer
+    import mha2gqa.convert.shard_writer as writer
 
     real = writer._write_tensor
     calls = []
