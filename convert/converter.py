@@ -20,6 +20,7 @@ from typing import Any
 from mha2gqa.convert.prepare import Conversion, prepare
 from mha2gqa.convert.retarget_view import retarget_record
 from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
+from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
 from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
@@ -32,7 +33,6 @@ from mha2gqa.core.families import Family
 from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
-from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
 
 
 @dataclass(frozen=True)

@@ -46,12 +46,12 @@ from mha2gqa.convert.calibration.streaming import (
 )
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window
+from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.convert.tensor_plan import attention_names
 from mha2gqa.core.conversion_record import Refit, RefitLayer
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
-from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.core.units import parse_size
 

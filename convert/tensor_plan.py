@@ -15,12 +15,12 @@ import torch
 from mha2gqa.convert.methods import HeadShape, Method
 from mha2gqa.convert.methods.fresh import fresh_fused, fresh_tensor
 from mha2gqa.convert.methods.pooling import Reducer, reduce_rows, reduce_stacked
+from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.families import Family
 from mha2gqa.core.safetensors_io import TensorInfo
-from mha2gqa.convert.shard_writer import OutputTensor
 
 SUFFIXES = (".weight", ".bias")
 

@@ -39,3 +39,15 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
     with contextlib.suppress(AttributeError):
         if libc is not None:
             libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+
+
+def peak_memory(device: Any = None) -> int:
+    """This process's peak memory in bytes: allocated CUDA memory on a CUDA ``device``, else the
+    peak resident set (``ru_maxrss``; memory-mapped pages it touched count)."""
+    import resource
+
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

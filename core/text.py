@@ -9,6 +9,7 @@ the hub, or a local ``datasets`` cache).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,9 +79,9 @@ def check_text_source(source: str | None, setting: str = "data") -> None:
         )
 
 
-def load_text(source: str, text_field: str = "text", doc_split: str = "file", setting: str = "data") -> TextData:
-    """Read ``source`` into documents (empty ones dropped). Raises :class:`SettingError` naming
-    ``setting`` (``data``, ``calibration``, ``eval_data``...)."""
+def _open(source: str, text_field: str, doc_split: str, setting: str):
+    """``(datasets.Dataset, field, doc_split used)`` of ``source``: Arrow tables on disk, memory-mapped
+    (a local file is converted once into ``datasets``' cache)."""
     import datasets
 
     check_text_source(source, setting)
@@ -117,10 +118,54 @@ def load_text(source: str, text_field: str = "text", doc_split: str = "file", se
             setting,
             f"{{name}} {source}: no text field {field!r} (fields: {', '.join(ds.column_names)}); pass --text-field",
         )
+    return ds, field, split_used
+
+
+def load_text(source: str, text_field: str = "text", doc_split: str = "file", setting: str = "data") -> TextData:
+    """Read ``source`` into documents (empty ones dropped). Raises :class:`SettingError` naming
+    ``setting`` (``data``, ``calibration``, ``eval_data``...)."""
+    ds, field, split_used = _open(source, text_field, doc_split, setting)
     docs = [d for d in ds[field] if isinstance(d, str) and d.strip()]
     if not docs:
         raise SettingError(setting, f"{{name}} {source}: no text")
     return TextData(source, docs, field, split_used)
+
+
+#: The longest piece of text tokenized in one call (characters): longer documents are cut at the last
+#: line break before it, so that memory never grows with a document's length.
+PIECE_CHARS = 1 << 20
+
+
+def text_pieces(
+    source: str, text_field: str = "text", doc_split: str = "file", setting: str = "data"
+) -> Iterator[tuple[int, str]]:
+    """``(document number, piece)`` of every non-empty document of ``source`` in order, documents
+    longer than :data:`PIECE_CHARS` cut at line breaks; read row batch by row batch from the
+    memory-mapped Arrow table, never whole. Raises :class:`SettingError` when there is no text."""
+    ds, field, _ = _open(source, text_field, doc_split, setting)
+    number = 0
+    for batch in ds.iter(batch_size=256):
+        for doc in batch[field]:
+            if not isinstance(doc, str) or not doc.strip():
+                continue
+            for piece in _cut(doc):
+                yield number, piece
+            number += 1
+    if number == 0:
+        raise SettingError(setting, f"{{name}} {source}: no text")
+
+
+def _cut(doc: str) -> Iterator[str]:
+    """``doc`` in pieces of at most :data:`PIECE_CHARS` characters, each ending at a line break where
+    one exists in its second half."""
+    start = 0
+    while start < len(doc):
+        end = min(start + PIECE_CHARS, len(doc))
+        if end < len(doc):
+            brk = doc.rfind("\n", start + PIECE_CHARS // 2, end)
+            end = brk + 1 if brk >= 0 else end
+        yield doc[start:end]
+        start = end
 
 
 def _check_utf8(path: Path, source: str, setting: str) -> None:

@@ -40,15 +40,21 @@ from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token
 from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.pair import calibration_overlap
-from mha2gqa.eval.perplexity import Window, disjoint_windows, rolling_windows, score_windows, stride_windows
+from mha2gqa.eval.perplexity import IGNORE, Window, disjoint_windows, rolling_windows, score_windows, stride_windows
 from mha2gqa.eval.settings import EvalSettings
 
 
 def _split_for_rank(windows: list[Window]) -> tuple[list[Window], Any]:
+    """This process's share of ``windows``; every process gets as many (the short ones a last window
+    with nothing scored), so that sharded (FSDP) models run the same collectives on all of them."""
     from accelerate import PartialState
 
     state = PartialState()
-    return windows[state.process_index :: state.num_processes], state
+    mine = windows[state.process_index :: state.num_processes]
+    if windows and len(mine) < -(-len(windows) // state.num_processes):
+        inputs, targets = windows[0]
+        mine = [*mine, (inputs, torch.full_like(targets, IGNORE))]
+    return mine, state
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -353,7 +359,8 @@ def _together(run: _Run, results: dict[str, Any]) -> _Scored:
 def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
     from accelerate import PartialState
 
-    from mha2gqa.eval.reference import key_material, model_identity, reference_key, windows_digest
+    from mha2gqa.core.cache import model_identity
+    from mha2gqa.eval.reference import key_material, reference_key, windows_digest
 
     s, state = run.settings, PartialState()
     extra = [t for t in (run.attention_batch, *run.prompts) if t is not None]

@@ -187,7 +187,7 @@ def _compare(lo: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, nll: list[fl
     agree.tokens += ids.numel()
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a sharded (FSDP) model reuses its gather buffers in training
 def score_windows(
     models: Sequence[torch.nn.Module],
     windows: list[Window],

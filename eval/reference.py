@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core import typed
+from mha2gqa.core.cache import locked as cache_lock
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.output import Inputs, staged_output
@@ -53,18 +54,6 @@ from mha2gqa.core.units import format_bytes
 from mha2gqa.eval.perplexity import Record, Replay, Window
 
 SCHEMA = "mha2gqa.reference/1"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json")
-
-
-def model_identity(path: str, folder: Path) -> dict[str, Any]:
-    """What identifies a model's weights without reading them: its path, and every weight and
-    config file's name, size and modification time."""
-    files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
-    return {
-        "path": path,
-        "folder": str(folder),
-        "files": [[f.name, (st := f.stat()).st_size, st.st_mtime_ns] for f in files],
-    }
 
 
 def windows_digest(passes: dict[str, list[Window]], *extra: torch.Tensor) -> str:
@@ -256,31 +245,11 @@ def find(root: Path, key: str) -> Reference | None:
 
 @contextmanager
 def locked(root: Path, key: str, log: Any = None) -> Iterator[None]:
-    """Hold the lock of entry ``key`` under ``root`` (``.<key>.lock`` beside it): evaluations sharing a
-    cache build an entry once; the others wait here, then find it. No-op where ``fcntl`` is missing."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock (two builders: the second is refused at publication)
+    """Hold the lock of entry ``key`` under ``root``: evaluations sharing a cache build an entry once;
+    the others wait here, then find it."""
+    waiting = f"waiting for another evaluation that is scoring the same original into {root / key}"
+    with cache_lock(root, key, f"--reference-cache {root}", waiting, log):
         yield
-        return
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        handle = open(root / f".{key}.lock", "a+")  # noqa: SIM115 (held across the yield)
-    except OSError as e:
-        raise Mha2GqaError(
-            f"--reference-cache {root}: cannot create its lock ({e.strerror or e}); choose a writable folder"
-        ) from None
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if log:
-                log(f"waiting for another evaluation that is scoring the same original into {root / key}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextmanager

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mha2gqa.core.cache import cache_root
 from mha2gqa.core.settings import setting
 from mha2gqa.core.signals import check as check_signals
 
@@ -50,13 +50,6 @@ class DemoSettings:
         if fields["architecture"] == "llama":  # the key of caches made before the choice existed
             del fields["architecture"]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    """``$MHA2GQA_CACHE``, else ``$XDG_CACHE_HOME/mha2gqa``, else ``~/.cache/mha2gqa``."""
-    if os.environ.get("MHA2GQA_CACHE"):
-        return Path(os.environ["MHA2GQA_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mha2gqa"
 
 
 def cpython_text(heldout_fraction: float) -> tuple[str, str]:

@@ -274,7 +274,8 @@ class RunResult:
 
 def _source(job: Job, log: Callable[[str], None]) -> tuple[str, Path]:
     """The model to convert and the default output folder."""
-    from mha2gqa.demo import cache_root, demo_model
+    from mha2gqa.core.cache import cache_root
+    from mha2gqa.demo import demo_model
 
     if job.source == "demo":
         return str(demo_model(job.demo, log=log)), cache_root() / f"demo-{job.demo.key()}" / "run"

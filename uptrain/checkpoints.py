@@ -19,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,25 +78,40 @@ def prepare_output(output: Path, resume: bool, overwrite: bool) -> None:
 
 
 def _save_model(
-    accelerator, model, tokenizer, folder: Path, dtype: torch.dtype | None, files: dict[str, str], final: bool = False
+    accelerator,
+    model,
+    tokenizer,
+    folder: Path,
+    dtype: torch.dtype | None,
+    files: dict[str, str],
+    final: bool = False,
+    sharded: bool = False,
 ) -> None:
     """Hugging Face model files of ``model`` into ``folder`` (state dict gathered on every process,
     written by the main one), cast to ``dtype`` when given, plus ``files`` (name -> text).
 
     A LoRA-wrapped (peft) model is saved as its adapters, or with ``final`` merged into a stock model.
+    A ``sharded`` (FSDP) model is gathered whole onto the main process first (a collective call).
     """
+    from mha2gqa.uptrain.sharding import full_state_dict, merge_lora
+
     unwrapped = accelerator.unwrap_model(model)
     lora = hasattr(unwrapped, "peft_config")
+    whole = full_state_dict(model) if sharded else None
     if lora and not final:  # the adapters only: resuming applies them to the student again
         if accelerator.is_main_process:
-            unwrapped.save_pretrained(folder)
+            unwrapped.save_pretrained(folder, **({"state_dict": whole} if sharded else {}))
             _write_files(folder, tokenizer, files)
         return
-    if lora:
+    if lora and sharded:
+        config = unwrapped.peft_config["default"]
+        state = merge_lora(whole, config.lora_alpha / config.r) if accelerator.is_main_process else {}
+        unwrapped = unwrapped.get_base_model()
+    elif lora:
         unwrapped = unwrapped.merge_and_unload()
         state = unwrapped.state_dict()
     else:
-        state = accelerator.get_state_dict(model)
+        state = whole if sharded else accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
     saved_dtype = unwrapped.config.dtype
@@ -118,14 +133,25 @@ def _write_files(folder: Path, tokenizer, files: dict[str, str]) -> None:
 
 
 def save_checkpoint(
-    accelerator, model, tokenizer, output: Path, step: int, state: dict[str, Any], files: dict[str, str], keep: int
+    accelerator,
+    model,
+    tokenizer,
+    output: Path,
+    step: int,
+    state: dict[str, Any],
+    files: dict[str, str],
+    keep: int,
+    sharded: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` (collective call)."""
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` (collective call).
+    ``sharded``: the model is FSDP-sharded, and this writes each process's optimizer shard."""
     root = output / CHECKPOINTS
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"
     with _building(tmp, accelerator):
-        _save_model(accelerator, model, tokenizer, tmp, None, files)
+        _save_model(accelerator, model, tokenizer, tmp, None, files, sharded=sharded is not None)
+        if sharded is not None:
+            sharded(tmp)
         accelerator.save_state(str(tmp))  # every process writes its own RNG state into tmp ...
         accelerator.wait_for_everyone()  # ... so tmp is published only once all of them have
         if accelerator.is_main_process:
@@ -173,14 +199,22 @@ def skip_model_weights(accelerator) -> None:
     accelerator.register_load_state_pre_hook(lambda models, folder: models.clear())
 
 
-def save_final(accelerator, model, tokenizer, output: Path, dtype: torch.dtype | None, files: dict[str, str]) -> None:
+def save_final(
+    accelerator,
+    model,
+    tokenizer,
+    output: Path,
+    dtype: torch.dtype | None,
+    files: dict[str, str],
+    sharded: bool = False,
+) -> None:
     """The final model into ``output`` itself: written to a temporary folder, then moved in file by
     file with ``config.json`` last, so the folder loads as a model only once it is complete."""
     tmp = output / ".final.tmp"
     with _building(tmp, accelerator):
         if accelerator.is_main_process:
             (output / "config.json").unlink(missing_ok=True)
-        _save_model(accelerator, model, tokenizer, tmp, dtype, files, final=True)
+        _save_model(accelerator, model, tokenizer, tmp, dtype, files, final=True, sharded=sharded)
         if accelerator.is_main_process:
             names = sorted(p.name for p in tmp.iterdir())
             for name in [n for n in names if n != "config.json"] + ["config.json"]:

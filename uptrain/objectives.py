@@ -50,21 +50,41 @@ def distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
     return _Distillation.apply(student.flatten(0, -2), teacher.detach().flatten(0, -2), temperature)
 
 
+def distillation_top_k(
+    student: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, rest: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """:func:`distillation` against a cached teacher's top-K form at ``temperature``: its sorted
+    log-probabilities ``values`` and their token ``indices`` ``[B, T, K]``, and ``rest`` ``[B, T]``,
+    the log of the mass outside them. The KL is taken over the K tokens plus one bucket for the rest,
+    which (log-sum inequality) is the exact KL minus ``p_rest * KL(teacher's tail || student's tail)``:
+    never more than the exact KL, equal to it when K is the vocabulary (no bucket then)."""
+    ls = F.log_softmax(_wide(student) / temperature, -1)
+    idx = indices.long()
+    loss = (values.exp() * (values - ls.gather(-1, idx))).sum(-1)
+    if idx.shape[-1] < ls.shape[-1]:
+        tail = ls.scatter(-1, idx, float("-inf")).logsumexp(-1)
+        r = rest.clamp(min=-1e4)  # a tail that underflowed to zero mass adds nothing (and no NaN)
+        loss = loss + r.exp() * (r - tail)
+    return loss.mean() * temperature**2
+
+
 def combined(
     objective: str,
     logits: torch.Tensor,
     targets: torch.Tensor,
-    teacher_logits: torch.Tensor | None,
+    teacher: torch.Tensor | dict[str, torch.Tensor] | None,
     kd_weight: float,
     temperature: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of ``objective`` (``ce``, ``kd`` or ``mix``: ``(1 - kd_weight) * ce + kd_weight * kd``)
-    and its parts as floats for the log."""
+    and its parts as floats for the log. ``teacher``: its logits, or its cached top-K form."""
     parts: dict[str, torch.Tensor] = {}
     if objective in ("ce", "mix"):
         parts["ce"] = cross_entropy(logits, targets)
-    if objective in ("kd", "mix"):
-        parts["kd"] = distillation(logits, teacher_logits, temperature)
+    if objective in ("kd", "mix") and isinstance(teacher, dict):
+        parts["kd"] = distillation_top_k(logits, teacher["values"], teacher["indices"], teacher["rest"], temperature)
+    elif objective in ("kd", "mix"):
+        parts["kd"] = distillation(logits, teacher, temperature)
     if objective == "ce":
         loss = parts["ce"]
     elif objective == "kd":

@@ -26,6 +26,15 @@ class Trainable:
     params: list[torch.nn.Parameter]
     masked_rows: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> rows that must not change
 
+    def rebind(self, model: torch.nn.Module) -> Trainable:
+        """The same names bound to ``model``'s parameters now (FSDP replaces them by sharded ones;
+        the row masks then apply to each process's shard, see :func:`~mha2gqa.uptrain.sharding.zero_rows`)."""
+        params = dict(model.named_parameters())
+        return Trainable(self.names, [params[n] for n in self.names], self.masked_rows)
+
+    def param(self, name: str) -> torch.nn.Parameter:
+        return self.params[self.names.index(name)]
+
     @property
     def count(self) -> int:
         """Parameters that can change (masked rows excluded)."""

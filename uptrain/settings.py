@@ -13,6 +13,7 @@ from mha2gqa.core.text import DOC_SPLITS, check_text_source
 OBJECTIVES = ("ce", "kd", "mix")
 TRAINABLE = ("all", "attention", "kv")
 MIXED_PRECISION = ("auto", "no", "bf16")
+SHARDING = ("none", "fsdp")
 #: The training window when none is given (cut to the model's positions).
 UPTRAIN_WINDOW = 1024
 
@@ -96,6 +97,34 @@ class UptrainSettings:
         "auto", help="auto: bf16 autocast on GPUs that support it, float32 otherwise.", choices=MIXED_PRECISION
     )
     gradient_checkpointing: bool = setting(False, help="Recompute activations in the backward pass.")
+    sharding: str = setting(
+        "none",
+        help="none: every process holds the whole model (DDP); fsdp: parameters, gradients and optimizer "
+        "state sharded per decoder layer across processes (torch FSDP2; run under torchrun or accelerate "
+        "launch).",
+        choices=SHARDING,
+    )
+    cpu_offload: bool = setting(False, help="--sharding fsdp: keep parameter shards and optimizer state in CPU memory.")
+    data_cache: str | None = setting(
+        None, help="Folder of tokenized --data shards, reused by content [default: the mha2gqa cache/tokens]."
+    )
+    teacher_top_k: int = setting(
+        0,
+        help="Distil from a cache of the teacher's top-K log-probabilities plus the remainder, written by one "
+        "teacher pass before training (the student then trains alone); 0: the live teacher.",
+        minimum=0,
+        identity=True,
+    )
+    teacher_only: bool = setting(
+        False,
+        help="Only fill the --teacher-top-k cache (e.g. ahead of the training run, on other devices: the "
+        "run with the same settings reads each chunk as it lands), then stop.",
+        job=False,
+    )
+    teacher_cache: str | None = setting(
+        None,
+        help="Folder of teacher outputs for --teacher-top-k, reused by content [default: the mha2gqa cache/teacher].",
+    )
     progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 
     def window(self, positions: int | None) -> int:
@@ -112,6 +141,12 @@ class UptrainSettings:
             raise SettingError(
                 "teacher", f"objective {self.objective} distils from a teacher: pass {{name}} ORIGINAL_MODEL"
             )
+        if self.teacher_top_k and self.objective == "ce":
+            raise SettingError("teacher_top_k", "{name} caches the teacher for --objective kd or mix, not ce")
+        if self.teacher_only and not self.teacher_top_k:
+            raise SettingError("teacher_only", "{name} fills the cache of --teacher-top-k K: give K")
+        if self.cpu_offload and self.sharding != "fsdp":
+            raise SettingError("cpu_offload", "{name} offloads FSDP shards: add --sharding fsdp")
         if self.max_steps and self.max_tokens:
             raise SettingError("max_steps", "give {name} or --max-tokens, not both")
         return self

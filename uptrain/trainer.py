@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mha2gqa.core.cache import cache_root
 from mha2gqa.core.conversion_record import read_conversion_record
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
@@ -36,11 +38,22 @@ from mha2gqa.uptrain.checkpoints import (
     save_final,
     skip_model_weights,
 )
-from mha2gqa.uptrain.data import WindowOrder, pack_windows
+from mha2gqa.uptrain.data import WindowOrder
 from mha2gqa.uptrain.objectives import combined
 from mha2gqa.uptrain.params import adapters, apply_lora, lora_targets, param_groups, select_trainable
 from mha2gqa.uptrain.record import UptrainRecord
 from mha2gqa.uptrain.settings import RUN_FIELDS, UptrainSettings
+from mha2gqa.uptrain.sharding import load_optimizer, save_optimizer, shard, zero_rows
+from mha2gqa.uptrain.teacher_cache import (
+    CachedTeacher,
+    TeacherCache,
+    chunk_steps,
+    fill,
+    producer_lock,
+    producer_running,
+)
+from mha2gqa.uptrain.teacher_cache import key_material as teacher_key_material
+from mha2gqa.uptrain.tokens import TokenStore, token_store
 
 
 @dataclass
@@ -54,8 +67,11 @@ class UptrainResult:
     complete: bool
     evals: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    teacher_cache: Path | None = None  # set when the run was only the teacher pass (--teacher-only)
 
     def summary(self) -> str:
+        if self.teacher_cache is not None:
+            return f"teacher pass done in {self.seconds:.1f} s: {self.teacher_cache} (train with the same settings)"
         state = "done" if self.complete else f"stopped at step {self.steps} of {self.total_steps} (--resume continues)"
         line = f"uptrain {state}: {self.steps:,} steps, {self.tokens:,} tokens in {self.seconds:.1f} s -> {self.output}"
         if self.evals:
@@ -97,7 +113,8 @@ class _Resolved:
     eval_seq_len: int
     micro: int  # windows per forward pass
     tokenizer: Any
-    windows: torch.Tensor  # [W, seq_len + 1]
+    store: TokenStore  # the training stream, windows of seq_len + 1 tokens read from disk
+    num_windows: int
     eval_windows: list
     total: int
     eval_every: int
@@ -105,7 +122,7 @@ class _Resolved:
     run: dict[str, Any]  # the settings as resolved (recorded, and compared on resume)
 
 
-def _resolve(student: str, s: UptrainSettings, processes: int) -> _Resolved:
+def _resolve(student: str, s: UptrainSettings, processes: int, log) -> _Resolved:
     """Resolve and check the sizes, the tokenizers and the text of a run (raises :class:`Mha2GqaError`)."""
     from mha2gqa.core.architecture import resolve
     from mha2gqa.core.checkpoint import read_config, resolve_folder
@@ -138,7 +155,14 @@ def _resolve(student: str, s: UptrainSettings, processes: int) -> _Resolved:
     if s.teacher:
         teacher_folder, _, _ = resolve_folder(s.teacher)
         check_same_tokenizer(tokenizer, load_tokenizer(teacher_folder), student, s.teacher)
-    windows = pack_windows(_tokens(tokenizer, "data", s, None), seq_len, f"--data {s.data}")
+    root = Path(s.data_cache) if s.data_cache else cache_root() / "tokens"
+    store = token_store(root, tokenizer, student_folder, s.data, s.text_field, s.doc_split, log)
+    num_windows = store.num_windows(seq_len)
+    if num_windows < 1:
+        raise Mha2GqaError(
+            f"--data {s.data}: {store.total} tokens, too little text for one training window of {seq_len} tokens; "
+            "give more text or a smaller --seq-len"
+        )
     eval_windows = []
     if s.eval_data:
         ids = _tokens(tokenizer, "eval_data", s, s.eval_tokens)
@@ -150,7 +174,7 @@ def _resolve(student: str, s: UptrainSettings, processes: int) -> _Resolved:
         eval_windows = disjoint_windows(ids, eval_seq_len)
     tokens_per_step = s.batch_size * seq_len
     total = s.max_steps or (math.ceil(s.max_tokens / tokens_per_step) if s.max_tokens else None)
-    total = total or math.ceil(len(windows) / s.batch_size)
+    total = total or math.ceil(num_windows / s.batch_size)
     if s.warmup_steps >= total:
         raise SettingError("warmup_steps", f"{{name}} {s.warmup_steps} must be fewer than the run's {total} steps")
     eval_every = s.eval_every or max(1, total // 10)
@@ -166,7 +190,8 @@ def _resolve(student: str, s: UptrainSettings, processes: int) -> _Resolved:
         eval_seq_len,
         s.batch_size // per_step,
         tokenizer,
-        windows,
+        store,
+        num_windows,
         eval_windows,
         total,
         eval_every,
@@ -189,14 +214,95 @@ def _models(plan: _Resolved, s: UptrainSettings, acc, resume_from: Path | None):
     if lora:
         model = _with_lora(model, plan.family, plan.dims, s, resume_from)
         trainable = adapters(model)
+    sharded = s.sharding == "fsdp"
+    if sharded:
+        shard(model, acc.device, acc.mixed_precision, s.cpu_offload)
+        trainable = trainable.rebind(model)
     teacher = None
-    if plan.teacher_folder is not None:
+    if plan.teacher_folder is not None and not s.teacher_top_k:
         teacher_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
-        teacher = load_model(str(plan.teacher_folder), acc.device, teacher_dtype).model.requires_grad_(False)
-        vs, vt = model.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
-        if vs != vt:
-            raise Mha2GqaError(f"--teacher {s.teacher}: its output vocabulary ({vt}) differs from the student's ({vs})")
+        device = torch.device("cpu") if sharded else acc.device
+        teacher = load_model(str(plan.teacher_folder), device, teacher_dtype).model.requires_grad_(False)
+        check_vocabulary(_vocabulary(model), _vocabulary(teacher), s.teacher)
+        if sharded:
+            shard(teacher, acc.device, "no", s.cpu_offload)
     return model, trainable, teacher
+
+
+def check_vocabulary(student: int, teacher: int, name: str) -> None:
+    """Distillation compares distributions over one vocabulary: the output sizes must match."""
+    if student != teacher:
+        raise Mha2GqaError(
+            f"--teacher {name}: its output vocabulary ({teacher}) differs from the student's ({student})"
+        )
+
+
+def _vocabulary(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def _cached_teacher(plan: _Resolved, s: UptrainSettings, acc, order: WindowOrder, say) -> CachedTeacher:
+    """The teacher-cache entry of this run, its missing chunks filled first by a teacher pass here
+    (the teacher alone in memory, then freed) unless another process is filling it: then training
+    reads each chunk as that pass publishes it."""
+    import gc
+
+    from accelerate.utils import broadcast_object_list
+
+    from mha2gqa.core.cache import model_identity
+    from mha2gqa.core.memory import trim
+    from mha2gqa.core.models import load_model
+
+    sharded = s.sharding == "fsdp"
+    teacher_dtype = "bfloat16" if acc.mixed_precision == "bf16" else "float32"
+    steps = chunk_steps(s.batch_size, plan.seq_len)
+    vocab = _config_vocabulary(plan.teacher_folder)
+    check_vocabulary(_config_vocabulary(plan.student_folder), vocab, s.teacher)
+    settings = {"top_k": min(s.teacher_top_k, vocab), "vocab_size": vocab, "temperature": s.temperature,
+                "seq_len": plan.seq_len, "batch_size": s.batch_size, "seed": s.seed, "windows": plan.num_windows,
+                "dtype": teacher_dtype, "chunk_steps": steps}  # fmt: skip
+    material = teacher_key_material(plan.store.folder.name, model_identity(s.teacher, plan.teacher_folder), settings)
+    root = Path(s.teacher_cache) if s.teacher_cache else cache_root() / "teacher"
+    cache = TeacherCache.create(root, material, settings) if acc.is_main_process else None
+    acc.wait_for_everyone()
+    cache = cache or TeacherCache.create(root, material, settings)
+    chunks = range(math.ceil(plan.total / steps))
+    held, release = producer_lock(cache.folder) if acc.is_main_process else (False, lambda: None)
+    decision = [held and bool(cache.missing(chunks))]
+    broadcast_object_list(decision)
+    try:
+        if decision[0]:
+            missing = cache.missing(chunks)
+            say(f"teacher pass: {len(missing):,} chunks of {steps} steps into {cache.folder} (top {settings['top_k']})")
+            device = torch.device("cpu") if sharded else acc.device
+            teacher = load_model(str(plan.teacher_folder), device, by_name(teacher_dtype).torch).model
+            teacher.requires_grad_(False)
+            if sharded:
+                shard(teacher, acc.device, "no", s.cpu_offload)
+            rows = s.batch_size // acc.num_processes
+            first = acc.process_index * rows
+
+            def batch_rows(step: int) -> torch.Tensor:
+                return plan.store.windows(order.batch(step)[first : first + rows], plan.seq_len)
+
+            fill(cache, teacher, missing, batch_rows, acc.process_index, acc.num_processes, plan.micro, say)
+            del teacher
+            gc.collect()
+            trim()
+        elif cache.missing(chunks):
+            say(f"teacher cache {cache.folder}: another process is filling it; training reads each chunk as it lands")
+    finally:
+        release()
+    acc.wait_for_everyone()
+    return CachedTeacher(cache, lambda: producer_running(cache.folder))
+
+
+def _config_vocabulary(folder: Path) -> int:
+    """The output vocabulary a checkpoint's config declares."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    return int(getattr(config.get_text_config(), "vocab_size", 0) or 0)
 
 
 class _Trainer:
@@ -210,7 +316,8 @@ class _Trainer:
         self.main = acc.is_main_process
         self.say = log if self.main else (lambda *_: None)
         self.output = Path(s.output)
-        self.plan = plan = _resolve(student, s, acc.num_processes)
+        self.plan = plan = _resolve(student, s, acc.num_processes, self.say)
+        self.sharded = s.sharding == "fsdp"
         self.tokens_per_step = s.batch_size * plan.seq_len
         inputs = {
             "the student model": plan.student_folder,
@@ -218,15 +325,20 @@ class _Trainer:
             "the --data text": s.data,
             "the --eval-data text": s.eval_data,
         }
-        check_output(self.output, s.resume, s.overwrite, inputs)
-        self.resume_from, self.start_step = _resume_point(self.output, s.resume, plan.run)
+        if not s.teacher_only:  # (a teacher pass writes only the cache)
+            check_output(self.output, s.resume, s.overwrite, inputs)
+        self.resume_from, self.start_step = _resume_point(self.output, s.resume and not s.teacher_only, plan.run)
         if self.resume_from is not None:  # its weights whole before anything loads
             _check_resume(self.resume_from)
         from accelerate.utils import set_seed
 
         set_seed(s.seed)
-        teacher = f" and the teacher {s.teacher}" if s.teacher else ""
-        self.say(f"loading the student {student}{teacher} ({len(plan.windows):,} training windows ready)")
+        self.order = WindowOrder(plan.num_windows, s.batch_size, s.seed)
+        self.cached = _cached_teacher(plan, s, acc, self.order, self.say) if s.teacher_top_k else None
+        if s.teacher_only:
+            return
+        teacher = f" and the teacher {s.teacher}" if s.teacher and not self.cached else ""
+        self.say(f"loading the student {student}{teacher} ({plan.num_windows:,} training windows ready)")
         model, self.trainable, self.teacher = _models(plan, s, acc, self.resume_from)
         self.conv_record = read_conversion_record(plan.student_folder)
         if self.main:  # everything is checked: now the output folder may be written
@@ -237,11 +349,14 @@ class _Trainer:
             optimizer, s.warmup_steps, plan.total, min_lr_rate=s.min_lr_ratio
         )
         model.train()
-        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        if self.sharded:  # FSDP already placed and wraps the model; the scheduler rides in accelerate's state
+            self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+            acc.register_for_checkpointing(scheduler)
+        else:
+            self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
         skip_model_weights(acc)
         if self.resume_from is not None:
-            _load_state(acc, self.resume_from)
-        self.order = WindowOrder(len(plan.windows), s.batch_size, s.seed)
+            _load_state(acc, self.resume_from, (self.model, self.optimizer) if self.sharded else None)
         self.log = RunLog(self.output / UPTRAIN_LOG, self.main, self.start_step if self.resume_from else None)
         # every evaluation of the run so far (a resumed run's earlier ones come from its log)
         resumed = self.start_step and self.main
@@ -264,7 +379,7 @@ class _Trainer:
                     "student": self.student,
                     "teacher": s.teacher,
                     "settings": plan.run,
-                    "windows": len(plan.windows),
+                    "windows": plan.num_windows,
                     "tokens_per_step": self.tokens_per_step,
                     "total_steps": plan.total,
                     "trainable_parameters": self.trainable.count,
@@ -279,7 +394,7 @@ class _Trainer:
             )
         self.say(
             f"uptrain: {self.trainable.count:,} of {total_params:,} parameters ({s.train}), objective "
-            f"{s.objective}, {len(plan.windows):,} windows of {plan.seq_len}, {plan.total:,} steps x "
+            f"{s.objective}, {plan.num_windows:,} windows of {plan.seq_len}, {plan.total:,} steps x "
             f"{s.batch_size} on {acc.num_processes} x {acc.device} "
             f"({'full precision' if acc.mixed_precision == 'no' else acc.mixed_precision + ' mixed precision'})"
         )
@@ -350,15 +465,32 @@ class _Trainer:
             state,
             self.model_files(step),
             self.s.save_total_limit,
+            (lambda folder: save_optimizer(self.model, self.optimizer, folder)) if self.sharded else None,
         )
+
+    def teacher_of(self, step: int) -> Callable[[int, torch.Tensor], Any] | None:
+        """``(k, inputs) ->`` micro-batch k's teacher logits (live teacher) or its rows of the cache."""
+        if self.cached is not None:
+            micro = self.plan.micro
+            first = self.acc.process_index * micro * self.s.grad_accum
+            return lambda k, _: self.cached.targets(step - 1, slice(first + k * micro, first + (k + 1) * micro))
+        if self.teacher is not None:
+            return lambda k, inputs: self.teacher(input_ids=inputs, use_cache=False).logits
+        return None
 
     def step(self, step: int) -> tuple[float, dict[str, float], Any]:
         """One optimizer step; returns its loss, the loss parts and the gradient norm."""
         s, micro, acc = self.s, self.plan.micro, self.acc
         batch = self.order.batch(step - 1)
         mine = batch[acc.process_index * micro * s.grad_accum : (acc.process_index + 1) * micro * s.grad_accum]
-        loss, parts = _accumulate(acc, self.model, self.teacher, self.plan.windows, mine.split(micro), s)
+        fetch = lambda idx: self.plan.store.windows(idx, self.plan.seq_len)  # noqa: E731
+        loss, parts = _accumulate(acc, self.model, self.teacher_of(step), fetch, mine.split(micro), s, self.sharded)
+        if self.sharded:  # the fused query rows' hooks went with the unsharded parameters
+            for name, rows in self.trainable.masked_rows.items():
+                zero_rows(self.trainable.param(name), rows)
         grad_norm = acc.clip_grad_norm_(self.trainable.params, s.max_grad_norm) if s.max_grad_norm > 0 else None
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -421,7 +553,7 @@ class _Trainer:
         )
         if complete:
             dtype = by_name(plan.source_dtype).torch if plan.source_dtype else None
-            save_final(self.acc, self.model, plan.tokenizer, self.output, dtype, self.model_files(step))
+            save_final(self.acc, self.model, plan.tokenizer, self.output, dtype, self.model_files(step), self.sharded)
             self.log.write(
                 {
                     "type": "end",
@@ -478,7 +610,7 @@ def _check_resume(folder: Path) -> None:
         raise Mha2GqaError(f"{label} {e}") from None
 
 
-def _load_state(acc: Any, folder: Path) -> None:
+def _load_state(acc: Any, folder: Path, sharded: tuple[Any, Any] | None = None) -> None:
     """A resumed run's model, optimizer and scheduler state (accelerate's checkpoint), or one line
     saying which checkpoint cannot be read (truncated, damaged, or a pickle that is not plain data:
     torch's weights-only loading refuses it, and it is never loaded otherwise)."""
@@ -488,6 +620,8 @@ def _load_state(acc: Any, folder: Path) -> None:
 
     try:
         acc.load_state(str(folder))
+        if sharded is not None:  # (model, optimizer): each process's optimizer shard
+            load_optimizer(*sharded, folder)
     except (pickle.UnpicklingError, SafetensorError, EOFError, OSError, RuntimeError, ValueError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         if "weights_only" in first or isinstance(e, pickle.UnpicklingError):
@@ -509,6 +643,9 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
     if settings.teacher:
         check_loadable("--teacher", settings.teacher)
     trainer = _Trainer(student, settings, log)
+    if settings.teacher_only:
+        seconds = time.perf_counter() - trainer.started
+        return UptrainResult(trainer.output, 0, trainer.plan.total, 0, False, [], seconds, trainer.cached.cache.folder)
     trainer.announce()
     try:
         steps = trainer.train()
@@ -546,22 +683,30 @@ def _resume_point(output: Path, resume: bool, run: dict[str, Any]) -> tuple[Path
     return folder, step
 
 
-def _accumulate(acc, model, teacher, windows: torch.Tensor, micro_batches, s: UptrainSettings):
-    """Forward and backward over this process's micro-batches of one step (``[micro, seq_len + 1]``
-    window indices each), gradients synchronised on the last only. Returns the mean loss and parts."""
+def _accumulate(acc, model, teacher, fetch, micro_batches, s: UptrainSettings, sharded: bool = False):
+    """Forward and backward over this process's micro-batches of one step (``[micro]`` window indices
+    each, ``fetch`` gives their ``[micro, seq_len + 1]`` tokens), gradients synchronised on the last
+    only; ``teacher(k, inputs)``: micro-batch k's teacher logits or cached top-K form. Returns the
+    mean loss and parts."""
     loss_sum, parts_sum = 0.0, {}
     n = len(micro_batches)
     for k, idx in enumerate(micro_batches):
-        chunk = windows[idx].to(acc.device)
+        chunk = fetch(idx).to(acc.device)
         inputs, targets = chunk[:, :-1], chunk[:, 1:]
-        sync = contextlib.nullcontext() if k == n - 1 else acc.no_sync(model)
+        if sharded:
+            model.set_requires_gradient_sync(k == n - 1)
+            sync = contextlib.nullcontext()
+        else:
+            sync = contextlib.nullcontext() if k == n - 1 else acc.no_sync(model)
         with sync, acc.autocast():
             logits = model(input_ids=inputs, use_cache=False).logits
-            teacher_logits = None
+            target = None
             if s.objective != "ce":
                 with torch.no_grad():
-                    teacher_logits = teacher(input_ids=inputs, use_cache=False).logits
-            loss, parts = combined(s.objective, logits, targets, teacher_logits, s.kd_weight, s.temperature)
+                    target = teacher(k, inputs)
+                if isinstance(target, dict):
+                    target = {name: v.to(acc.device) for name, v in target.items()}
+            loss, parts = combined(s.objective, logits, targets, target, s.kd_weight, s.temperature)
             acc.backward(loss / n)
         loss_sum += float(loss.detach()) / n
         for name, v in parts.items():

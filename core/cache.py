@@ -1,0 +1,63 @@
+"""mha2gqa's own caches on disk: where they live, and the lock that lets concurrent runs build an
+entry once (the demo model, the original's reference scores, token shards, teacher outputs)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from mha2gqa.core.errors import Mha2GqaError
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json")
+
+
+def cache_root() -> Path:
+    """``$MHA2GQA_CACHE``, else ``$XDG_CACHE_HOME/mha2gqa``, else ``~/.cache/mha2gqa``."""
+    if os.environ.get("MHA2GQA_CACHE"):
+        return Path(os.environ["MHA2GQA_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mha2gqa"
+
+
+@contextmanager
+def locked(
+    root: Path, key: str, what: str, waiting: str | None = None, log: Callable[[str], None] | None = None
+) -> Iterator[None]:
+    """Hold the lock of entry ``key`` under ``root`` (``.<key>.lock`` beside it): runs sharing a cache
+    build an entry once; the others wait here (``log`` hears ``waiting`` first), then find it. ``what``
+    names the cache in errors (``--reference-cache DIR``). No-op where ``fcntl`` is missing (two
+    builders: the second is refused when it publishes)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = open(root / f".{key}.lock", "a+")  # noqa: SIM115 (held across the yield)
+    except OSError as e:
+        raise Mha2GqaError(f"{what}: cannot create its lock ({e.strerror or e}); choose a writable folder") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if log and waiting:
+                log(waiting)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def model_identity(path: str, folder: Path) -> dict[str, Any]:
+    """What identifies a model's weights in a cache key without reading them: its path, and every
+    weight and config file's name, size and modification time."""
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
+    return {
+        "path": path,
+        "folder": str(folder),
+        "files": [[f.name, (st := f.stat()).st_size, st.st_mtime_ns] for f in files],
+    }

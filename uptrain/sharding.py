@@ -1,0 +1,122 @@
+"""``--sharding fsdp``: the model's parameters, gradients and optimizer state sharded across processes
+with torch's FSDP2 (``fully_shard``), one unit per decoder layer plus the root (embeddings, final
+norm, head), on CPU with gloo or CUDA with NCCL.
+
+Every process loads the model (from the student or the checkpoint being resumed) and keeps only its
+shard; a forward or backward gathers one layer at a time. Gradients are averaged across processes as
+DDP's are, so one command follows the same trajectory on 1 or N processes. Checkpoints keep the model
+as Hugging Face files (gathered on the main process) and the optimizer through
+``torch.distributed.checkpoint`` (each process writes its own shard; loading re-shards, so a run may
+resume on another number of processes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mha2gqa.core.errors import Mha2GqaError
+
+OPTIMIZER_DIR = "optimizer"
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the classes transformers keeps whole (``_no_split_modules``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise Mha2GqaError(
+            f"--sharding fsdp: {type(base).__name__} names no decoder-layer class (_no_split_modules); "
+            "train it without --sharding"
+        )
+    return layers
+
+
+def shard(model: torch.nn.Module, device: torch.device, mixed_precision: str, offload: bool) -> torch.nn.Module:
+    """Shard ``model`` in place across the processes: each decoder layer one FSDP unit, then the rest.
+    bf16 ``mixed_precision`` computes in bfloat16 and reduces gradients in float32."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise Mha2GqaError("--sharding fsdp: no process group; run under torchrun or accelerate launch")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    options: dict[str, Any] = {"mesh": mesh, "mp_policy": policy}
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    elif device.type != "cpu":
+        model.to(device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer whole, on CPU, on the main process (empty elsewhere). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Each process's optimizer shard into ``folder/optimizer`` (torch.distributed.checkpoint). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder / OPTIMIZER_DIR))
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """The optimizer state saved by :func:`save_optimizer`, re-sharded for this run. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def zero_rows(param: torch.nn.Parameter, rows: torch.Tensor) -> None:
+    """Zero the gradient of ``rows`` (of the whole tensor) in this process's shard of ``param``:
+    FSDP2 cuts dimension 0 into ``ceil(N / processes)``-row pieces, piece ``r`` on process ``r``."""
+    import torch.distributed as dist
+
+    grad = param.grad
+    if grad is None:
+        return
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    if hasattr(grad, "to_local"):
+        size = -(-param.shape[0] // dist.get_world_size())
+        start = dist.get_rank() * size
+        mine = rows[(rows >= start) & (rows < start + local.shape[0])] - start
+    else:
+        mine = rows
+    local[mine] = 0
+
+
+def merge_lora(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A peft LoRA model's whole state dict merged into its base model's: ``W + scaling * B @ A`` for
+    every adapted linear, adapter keys dropped, peft's prefixes removed."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        name = key.removeprefix("base_model.model.")
+        if ".base_layer." in key:
+            prefix, leaf = key.split(".base_layer.")
+            name = name.replace(".base_layer.", ".")
+            a, b = state.get(f"{prefix}.lora_A.default.weight"), state.get(f"{prefix}.lora_B.default.weight")
+            if leaf == "weight" and a is not None and b is not None:
+                value = (value.float() + scaling * (b.float() @ a.float())).to(value.dtype)
+        out[name] = value
+    return out

@@ -1,0 +1,283 @@
+"""Distillation from a cached teacher: one pass of the teacher writes, for the training windows, its
+top-K log-probabilities and the log of the remaining mass (the reference cache's top-K form, at the
+distillation temperature); the student then trains alone, so memory holds one model at a time.
+
+An entry ``<cache>/<key>/`` is named by the sha256 of what its numbers depend on (the token store,
+the teacher's files, window length, K, temperature, dtype, the window order's seed and batch, the
+library versions). It holds ``manifest.json`` and, per chunk of ``chunk_steps`` optimizer steps in
+training order, one file per teacher process::
+
+    chunk-000003-part-0-of-2.safetensors   values [S, B/P, T, K] float32 (sorted log-probabilities),
+                                           indices [S, B/P, T, K] int32, rest [S, B/P, T] float32;
+                                           part p holds rows [p*B/P, (p+1)*B/P) of each step's batch
+
+written beside its final name and renamed into place, with the sha256 of its tensor bytes in its
+metadata (checked when read: a damaged or tampered chunk is one line naming it). 8K + 4 bytes per
+training token. Chunks are filled in step order, so a teacher pass (``uptrain --teacher-only``) can
+run ahead of a training run that reads the same entry: the trainer waits for a chunk it needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.records import versions
+
+SCHEMA = "mha2gqa.teacher/1"
+MANIFEST = "manifest.json"
+_PART = re.compile(r"^chunk-(\d{6})-part-(\d+)-of-(\d+)\.safetensors$")
+#: Training tokens per chunk (a chunk is at least one step).
+CHUNK_TOKENS = 1 << 16
+FIELDS = ("values", "indices", "rest")
+
+
+def chunk_steps(batch_size: int, seq_len: int) -> int:
+    return max(1, CHUNK_TOKENS // (batch_size * seq_len))
+
+
+def entry_key(material: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def key_material(store_key: str, teacher: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    lib = versions()
+    return {
+        "schema": SCHEMA,
+        "tokens": store_key,
+        "teacher": teacher,
+        "settings": settings,
+        "versions": {k: lib.get(k) for k in ("mha2gqa", "torch", "transformers")},
+    }
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class TeacherCache:
+    """One entry: its folder and manifest (``settings``: top_k, vocab, seq_len, batch_size, chunk_steps...)."""
+
+    folder: Path
+    settings: dict[str, Any]
+
+    @property
+    def chunk_steps(self) -> int:
+        return self.settings["chunk_steps"]
+
+    def _bad(self, name: str, why: str) -> Mha2GqaError:
+        return Mha2GqaError(
+            f"teacher cache {self.folder / name}: {why}; remove {self.folder} and run again to rebuild it"
+        )
+
+    # -- writing --------------------------------------------------------------------------------------
+    def write_part(self, chunk: int, part: int, parts: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Publish one process's part of ``chunk`` (written beside its name, then renamed)."""
+        from safetensors.torch import save_file
+
+        name = f"chunk-{chunk:06d}-part-{part}-of-{parts}.safetensors"
+        tmp = self.folder / f".{name}.{os.getpid()}.tmp"
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        try:
+            save_file(tensors, tmp, metadata={"sha256": _digest(tensors)})
+            os.replace(tmp, self.folder / name)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    # -- reading --------------------------------------------------------------------------------------
+    def parts_of(self, chunk: int) -> list[Path] | None:
+        """The complete set of part files of ``chunk`` (one teacher run's), or None while incomplete."""
+        found: dict[int, dict[int, Path]] = {}
+        for path in self.folder.glob(f"chunk-{chunk:06d}-part-*.safetensors"):
+            m = _PART.match(path.name)
+            if m:
+                found.setdefault(int(m.group(3)), {})[int(m.group(2))] = path
+        for parts, files in sorted(found.items()):
+            if len(files) == parts:
+                return [files[p] for p in range(parts)]
+        return None
+
+    def missing(self, chunks: range) -> list[int]:
+        return [c for c in chunks if self.parts_of(c) is None]
+
+    def read_chunk(self, chunk: int, wait: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
+        """``values``/``indices``/``rest`` of every window of ``chunk`` as ``[S, B, T, ...]``. While the
+        chunk is incomplete and ``wait()`` says a teacher pass is running, wait for it."""
+        from safetensors import SafetensorError, safe_open
+
+        parts = self.parts_of(chunk)
+        while parts is None:
+            if wait is None or not wait():
+                raise self._bad(f"chunk-{chunk:06d}", "this chunk is missing (the teacher pass stopped before it)")
+            time.sleep(1.0)
+            parts = self.parts_of(chunk)
+        pieces: dict[str, list[torch.Tensor]] = {k: [] for k in FIELDS}
+        s = self.settings
+        for path in parts:
+            try:
+                with safe_open(path, "pt") as f:
+                    meta = f.metadata() or {}
+                    tensors = {k: f.get_tensor(k) for k in FIELDS}
+            except (SafetensorError, OSError, KeyError) as e:
+                raise self._bad(path.name, f"not a teacher-cache chunk ({str(e).splitlines()[0][:120]})") from None
+            if meta.get("sha256") != _digest(tensors):
+                raise self._bad(path.name, "its content changed since it was written")
+            v, i, r = (tensors[k] for k in FIELDS)
+            shape = (self.chunk_steps, v.shape[1], s["seq_len"], s["top_k"])
+            ok = (v.dtype, i.dtype, r.dtype) == (torch.float32, torch.int32, torch.float32)
+            if not ok or tuple(v.shape) != shape or i.shape != v.shape or tuple(r.shape) != shape[:3]:
+                raise self._bad(path.name, "its tensors do not have the shapes and types of this entry")
+            if i.numel() and (int(i.min()) < 0 or int(i.max()) >= s["vocab_size"]):
+                raise self._bad(path.name, "it holds token indices outside the vocabulary")
+            for k in FIELDS:
+                pieces[k].append(tensors[k])
+        out = {k: torch.cat(v, 1) for k, v in pieces.items()}
+        if out["values"].shape[1] != s["batch_size"]:
+            raise self._bad(f"chunk-{chunk:06d}", "its parts do not add up to one batch per step")
+        return out
+
+    @classmethod
+    def open(cls, folder: Path, key: str) -> TeacherCache:
+        path = folder / MANIFEST
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise Mha2GqaError(
+                f"teacher cache {path}: not readable ({e}); remove {folder} and run again to rebuild it"
+            ) from None
+        settings = manifest.get("settings") if isinstance(manifest, dict) else None
+        needed = ("top_k", "vocab_size", "seq_len", "batch_size", "chunk_steps")
+        if (
+            not isinstance(settings, dict)
+            or manifest.get("schema") != SCHEMA
+            or manifest.get("key") != key
+            or not all(isinstance(settings.get(k), int) and settings[k] > 0 for k in needed)
+        ):
+            raise Mha2GqaError(
+                f"teacher cache {path}: not a teacher cache of this entry; remove {folder} and run again"
+            )
+        return cls(folder, settings)
+
+    @classmethod
+    def create(cls, root: Path, material: dict[str, Any], settings: dict[str, Any]) -> TeacherCache:
+        """The entry of ``material`` under ``root``: opened, or created with its manifest."""
+        key = entry_key(material)
+        folder = root / key
+        if (folder / MANIFEST).is_file():
+            return cls.open(folder, key)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
+            manifest = {"schema": SCHEMA, "key": key, "material": material, "settings": settings}
+            tmp.write_text(json.dumps(manifest, indent=1, default=str) + "\n", encoding="utf-8")
+            os.replace(tmp, folder / MANIFEST)
+        except OSError as e:
+            raise Mha2GqaError(f"teacher cache {folder}: cannot write it ({e.strerror or e}); choose another") from None
+        return cls.open(folder, key)
+
+
+@torch.no_grad()
+def teacher_part(
+    teacher: torch.nn.Module, windows: torch.Tensor, top_k: int, temperature: float, micro: int
+) -> dict[str, torch.Tensor]:
+    """The top-K form of ``teacher``'s next-token distributions at ``temperature`` on ``windows``
+    ``[n, T + 1]`` (inputs ``[:, :-1]``), ``micro`` windows per forward: ``values``/``indices``
+    ``[n, T, K]``, ``rest`` ``[n, T]``."""
+    from mha2gqa.eval.perplexity import top_k_form
+
+    device = next(teacher.parameters()).device
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in FIELDS}
+    for start in range(0, windows.shape[0], micro):
+        inputs = windows[start : start + micro, :-1].to(device)
+        logits = teacher(input_ids=inputs, use_cache=False).logits.float() / temperature
+        n, t, v = logits.shape
+        form = top_k_form(logits.reshape(n * t, v), inputs.reshape(-1), top_k)
+        out["values"].append(form["values"].reshape(n, t, -1).cpu())
+        out["indices"].append(form["indices"].reshape(n, t, -1).cpu())
+        rest = form["rest"] if top_k < v else torch.full_like(form["rest"], float("-inf"))
+        out["rest"].append(rest.reshape(n, t).cpu())
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+class CachedTeacher:
+    """The trainer's view of an entry: the targets of a step's rows, one chunk read (and verified) at
+    a time; ``wait()`` says whether a teacher pass is still filling the entry."""
+
+    def __init__(self, cache: TeacherCache, wait: Callable[[], bool]) -> None:
+        self.cache, self.wait = cache, wait
+        self._chunk: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def targets(self, step: int, rows: slice) -> dict[str, torch.Tensor]:
+        """``values``/``indices``/``rest`` of rows ``rows`` of optimizer step ``step`` (0-based)."""
+        chunk, within = divmod(step, self.cache.chunk_steps)
+        if self._chunk is None or self._chunk[0] != chunk:
+            self._chunk = (chunk, self.cache.read_chunk(chunk, self.wait))
+        return {k: v[within, rows] for k, v in self._chunk[1].items()}
+
+
+def fill(
+    cache: TeacherCache,
+    teacher: torch.nn.Module,
+    chunks: list[int],
+    batch_rows: Callable[[int], torch.Tensor],
+    part: int,
+    parts: int,
+    micro: int,
+    log: Callable[[str], None],
+) -> None:
+    """Compute and publish this process's part of every chunk in ``chunks``, in order.
+    ``batch_rows(step)``: this process's ``[B/P, T + 1]`` windows of 0-based optimizer step ``step``."""
+    s = cache.settings
+    started = time.perf_counter()
+    for n, chunk in enumerate(chunks):
+        from mha2gqa.core.signals import check as check_signals
+
+        check_signals()
+        steps = range(chunk * cache.chunk_steps, (chunk + 1) * cache.chunk_steps)
+        done = [teacher_part(teacher, batch_rows(step), s["top_k"], s["temperature"], micro) for step in steps]
+        cache.write_part(chunk, part, parts, {k: torch.stack([d[k] for d in done]) for k in FIELDS})
+        if n == 0 or (n + 1) % 10 == 0 or n + 1 == len(chunks):
+            log(f"teacher pass: chunk {n + 1:,}/{len(chunks):,} ({time.perf_counter() - started:.1f} s)")
+
+
+def producer_lock(folder: Path):
+    """The entry's producer lock, taken without waiting: ``(held, release)``. Where ``fcntl`` is
+    missing, always held (one producer per entry is then the user's to ensure)."""
+    try:
+        import fcntl
+    except ImportError:
+        return True, lambda: None
+    handle = open(folder / ".producer.lock", "a+")  # noqa: SIM115 (released by the caller)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return False, lambda: None
+
+    def release() -> None:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+    return True, release
+
+
+def producer_running(folder: Path) -> bool:
+    """Whether another process holds the entry's producer lock (a teacher pass is filling it)."""
+    held, release = producer_lock(folder)
+    release()
+    return not held
