@@ -468,6 +468,16 @@ class _Trainer:
             (lambda folder: save_optimizer(self.model, self.optimizer, folder)) if self.sharded else None,
         )
 
+    def peak_memory(self) -> list[float]:
+        """Each process's peak memory so far in MiB (CUDA allocations on a GPU, else resident memory),
+        in rank order. Collective."""
+        from accelerate.utils import gather_object
+
+        from mha2gqa.core.memory import peak_memory
+
+        mine = round(peak_memory(self.acc.device) / 2**20, 1)
+        return gather_object([mine]) if self.acc.num_processes > 1 else [mine]
+
     def teacher_of(self, step: int) -> Callable[[int, torch.Tensor], Any] | None:
         """``(k, inputs) ->`` micro-batch k's teacher logits (live teacher) or its rows of the cache."""
         if self.cached is not None:
@@ -530,6 +540,7 @@ class _Trainer:
                 rec = window.record(
                     step, self.tokens_per_step, self.order.epoch(step), self.scheduler.get_last_lr()[0], grad_norm
                 )
+                rec["peak_memory_mib"] = self.peak_memory()
                 self.log.write(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_second']:,.0f}")
             if step % plan.eval_every == 0 or step == plan.total:
@@ -589,6 +600,7 @@ class _Window:
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens_per_second": self.count * tokens_per_step / max(self.seconds, 1e-9),
+            "step_seconds": self.seconds / self.count,
         }
         self.__init__()
         return rec

@@ -1,0 +1,214 @@
+"""Uptraining at scale: FSDP over 2 gloo processes follows the one-process run (cross-entropy, KD,
+LoRA, fused K/V-only training) and resumes exactly; the streamed token store gives the in-memory
+windows; distillation from a full-vocabulary teacher cache equals live distillation; damaged stores
+and caches are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import llama_with_tokenizer, story_text
+from safetensors.torch import load_file
+from test_distributed import run_ok
+
+from mha2gqa.cli import main
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.uptrain import UptrainSettings, uptrain
+from mha2gqa.uptrain.data import WindowOrder, pack_windows
+from mha2gqa.uptrain.tokens import stream_ids, token_store
+
+_PORT = iter(range(29610, 29700))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny MHA Llama with a tokenizer, its 2-KV-head conversion, and text."""
+    root = tmp_path_factory.mktemp("scale")
+    text = story_text(root / "t.txt", 400)
+    parent = llama_with_tokenizer(root / "mha", text)
+    student = convert_checkpoint(parent, root / "g2", 2, progress=False).output
+    return {"root": root, "text": text, "parent": parent, "student": student, "cache": root / "cache"}
+
+
+def _argv(run, out: Path, *extra: str) -> list[str]:
+    args = ["uptrain", run["student"], "--data", run["text"], "--output", out, "--data-cache", run["cache"]]
+    args += ["--seq-len", "32", "--batch-size", "4", "--max-steps", "6", "--lr", "3e-3", "--device", "cpu", "-q"]
+    return [str(a) for a in (*args, *extra)]
+
+
+def _one(argv: list[str]) -> None:
+    subprocess.run([sys.executable, "-m", "mha2gqa.cli", *argv], check=True, capture_output=True)
+
+
+def _two(argv: list[str]) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    run_ok([*torchrun, str(next(_PORT)), "-m", "mha2gqa.cli", *argv])
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> float:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= atol, worst
+    return worst
+
+
+# ---- FSDP ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("objective", ["ce", "kd"])
+def test_fsdp_on_two_processes_follows_one_process(run, tmp_path, objective):
+    """Parameters, gradients and AdamW state sharded over 2 gloo processes, each reading half of every
+    global batch: the same weights as one process (float noise), and a stock checkpoint."""
+    extra = ("--objective", objective, "--teacher", str(run["parent"])) if objective == "kd" else ()
+    _one(_argv(run, tmp_path / "one", *extra))
+    _two(_argv(run, tmp_path / "fsdp", *extra, "--sharding", "fsdp"))
+    one, fsdp, start = _weights(tmp_path / "one"), _weights(tmp_path / "fsdp"), _weights(run["student"])
+    _close(one, fsdp, 1e-5)
+    assert any(not torch.equal(fsdp[k], start[k]) for k in start)  # it trained
+    log = [json.loads(line) for line in (tmp_path / "fsdp" / "uptrain_log.jsonl").read_text().splitlines()]
+    train = [r for r in log if r["type"] == "train"]
+    assert train and all(len(r["peak_memory_mib"]) == 2 and r["step_seconds"] > 0 for r in train)
+    assert log[0]["processes"] == 2 and (tmp_path / "fsdp" / "config.json").is_file()
+
+
+def test_fsdp_resumed_run_continues_the_identical_trajectory(run, tmp_path):
+    argv = _argv(run, tmp_path / "whole", "--sharding", "fsdp", "--save-every", "3")
+    _two(argv)
+    part = _argv(run, tmp_path / "parts", "--sharding", "fsdp", "--save-every", "3")
+    _two([*part, "--stop-after", "3"])
+    assert not (tmp_path / "parts" / "config.json").exists()
+    assert (tmp_path / "parts" / "checkpoints" / "step-0000003" / "optimizer").is_dir()  # each rank's shard
+    _two([*part, "--resume"])
+    _close(_weights(tmp_path / "whole"), _weights(tmp_path / "parts"), 0.0)
+
+
+def test_fsdp_lora_merges_like_one_process(run, tmp_path):
+    extra = ("--lora-rank", "4", "--train", "attention")
+    _one(_argv(run, tmp_path / "one", *extra))
+    _two(_argv(run, tmp_path / "fsdp", *extra, "--sharding", "fsdp"))
+    _close(_weights(tmp_path / "one"), _weights(tmp_path / "fsdp"), 1e-6)
+
+
+def test_fsdp_trains_kv_rows_of_a_fused_projection_and_leaves_query_rows_exact(run, tiny_checkpoint, tmp_path):
+    """Phi-3's stacked ``[q; k; v]``: each process zeroes the query rows of its own shard's gradient."""
+    from transformers import AutoTokenizer
+
+    from mha2gqa.core.architecture import dims_of
+    from mha2gqa.core.families import families
+
+    src = tiny_checkpoint("phi3", vocab_size=300)
+    student = convert_checkpoint(src, tmp_path / "gqa", 2, "mean", progress=False).output
+    AutoTokenizer.from_pretrained(run["parent"]).save_pretrained(student)
+    argv = _argv({**run, "student": student}, tmp_path / "fsdp", "--train", "kv", "--sharding", "fsdp")
+    _two(argv)
+    before, after = _weights(student), _weights(tmp_path / "fsdp")
+    dims = dims_of(json.loads((student / "config.json").read_text()))
+    q_rows = torch.tensor(families()["phi3"].q_rows(dims.num_heads, dims.num_kv_heads, dims.head_dim))
+    fused = [n for n in before if "qkv_proj" in n]
+    assert fused and all(torch.equal(after[n][q_rows], before[n][q_rows]) for n in fused)
+    assert all(not torch.equal(after[n], before[n]) for n in fused)  # the K/V rows trained
+    assert all(torch.equal(after[n], before[n]) for n in before if "qkv_proj" not in n)
+
+
+def test_sharding_needs_a_process_group_and_offload_needs_sharding(run, tmp_path):
+    res = CliRunner().invoke(main, _argv(run, tmp_path / "x", "--sharding", "fsdp"))
+    assert res.exit_code == 1 and "torchrun" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(main, _argv(run, tmp_path / "y", "--cpu-offload"))
+    assert res.exit_code == 1 and "--cpu-offload" in res.output and "--sharding fsdp" in res.output
+
+
+# ---- streamed data ------------------------------------------------------------------------------
+def test_streamed_windows_equal_the_in_memory_ones(run, tmp_path, monkeypatch):
+    """Shards far smaller than a window (so windows cross files) and documents cut into pieces: every
+    step's windows, for every rank's slice, equal those packed from the whole stream in memory."""
+    from transformers import AutoTokenizer
+
+    import mha2gqa.core.text as text_module
+
+    monkeypatch.setattr(text_module, "PIECE_CHARS", 200)  # a document is tokenized in pieces
+    tok = AutoTokenizer.from_pretrained(run["parent"])
+    store = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), shard_tokens=37)
+    assert len(store.shards) > 10
+    ids = stream_ids(tok, str(run["text"]))
+    assert store.total == ids.numel() and torch.equal(store.windows(torch.arange(3), 16), pack_windows(ids, 16)[:3])
+    for seq_len, seed in ((16, 0), (33, 7)):
+        reference = pack_windows(ids, seq_len)
+        order = WindowOrder(store.num_windows(seq_len), 8, seed)
+        assert store.num_windows(seq_len) == len(reference)
+        for step in range(0, 40, 3):  # across epochs
+            batch = order.batch(step)
+            for rank in range(2):
+                mine = batch[rank * 4 : (rank + 1) * 4]
+                assert torch.equal(store.windows(mine, seq_len), reference[mine])
+    again = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), shard_tokens=37)
+    assert again.folder == store.folder and len(list((tmp_path / "c").iterdir())) == 2  # entry + its lock
+
+
+def test_damaged_token_store_is_refused(run, tmp_path):
+    from transformers import AutoTokenizer
+
+    from mha2gqa.uptrain.tokens import TokenStore
+
+    tok = AutoTokenizer.from_pretrained(run["parent"])
+    store = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), shard_tokens=1000)
+    shard = store.folder / store.shards[0][0]
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(Mha2GqaError, match=r"token cache .*tokens-00000\.bin: its checksum") as e:
+        TokenStore.open(store.folder).windows(torch.tensor([0]), 16)
+    assert "\n" not in str(e.value) and "remove" in str(e.value)
+    shard.write_bytes(bytes(data[:-2]))
+    with pytest.raises(Mha2GqaError, match="truncated"):
+        TokenStore.open(store.folder)
+    (store.folder / "manifest.json").write_text("{not json")
+    with pytest.raises(Mha2GqaError, match=r"manifest\.json: not readable"):
+        TokenStore.open(store.folder)
+
+
+# ---- distillation from a cached teacher ---------------------------------------------------------
+def _kd(run, out: Path, **kw) -> UptrainSettings:
+    base = dict(data=str(run["text"]), output=str(out), seq_len=32, batch_size=4, lr=3e-3, max_steps=6,
+                objective="kd", teacher=str(run["parent"]), data_cache=str(run["cache"]),
+                teacher_cache=str(run["root"] / "teacher"), temperature=2.0, progress=False)  # fmt: skip
+    return UptrainSettings(**{**base, **kw})
+
+
+def test_kd_from_a_full_vocabulary_cache_equals_live_kd(run, tmp_path):
+    lines: list[str] = []
+    uptrain(str(run["student"]), _kd(run, tmp_path / "live"), log=lines.append)
+    uptrain(str(run["student"]), _kd(run, tmp_path / "cached", teacher_top_k=10**6), log=lines.append)
+    assert any("teacher pass" in line for line in lines)
+    live, cached = _weights(tmp_path / "live"), _weights(tmp_path / "cached")
+    _close(live, cached, 1e-5)
+    small = uptrain(str(run["student"]), _kd(run, tmp_path / "k8", teacher_top_k=8), log=lines.append)
+    assert small.complete  # a top-8 cache is another (lower-bound) objective: it trains, differently
+    assert _close(live, _weights(tmp_path / "k8"), 1.0) > 1e-4
+
+
+def test_a_teacher_pass_runs_once_and_a_damaged_cache_is_refused(run, tmp_path):
+    lines: list[str] = []
+    done = uptrain(str(run["student"]), _kd(run, tmp_path / "x", teacher_top_k=16, teacher_only=True), log=lines.append)
+    assert done.teacher_cache is not None and not (tmp_path / "x").exists()  # only the cache was written
+    assert "teacher pass done" in done.summary()
+    lines.clear()
+    uptrain(str(run["student"]), _kd(run, tmp_path / "y", teacher_top_k=16), log=lines.append)
+    assert not any("teacher pass" in line for line in lines)  # reused, the teacher never loaded
+    chunk = sorted(done.teacher_cache.glob("chunk-*.safetensors"))[0]
+    data = bytearray(chunk.read_bytes())
+    data[-5] ^= 1
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(Mha2GqaError, match=r"teacher cache .*chunk-000000-part-0-of-1\.safetensors: its content") as e:
+        uptrain(str(run["student"]), _kd(run, tmp_path / "z", teacher_top_k=16), log=lines.append)
+    assert "\n" not in str(e.value)
+    res = CliRunner().invoke(main, _argv(run, tmp_path / "w", "--teacher-only"))
+    assert res.exit_code == 1 and "--teacher-top-k" in res.output
