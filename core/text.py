@@ -133,7 +133,7 @@ def load_text(source: str, text_field: str = "text", doc_split: str = "file", se
 
 #: The longest piece of text tokenized in one call (characters): longer documents are cut at the last
 #: line break before it, so that memory never grows with a document's length.
-PIECE_CHARS = 1 << 20
+PIECE_CHARS = 1 << 16
 
 
 def text_pieces(
@@ -141,7 +141,20 @@ def text_pieces(
 ) -> Iterator[tuple[int, str]]:
     """``(document number, piece)`` of every non-empty document of ``source`` in order, documents
     longer than :data:`PIECE_CHARS` cut at line breaks; read row batch by row batch from the
-    memory-mapped Arrow table, never whole. Raises :class:`SettingError` when there is no text."""
+    memory-mapped Arrow table, never whole (a ``.txt`` file that is one document, ``doc_split``
+    ``file``, is read piece by piece from the file itself). Raises :class:`SettingError` when there
+    is no text."""
+    path = Path(source).expanduser()
+    if doc_split == "file" and path.suffix.lower() == ".txt" and path.is_file():
+        check_text_source(source, setting)
+        _check_utf8(path, source, setting)
+        empty = True
+        for piece in _file_pieces(path):
+            empty = empty and not piece.strip()
+            yield 0, piece
+        if empty:
+            raise SettingError(setting, f"{{name}} {source}: no text")
+        return
     ds, field, _ = _open(source, text_field, doc_split, setting)
     number = 0
     for batch in ds.iter(batch_size=256):
@@ -153,6 +166,22 @@ def text_pieces(
             number += 1
     if number == 0:
         raise SettingError(setting, f"{{name}} {source}: no text")
+
+
+def _file_pieces(path: Path) -> Iterator[str]:
+    """A text file's content in the pieces :func:`_cut` makes of it, read a piece at a time."""
+    with open(path, encoding="utf-8", newline="") as f:
+        buffer = ""
+        while True:
+            block = f.read(PIECE_CHARS)
+            buffer += block
+            while len(buffer) > PIECE_CHARS:  # a cut depends only on the first PIECE_CHARS + 1 characters
+                piece = next(_cut(buffer))
+                yield piece
+                buffer = buffer[len(piece) :]
+            if not block:
+                yield from _cut(buffer)
+                return
 
 
 def _cut(doc: str) -> Iterator[str]:

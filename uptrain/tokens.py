@@ -2,7 +2,7 @@
 
 The stream: one BOS (when the tokenizer has one), then every document's tokens, documents joined by
 the tokens of a blank line. A document is tokenized in pieces (:func:`mha2gqa.core.text.text_pieces`,
-at most ~1 MiB of text each, cut at line breaks), read batch by batch from ``datasets``' memory-mapped
+at most 64 Ki characters each, cut at line breaks), read batch by batch from ``datasets``' memory-mapped
 Arrow table, so building the store and reading it both take memory independent of the corpus size.
 
 A store is a folder ``<cache>/<key>/`` named by the sha256 of what determines its tokens (the text's
