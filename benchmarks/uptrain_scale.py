@@ -112,16 +112,18 @@ def part_fsdp(work: Path) -> None:
             print(f"{name} {mode}: FAILED\n{res['failed']}", flush=True)
             continue
         steps = res["step_seconds"][1:] or res["step_seconds"]
-        rows.append((name, params(folder), mode, res["peak_rank_mib"], sum(steps) / len(steps)))
+        first = res["train"][0]["peak_memory_mib"]  # logged before the first checkpoint
+        rows.append((name, params(folder), mode, res["peak_rank_mib"], sum(steps) / len(steps), first))
         print(f"{name} {mode}: ranks {res['peak_rank_mib']} MiB, {rows[-1][4]:.1f} s/step", flush=True)
-    print("\n| model | parameters | sharding | peak per rank | total (2 ranks) | s/step |")
+    print("\n| model | parameters | sharding | training: peak per rank, total | with checkpoints: per rank, total "
+          "| s/step |")  # fmt: skip
     print("|---|---:|---|---:|---:|---:|")
-    for name, n, mode, peaks, sec in rows:
-        print(f"| {name} | {n / 1e9:.2f}B | {mode} | {max(peaks) / 1024:.2f} GiB | {sum(peaks) / 1024:.2f} GiB "
-              f"| {sec:.1f} |")  # fmt: skip
+    for name, n, mode, peaks, sec, first in rows:
+        print(f"| {name} | {n / 1e9:.2f}B | {mode} | {max(first) / 1024:.2f}, {sum(first) / 1024:.2f} GiB "
+              f"| {max(peaks) / 1024:.2f}, {sum(peaks) / 1024:.2f} GiB | {sec:.1f} |")  # fmt: skip
     ddp = [r for r in rows if r[0] == "0.17B" and r[2] == "ddp"]
     if ddp:
-        _, n_small, _, peaks, _ = ddp[0]
+        _, n_small, _, _, _, peaks = ddp[0]
         n = params(big)
         measured = max(peaks) * 2**20 / n_small
         print(f"| 1B | {n / 1e9:.2f}B | ddp, estimated: {measured:.1f} B/parameter per rank as measured at 0.17B "

@@ -3,6 +3,8 @@ entry once (the demo model, the original's reference scores, token shards, teach
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,3 +63,17 @@ def model_identity(path: str, folder: Path) -> dict[str, Any]:
         "folder": str(folder),
         "files": [[f.name, (st := f.stat()).st_size, st.st_mtime_ns] for f in files],
     }
+
+
+def entry_name(material: dict[str, Any]) -> str:
+    """A cache entry's folder name: 24 hex digits of the sha256 of ``material`` (JSON-able: what its
+    content depends on)."""
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def computed_with() -> dict[str, str | None]:
+    """The library versions a cached result's numbers depend on (part of every key)."""
+    from mha2gqa.core.records import versions
+
+    lib = versions()
+    return {k: lib.get(k) for k in ("mha2gqa", "torch", "transformers")}

@@ -359,8 +359,8 @@ def _together(run: _Run, results: dict[str, Any]) -> _Scored:
 def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
     from accelerate import PartialState
 
-    from mha2gqa.core.cache import model_identity
-    from mha2gqa.eval.reference import key_material, reference_key, windows_digest
+    from mha2gqa.core.cache import entry_name, model_identity
+    from mha2gqa.eval.reference import key_material, windows_digest
 
     s, state = run.settings, PartialState()
     extra = [t for t in (run.attention_batch, *run.prompts) if t is not None]
@@ -378,7 +378,7 @@ def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[
         "top_k": s.reference_top_k,
     }
     material = key_material(model_identity(run.paths[0], run.folders[0]), digest, settings)
-    return reference_key(material), material
+    return entry_name(material), material
 
 
 def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:

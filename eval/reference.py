@@ -44,11 +44,12 @@ from typing import Any
 import torch
 
 from mha2gqa.core import typed
+from mha2gqa.core.cache import computed_with
 from mha2gqa.core.cache import locked as cache_lock
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.output import Inputs, staged_output
-from mha2gqa.core.records import REFERENCE_RECORD, versions
+from mha2gqa.core.records import REFERENCE_RECORD
 from mha2gqa.core.safetensors_io import read_header
 from mha2gqa.core.units import format_bytes
 from mha2gqa.eval.perplexity import Record, Replay, Window
@@ -70,21 +71,10 @@ def windows_digest(passes: dict[str, list[Window]], *extra: torch.Tensor) -> str
     return h.hexdigest()
 
 
-def reference_key(material: dict[str, Any]) -> str:
-    """The entry name for ``material`` (JSON-able): 24 hex digits of its sha256."""
-    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
 def key_material(original: dict[str, Any], digest: str, settings: dict[str, Any]) -> dict[str, Any]:
     """Everything an entry's numbers depend on (see the module doc)."""
-    lib = versions()
-    return {
-        "schema": SCHEMA,
-        "original": original,
-        "windows": digest,
-        "settings": settings,
-        "versions": {k: lib.get(k) for k in ("mha2gqa", "torch", "transformers")},
-    }
+    return {"schema": SCHEMA, "original": original, "windows": digest, "settings": settings,
+            "versions": computed_with()}  # fmt: skip
 
 
 @dataclass

@@ -203,11 +203,17 @@ def test_a_teacher_pass_runs_once_and_a_damaged_cache_is_refused(run, tmp_path):
     lines.clear()
     uptrain(str(run["student"]), _kd(run, tmp_path / "y", teacher_top_k=16), log=lines.append)
     assert not any("teacher pass" in line for line in lines)  # reused, the teacher never loaded
+    uptrain(str(run["student"]), _kd(run, tmp_path / "y4", teacher_top_k=16, max_steps=4), log=lines.append)
+    assert not any("teacher pass" in line for line in lines)  # a shorter run reads the first steps
+    uptrain(str(run["student"]), _kd(run, tmp_path / "y8", teacher_top_k=16, max_steps=8), log=lines.append)
+    assert any("teacher pass" in line for line in lines)  # a longer one computes the steps it lacks
+    (done.teacher_cache / "chunk-000000-steps-8-part-0-of-1.safetensors").unlink()
     chunk = sorted(done.teacher_cache.glob("chunk-*.safetensors"))[0]
     data = bytearray(chunk.read_bytes())
     data[-5] ^= 1
     chunk.write_bytes(bytes(data))
-    with pytest.raises(Mha2GqaError, match=r"teacher cache .*chunk-000000-part-0-of-1\.safetensors: its content") as e:
+    damaged = r"teacher cache .*chunk-000000-steps-6-part-0-of-1\.safetensors: its content"
+    with pytest.raises(Mha2GqaError, match=damaged) as e:
         uptrain(str(run["student"]), _kd(run, tmp_path / "z", teacher_top_k=16), log=lines.append)
     assert "\n" not in str(e.value)
     res = CliRunner().invoke(main, _argv(run, tmp_path / "w", "--teacher-only"))

@@ -7,9 +7,11 @@ the teacher's files, window length, K, temperature, dtype, the window order's se
 library versions). It holds ``manifest.json`` and, per chunk of ``chunk_steps`` optimizer steps in
 training order, one file per teacher process::
 
-    chunk-000003-part-0-of-2.safetensors   values [S, B/P, T, K] float32 (sorted log-probabilities),
-                                           indices [S, B/P, T, K] int32, rest [S, B/P, T] float32;
-                                           part p holds rows [p*B/P, (p+1)*B/P) of each step's batch
+    chunk-000003-steps-128-part-0-of-2.safetensors
+        values [S, B/P, T, K] float32 (sorted log-probabilities), indices [S, B/P, T, K] int32,
+        rest [S, B/P, T] float32; part p holds rows [p*B/P, (p+1)*B/P) of each step's batch, for the
+        chunk's first S steps (a run shorter than the chunk computes only the steps it needs; a
+        longer run sharing the entry recomputes that chunk whole)
 
 written beside its final name and renamed into place, with the sha256 of its tensor bytes in its
 metadata (checked when read: a damaged or tampered chunk is one line naming it). 8K + 4 bytes per
@@ -31,12 +33,12 @@ from typing import Any
 
 import torch
 
+from mha2gqa.core.cache import computed_with, entry_name
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.records import versions
 
 SCHEMA = "mha2gqa.teacher/1"
 MANIFEST = "manifest.json"
-_PART = re.compile(r"^chunk-(\d{6})-part-(\d+)-of-(\d+)\.safetensors$")
+_PART = re.compile(r"^chunk-(\d{6})-steps-(\d+)-part-(\d+)-of-(\d+)\.safetensors$")
 #: Training tokens per chunk (a chunk is at least one step).
 CHUNK_TOKENS = 1 << 16
 FIELDS = ("values", "indices", "rest")
@@ -46,19 +48,10 @@ def chunk_steps(batch_size: int, seq_len: int) -> int:
     return max(1, CHUNK_TOKENS // (batch_size * seq_len))
 
 
-def entry_key(material: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
 def key_material(store_key: str, teacher: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-    lib = versions()
-    return {
-        "schema": SCHEMA,
-        "tokens": store_key,
-        "teacher": teacher,
-        "settings": settings,
-        "versions": {k: lib.get(k) for k in ("mha2gqa", "torch", "transformers")},
-    }
+    """What an entry's numbers depend on."""
+    return {"schema": SCHEMA, "tokens": store_key, "teacher": teacher, "settings": settings,
+            "versions": computed_with()}  # fmt: skip
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -90,7 +83,8 @@ class TeacherCache:
         """Publish one process's part of ``chunk`` (written beside its name, then renamed)."""
         from safetensors.torch import save_file
 
-        name = f"chunk-{chunk:06d}-part-{part}-of-{parts}.safetensors"
+        steps = tensors["values"].shape[0]
+        name = f"chunk-{chunk:06d}-steps-{steps}-part-{part}-of-{parts}.safetensors"
         tmp = self.folder / f".{name}.{os.getpid()}.tmp"
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         try:
@@ -100,32 +94,40 @@ class TeacherCache:
             tmp.unlink(missing_ok=True)
 
     # -- reading --------------------------------------------------------------------------------------
-    def parts_of(self, chunk: int) -> list[Path] | None:
-        """The complete set of part files of ``chunk`` (one teacher run's), or None while incomplete."""
-        found: dict[int, dict[int, Path]] = {}
-        for path in self.folder.glob(f"chunk-{chunk:06d}-part-*.safetensors"):
+    def steps_of(self, chunk: int, total: int) -> int:
+        """The steps of ``chunk`` a run of ``total`` steps reads."""
+        return min(self.chunk_steps, total - chunk * self.chunk_steps)
+
+    def parts_of(self, chunk: int, steps: int) -> list[Path] | None:
+        """A complete set of part files of ``chunk`` (one teacher run's) holding at least its first
+        ``steps`` steps, or None while there is none."""
+        found: dict[tuple[int, int], dict[int, Path]] = {}
+        for path in self.folder.glob(f"chunk-{chunk:06d}-*.safetensors"):
             m = _PART.match(path.name)
-            if m:
-                found.setdefault(int(m.group(3)), {})[int(m.group(2))] = path
-        for parts, files in sorted(found.items()):
+            if m and int(m.group(2)) >= steps:
+                found.setdefault((int(m.group(2)), int(m.group(4))), {})[int(m.group(3))] = path
+        for (_, parts), files in sorted(found.items(), reverse=True):
             if len(files) == parts:
                 return [files[p] for p in range(parts)]
         return None
 
-    def missing(self, chunks: range) -> list[int]:
-        return [c for c in chunks if self.parts_of(c) is None]
+    def missing(self, total: int) -> list[int]:
+        """The chunks a run of ``total`` steps needs that are not (all) there."""
+        chunks = range(-(-total // self.chunk_steps))
+        return [c for c in chunks if self.parts_of(c, self.steps_of(c, total)) is None]
 
-    def read_chunk(self, chunk: int, wait: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
-        """``values``/``indices``/``rest`` of every window of ``chunk`` as ``[S, B, T, ...]``. While the
-        chunk is incomplete and ``wait()`` says a teacher pass is running, wait for it."""
+    def read_chunk(self, chunk: int, steps: int, wait: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
+        """``values``/``indices``/``rest`` of the windows of ``chunk``'s first ``steps`` steps (at least)
+        as ``[S, B, T, ...]``. While the chunk is incomplete and ``wait()`` says a teacher pass is
+        running, wait for it."""
         from safetensors import SafetensorError, safe_open
 
-        parts = self.parts_of(chunk)
+        parts = self.parts_of(chunk, steps)
         while parts is None:
             if wait is None or not wait():
                 raise self._bad(f"chunk-{chunk:06d}", "this chunk is missing (the teacher pass stopped before it)")
             time.sleep(1.0)
-            parts = self.parts_of(chunk)
+            parts = self.parts_of(chunk, steps)
         pieces: dict[str, list[torch.Tensor]] = {k: [] for k in FIELDS}
         s = self.settings
         for path in parts:
@@ -138,7 +140,7 @@ class TeacherCache:
             if meta.get("sha256") != _digest(tensors):
                 raise self._bad(path.name, "its content changed since it was written")
             v, i, r = (tensors[k] for k in FIELDS)
-            shape = (self.chunk_steps, v.shape[1], s["seq_len"], s["top_k"])
+            shape = (int(_PART.match(path.name).group(2)), v.shape[1], s["seq_len"], s["top_k"])
             ok = (v.dtype, i.dtype, r.dtype) == (torch.float32, torch.int32, torch.float32)
             if not ok or tuple(v.shape) != shape or i.shape != v.shape or tuple(r.shape) != shape[:3]:
                 raise self._bad(path.name, "its tensors do not have the shapes and types of this entry")
@@ -176,7 +178,7 @@ class TeacherCache:
     @classmethod
     def create(cls, root: Path, material: dict[str, Any], settings: dict[str, Any]) -> TeacherCache:
         """The entry of ``material`` under ``root``: opened, or created with its manifest."""
-        key = entry_key(material)
+        key = entry_name(material)
         folder = root / key
         if (folder / MANIFEST).is_file():
             return cls.open(folder, key)
@@ -218,15 +220,15 @@ class CachedTeacher:
     """The trainer's view of an entry: the targets of a step's rows, one chunk read (and verified) at
     a time; ``wait()`` says whether a teacher pass is still filling the entry."""
 
-    def __init__(self, cache: TeacherCache, wait: Callable[[], bool]) -> None:
-        self.cache, self.wait = cache, wait
+    def __init__(self, cache: TeacherCache, total: int, wait: Callable[[], bool]) -> None:
+        self.cache, self.total, self.wait = cache, total, wait
         self._chunk: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def targets(self, step: int, rows: slice) -> dict[str, torch.Tensor]:
         """``values``/``indices``/``rest`` of rows ``rows`` of optimizer step ``step`` (0-based)."""
         chunk, within = divmod(step, self.cache.chunk_steps)
         if self._chunk is None or self._chunk[0] != chunk:
-            self._chunk = (chunk, self.cache.read_chunk(chunk, self.wait))
+            self._chunk = (chunk, self.cache.read_chunk(chunk, self.cache.steps_of(chunk, self.total), self.wait))
         return {k: v[within, rows] for k, v in self._chunk[1].items()}
 
 
@@ -234,25 +236,34 @@ def fill(
     cache: TeacherCache,
     teacher: torch.nn.Module,
     chunks: list[int],
+    total: int,
     batch_rows: Callable[[int], torch.Tensor],
     part: int,
     parts: int,
     micro: int,
     log: Callable[[str], None],
 ) -> None:
-    """Compute and publish this process's part of every chunk in ``chunks``, in order.
+    """Compute and publish this process's part of every chunk in ``chunks`` (their steps a run of
+    ``total`` steps reads), in order.
     ``batch_rows(step)``: this process's ``[B/P, T + 1]`` windows of 0-based optimizer step ``step``."""
     s = cache.settings
     started = time.perf_counter()
+    tail, tokens = 0.0, 0
     for n, chunk in enumerate(chunks):
         from mha2gqa.core.signals import check as check_signals
 
         check_signals()
-        steps = range(chunk * cache.chunk_steps, (chunk + 1) * cache.chunk_steps)
+        start = chunk * cache.chunk_steps
+        steps = range(start, start + cache.steps_of(chunk, total))
         done = [teacher_part(teacher, batch_rows(step), s["top_k"], s["temperature"], micro) for step in steps]
         cache.write_part(chunk, part, parts, {k: torch.stack([d[k] for d in done]) for k in FIELDS})
+        tail += sum(float(d["rest"].exp().sum()) for d in done)
+        tokens += sum(d["rest"].numel() for d in done)
         if n == 0 or (n + 1) % 10 == 0 or n + 1 == len(chunks):
-            log(f"teacher pass: chunk {n + 1:,}/{len(chunks):,} ({time.perf_counter() - started:.1f} s)")
+            log(
+                f"teacher pass: chunk {n + 1:,}/{len(chunks):,} ({time.perf_counter() - started:.1f} s; the "
+                f"teacher's mass outside its top {s['top_k']}: {tail / max(tokens, 1):.2%} on average)"
+            )
 
 
 def producer_lock(folder: Path):

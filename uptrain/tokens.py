@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mha2gqa.core.cache import locked
+from mha2gqa.core.cache import entry_name, locked
 from mha2gqa.core.checkpoint import TOKENIZER_FILES
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import staged_output
@@ -186,7 +186,7 @@ class TokenStore:
         )  # fmt: skip
         if not ok:
             raise bad("its list of shards is malformed")
-        dtype = np.dtype(manifest["dtype"])
+        dtype = np.dtype(manifest["dtype"]).newbyteorder("<")  # written little-endian
         for name, n, _ in shards:
             file = folder / name
             if not file.is_file() or file.stat().st_size != n * dtype.itemsize:
@@ -196,40 +196,43 @@ class TokenStore:
 
 def build(folder: Path, chunks: Iterable[list[int]], vocab_size: int, material: dict[str, Any],
           shard_tokens: int = SHARD_TOKENS) -> TokenStore:  # fmt: skip
-    """Write the stream of ``chunks`` as store ``folder`` (staged beside it, published whole)."""
-    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+    """Write the stream of ``chunks`` as store ``folder`` (staged beside it, published whole); each
+    chunk goes straight to its shard file, so memory holds one chunk at a time."""
+    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32).newbyteorder("<")
     with staged_output(folder, what="token cache") as tmp:
         shards: list[list[Any]] = []
-        buffer = np.empty(shard_tokens, dtype=dtype)
-        filled = 0
+        handle, digest, filled = None, hashlib.sha256(), 0
 
-        def write(n: int) -> None:
-            name = f"tokens-{len(shards):05d}.bin"
-            data = buffer[:n].astype("<" + dtype.str[1:], copy=False).tobytes()
-            (tmp / name).write_bytes(data)
-            shards.append([name, n, hashlib.sha256(data).hexdigest()])
+        def close() -> None:
+            nonlocal handle, digest, filled
+            if handle is not None:
+                handle.close()
+                shards.append([Path(handle.name).name, filled, digest.hexdigest()])
+            handle, digest, filled = None, hashlib.sha256(), 0
 
-        for chunk in chunks:
-            ids = np.asarray(chunk, dtype=np.int64)
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                raise Mha2GqaError(f"the tokenizer produced id {int(ids.max())} outside the vocabulary ({vocab_size})")
-            while ids.size:
-                take = min(ids.size, shard_tokens - filled)
-                buffer[filled : filled + take] = ids[:take]
-                filled, ids = filled + take, ids[take:]
-                if filled == shard_tokens:
-                    write(filled)
-                    filled = 0
-        if filled:
-            write(filled)
+        try:
+            for chunk in chunks:
+                ids = np.asarray(chunk, dtype=np.int64)
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                    raise Mha2GqaError(
+                        f"the tokenizer produced id {int(ids.max())} outside the vocabulary ({vocab_size})"
+                    )
+                while ids.size:
+                    if handle is None:
+                        handle = open(tmp / f"tokens-{len(shards):05d}.bin", "wb")  # noqa: SIM115 (closed by close())
+                    take = min(ids.size, shard_tokens - filled)
+                    data = ids[:take].astype(dtype).tobytes()
+                    handle.write(data)
+                    digest.update(data)
+                    filled, ids = filled + take, ids[take:]
+                    if filled == shard_tokens:
+                        close()
+        finally:
+            close()
         manifest = {"schema": SCHEMA, "key": folder.name, "material": material, "dtype": dtype.name,
                     "shards": shards, "tokens": sum(s[1] for s in shards)}  # fmt: skip
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return TokenStore.open(folder)
-
-
-def store_key(material: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def token_store(
@@ -245,7 +248,7 @@ def token_store(
     """The store of ``source`` under ``root``: opened when it exists, else built once (runs sharing
     the cache wait for the first builder)."""
     material = key_material(tokenizer_folder, source, text_field, doc_split)
-    key = store_key(material)
+    key = entry_name(material)
     folder = root / key
     with locked(root, key, f"token cache {root}", f"waiting for another run tokenizing {source} into {folder}", log):
         if (folder / MANIFEST).is_file() or folder.exists():

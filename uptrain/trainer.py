@@ -266,13 +266,12 @@ def _cached_teacher(plan: _Resolved, s: UptrainSettings, acc, order: WindowOrder
     cache = TeacherCache.create(root, material, settings) if acc.is_main_process else None
     acc.wait_for_everyone()
     cache = cache or TeacherCache.create(root, material, settings)
-    chunks = range(math.ceil(plan.total / steps))
     held, release = producer_lock(cache.folder) if acc.is_main_process else (False, lambda: None)
-    decision = [held and bool(cache.missing(chunks))]
+    decision = [held and bool(cache.missing(plan.total))]
     broadcast_object_list(decision)
     try:
         if decision[0]:
-            missing = cache.missing(chunks)
+            missing = cache.missing(plan.total)
             say(f"teacher pass: {len(missing):,} chunks of {steps} steps into {cache.folder} (top {settings['top_k']})")
             device = torch.device("cpu") if sharded else acc.device
             teacher = load_model(str(plan.teacher_folder), device, by_name(teacher_dtype).torch).model
@@ -285,16 +284,16 @@ def _cached_teacher(plan: _Resolved, s: UptrainSettings, acc, order: WindowOrder
             def batch_rows(step: int) -> torch.Tensor:
                 return plan.store.windows(order.batch(step)[first : first + rows], plan.seq_len)
 
-            fill(cache, teacher, missing, batch_rows, acc.process_index, acc.num_processes, plan.micro, say)
+            fill(cache, teacher, missing, plan.total, batch_rows, acc.process_index, acc.num_processes, plan.micro, say)
             del teacher
             gc.collect()
             trim()
-        elif cache.missing(chunks):
+        elif cache.missing(plan.total):
             say(f"teacher cache {cache.folder}: another process is filling it; training reads each chunk as it lands")
     finally:
         release()
     acc.wait_for_everyone()
-    return CachedTeacher(cache, lambda: producer_running(cache.folder))
+    return CachedTeacher(cache, plan.total, lambda: producer_running(cache.folder))
 
 
 def _config_vocabulary(folder: Path) -> int:
