@@ -40,21 +40,22 @@ from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token
 from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.pair import calibration_overlap
-from mha2gqa.eval.perplexity import IGNORE, Window, disjoint_windows, rolling_windows, score_windows, stride_windows
+from mha2gqa.eval.perplexity import (
+    Window,
+    batch_count,
+    disjoint_windows,
+    rolling_windows,
+    score_windows,
+    stride_windows,
+)
 from mha2gqa.eval.settings import EvalSettings
 
 
 def _split_for_rank(windows: list[Window]) -> tuple[list[Window], Any]:
-    """This process's share of ``windows``; every process gets as many (the short ones a last window
-    with nothing scored), so that sharded (FSDP) models run the same collectives on all of them."""
     from accelerate import PartialState
 
     state = PartialState()
-    mine = windows[state.process_index :: state.num_processes]
-    if windows and len(mine) < -(-len(windows) // state.num_processes):
-        inputs, targets = windows[0]
-        mine = [*mine, (inputs, torch.full_like(targets, IGNORE))]
-    return mine, state
+    return windows[state.process_index :: state.num_processes], state
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -75,7 +76,12 @@ def scored_pass(
     ``nll_sum`` per model, ``tokens``, ``windows``, ``seconds`` and (a pair) ``agreement``.
     ``replay``: ``record=`` or ``replay=`` for a pair one model at a time (see score_windows)."""
     mine, state = _split_for_rank(windows)
-    res = score_windows(models, mine, batch_size, progress=progress and state.is_main_process, desc=desc, **replay)
+    padding = None
+    if state.num_processes > 1 and windows:  # as many forward passes on every process (FSDP's collectives)
+        padding = (max(_gather(batch_count(mine, batch_size))), windows[0][0][None])
+    res = score_windows(
+        models, mine, batch_size, progress=progress and state.is_main_process, desc=desc, padding=padding, **replay
+    )
     parts = _gather((res.nll_sum, res.tokens, res.seconds, res.agreement))
     nll = [sum(p[0][i] for p in parts) for i in range(len(res.nll_sum))]
     tokens = sum(p[1] for p in parts)

@@ -118,6 +118,14 @@ class PassResult:
     seconds: float = 0.0
 
 
+def batch_count(windows: list[Window], batch_size: int) -> int:
+    """How many forward passes :func:`score_windows` makes over ``windows``."""
+    lengths: dict[int, int] = {}
+    for w in windows:
+        lengths[w[0].numel()] = lengths.get(w[0].numel(), 0) + 1
+    return sum(-(-n // batch_size) for n in lengths.values())
+
+
 def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
     """Windows grouped into batches of equal length (order kept within a length)."""
     by_len: dict[int, list[Window]] = {}
@@ -197,9 +205,12 @@ def score_windows(
     desc: str = "scoring",
     record: Record | None = None,
     replay: Replay | None = None,
+    padding: tuple[int, torch.Tensor] | None = None,
 ) -> PassResult:
     """Run one or two models on every window; sum NLL per model and, for a pair, per-token KL,
     top-1 agreement and NLL delta (all from float32 log-softmax, ``chunk`` positions at a time).
+    ``padding`` ``(forwards, inputs [1, T])``: run the models on ``inputs``, scoring nothing, until
+    ``forwards`` passes are made (so that sharded models make the same collectives on every process).
 
     A pair is either two ``models`` in memory, or one model at a time: a pass over the original
     with ``record`` (its logits at the scored positions are handed over, batch by batch, in the
@@ -254,6 +265,11 @@ def score_windows(
         if record is not None:
             record(index, kept)
     bar.close()
+    if padding is not None:
+        forwards, inputs = padding
+        for _ in range(forwards - batch_count(windows, batch_size)):
+            for m in models:
+                m(inputs.to(_device(m)))
     return PassResult(nll, tokens, len(windows), agree, time.perf_counter() - start)
 
 

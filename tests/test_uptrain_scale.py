@@ -24,8 +24,6 @@ from mha2gqa.uptrain import UptrainSettings, uptrain
 from mha2gqa.uptrain.data import WindowOrder, pack_windows
 from mha2gqa.uptrain.tokens import stream_ids, token_store
 
-_PORT = iter(range(29610, 29700))
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
@@ -48,8 +46,8 @@ def _one(argv: list[str]) -> None:
 
 
 def _two(argv: list[str]) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
-    run_ok([*torchrun, str(next(_PORT)), "-m", "mha2gqa.cli", *argv])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run_ok([*torchrun, "-m", "mha2gqa.cli", *argv])  # standalone: a free port of its own
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -69,10 +67,20 @@ def test_fsdp_on_two_processes_follows_one_process(run, tmp_path, objective):
     """Parameters, gradients and AdamW state sharded over 2 gloo processes, each reading half of every
     global batch: the same weights as one process (float noise), and a stock checkpoint."""
     extra = ("--objective", objective, "--teacher", str(run["parent"])) if objective == "kd" else ()
+    if objective == "kd":  # 15 held-out windows: the ranks score 8 and 7 (+ one with nothing scored)
+        extra += ("--eval-data", str(run["text"]), "--eval-tokens", "500", "--eval-every", "3")
     _one(_argv(run, tmp_path / "one", *extra))
     _two(_argv(run, tmp_path / "fsdp", *extra, "--sharding", "fsdp"))
     one, fsdp, start = _weights(tmp_path / "one"), _weights(tmp_path / "fsdp"), _weights(run["student"])
     _close(one, fsdp, 1e-5)
+    evals = [
+        [json.loads(x) for x in (tmp_path / d / "uptrain_log.jsonl").read_text().splitlines() if '"eval"' in x]
+        for d in ("one", "fsdp")
+    ]
+    assert len(evals[0]) == len(evals[1]) == (3 if objective == "kd" else 0)
+    for a, b in zip(*evals, strict=True):
+        assert a["eval_tokens"] == b["eval_tokens"] and a["ppl"] == pytest.approx(b["ppl"], rel=1e-5)
+        assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-4, abs=1e-7)
     assert any(not torch.equal(fsdp[k], start[k]) for k in start)  # it trained
     log = [json.loads(line) for line in (tmp_path / "fsdp" / "uptrain_log.jsonl").read_text().splitlines()]
     train = [r for r in log if r["type"] == "train"]
@@ -218,3 +226,28 @@ def test_a_teacher_pass_runs_once_and_a_damaged_cache_is_refused(run, tmp_path):
     assert "\n" not in str(e.value)
     res = CliRunner().invoke(main, _argv(run, tmp_path / "w", "--teacher-only"))
     assert res.exit_code == 1 and "--teacher-top-k" in res.output
+
+
+def test_training_waits_for_the_chunk_a_concurrent_teacher_pass_is_writing(tmp_path):
+    """A teacher pass running ahead (``--teacher-only``) publishes chunk by chunk; training reads a
+    chunk once it lands, and without a running pass a missing chunk is one line."""
+    import threading
+
+    from mha2gqa.uptrain.teacher_cache import CachedTeacher, TeacherCache
+
+    settings = {"top_k": 2, "vocab_size": 10, "seq_len": 3, "batch_size": 2, "chunk_steps": 2, "temperature": 1.0}
+    cache = TeacherCache.create(tmp_path, {"material": 1}, settings)
+    part = {"values": torch.zeros(2, 2, 3, 2), "indices": torch.arange(24, dtype=torch.int32).reshape(2, 2, 3, 2) % 10,
+            "rest": torch.zeros(2, 2, 3)}  # fmt: skip
+    running = threading.Event()
+    running.set()
+
+    def publish() -> None:
+        cache.write_part(0, 0, 1, part)
+        running.clear()
+
+    threading.Timer(1.0, publish).start()
+    got = CachedTeacher(cache, 4, running.is_set).targets(1, slice(0, 2))  # step 1: chunk 0, its 2nd step
+    assert torch.equal(got["indices"], part["indices"][1])
+    with pytest.raises(Mha2GqaError, match=r"chunk-000001: this chunk is missing"):
+        CachedTeacher(cache, 4, running.is_set).targets(2, slice(0, 2))
