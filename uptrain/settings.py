@@ -127,6 +127,11 @@ class UptrainSettings:
     )
     progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer state sharded across processes (``--sharding fsdp``)."""
+        return self.sharding == "fsdp"
+
     def window(self, positions: int | None) -> int:
         """The training window: ``seq_len``, else :data:`UPTRAIN_WINDOW` cut to the ``positions``."""
         return self.seq_len or min(UPTRAIN_WINDOW, positions or UPTRAIN_WINDOW)

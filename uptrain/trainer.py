@@ -214,19 +214,37 @@ def _models(plan: _Resolved, s: UptrainSettings, acc, resume_from: Path | None):
     if lora:
         model = _with_lora(model, plan.family, plan.dims, s, resume_from)
         trainable = adapters(model)
-    sharded = s.sharding == "fsdp"
-    if sharded:
+    if s.sharded:
         shard(model, acc.device, acc.mixed_precision, s.cpu_offload)
         trainable = trainable.rebind(model)
     teacher = None
     if plan.teacher_folder is not None and not s.teacher_top_k:
-        teacher_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
-        device = torch.device("cpu") if sharded else acc.device
-        teacher = load_model(str(plan.teacher_folder), device, teacher_dtype).model.requires_grad_(False)
+        teacher = _load_teacher(plan, s, acc)
         check_vocabulary(_vocabulary(model), _vocabulary(teacher), s.teacher)
-        if sharded:
-            shard(teacher, acc.device, "no", s.cpu_offload)
     return model, trainable, teacher
+
+
+def _teacher_dtype(acc) -> torch.dtype:
+    """Distillation's teacher runs in bfloat16 under bf16 mixed precision, else in float32."""
+    return torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
+
+
+def _load_teacher(plan: _Resolved, s: UptrainSettings, acc) -> torch.nn.Module:
+    """The frozen teacher in :func:`_teacher_dtype`, on this process's device, or sharded like the
+    student under ``--sharding fsdp``."""
+    from mha2gqa.core.models import load_model
+
+    device = torch.device("cpu") if s.sharded else acc.device
+    teacher = load_model(str(plan.teacher_folder), device, _teacher_dtype(acc)).model.requires_grad_(False)
+    if s.sharded:
+        shard(teacher, acc.device, "no", s.cpu_offload)
+    return teacher
+
+
+def _rank_rows(s: UptrainSettings, acc) -> slice:
+    """This process's rows of every step's global batch (``--batch-size`` split over processes)."""
+    per = s.batch_size // acc.num_processes
+    return slice(acc.process_index * per, (acc.process_index + 1) * per)
 
 
 def check_vocabulary(student: int, teacher: int, name: str) -> None:
@@ -251,10 +269,8 @@ def _cached_teacher(plan: _Resolved, s: UptrainSettings, acc, order: WindowOrder
 
     from mha2gqa.core.cache import model_identity
     from mha2gqa.core.memory import trim
-    from mha2gqa.core.models import load_model
 
-    sharded = s.sharding == "fsdp"
-    teacher_dtype = "bfloat16" if acc.mixed_precision == "bf16" else "float32"
+    teacher_dtype = str(_teacher_dtype(acc)).removeprefix("torch.")
     steps = chunk_steps(s.batch_size, plan.seq_len)
     vocab = _config_vocabulary(plan.teacher_folder)
     check_vocabulary(_config_vocabulary(plan.student_folder), vocab, s.teacher)
@@ -266,23 +282,18 @@ def _cached_teacher(plan: _Resolved, s: UptrainSettings, acc, order: WindowOrder
     cache = TeacherCache.create(root, material, settings) if acc.is_main_process else None
     acc.wait_for_everyone()
     cache = cache or TeacherCache.create(root, material, settings)
-    held, release = producer_lock(cache.folder) if acc.is_main_process else (False, lambda: None)
-    decision = [held and bool(cache.missing(plan.total))]
+    release = producer_lock(cache) if acc.is_main_process else None
+    decision = [release is not None and bool(cache.missing(plan.total))]
     broadcast_object_list(decision)
     try:
         if decision[0]:
             missing = cache.missing(plan.total)
             say(f"teacher pass: {len(missing):,} chunks of {steps} steps into {cache.folder} (top {settings['top_k']})")
-            device = torch.device("cpu") if sharded else acc.device
-            teacher = load_model(str(plan.teacher_folder), device, by_name(teacher_dtype).torch).model
-            teacher.requires_grad_(False)
-            if sharded:
-                shard(teacher, acc.device, "no", s.cpu_offload)
-            rows = s.batch_size // acc.num_processes
-            first = acc.process_index * rows
+            teacher = _load_teacher(plan, s, acc)
+            rows = _rank_rows(s, acc)
 
             def batch_rows(step: int) -> torch.Tensor:
-                return plan.store.windows(order.batch(step)[first : first + rows], plan.seq_len)
+                return plan.store.windows(order.batch(step)[rows], plan.seq_len)
 
             fill(cache, teacher, missing, plan.total, batch_rows, acc.process_index, acc.num_processes, plan.micro, say)
             del teacher
@@ -291,9 +302,10 @@ def _cached_teacher(plan: _Resolved, s: UptrainSettings, acc, order: WindowOrder
         elif cache.missing(plan.total):
             say(f"teacher cache {cache.folder}: another process is filling it; training reads each chunk as it lands")
     finally:
-        release()
+        if release is not None:
+            release()
     acc.wait_for_everyone()
-    return CachedTeacher(cache, plan.total, lambda: producer_running(cache.folder))
+    return CachedTeacher(cache, plan.total, lambda: producer_running(cache))
 
 
 def _config_vocabulary(folder: Path) -> int:
@@ -316,7 +328,6 @@ class _Trainer:
         self.say = log if self.main else (lambda *_: None)
         self.output = Path(s.output)
         self.plan = plan = _resolve(student, s, acc.num_processes, self.say)
-        self.sharded = s.sharding == "fsdp"
         self.tokens_per_step = s.batch_size * plan.seq_len
         inputs = {
             "the student model": plan.student_folder,
@@ -348,14 +359,14 @@ class _Trainer:
             optimizer, s.warmup_steps, plan.total, min_lr_rate=s.min_lr_ratio
         )
         model.train()
-        if self.sharded:  # FSDP already placed and wraps the model; the scheduler rides in accelerate's state
+        if s.sharded:  # FSDP already placed and wraps the model; the scheduler rides in accelerate's state
             self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
             acc.register_for_checkpointing(scheduler)
         else:
             self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
         skip_model_weights(acc)
         if self.resume_from is not None:
-            _load_state(acc, self.resume_from, (self.model, self.optimizer) if self.sharded else None)
+            _load_state(acc, self.resume_from, (self.model, self.optimizer) if s.sharded else None)
         self.log = RunLog(self.output / UPTRAIN_LOG, self.main, self.start_step if self.resume_from else None)
         # every evaluation of the run so far (a resumed run's earlier ones come from its log)
         resumed = self.start_step and self.main
@@ -464,7 +475,7 @@ class _Trainer:
             state,
             self.model_files(step),
             self.s.save_total_limit,
-            (lambda folder: save_optimizer(self.model, self.optimizer, folder)) if self.sharded else None,
+            (lambda folder: save_optimizer(self.model, self.optimizer, folder)) if self.s.sharded else None,
         )
 
     def peak_memory(self) -> list[float]:
@@ -481,7 +492,7 @@ class _Trainer:
         """``(k, inputs) ->`` micro-batch k's teacher logits (live teacher) or its rows of the cache."""
         if self.cached is not None:
             micro = self.plan.micro
-            first = self.acc.process_index * micro * self.s.grad_accum
+            first = _rank_rows(self.s, self.acc).start
             return lambda k, _: self.cached.targets(step - 1, slice(first + k * micro, first + (k + 1) * micro))
         if self.teacher is not None:
             return lambda k, inputs: self.teacher(input_ids=inputs, use_cache=False).logits
@@ -491,10 +502,10 @@ class _Trainer:
         """One optimizer step; returns its loss, the loss parts and the gradient norm."""
         s, micro, acc = self.s, self.plan.micro, self.acc
         batch = self.order.batch(step - 1)
-        mine = batch[acc.process_index * micro * s.grad_accum : (acc.process_index + 1) * micro * s.grad_accum]
+        mine = batch[_rank_rows(s, acc)]
         fetch = lambda idx: self.plan.store.windows(idx, self.plan.seq_len)  # noqa: E731
-        loss, parts = _accumulate(acc, self.model, self.teacher_of(step), fetch, mine.split(micro), s, self.sharded)
-        if self.sharded:  # the fused query rows' hooks went with the unsharded parameters
+        loss, parts = _accumulate(acc, self.model, self.teacher_of(step), fetch, mine.split(micro), s)
+        if s.sharded:  # the fused query rows' hooks went with the unsharded parameters
             for name, rows in self.trainable.masked_rows.items():
                 zero_rows(self.trainable.param(name), rows)
         grad_norm = acc.clip_grad_norm_(self.trainable.params, s.max_grad_norm) if s.max_grad_norm > 0 else None
@@ -563,7 +574,7 @@ class _Trainer:
         )
         if complete:
             dtype = by_name(plan.source_dtype).torch if plan.source_dtype else None
-            save_final(self.acc, self.model, plan.tokenizer, self.output, dtype, self.model_files(step), self.sharded)
+            save_final(self.acc, self.model, plan.tokenizer, self.output, dtype, self.model_files(step), self.s.sharded)
             self.log.write(
                 {
                     "type": "end",
@@ -694,7 +705,7 @@ def _resume_point(output: Path, resume: bool, run: dict[str, Any]) -> tuple[Path
     return folder, step
 
 
-def _accumulate(acc, model, teacher, fetch, micro_batches, s: UptrainSettings, sharded: bool = False):
+def _accumulate(acc, model, teacher, fetch, micro_batches, s: UptrainSettings):
     """Forward and backward over this process's micro-batches of one step (``[micro]`` window indices
     each, ``fetch`` gives their ``[micro, seq_len + 1]`` tokens), gradients synchronised on the last
     only; ``teacher(k, inputs)``: micro-batch k's teacher logits or cached top-K form. Returns the
@@ -704,7 +715,7 @@ def _accumulate(acc, model, teacher, fetch, micro_batches, s: UptrainSettings, s
     for k, idx in enumerate(micro_batches):
         chunk = fetch(idx).to(acc.device)
         inputs, targets = chunk[:, :-1], chunk[:, 1:]
-        if sharded:
+        if s.sharded:
             model.set_requires_gradient_sync(k == n - 1)
             sync = contextlib.nullcontext()
         else:
