@@ -23,6 +23,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mha2gqa"
 
 
+def _lock_file(root: Path, key: str, what: str):
+    """The open lock file of entry ``key`` under ``root`` (``.<key>.lock``)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return open(root / f".{key}.lock", "a+")
+    except OSError as e:
+        raise Mha2GqaError(f"{what}: cannot create its lock ({e.strerror or e}); choose a writable folder") from None
+
+
 @contextmanager
 def locked(
     root: Path, key: str, what: str, waiting: str | None = None, log: Callable[[str], None] | None = None
@@ -36,12 +45,7 @@ def locked(
     except ImportError:
         yield
         return
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        handle = open(root / f".{key}.lock", "a+")  # noqa: SIM115 (held across the yield)
-    except OSError as e:
-        raise Mha2GqaError(f"{what}: cannot create its lock ({e.strerror or e}); choose a writable folder") from None
-    with handle:
+    with _lock_file(root, key, what) as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -52,6 +56,28 @@ def locked(
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def try_lock(root: Path, key: str, what: str) -> Callable[[], None] | None:
+    """The lock of entry ``key`` under ``root`` (the file :func:`locked` uses), taken without waiting:
+    the function that releases it, or None while another process holds it. Where ``fcntl`` is
+    missing, always taken."""
+    try:
+        import fcntl
+    except ImportError:
+        return lambda: None
+    handle = _lock_file(root, key, what)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+
+    def release() -> None:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+    return release
 
 
 def model_identity(path: str, folder: Path) -> dict[str, Any]:

@@ -22,9 +22,8 @@ PICKLE_SINGLE = "pytorch_model.bin"
 
 #: A folder holding one of these has a tokenizer of its own (fast, slow or sentencepiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-#: Files copied next to the converted weights (tokenizer, generation and chat-template files).
-AUX_FILES = (
-    "generation_config.json",
+#: Every file that decides how a tokenizer splits text (whichever of them a folder has).
+TOKENIZER_DEFINITION = (
     *TOKENIZER_FILES,
     "special_tokens_map.json",
     "added_tokens.json",
@@ -32,9 +31,9 @@ AUX_FILES = (
     "merges.txt",
     "vocab.txt",
     "spiece.model",
-    "chat_template.jinja",
-    "chat_template.json",
 )
+#: Files copied next to the converted weights (tokenizer, generation and chat-template files).
+AUX_FILES = ("generation_config.json", *TOKENIZER_DEFINITION, "chat_template.jinja", "chat_template.json")
 _HUB_PATTERNS = ["config.json", "*.safetensors", SAFE_INDEX, *AUX_FILES]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 

@@ -79,7 +79,7 @@ def check_text_source(source: str | None, setting: str = "data") -> None:
         )
 
 
-def _open(source: str, text_field: str, doc_split: str, setting: str):
+def open_source(source: str, text_field: str, doc_split: str, setting: str):
     """``(datasets.Dataset, field, doc_split used)`` of ``source``: Arrow tables on disk, memory-mapped
     (a local file is converted once into ``datasets``' cache)."""
     import datasets
@@ -124,7 +124,7 @@ def _open(source: str, text_field: str, doc_split: str, setting: str):
 def load_text(source: str, text_field: str = "text", doc_split: str = "file", setting: str = "data") -> TextData:
     """Read ``source`` into documents (empty ones dropped). Raises :class:`SettingError` naming
     ``setting`` (``data``, ``calibration``, ``eval_data``...)."""
-    ds, field, split_used = _open(source, text_field, doc_split, setting)
+    ds, field, split_used = open_source(source, text_field, doc_split, setting)
     docs = [d for d in ds[field] if isinstance(d, str) and d.strip()]
     if not docs:
         raise SettingError(setting, f"{{name}} {source}: no text")
@@ -155,7 +155,7 @@ def text_pieces(
         if empty:
             raise SettingError(setting, f"{{name}} {source}: no text")
         return
-    ds, field, _ = _open(source, text_field, doc_split, setting)
+    ds, field, _ = open_source(source, text_field, doc_split, setting)
     number = 0
     for batch in ds.iter(batch_size=256):
         for doc in batch[field]:

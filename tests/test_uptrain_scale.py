@@ -251,3 +251,16 @@ def test_training_waits_for_the_chunk_a_concurrent_teacher_pass_is_writing(tmp_p
     assert torch.equal(got["indices"], part["indices"][1])
     with pytest.raises(Mha2GqaError, match=r"chunk-000001: this chunk is missing"):
         CachedTeacher(cache, 4, running.is_set).targets(2, slice(0, 2))
+
+
+def test_a_tampered_teacher_cache_manifest_is_refused(tmp_path):
+    from mha2gqa.uptrain.teacher_cache import MANIFEST, TeacherCache
+
+    settings = {"top_k": 2, "vocab_size": 10, "seq_len": 3, "batch_size": 2, "chunk_steps": 2, "temperature": 1.0}
+    cache = TeacherCache.create(tmp_path, {"material": 1}, settings)
+    manifest = json.loads((cache.folder / MANIFEST).read_text())
+    for key, value in (("temperature", "hot"), ("temperature", float("nan")), ("chunk_steps", 0), ("top_k", True)):
+        (cache.folder / MANIFEST).write_text(json.dumps({**manifest, "settings": {**settings, key: value}}))
+        with pytest.raises(Mha2GqaError, match="not a teacher cache of this entry") as e:
+            TeacherCache.open(cache.folder, cache.folder.name)
+        assert "\n" not in str(e.value)

@@ -21,8 +21,10 @@ run ahead of a training run that reads the same entry: the trainer waits for a c
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -33,7 +35,8 @@ from typing import Any
 
 import torch
 
-from mha2gqa.core.cache import computed_with, entry_name
+from mha2gqa.core import typed
+from mha2gqa.core.cache import computed_with, entry_name, try_lock
 from mha2gqa.core.errors import Mha2GqaError
 
 SCHEMA = "mha2gqa.teacher/1"
@@ -60,6 +63,18 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class _EntrySettings:
+    """What reading an entry relies on in its manifest's settings (all positive)."""
+
+    top_k: int
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    chunk_steps: int
+    temperature: float
 
 
 @dataclass
@@ -163,13 +178,12 @@ class TeacherCache:
                 f"teacher cache {path}: not readable ({e}); remove {folder} and run again to rebuild it"
             ) from None
         settings = manifest.get("settings") if isinstance(manifest, dict) else None
-        needed = ("top_k", "vocab_size", "seq_len", "batch_size", "chunk_steps")
-        if (
-            not isinstance(settings, dict)
-            or manifest.get("schema") != SCHEMA
-            or manifest.get("key") != key
-            or not all(isinstance(settings.get(k), int) and settings[k] > 0 for k in needed)
-        ):
+        try:
+            checked = typed.read(_EntrySettings, settings, "settings")
+            ok = all(0 < v < math.inf for v in dataclasses.astuple(checked))
+        except typed.RecordError:
+            ok = False
+        if not ok or manifest.get("schema") != SCHEMA or manifest.get("key") != key:
             raise Mha2GqaError(
                 f"teacher cache {path}: not a teacher cache of this entry; remove {folder} and run again"
             )
@@ -211,8 +225,7 @@ def teacher_part(
         form = top_k_form(logits.reshape(n * t, v), inputs.reshape(-1), top_k)
         out["values"].append(form["values"].reshape(n, t, -1).cpu())
         out["indices"].append(form["indices"].reshape(n, t, -1).cpu())
-        rest = form["rest"] if top_k < v else torch.full_like(form["rest"], float("-inf"))
-        out["rest"].append(rest.reshape(n, t).cpu())
+        out["rest"].append(form["rest"].reshape(n, t).cpu())  # -inf when K is the vocabulary: no tail
     return {k: torch.cat(v) for k, v in out.items()}
 
 
@@ -266,29 +279,16 @@ def fill(
             )
 
 
-def producer_lock(folder: Path):
-    """The entry's producer lock, taken without waiting: ``(held, release)``. Where ``fcntl`` is
-    missing, always held (one producer per entry is then the user's to ensure)."""
-    try:
-        import fcntl
-    except ImportError:
-        return True, lambda: None
-    handle = open(folder / ".producer.lock", "a+")  # noqa: SIM115 (released by the caller)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        return False, lambda: None
-
-    def release() -> None:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
-
-    return True, release
+def producer_lock(cache: TeacherCache) -> Callable[[], None] | None:
+    """The entry's producer lock, taken without waiting: its release, or None while another process
+    (a teacher pass) holds it."""
+    return try_lock(cache.folder, "producer", f"teacher cache {cache.folder}")
 
 
-def producer_running(folder: Path) -> bool:
+def producer_running(cache: TeacherCache) -> bool:
     """Whether another process holds the entry's producer lock (a teacher pass is filling it)."""
-    held, release = producer_lock(folder)
+    release = producer_lock(cache)
+    if release is None:
+        return True
     release()
-    return not held
+    return False

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from mha2gqa.core.cache import entry_name, locked
-from mha2gqa.core.checkpoint import TOKENIZER_FILES
+from mha2gqa.core.checkpoint import TOKENIZER_DEFINITION
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import staged_output
 from mha2gqa.core.text import PIECE_CHARS, text_pieces
@@ -90,13 +90,13 @@ def key_material(tokenizer_folder: Path, source: str, text_field: str, doc_split
     if path.is_file():
         text: dict[str, Any] = {"file_sha256": _file_sha256(path), "bytes": path.stat().st_size}
     else:
-        from mha2gqa.core.text import _open
+        from mha2gqa.core.text import open_source
 
-        ds, _, _ = _open(source, text_field, doc_split, "data")
+        ds, _, _ = open_source(source, text_field, doc_split, "data")
         text = {"datasets": source, "fingerprint": ds._fingerprint}
     tokenizer = {
         name: _file_sha256(tokenizer_folder / name)
-        for name in (*TOKENIZER_FILES, "special_tokens_map.json", "vocab.json", "merges.txt")
+        for name in TOKENIZER_DEFINITION
         if (tokenizer_folder / name).is_file()
     }
     return {
@@ -251,7 +251,7 @@ def token_store(
     key = entry_name(material)
     folder = root / key
     with locked(root, key, f"token cache {root}", f"waiting for another run tokenizing {source} into {folder}", log):
-        if (folder / MANIFEST).is_file() or folder.exists():
+        if folder.exists():  # published whole, or not ours: opening checks which
             return TokenStore.open(folder)
         if log:
             log(f"tokenizing {source} into {folder} (once; later runs reuse it)")
