@@ -87,6 +87,8 @@ class CapacityPlan:
     speed: list[Any]
     #: a measured benchmark beside the estimate (empty without one)
     bench_lines: tuple[str, ...] = ()
+    #: where the throughput plot was written (None without ``plot_path``)
+    plot: Path | None = None
 
     def to_dict(self) -> dict[str, Any]:
         s = self.settings
@@ -184,7 +186,7 @@ def plan_capacity(
     if plot_path is not None:
         png = throughput_plot(result.rows, result.gpu, s.seq_len, Path(model).name or model)
         write_text(plot_path, png, "--plot", overwrite, inputs)
-        result = dataclasses.replace(result, bench_lines=(*result.bench_lines, f"plot: {plot_path}"))
+        result = dataclasses.replace(result, plot=plot_path)
     return result
 
 

@@ -286,6 +286,8 @@ def plan_cmd(
     result = plan_capacity(model, PlanSettings(**options), revision, per_layer, bench_path, plot_path, overwrite)
     echo_all([json.dumps(result.to_dict(), indent=2)] if as_json else result.lines())
     echo_all(result.bench_lines)
+    if result.plot is not None:
+        click.echo(f"plot: {result.plot}")
 
 
 if __name__ == "__main__":  # pragma: no cover

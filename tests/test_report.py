@@ -64,6 +64,7 @@ def test_throughput_estimate_matches_a_hand_calculation_and_plots(tmp_path):
     assert re.search(r"^\s+32\s.*\s30\s+230\.2\s+73\.3\s+2,200\s+118 ms$", out.output, re.M), out.output
     png = (tmp_path / "t.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert out.output.rstrip().endswith(f"plot: {tmp_path / 't.png'}")
     bad = CliRunner().invoke(main, ["plan", str(tmp_path), "--plot", str(tmp_path / "u.png")])
     assert bad.exit_code == 1 and "--gpu" in bad.output and "Traceback" not in bad.output
 
