@@ -159,17 +159,12 @@ def from_mapping(
     data: Mapping[str, Any] | None,
     where: str,
     fixed: Mapping[str, Any] | None = None,
-    exclude: tuple[str, ...] = (),
 ) -> Any:
     """``cls(**data, **fixed)`` for a job-file section ``where``: unknown keys, wrong types and bad
-    values are :class:`SettingError`\\ s naming ``where.key``; ``fixed`` keys, ``exclude`` keys and
-    settings whose spec says ``job=False`` are not allowed."""
+    values are :class:`SettingError`\\ s naming ``where.key``; ``fixed`` keys and settings whose spec
+    says ``job=False`` are not allowed."""
     data = dict(data or {})
-    names = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if spec_of(f).job and f.name not in exclude and f.name not in (fixed or {})
-    ]
+    names = [f.name for f in dataclasses.fields(cls) if spec_of(f).job and f.name not in (fixed or {})]
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise SettingError(unknown[0], f"unknown key '{where}.{{name}}'; known: {', '.join(names)}")

@@ -147,6 +147,15 @@ def test_bad_job_files_are_refused(tmp_path):
             "uptrain: {data: demo-train, output: y}\n",
             "unknown key 'uptrain.output'",
         ),
+        (  # settings the job decides itself (job=False on their spec) are not job-file keys
+            "source: demo\neval: {data: demo-heldout, progress: false}\nconvert: {num_kv_heads: 2}\n",
+            "unknown key 'eval.progress'",
+        ),
+        (
+            "source: demo\neval: {data: demo-heldout}\nconvert: {num_kv_heads: 2}\n"
+            "uptrain: {data: demo-train, resume: true}\n",
+            "unknown key 'uptrain.resume'",
+        ),
     ]:
         bad.write_text(text)
         result = CliRunner().invoke(main, ["run", str(bad)])
