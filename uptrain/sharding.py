@@ -94,14 +94,12 @@ def zero_rows(param: torch.nn.Parameter, rows: torch.Tensor) -> None:
     grad = param.grad
     if grad is None:
         return
-    local = grad.to_local() if hasattr(grad, "to_local") else grad
-    if hasattr(grad, "to_local"):
-        size = -(-param.shape[0] // dist.get_world_size())
-        start = dist.get_rank() * size
-        mine = rows[(rows >= start) & (rows < start + local.shape[0])] - start
-    else:
-        mine = rows
-    local[mine] = 0
+    if not hasattr(grad, "to_local"):  # not sharded: the whole gradient is here
+        grad[rows] = 0
+        return
+    local = grad.to_local()
+    start = dist.get_rank() * -(-param.shape[0] // dist.get_world_size())
+    local[rows[(rows >= start) & (rows < start + local.shape[0])] - start] = 0
 
 
 def merge_lora(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
