@@ -182,12 +182,12 @@ def from_mapping(
         raise SettingError(missing[0] if missing else where, f"'{where}.{{name}}' is required ({e})") from None
 
 
-def _split_choices(ctx: Any, param: Any, values: tuple[str, ...], choices: tuple[str, ...]) -> tuple[str, ...]:
-    """A repeatable choice option's values, each possibly a comma-separated list, checked."""
+def _split_choices(ctx: Any, param: Any, values: tuple[str, ...], choices: tuple[str, ...] | None) -> tuple[str, ...]:
+    """A repeatable option's values, each possibly a comma-separated list, checked against ``choices``."""
     import click
 
-    out = tuple(v.strip() for value in values for v in value.split(","))
-    for v in out:
+    out = tuple(v.strip() for value in values for v in value.split(",") if v.strip())
+    for v in out if choices else ():
         if v not in choices:
             raise click.BadParameter(f"{v!r} is not one of {', '.join(map(repr, choices))}", ctx, param)
     return out
@@ -222,9 +222,10 @@ def click_options(cls: type, exclude: tuple[str, ...] = ()) -> Callable:
                 kwargs["type"] = click.Choice(list(spec.choices)) if spec.choices else base
             if tuple in kinds:
                 kwargs["multiple"] = True
-                if spec.choices:  # repeated, or comma-separated: --protocol disjoint,rolling
+                if base is str:  # repeated, or comma-separated: --protocol disjoint,rolling
                     kwargs["type"] = str
-                    kwargs["metavar"] = f"[{'|'.join(spec.choices)}]"
+                    if spec.choices:
+                        kwargs["metavar"] = f"[{'|'.join(spec.choices)}]"
                     kwargs["callback"] = functools.partial(_split_choices, choices=spec.choices)
             if default is dataclasses.MISSING:
                 kwargs["required"] = True

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 
 def _verdict_class(cell: str) -> str | None:
-    """The HTML class that colours a verdict cell: ``pass`` green, ``borderline...`` amber, ``FAIL...``
-    and ``fail...`` red."""
+    """The HTML class that colours a verdict cell: ``pass`` green, ``borderline...`` amber, ``FAIL...``,
+    ``fail...`` and a task's significant ``drop:`` red."""
     if cell == "pass":
         return "pass"
-    if cell.startswith(("FAIL", "fail")):
+    if cell.startswith(("FAIL", "fail", "drop:")):
         return "fail"
     return "borderline" if cell.startswith("borderline") else None
 

@@ -1,6 +1,7 @@
 """Regression gates for CI: compare evaluation results with limits and give a one-line verdict.
 
-``mha2gqa eval ... --max-ppl-ratio R --max-kl K --min-top1 T`` exits with :data:`GATE_EXIT_CODE`
+``mha2gqa eval ... --max-ppl-ratio R --max-kl K --min-top1 T [--tasks ... --max-task-drop D
+--task-alpha A]`` exits with :data:`GATE_EXIT_CODE`
 when any gate fails (1 is a user error, 2 a usage error), after writing the results.
 """
 
@@ -25,6 +26,23 @@ class GateSettings:
     )
     max_kl: float | None = setting(None, help="Gate: mean per-token KL (nats) at most this.", minimum=0)
     min_top1: float | None = setting(None, help="Gate: top-1 agreement (0-1) at least this.", minimum=0, maximum=1)
+    max_task_drop: float | None = setting(
+        None,
+        help="Gate: every metric of every task named in --tasks (a group as a whole) drops by at most this, in "
+        "the metric's units (0.01: one accuracy point).",
+        minimum=0,
+    )
+    task_alpha: float | None = setting(
+        None,
+        help="Gate: no metric of a named task drops significantly at this level on the paired test (0.05: "
+        "not significant at 5%); the gate's value is the drop's p-value (1 where the metric did not drop).",
+        above=0,
+        below=1,
+    )
+
+    @property
+    def on_tasks(self) -> bool:
+        return self.max_task_drop is not None or self.task_alpha is not None
 
     @property
     def any(self) -> bool:
@@ -62,6 +80,17 @@ def check_gates(results: Results, limits: GateSettings) -> list[Gate]:
         gates.append(Gate("kl_mean", results.agreement.kl["mean"], limits.max_kl, "<="))
     if limits.min_top1 is not None:
         gates.append(Gate("top1_agreement", results.agreement.top1_agreement, limits.min_top1, ">="))
+    if limits.on_tasks:
+        if results.tasks is None:
+            raise Mha2GqaError("task gates read the downstream tasks: give --tasks")
+        for row in results.tasks.rows:
+            for m in (m for m in row.metrics if row.top_level and m.paired is not None):
+                name = f"{row.task}/{m.metric}"
+                if limits.max_task_drop is not None:
+                    gates.append(Gate(f"task_drop[{name}]", m.paired.drop, limits.max_task_drop, "<="))
+                if limits.task_alpha is not None:
+                    p = m.paired.p_value if m.paired.drop > 0 else 1.0
+                    gates.append(Gate(f"task_drop_p[{name}]", p, limits.task_alpha, ">="))
     return gates
 
 

@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,8 @@ class _Run:
     attention_batch: torch.Tensor | None  # [B, T] (pairs with attention similarity)
     prompts: list[torch.Tensor]  # sample prompts [1, P] (pairs)
     new_tokens: int
+    task_plan: Any = None  # eval.tasks.TaskPlan (--tasks)
+    task_scores: dict[str, Any] = field(default_factory=dict)  # "original"/"converted" -> eval.tasks.ModelTasks
 
     @property
     def names(self) -> list[str]:
@@ -163,6 +165,34 @@ class _Run:
 
     def score(self, models: list[torch.nn.Module], name: str, **kw: Any) -> dict[str, Any]:
         return scored_pass(models, self.passes[name], self.settings.batch_size, self.settings.progress, name, **kw)
+
+    def run_tasks(self, model: torch.nn.Module, name: str, log: Callable[[str], None] | None = None) -> None:
+        """The downstream tasks on the loaded ``model`` (``name``: original or converted), kept for
+        :meth:`tasks_section`; nothing without ``--tasks``."""
+        if self.task_plan is None:
+            return
+        from mha2gqa.eval.tasks import score_tasks
+
+        s = self.settings
+        if log:
+            log(f"tasks {', '.join(self.task_plan.names)} on the {name} model (lm-evaluation-harness)")
+        self.task_scores[name] = score_tasks(
+            self.task_plan, model, self.tokenizer, s.num_fewshot, s.limit, s.batch_size
+        )
+
+    def tasks_section(self) -> dict[str, Any] | None:
+        """The results' ``tasks`` section from both models' task scores (None without ``--tasks``)."""
+        if self.task_plan is None:
+            return None
+        from mha2gqa.eval.tasks import compare_tasks
+
+        s = self.settings
+        settings = {"tasks": list(s.tasks), "num_fewshot": s.num_fewshot, "limit": s.limit,
+                    "include_path": s.include_path, "batch_size": s.batch_size}  # fmt: skip
+        section = compare_tasks(
+            self.task_plan, settings, self.task_scores["original"], self.task_scores.get("converted")
+        )
+        return section.to_dict()
 
 
 def _max_positions(folder: Path) -> int | None:
@@ -193,6 +223,7 @@ def _attention_readable(folders: list[Path]) -> bool:
 def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     """Read the configs, tokenizer and text and cut every pass into windows (all checked), before
     any weights are loaded."""
+    plan = _task_plan(s)
     data = load_text(s.data, s.text_field, s.doc_split)
     paths = [original] + ([converted] if converted else [])
     folders = [resolve_folder(p, s.revision)[0] for p in paths]
@@ -239,9 +270,22 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     prompt_len = max(1, min(32, seq_len // 4))
     prompts = [w[:prompt_len][None] for w, _ in disjoint_windows(ids, seq_len)[: s.samples]] if converted else []
     new = max(1, min(s.sample_tokens, (max_pos or 10**9) - prompt_len))
-    return _Run(
-        s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, rolling_len, batch, prompts, new
-    )
+    return _Run(s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, rolling_len,
+                batch, prompts, new, task_plan=plan)  # fmt: skip
+
+
+def _task_plan(s: EvalSettings) -> Any:
+    """The downstream tasks resolved (None without ``--tasks``): one process only, as the harness
+    takes a pre-loaded model only outside ``accelerate launch``."""
+    if not s.tasks:
+        return None
+    from accelerate import PartialState
+
+    from mha2gqa.eval.tasks import plan_tasks
+
+    if PartialState().num_processes > 1:
+        raise SettingError("tasks", "{name} runs in one process: evaluate the tasks without accelerate launch")
+    return plan_tasks(s.tasks, s.include_path)
 
 
 def _protocols(run: _Run, scored: dict[str, dict[str, Any]], results: dict[str, Any]) -> None:
@@ -359,6 +403,8 @@ def _together(run: _Run, results: dict[str, Any]) -> _Scored:
         results["attention"] = {**out, "seconds": seconds}
     if len(models) == 2 and run.prompts and main:
         results["samples"] = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
+    for name, model in zip(run.names, models, strict=True):
+        run.run_tasks(model, name)
     return _Scored.of([m.describe().to_dict() for m in loaded], models[-1])
 
 
@@ -458,6 +504,7 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             if log:
                 log(f"{len(run.prompts)} sample generation(s) of {run.new_tokens} tokens")
             results["samples"] = _samples(run, ref.manifest["samples"], _generate(run, converted.model))
+        run.run_tasks(converted.model, "converted", log)
         results["reference"] = {
             "key": key,
             "folder": None if temporary else str(ref.folder),
@@ -466,6 +513,10 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
         }
         scored_pair = _Scored.of([ref.manifest["model"], converted.describe().to_dict()], converted.model)
         _free(converted)
+        if run.task_plan is not None and "original" not in run.task_scores:  # its scores came from the cache
+            original = _load(run, 0)
+            run.run_tasks(original.model, "original", log)
+            _free(original)
         if s.compare_quantization:
             results["quantization"] = {name: _quantized(run, ref, name, log) for name in s.compare_quantization}
         return scored_pair
@@ -514,6 +565,7 @@ def _reference(
             ref.add_seconds("attention", seconds)
         if run.prompts and main:
             ref.manifest["samples"] = _generate(run, original.model)
+        run.run_tasks(original.model, "original", log)
         ref.manifest["model"] = original.describe().to_dict()
         _free(original)
     return ref
@@ -581,6 +633,9 @@ def evaluate(
         "protocols": {},
     }
     scored = _one_at_a_time(run, results, log) if pair and not settings.load_both else _together(run, results)
+    tasks = run.tasks_section()
+    if tasks is not None:
+        results["tasks"] = tasks
     results["models"] = dict(zip(run.names, scored.descriptions, strict=True))
     results["device"] = _device_info(scored.device, scored.dtype, settings.device_map)
     results["versions"] = versions()

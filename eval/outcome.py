@@ -81,6 +81,9 @@ class EvalRequest:
 
         if self.converted is None and self.limits.any:
             raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
+        if self.limits.on_tasks and not self.settings.tasks:
+            flag = "--max-task-drop" if self.limits.max_task_drop is not None else "--task-alpha"
+            raise Mha2GqaError(f"{flag} gates the downstream tasks: give --tasks too")
         if self.output is not None:
             check_destination(self.output, self.overwrite, self.inputs, "--output", folder=False)
         if self.settings.reference_cache is not None and self.converted is not None:

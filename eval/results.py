@@ -17,6 +17,8 @@ from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import EVAL_SCHEMA
+from mha2gqa.eval.paired import mcnemar_exact
+from mha2gqa.eval.tasks import TasksSection
 from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 
@@ -100,6 +102,7 @@ class Results:
     verdict: Verdict | None = None
     quantization: dict[str, Quantized] = field(default_factory=dict)
     samples: list[dict[str, str]] = field(default_factory=list)
+    tasks: TasksSection | None = None  # lm-evaluation-harness tasks (--tasks)
     git_revision: str | None = None
     seconds: float = 0.0
     path: str | None = None
@@ -393,9 +396,42 @@ def _check_sections(r: Results) -> None:
         typed.read(_Gates, r.gates, "gates")
     for i, sample in enumerate(r.samples):
         typed.read(_Sample, sample, f"samples[{i}]")
+    if r.tasks is not None:
+        _check_tasks(r.tasks, r.converted is not None)
     overlap = r.data.get("calibration_overlap")
     if overlap is not None and not isinstance(overlap, dict):
         raise _Missing("data.calibration_overlap is not an object")
 
 
 __all__ = ["Agreement", "ModelInfo", "Protocol", "Quantized", "Results", "Score"]
+
+
+def _check_tasks(section: TasksSection, pair: bool) -> None:
+    """Every task metric finite, a pair's with both models, and each paired test consistent with
+    itself (McNemar's p recomputed from its discordant counts): an edited number is caught here."""
+    import math
+
+    if not section.rows:
+        raise _Missing("tasks.rows is empty")
+    for row in section.rows:
+        for m in row.metrics:
+            where = f"tasks.{row.task}.{m.metric}"
+            scores = [m.original] + ([m.converted] if m.converted else [])
+            if not all(math.isfinite(x.value) and (x.stderr is None or math.isfinite(x.stderr)) for x in scores):
+                raise _Missing(f"{where}: a value or stderr is not a finite number")
+            if pair and m.converted is None:
+                raise _Missing(f"{where}: a pair's task metric needs the converted model's value")
+            t = m.paired
+            if t is None:
+                continue
+            if not 0 <= t.p_value <= 1 or t.significant != (t.p_value < t.alpha) or t.n < 1:
+                raise _Missing(f"{where}.paired: p_value, alpha and significant disagree")
+            if t.test == "mcnemar-exact":
+                if t.only_original is None or t.only_converted is None:
+                    raise _Missing(f"{where}.paired: McNemar's test needs its discordant counts")
+                if not 0 <= t.only_original + t.only_converted <= t.n or min(t.only_original, t.only_converted) < 0:
+                    raise _Missing(f"{where}.paired: discordant counts outside 0..n")
+                if not math.isclose(mcnemar_exact(t.only_original, t.only_converted), t.p_value, rel_tol=1e-9):
+                    raise _Missing(f"{where}.paired: p_value does not follow from its discordant counts")
+            elif t.test != "paired-bootstrap":
+                raise _Missing(f"{where}.paired.test {t.test!r} is not mcnemar-exact or paired-bootstrap")

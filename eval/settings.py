@@ -96,6 +96,19 @@ class EvalSettings:
         choices=tuple(SCHEMES),
         empty=True,
     )
+    tasks: tuple[str, ...] = setting(
+        (),
+        help="lm-evaluation-harness tasks (names, groups, tags or globs; comma-separated or repeated), run on "
+        "each model as loaded, the difference tested on the paired examples (needs mha2gqa[tasks]).",
+        empty=True,
+    )
+    num_fewshot: int | None = setting(
+        None, help="Few-shot examples per task prompt [default: each task's own].", minimum=0
+    )
+    limit: int | None = setting(
+        None, help="The first N documents of each task (a quick look, not a release figure).", minimum=1
+    )
+    include_path: str | None = setting(None, help="A folder of extra task YAML files (local tasks, local data).")
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
     progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 
@@ -126,6 +139,13 @@ class EvalSettings:
                 "compare_quantization",
                 "{name} scores the quantized copies one model at a time against the cached original: drop --load-both",
             )
+        for name in ("num_fewshot", "limit", "include_path"):
+            if getattr(self, name) is not None and not self.tasks:
+                raise SettingError(name, "{name} shapes the downstream tasks: give --tasks too, or drop it")
+        if self.tasks:
+            from mha2gqa.eval.tasks import check_tasks
+
+            check_tasks(self.include_path)
         if self.stride is not None and self.seq_len is not None and self.stride > self.seq_len:
             raise SettingError("stride", f"{{name}} {self.stride} must be between 1 and --seq-len {self.seq_len}")
         return self

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from mha2gqa.eval.results import Results
-from mha2gqa.eval.tables import head_error, perplexity_table
+from mha2gqa.eval.tables import head_error, perplexity_table, tasks_table
 
 
 def summary_lines(results: Results) -> list[str]:
-    """A few lines: data, perplexity per protocol, agreement, attention similarity."""
+    """A few lines: data, perplexity per protocol, agreement, attention similarity, downstream tasks."""
     data, device = results.data, results.device
     lines = [
         f"data: {data['source']} ({data['documents']} documents, {data['stream_tokens']:,} tokens); "
@@ -61,4 +61,14 @@ def summary_lines(results: Results) -> list[str]:
                 f"head similarity: {s['head_similarity_original_mean']:.3f} -> "
                 f"{s['head_similarity_converted_mean']:.3f}{groups}"
             )
+    if results.tasks is not None:
+        section = results.tasks
+        shots = section.settings.get("num_fewshot")
+        lines.append(
+            f"downstream tasks (lm-evaluation-harness {section.lm_eval_version}, "
+            f"{'each task’s own' if shots is None else shots} few-shot"
+            + (f", first {section.settings['limit']} documents" if section.settings.get("limit") else "")
+            + "; the difference tested on the paired examples):"
+        )
+        lines += tasks_table(results).text("  ")
     return lines

@@ -172,10 +172,66 @@ def gates_table(r: Results) -> Table | None:
     return t
 
 
+def _shift(m: Any, value: float, digits: int = 2) -> str:
+    """A task metric's difference: percentage points for a 0-1 metric (``-7.67 pt``), else as is."""
+    fraction = all(0 <= x.value <= 1 for x in (m.original, m.converted) if x is not None)
+    return f"{value * 100:+.{digits}f} pt" if fraction else f"{value:+.{digits + 2}g}"
+
+
+def _task_score(score: Any) -> str:
+    return f"{score.value:.4f}" + (f" ± {score.stderr:.4f}" if score.stderr is not None else "")
+
+
+def significance(m: Any) -> str:
+    """A paired test in words: ``significant drop (McNemar p 0.00019)``, ``not significant (...)``."""
+    t = m.paired
+    if t is None:
+        return m.note or ""
+    test = "McNemar" if t.test == "mcnemar-exact" else "bootstrap"
+    what = ("drop" if t.drop > 0 else "gain") if t.significant else "not significant"
+    return f"{'significant ' if t.significant else ''}{what} ({test} p {t.p_value:.2g})"
+
+
+def tasks_table(r: Results) -> Table | None:
+    """One row per task (group, tag member) and metric: both models' value ± stderr, the difference
+    with its 95% paired-bootstrap interval, and the paired test in words."""
+    if r.tasks is None:
+        return None
+    pair = r.converted is not None
+    header = ["task", "metric", "n", "original"] + (["converted", "difference [95% CI]", "paired test"] if pair else [])
+    t = Table(header)
+    for row in r.tasks.rows:
+        name = row.task + (" (group, pooled)" if row.group and pair else "")
+        for m in row.metrics:
+            cells = [name, m.metric, f"{row.n:,}", _task_score(m.original)]
+            if pair and m.converted is not None:
+                p = m.paired
+                ci = f" [{_shift(m, p.ci_low)}, {_shift(m, p.ci_high)}]" if p else ""
+                diff = _shift(m, m.converted.value - m.original.value)
+                cells += [_task_score(m.converted), diff + ci, significance(m)]
+            t.add(*cells)
+    return t
+
+
+def task_cell(r: Results) -> str:
+    """The overview's tasks cell: the named tasks' most significant drop (``drop: arc_easy acc -2.1 pt,
+    p 0.003``), else the largest drop, not significant (``n.s.: ... p 0.15``)."""
+    if r.tasks is None or r.converted is None:
+        return ""
+    tested = [(row, m) for row in r.tasks.rows if row.top_level for m in row.metrics if m.paired is not None]
+    if not tested:
+        return "no paired test"
+    drops = [(row, m) for row, m in tested if m.paired.significant and m.paired.drop > 0]
+    row, m = min(drops, key=lambda rm: rm[1].paired.p_value) if drops else max(tested, key=lambda rm: rm[1].paired.drop)
+    shift = _shift(m, -m.paired.drop, digits=1)
+    return f"{'drop' if drops else 'n.s.'}: {row.task} {m.metric} {shift}, p {m.paired.p_value:.2g}"
+
+
 def tables(r: Results) -> dict[str, Table]:
     """Every table of one results file: title -> table."""
     out = {
         "Perplexity": perplexity_table(r),
+        "Downstream tasks": tasks_table(r),
         "Output agreement": agreement_table(r),
         "KL report (llama.cpp style)": kl_report_table(r),
         "Attention per layer": attention_table(r),
@@ -186,7 +242,7 @@ def tables(r: Results) -> dict[str, Table]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-#: The overview's columns (``gates`` follows when a gate was asked for).
+#: The overview's columns (``tasks`` follows when tasks ran, ``gates`` when a gate was asked for).
 OVERVIEW_COLUMNS = ("comparison", "method", "KV heads", "calibration", "PPL original → converted", "tokens",
                     "ratio", "KL mean", "top-1", "KV B/token (saving)", "verdict")  # fmt: skip
 
@@ -230,8 +286,9 @@ def overview_table(results: list[Results], runs: list[tuple[str, list[dict[str, 
     gate's result), its first cell linking to the comparison's section (named by the converted model
     alone when every comparison shares one original)."""
     gated = any(r.gates for r in results)
+    tasked = any(r.tasks is not None for r in results)
     short = shared_original(results) is not None
-    t = Table([*OVERVIEW_COLUMNS, *(["gates"] if gated else [])])
+    t = Table([*OVERVIEW_COLUMNS, *(["tasks"] if tasked else []), *(["gates"] if gated else [])])
     for i, r in enumerate(results):
         p, a, conv = r.headline, r.agreement, r.converted
         kv = conv.kv_cache_bytes_per_token if conv else r.original.kv_cache_bytes_per_token
@@ -248,13 +305,14 @@ def overview_table(results: list[Results], runs: list[tuple[str, list[dict[str, 
             f"{a.top1_agreement:.1%}" if a else "",
             f"{kv:,}{saving}",
             verdict_cell(r),
+            *([task_cell(r)] if tasked else []),
             *([gate_cell(r)] if gated else []),
             link=f"#result-{i}",
         )
     evaluated = {Path(r.converted.path).name for r in results if r.converted}
     for label, records in runs or []:
         if label not in evaluated:  # an uptraining run only seen through its log: its last evaluation
-            t.add(*_run_row(label, records), *([""] if gated else []), link="#uptraining")
+            t.add(*_run_row(label, records), *([""] * (tasked + gated)), link="#uptraining")
     return t
 
 
