@@ -168,7 +168,8 @@ def ffn_width(ffn_mult: float, hidden: int) -> int:
 
 
 def nemotron_nas(config: dict[str, Any], heads_per_layer: list[int]) -> tuple[dict[str, Any] | None, str]:
-    """The Nemotron-NAS fields (``architectures`` and ``block_configs``) that let vLLM and llama.cpp
+    """The Nemotron-NAS fields (``architectures``, ``block_configs`` with each layer's ``n_heads_in_group``
+    and ``ffn_mult``, and explicit ``intermediate_size`` and ``head_dim``) that let vLLM and llama.cpp
     serve a per-layer checkpoint of ``config``, with a line saying so; ``None`` and the reason when its
     shapes are not a block those engines build (a plain Llama block: SiLU gated MLP without biases,
     ``head_dim = hidden / heads``, an MLP width that ``ffn_mult`` reproduces)."""
@@ -202,7 +203,15 @@ def nemotron_nas(config: dict[str, Any], heads_per_layer: list[int]) -> tuple[di
         }
         for g in heads_per_layer
     ]
-    fields = {"architectures": [DECI_ARCHITECTURE], "block_configs": blocks}
+    # The widths explicit at the top level too, for readers that take them instead of deriving them (vLLM
+    # reads intermediate_size, several need head_dim); not inside the entries, which NVIDIA's block_config.py
+    # and TensorRT-LLM's DeciLayerConfig build as fixed dataclasses that refuse unknown keys.
+    fields = {
+        "architectures": [DECI_ARCHITECTURE],
+        "block_configs": blocks,
+        "intermediate_size": width,
+        "head_dim": hidden // heads,
+    }
     return (
         fields,
         f"also written in the Nemotron-NAS form ({DECI_ARCHITECTURE}, block_configs) that vLLM and llama.cpp read",

@@ -291,6 +291,10 @@ def test_llama_sources_also_get_the_nemotron_nas_form_that_vllm_and_llama_cpp_re
         assert 8 // block["attention"]["n_heads_in_group"] == layer.self_attn.k_proj.out_features // 8
         assert block["attention"]["replace_with_linear"] is False and isinstance(block["ffn"]["ffn_mult"], float)
         assert ffn_width(block["ffn"]["ffn_mult"], 64) == layer.mlp.gate_proj.out_features
+        # the explicit widths agree with ffn_mult and with the weights
+        assert config["intermediate_size"] == ffn_width(block["ffn"]["ffn_mult"], 64) == layer.mlp.up_proj.out_features
+        assert config["head_dim"] * 8 == layer.self_attn.q_proj.out_features
+        assert layer.self_attn.k_proj.out_features == config["head_dim"] * 8 // block["attention"]["n_heads_in_group"]
     remote = AutoConfig.from_pretrained(out, trust_remote_code=True)  # vLLM reads attributes of this class
     assert [8 // b.attention.n_heads_in_group for b in remote.block_configs] == list(HEADS)
     assert not remote.block_configs[0].attention.no_op and not hasattr(remote.block_configs[0].ffn, "intermediate_size")
