@@ -141,7 +141,7 @@ class EvalSettings:
             )
         for name in ("num_fewshot", "limit", "include_path"):
             if getattr(self, name) is not None and not self.tasks:
-                raise SettingError(name, "{name} shapes the downstream tasks: give --tasks too, or drop it")
+                raise SettingError(name, "{name} shapes the downstream tasks: name the tasks too, or drop it")
         if self.tasks:
             from mha2gqa.eval.tasks import check_tasks
 

@@ -380,12 +380,15 @@ def samples_table(r: Results) -> Table | None:
 
 
 def sweep_table(rows: list[dict[str, Any]]) -> Table:
-    """The summary of a job or the demo: the original, then every conversion (and uptrained model)."""
-    t = Table(["model", "KV heads", "KV cache B/token", "perplexity", "ratio", "KL", "top-1", "verdict"])
+    """The summary of a job or the demo: the original, then every conversion (and uptrained model);
+    a ``tasks`` column when the rows carry one."""
+    tasked = any(r.get("tasks") for r in rows)
+    header = ["model", "KV heads", "KV cache B/token", "perplexity", "ratio", "KL", "top-1", "verdict"]
+    t = Table(header + (["tasks"] if tasked else []))
     if rows:
         first = rows[0]
         before = f"{first['kv_bytes_per_token_before']:,}"
-        t.add("original", "", before, f"{first['original_ppl']:.3f}", "1.00x", "", "", "")
+        t.add("original", "", before, f"{first['original_ppl']:.3f}", "1.00x", "", "", "", *([""] if tasked else []))
     for r in rows:
         label = f"{r['method']} -> {r['num_kv_heads']} KV heads"
         t.add(
@@ -397,6 +400,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
             f"{r['kl_mean']:.3f}",
             f"{r['top1']:.1%}",
             r.get("verdict", ""),
+            *([r.get("tasks", "")] if tasked else []),
         )
     return t
 

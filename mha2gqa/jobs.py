@@ -176,7 +176,11 @@ def _parse(path: Path, data: Any) -> Job:
     ev = _section(data, "eval")
     if "data" not in ev:
         raise SettingError("eval.data", "{name} is required")
-    evaluation = from_mapping(EvalSettings, _checkable(ev), "eval").check()
+    evaluation = from_mapping(EvalSettings, _checkable(ev), "eval")
+    try:
+        evaluation.check()
+    except SettingError as e:
+        raise SettingError(e.setting, e.render(f"eval.{e.setting}")) from None
     evaluation.data = ev["data"]
     up = _section(data, "uptrain")
     if up and "data" not in up:
@@ -185,6 +189,9 @@ def _parse(path: Path, data: Any) -> Job:
         fixed = {"output": "-", "teacher": data["source"]}  # the job's own
         from_mapping(UptrainSettings, _checkable(up), "uptrain", fixed=fixed).check()
     gates = from_mapping(GateSettings, _section(data, "gates"), "gates")
+    if gates.on_tasks and not evaluation.tasks:
+        key = "max_task_drop" if gates.max_task_drop is not None else "task_alpha"
+        raise SettingError(f"gates.{key}", "{name} gates the downstream tasks: give eval.tasks too")
     for key, kind in (("report", bool), ("name", str), ("output_dir", str)):
         if key in data and not isinstance(data[key], kind):
             raise SettingError(key, f"'{{name}}' must be {'true or false' if kind is bool else 'a string'}")
@@ -429,7 +436,7 @@ def _evaluate_stage(
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed."""
     from mha2gqa.eval.outcome import EvalRequest
-    from mha2gqa.eval.tables import verdict_cell
+    from mha2gqa.eval.tables import task_cell, verdict_cell
 
     log(f"evaluating {tag} against the original")
     path = out / "results" / f"{tag}.json"
@@ -448,6 +455,7 @@ def _evaluate_stage(
         "kv_bytes_per_token": conv.facts.kv_cache_bytes_per_token_after,
         "kv_bytes_per_token_before": conv.facts.kv_cache_bytes_per_token_before,
         "verdict": verdict_cell(typed),
+        **({"tasks": task_cell(typed)} if typed.tasks is not None else {}),
     }
     log(
         f"  {tag}: perplexity {row['converted_ppl']:.3f} (x{row['ppl_ratio']:.3f} the original's, "

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from conftest import requires_fixtures
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -29,3 +32,19 @@ def test_gpu_suite_cpu_smoke_mode_writes_its_table_and_json(tmp_path):
     assert speed["calibration"]["seconds_per_layer"] > 0 and speed["attention"]["ours"]["wall"] > 0
     table = (tmp_path / "gpu_suite.md").read_text()
     assert "perplexity tok/s" in table and "decode, 1 KV heads, batch 4" in table
+
+
+@requires_fixtures("stories260K/tokenizer.json")
+def test_ctranslate2_check_runs_a_conversion_with_the_kv_heads_written():
+    pytest.importorskip("ctranslate2")
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "ctranslate2_check.py"), "--cases", "mistral", "gpt2-mqa"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in proc.stdout.splitlines()}
+    for case, model, kv in (("mistral", "mean -> 2", "2 / 2"), ("gpt2-mqa", "mean -> 1", "1 / 1")):
+        line = rows[(case, model)]
+        assert f"| {kv} |" in line and "100% of" in line, line
+        assert float(line.split("|")[4].split()[0]) < 1e-3  # the logits agree with transformers

@@ -269,3 +269,26 @@ def test_task_options_are_refused_before_work(tmp_path, monkeypatch):
         assert "knows no task 'nosuchtask_xyz'" in error
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # not installed
     assert "pip install 'mha2gqa[tasks]'" in eval_error(*base, "--tasks", "hellaswag")
+
+
+def test_job_files_take_tasks_and_their_gates(tmp_path):
+    from mha2gqa.core.errors import Mha2GqaError
+    from mha2gqa.jobs import load_job
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "source: demo\nconvert: {num_kv_heads: [2], methods: [mean]}\n"
+        "eval: {data: demo-heldout, tasks: [lastword, arc_easy], num_fewshot: 0, limit: 50}\n"
+        "gates: {max_task_drop: 0.01, task_alpha: 0.05}\n"
+    )
+    if importlib.util.find_spec("lm_eval") is not None:
+        parsed = load_job(job)
+        assert parsed.eval.tasks == ("lastword", "arc_easy") and parsed.eval.limit == 50
+        assert parsed.gates.max_task_drop == 0.01 and parsed.gates.task_alpha == 0.05
+    head = "source: demo\nconvert: {num_kv_heads: [2]}\n"
+    job.write_text(head + "eval: {data: demo-heldout}\ngates: {task_alpha: 0.05}\n")
+    with pytest.raises(Mha2GqaError, match=re.escape("gates.task_alpha gates the downstream tasks: give eval.tasks")):
+        load_job(job)
+    job.write_text("source: demo\nconvert: {num_kv_heads: [2]}\neval: {data: demo-heldout, limit: 5}\n")
+    with pytest.raises(Mha2GqaError, match=re.escape("eval.limit shapes the downstream tasks")):
+        load_job(job)
