@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 #: Resamples of the paired bootstrap, and its seed (fixed: the same inputs give the same interval).
 BOOTSTRAP_ITERS = 10_000
@@ -54,6 +56,8 @@ def paired_bootstrap(
     """``(low, high, p)``: the 95% percentile interval of mean(converted - original) over ``iters``
     paired resamples of the examples, and the two-sided bootstrap p-value (twice the smaller share
     of resampled means on either side of zero, between 1/iters and 1). ``original``, ``converted``: [N]."""
+    import torch
+
     diff = (converted.double() - original.double()).flatten()
     n = diff.numel()
     gen = torch.Generator().manual_seed(seed)
@@ -98,6 +102,8 @@ def paired_test(
     original: Sequence[float], converted: Sequence[float], higher_is_better: bool = True, alpha: float = ALPHA
 ) -> PairedTest:
     """The paired comparison of one metric's per-example values (same examples, same order)."""
+    import torch
+
     if len(original) != len(converted) or not original:
         raise ValueError(f"paired values need the same, non-zero length (got {len(original)} and {len(converted)})")
     o = torch.tensor([float(v) for v in original], dtype=torch.float64)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import requires_fixtures
+from conftest import FIXTURES, requires_fixtures
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -38,7 +38,15 @@ def test_gpu_suite_cpu_smoke_mode_writes_its_table_and_json(tmp_path):
 def test_ctranslate2_check_runs_a_conversion_with_the_kv_heads_written():
     pytest.importorskip("ctranslate2")
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "ctranslate2_check.py"), "--cases", "mistral", "gpt2-mqa"],
+        [
+            sys.executable,
+            str(BENCHMARKS / "ctranslate2_check.py"),
+            "--cases",
+            "mistral",
+            "gpt2-mqa",
+            "--tokenizer",
+            str(FIXTURES / "stories260K"),
+        ],
         capture_output=True,
         text=True,
     )
