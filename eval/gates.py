@@ -83,8 +83,8 @@ def check_gates(results: Results, limits: GateSettings) -> list[Gate]:
     if limits.on_tasks:
         if results.tasks is None:
             raise Mha2GqaError("task gates read the downstream tasks: give --tasks")
-        for row in results.tasks.rows:
-            for m in (m for m in row.metrics if row.top_level and m.paired is not None):
+        for row in (r for r in results.tasks.rows if r.top_level):
+            for m in (m for m in row.metrics if m.paired is not None):
                 name = f"{row.task}/{m.metric}"
                 if limits.max_task_drop is not None:
                     gates.append(Gate(f"task_drop[{name}]", m.paired.drop, limits.max_task_drop, "<="))

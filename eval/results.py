@@ -9,6 +9,7 @@ here and derived where the numbers allow (e.g. a model's KV bytes per token from
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,14 +404,9 @@ def _check_sections(r: Results) -> None:
         raise _Missing("data.calibration_overlap is not an object")
 
 
-__all__ = ["Agreement", "ModelInfo", "Protocol", "Quantized", "Results", "Score"]
-
-
 def _check_tasks(section: TasksSection, pair: bool) -> None:
     """Every task metric finite, a pair's with both models, and each paired test consistent with
     itself (McNemar's p recomputed from its discordant counts): an edited number is caught here."""
-    import math
-
     if not section.rows:
         raise _Missing("tasks.rows is empty")
     for row in section.rows:
@@ -435,3 +431,6 @@ def _check_tasks(section: TasksSection, pair: bool) -> None:
                     raise _Missing(f"{where}.paired: p_value does not follow from its discordant counts")
             elif t.test != "paired-bootstrap":
                 raise _Missing(f"{where}.paired.test {t.test!r} is not mcnemar-exact or paired-bootstrap")
+
+
+__all__ = ["Agreement", "ModelInfo", "Protocol", "Quantized", "Results", "Score"]

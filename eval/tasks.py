@@ -90,7 +90,6 @@ class TaskPlan:
 
     names: list[str]
     manager: Any  # lm_eval.tasks.TaskManager
-    include_path: str | None
 
 
 def plan_tasks(tasks: tuple[str, ...], include_path: str | None) -> TaskPlan:
@@ -115,7 +114,7 @@ def plan_tasks(tasks: tuple[str, ...], include_path: str | None) -> TaskPlan:
             "list them with `lm_eval ls tasks`, or give --include-path with its YAML",
         )
     names = list(dict.fromkeys(n for t in tasks for n in manager.match_tasks([t])))
-    return TaskPlan(names, manager, include_path)
+    return TaskPlan(names, manager)
 
 
 @dataclass
@@ -199,7 +198,7 @@ def score_tasks(
     scores: dict[str, dict[str, MetricScore]] = {}
     rows: dict[str, dict[str, Any]] = {}
     keys: dict[str, list[tuple[str, int, str]]] = {}
-    samples = out.get("samples") or {}
+    samples = {task: sorted(docs, key=lambda s: s["doc_id"]) for task, docs in (out.get("samples") or {}).items()}
     for row in _ordered(list(out["results"]), subtasks, children):
         entry = out["results"][row]
         leaves = _leaves(row, subtasks)
@@ -229,18 +228,19 @@ def score_tasks(
         keys[row] = [
             (leaf, int(s["doc_id"]), str(s.get("prompt_hash", "")))
             for leaf in leaves
-            for s in sorted(samples.get(leaf, []), key=lambda s: s["doc_id"])
+            for s in samples.get(leaf, [])
             if s.get("filter", _NO_FILTER) == filt
         ]
     return ModelTasks(scores, rows, keys, seconds)
 
 
 def _examples(samples: dict[str, list[dict]], leaves: list[str], metric: str, filt: str) -> list[float] | None:
-    """Each example's value of ``metric`` under filter ``filt``, over ``leaves`` in (task, doc) order;
-    None unless every value is a number (a corpus-level metric keeps references, not scores)."""
+    """Each example's value of ``metric`` under filter ``filt``, over ``leaves`` in (task, doc) order
+    (``samples``: each task's records sorted by doc); None unless every value is a number (a
+    corpus-level metric keeps references, not scores)."""
     out: list[float] = []
     for leaf in leaves:
-        for s in sorted(samples.get(leaf, []), key=lambda s: s["doc_id"]):
+        for s in samples.get(leaf, []):
             if s.get("filter", _NO_FILTER) != filt:
                 continue
             v = _number(s.get(metric))
@@ -271,7 +271,7 @@ class TaskMetric:
 
 @dataclass
 class TaskRow:
-    """A task or a group (a group's paired test pools its tasks' examples: ``pooled``)."""
+    """A task or a group (a group's paired tests pool its tasks' examples)."""
 
     task: str
     group: bool
