@@ -9,6 +9,18 @@ refitted conversion are also scored out of domain (``--ood``: a text of another 
 calibration text); ``closer`` is how many times nearer 1 the refitted ratio is. One table at the end.
 
     python benchmarks/methods.py [--fixtures ../shared/fixtures] [--eval-tokens 32768] [--refit]
+
+``--real`` instead runs the recipes a user of a real model chooses between on SmolLM2-135M (30 layers,
+9 query / 3 KV heads, head_dim 64; built from the fixtures' GGUF, see ``real_fixtures.py``), 3 -> 1 KV
+head: ``mean``, ``svd``, ``aligned``, each without and with ``--refit`` at its default settings, and
+per-layer counts at an average of 2 KV heads (``--per-layer auto`` against a blind half-and-half mix
+of 3 and 1, each with ``svd`` and ``svd --refit``). Calibration: the first half of WikiText-2 test
+(``--calibration-tokens``, default the conversion's own default); scored on the last
+``--eval-tokens`` tokens of the second half (disjoint windows of 512) and out of domain on the start
+of ``tinyshakespeare.txt``; each conversion runs as its own ``mha2gqa convert`` process, so its
+wall time and peak resident memory are its own.
+
+    python benchmarks/methods.py --real [--recipes svd svd+refit ...]
 """
 
 from __future__ import annotations
@@ -16,9 +28,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+from real_fixtures import DEFAULT_FIXTURES, Unavailable, smollm2, tail_text, wikitext_split
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -89,16 +105,22 @@ def main() -> None:
     from mha2gqa.eval.settings import EvalSettings
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--fixtures", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "fixtures")
+    p.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
     p.add_argument("--eval-tokens", type=int, default=32768)
-    p.add_argument("--calibration-tokens", type=int, default=32768)
+    p.add_argument("--calibration-tokens", type=int, default=None, help="[default: 32768; --real: convert's]")
     p.add_argument("--models", nargs="*", default=None)
     p.add_argument("--methods", nargs="*", default=None, help="only these methods")
     p.add_argument("--refit", action="store_true", help="add a refitted row for each of --refit-methods")
     p.add_argument("--refit-methods", nargs="*", default=["mean", "svd"])
-    p.add_argument("--refit-steps", type=int, default=200)
+    p.add_argument("--refit-steps", type=int, default=None, help="[default: convert's]")
     p.add_argument("--ood", type=Path, default=None, help="out-of-domain text [default: wikitext2_test.txt]")
+    p.add_argument("--real", action="store_true", help="the real-model recipes (see the module doc) instead")
+    p.add_argument("--recipes", nargs="*", default=None, help="with --real: only these (names as in REAL_RECIPES)")
+    p.add_argument("--ood-tokens", type=int, default=8192, help="with --real: tokens scored out of domain")
     args = p.parse_args()
+    if args.real:
+        return real_model(args)
+    args.calibration_tokens = args.calibration_tokens or 32768
     ood_text = str(args.ood or args.fixtures / "text" / "wikitext2_test.txt")
     if not args.fixtures.is_dir():
         raise SystemExit(f"{args.fixtures}: fixtures not found (pass --fixtures)")
@@ -138,7 +160,7 @@ def main() -> None:
                         t = time.perf_counter()
                         out = convert_checkpoint(
                             folder, work / f"{name}-{method}-{g}-refit", g, method, refit=True,
-                            refit_steps=args.refit_steps, **options, **calibrated,
+                            **({"refit_steps": args.refit_steps} if args.refit_steps else {}), **options, **calibrated,
                         )  # fmt: skip
                         seconds = time.perf_counter() - t
                         label = f"{method} + refit"
@@ -160,6 +182,90 @@ def main() -> None:
         if args.refit:
             line += f" {f'x{ood_ratio:.3f}' if ood_ratio else ''} | {f'{closer:.1f}x' if closer else ''} |"
         print(line)
+
+
+#: recipe name -> ``mha2gqa convert`` options (SmolLM2-135M has 3 KV heads; 30 layers)
+REAL_RECIPES: dict[str, list[str]] = {
+    "mean": ["-g", "1", "--method", "mean"],
+    "mean+refit": ["-g", "1", "--method", "mean", "--refit"],
+    "svd": ["-g", "1", "--method", "svd"],
+    "svd+refit": ["-g", "1", "--method", "svd", "--refit"],
+    "aligned": ["-g", "1", "--method", "aligned"],
+    "aligned+refit": ["-g", "1", "--method", "aligned", "--refit"],
+    "svd/per-layer auto (avg 2)": ["-g", "2", "--per-layer", "auto", "--method", "svd"],
+    "svd/blind 3,1 mix (avg 2)": ["--num-kv-heads-per-layer", ",".join(["3,1"] * 15), "--method", "svd"],
+    "svd/per-layer auto (avg 2)+refit": ["-g", "2", "--per-layer", "auto", "--method", "svd", "--refit"],
+    "svd/blind 3,1 mix (avg 2)+refit": ["--num-kv-heads-per-layer", ",".join(["3,1"] * 15), "--method", "svd",
+                                        "--refit"],
+}  # fmt: skip
+
+
+def _convert_process(src: Path, dst: Path, options: list[str]) -> tuple[float, float]:
+    """Run ``mha2gqa convert SRC DST OPTIONS`` as its own process: ``(seconds, peak resident MiB)``."""
+    argv = [sys.executable, "-c", "from mha2gqa.cli import main; main()", "convert", str(src), str(dst), *options]
+    t = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode(errors="replace").strip().splitlines()
+    proc.stderr.close()
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(argv[3:])}: exit {proc.returncode}: {err[-1:]}")
+    return seconds, usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def real_model(args) -> None:
+    """The SmolLM2-135M table (module doc)."""
+    from mha2gqa.eval.harness import evaluate
+    from mha2gqa.eval.settings import EvalSettings
+
+    try:
+        model, _ = smollm2(args.fixtures)
+    except Unavailable as e:
+        raise SystemExit(str(e)) from None
+    chosen = args.recipes or list(REAL_RECIPES)
+    unknown = [r for r in chosen if r not in REAL_RECIPES]
+    if unknown:
+        raise SystemExit(f"unknown recipes {unknown}: choose from {list(REAL_RECIPES)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        calib, held = wikitext_split(args.fixtures, work)
+        held = tail_text(held, model, args.eval_tokens, work / "wikitext_heldout_tail.txt")
+        ood = str(args.fixtures / "text" / "tinyshakespeare.txt")
+        common = dict(seq_len=512, attention=False, samples=0, progress=False, reference_cache=str(work / "ref"))
+        domains = {
+            "wikitext": EvalSettings(data=str(held), max_tokens=args.eval_tokens, **common),
+            "shakespeare": EvalSettings(data=ood, max_tokens=args.ood_tokens, **common),
+        }
+        calibration = ["--calibration", str(calib), "--calibration-seq-len", "512"]
+        if args.calibration_tokens:
+            calibration += ["--calibration-tokens", str(args.calibration_tokens)]
+        for name in chosen:
+            out = work / "out"
+            options = [*REAL_RECIPES[name], "--overwrite"] + (calibration if name != "mean" else [])
+            seconds, peak = _convert_process(model, out, options)
+            scores = {}
+            for domain, settings in domains.items():
+                r = evaluate(str(model), str(out), settings)
+                scores[domain] = (r["protocols"]["disjoint"], r["agreement"])
+            (d, agree), (o, _) = scores["wikitext"], scores["shakespeare"]
+            row = (name, d["original"]["ppl"], d["converted"]["ppl"], d["ppl_ratio"], agree["kl"]["mean"],
+                   agree["top1_agreement"], o["ppl_ratio"], seconds, peak)  # fmt: skip
+            print("  ".join(map(str, row)), flush=True)
+            rows.append(row)
+    print(
+        f"\nSmolLM2-135M 3 -> 1 KV head (per-layer: 2 on average); calibrated on the first half of WikiText-2 test; "
+        f"in domain: its last {args.eval_tokens:,} tokens, disjoint windows of 512; out of domain: the first "
+        f"{args.ood_tokens:,} tokens of tinyshakespeare.txt\n"
+    )
+    print("| recipe | original PPL | converted PPL | ratio | mean KL | top-1 | out-of-domain ratio |", end="")
+    print(" convert s | peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, po, pc, ratio, kl, top1, ood_ratio, sec, peak in rows:
+        print(f"| {name} | {po:.2f} | {pc:.2f} | x{ratio:.3f} | {kl:.3f} | {top1:.1%} | x{ood_ratio:.3f} | "
+              f"{sec:.0f} | {peak:,.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -67,9 +67,13 @@ def prepare(workdir: Path, layers: int) -> Path:
     return src
 
 
-def refit_flops_per_layer(src: Path, steps: int = 200, batch: int = 8, seq_len: int = 512) -> float:
-    """FLOPs of one layer's default refit: forward + backward (3 x 2 x parameters per token, the
-    attention scores 3 x 4 x T x hidden per token) over ``steps x batch`` windows of ``seq_len``."""
+def refit_flops_per_layer(src: Path, seq_len: int = 512) -> float:
+    """FLOPs of one layer's default refit (``convert``'s default steps and windows per step, without
+    stopping early): forward + backward (3 x 2 x parameters per token, the attention scores
+    3 x 4 x T x hidden per token) over ``steps x batch`` windows of ``seq_len``."""
+    from mha2gqa.convert.settings import ConvertSettings
+
+    steps, batch = ConvertSettings.refit_steps, ConvertSettings.refit_batch
     config = json.loads((src / "config.json").read_text())
     h, i = config["hidden_size"], config["intermediate_size"]
     params = 4 * h * h + 3 * h * i
@@ -78,6 +82,8 @@ def refit_flops_per_layer(src: Path, steps: int = 200, batch: int = 8, seq_len: 
 
 
 def main() -> None:
+    from mha2gqa.convert.settings import ConvertSettings
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("bench-7b"))
     parser.add_argument("--eval-tokens", type=int, default=2048)
@@ -193,8 +199,9 @@ def main() -> None:
             fit = sum(m["refit_seconds_per_layer"]) / len(m["refit_seconds_per_layer"])
             flops = refit_flops_per_layer(src)
             against = (
-                f"{fit:.0f} s per layer for {m['refit_steps']} step(s) on this CPU; the default 200 steps x 8 windows "
-                f"x 512 tokens are {flops / 1e15:.2f} PFLOP a layer: ~{flops / 200e12:.0f} s a layer on a GPU at "
+                f"{fit:.0f} s per layer for {m['refit_steps']} step(s) on this CPU; the default "
+                f"{ConvertSettings.refit_steps} steps x {ConvertSettings.refit_batch} windows x 512 tokens are "
+                f"{flops / 1e15:.2f} PFLOP a layer: ~{flops / 200e12:.0f} s a layer on a GPU at "
                 f"200 TFLOP/s (TF32), ~{flops / 30e12:.0f} s at 30 TFLOP/s (FP32); RSS target <= 2.5 GB (4 layers)"
             )
         elif name == "eval":

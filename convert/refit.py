@@ -18,12 +18,14 @@ attention, RoPE, biases and per-head norms run as transformers wrote them, and t
 shared K/V head is the sum over its group: tied parameters stay tied by construction. Per-head norms
 and everything outside the projections stay as the merge left them.
 
-The fit: Adam on the mean squared error of the layer's output over ``--refit-batch`` windows per
-step; one window in :data:`HELDOUT_EVERY` (at least one) is held out and checked
-:data:`CHECKS` times per layer; the best held-out weights are kept, the fit stops after
-:data:`PATIENCE` checks without improvement, and a layer whose held-out error did not fall keeps its
-merged weights (bit for bit). A layer whose error starts at zero (an exact conversion) is not
-touched.
+The fit: Adam on the squared error of the layer's output, each hidden dimension louder than the
+average counted relative to its own mean square in the original's output (:func:`dimension_scale`:
+a real model's few huge hidden dimensions would otherwise be nearly all of the error), over
+``--refit-batch`` windows per step; one window in :data:`HELDOUT_EVERY` (at least one) is held out
+and checked :data:`CHECKS` times per layer; the best held-out weights are kept, the fit stops after
+:data:`PATIENCE` checks that took off less than :data:`MIN_GAIN` of it (not before half its steps),
+and a layer whose held-out error did not fall keeps its merged weights (bit for bit). A layer whose
+error starts at zero (an exact conversion) is not touched.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.convert.tensor_plan import attention_names
-from mha2gqa.core.conversion_record import Refit, RefitLayer
+from mha2gqa.core.conversion_record import RELATIVE_ERROR, Refit, RefitLayer
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
@@ -59,8 +61,10 @@ from mha2gqa.core.units import parse_size
 HELDOUT_EVERY = 8
 #: held-out checks per layer (every ``steps / CHECKS`` steps)
 CHECKS = 10
-#: checks without a lower held-out error before a layer's fit stops
+#: checks without a lower held-out error (by at least MIN_GAIN of it) before a layer's fit stops
 PATIENCE = 3
+#: the share of the best held-out error a check must take off to count as progress
+MIN_GAIN = 0.005
 #: tokens per forward call of a layer (windows batched up to this)
 CALL_TOKENS = 512
 _SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
@@ -195,17 +199,25 @@ def fit_layer(
     batch: int,
     seed: int,
     per_call: int = 1,
+    scale: torch.Tensor | None = None,
 ) -> FitResult:
     """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
     outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on the mean squared
-    error over ``batch`` windows a step (``per_call`` windows per forward), early stopped on the
-    held-out windows (:func:`split_windows`); returns the best values, or ``start`` itself when no
-    check lowered the held-out error (``kept``)."""
+    error, each hidden dimension's squares times ``scale`` ``[hidden]`` (None: ones), over ``batch``
+    windows a step (``per_call`` windows per forward), early stopped on the held-out windows
+    (:func:`split_windows`): a check that does not lower the best held-out error by
+    :data:`MIN_GAIN` of it counts towards :data:`PATIENCE`, and the fit stops there once half its
+    steps are done. Returns the best values, or ``start``
+    itself when no check lowered the held-out error (``kept``)."""
     fitted, held = split_windows(windows)
+
+    def error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        squares = (out - target) ** 2
+        return squares if scale is None else squares * scale
 
     def heldout(values) -> float:
         with torch.no_grad():
-            total = sum(float(torch.sum((forward(values, c) - targets(c)) ** 2)) for c in chunks(held, per_call))
+            total = sum(float(torch.sum(error(forward(values, c), targets(c)))) for c in chunks(held, per_call))
         return total / (len(held) * targets(held[:1]).numel())
 
     before = heldout(start)
@@ -223,19 +235,19 @@ def fit_layer(
         chosen, order = [fitted[j] for j in order[:batch]], order[batch:]
         optimizer.zero_grad(set_to_none=True)
         for c in chunks(chosen, per_call):  # a few windows' graph at a time
-            loss = torch.mean((forward(values, c) - targets(c)) ** 2) * (len(c) / len(chosen))
+            loss = torch.mean(error(forward(values, c), targets(c))) * (len(c) / len(chosen))
             loss.backward()
         optimizer.step()
         done = step + 1
         if done % every and done != steps:
             continue
         now = heldout(values)
+        gained = now < best * (1 - MIN_GAIN)
         if now < best:
-            best, best_values, stale = now, {r: t.detach().clone() for r, t in values.items()}, 0
-        else:
-            stale += 1
-            if stale >= PATIENCE:
-                break
+            best, best_values = now, {r: t.detach().clone() for r, t in values.items()}
+        stale = 0 if gained else stale + 1
+        if stale >= PATIENCE and done >= steps // 2:  # Adam's first steps may overshoot: give it half
+            break
     if best_values is None:
         return FitResult(start, before, before, True, done)
     return FitResult(best_values, before, best, False, done)
@@ -283,6 +295,21 @@ class HiddenStates:
             for w in runs:
                 check_signals()
                 self[w] = step(self[w].to(dev), w)
+
+
+def dimension_scale(states: HiddenStates, windows: list[int], per_call: int) -> torch.Tensor:
+    """``[hidden]``: 1 / max(each hidden dimension's mean square in ``states`` over ``windows``, their
+    average). A few hidden dimensions of a real model are hundreds of times larger than the rest and
+    carry drift from every earlier layer that attention cannot undo: unscaled, they are nearly all
+    of the squared error. Scaled, each of them counts relative to its own size, and every other
+    dimension as plain squared error (over the average size, a constant): a model without such
+    dimensions is fitted as before."""
+    total = None
+    for run in chunks(windows, per_call):
+        part = states[run].double().pow(2).sum((0, 1))
+        total = part if total is None else total + part
+    mean_square = total / (len(windows) * states.data.shape[1])
+    return (1 / mean_square.clamp_min(float(mean_square.mean()))).float()
 
 
 def _output(out) -> torch.Tensor:
@@ -397,6 +424,7 @@ def refit(
                 return converted_layer(values, converted[w].to(dev), w)
 
             trainable = [r for r in weights.values if r[0] in roles]
+            scale = dimension_scale(original, fitted, per_call).to(dev)
             result = fit_layer(
                 forward,
                 weights.values,
@@ -408,6 +436,7 @@ def refit(
                 batch=s.refit_batch,
                 seed=s.seed * 1_000_003 + i,
                 per_call=per_call,
+                scale=scale,
             )
             dtypes = {n: BY_CODE[by_name[n].dtype].torch for n in names.values()}
             out = weights.outputs(result.values, dtypes)
@@ -450,5 +479,6 @@ def refit(
         params=list(roles),
         seed=s.seed,
         layers=records,
+        error=RELATIVE_ERROR,
     )
     return [by_name[t.name] for t in tensors], record

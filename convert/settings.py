@@ -81,8 +81,8 @@ class ConvertSettings:
         False,
         help="After the merge, refit each changed layer's projections (--refit-params) so that, given the "
         "converted model's own hidden states, it reproduces the original layer's output on the "
-        "--calibration text; a layer keeps its merged weights when refitting does not lower its "
-        "held-out error.",
+        "--calibration text (hidden dimensions louder than average: their error relative to their size); "
+        "a layer keeps its merged weights when refitting does not lower its held-out error.",
     )
     refit_params: str = setting(
         "q,k,v,o", help="Projections --refit fits, comma-separated from q,k,v,o (biases included)."

@@ -53,11 +53,17 @@ class Allocation:
     costs: dict[str, dict[str, float]]
 
 
+#: :attr:`Refit.error` of records written before the error was relative (their default)
+ABSOLUTE_ERROR = "mean squared error"
+#: :attr:`Refit.error` now: squared error over max(the dimension's mean square, the average one)
+RELATIVE_ERROR = "mean squared error, each hidden dimension louder than average relative to its size"
+
+
 @dataclass(frozen=True)
 class RefitLayer:
-    """One layer's refit: held-out mean squared error of its output against the original layer's,
-    at the start (the merge) and at the end; ``kept``: the refit did not lower it, so the layer
-    kept its starting weights."""
+    """One layer's refit: held-out error of its output against the original layer's (as
+    :attr:`Refit.error` says), at the start (the merge) and at the end; ``kept``: the refit did not
+    lower it, so the layer kept its starting weights."""
 
     layer: int
     loss_before: float
@@ -82,6 +88,7 @@ class Refit:
     params: list[str]
     seed: int
     layers: list[RefitLayer]
+    error: str = ABSOLUTE_ERROR
 
 
 @dataclass(frozen=True)

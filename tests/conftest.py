@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,11 +11,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from real_fixtures import DEFAULT_FIXTURES, FIXTURES_ENV  # benchmarks and tests share it
 
 #: Where the real small checkpoints and texts are: ``$MHA2GQA_FIXTURES``, else ``../shared/fixtures``
 #: beside the checkout. Tests that need them skip (and the run says how many) when they are absent.
-FIXTURES_ENV = "MHA2GQA_FIXTURES"
-FIXTURES = Path(os.environ.get(FIXTURES_ENV) or Path(__file__).resolve().parents[1].parent / "shared" / "fixtures")
+FIXTURES = DEFAULT_FIXTURES
 FIXTURES_ABSENT = "real fixtures absent"
 
 #: Llama-2-7B's config.json (planning and inspection need no weights)
@@ -168,6 +171,19 @@ def eval_argv(original, converted, data, seq_len, max_tokens, *extra, options: s
     more flags as one string (split on spaces)."""
     head = ["eval", "--original", original, "--converted", converted, "--data", data, "--seq-len", seq_len]
     return [str(a) for a in (*head, "--max-tokens", max_tokens, *extra, *options.split())]
+
+
+def eval_error(*args) -> str:
+    """The one ``Error:`` line of ``mha2gqa eval ARGS`` (exit 1, no traceback)."""
+    from click.testing import CliRunner
+
+    from mha2gqa.cli import main
+
+    result = CliRunner().invoke(main, ["eval", *map(str, args)])
+    assert result.exit_code == 1, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1 and "Traceback" not in result.output
+    return lines[0]
 
 
 def bench_argv(original, converted, output, options: str = "") -> list[str]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FAMILY_CONFIGS, FIXTURES, eval_argv, random_model, requires_fixtures, save, tiny_config
+from conftest import FAMILY_CONFIGS, FIXTURES, eval_argv, eval_error, random_model, requires_fixtures, save, tiny_config
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
@@ -208,23 +208,15 @@ def test_jsonl_and_parquet_sources(trained_pair, tmp_path):
     assert ppl[0] == ppl[1]
 
 
-def cli_error(*args):
-    result = CliRunner().invoke(main, ["eval", *map(str, args)])
-    assert result.exit_code == 1, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1 and "Traceback" not in result.output
-    return lines[0]
-
-
 def test_bad_inputs_are_one_line_errors(trained_pair, tmp_path):
     src, _, pooled, text = trained_pair
-    assert "no such file" in cli_error("--original", src, "--data", tmp_path / "missing.txt")
-    assert "cannot load it with datasets" in cli_error("--original", src, "--data", "no_such_dataset_xyz:test")
-    assert "not a file, and not a datasets name" in cli_error("--original", src, "--data", "plainword")
+    assert "no such file" in eval_error("--original", src, "--data", tmp_path / "missing.txt")
+    assert "cannot load it with datasets" in eval_error("--original", src, "--data", "no_such_dataset_xyz:test")
+    assert "not a file, and not a datasets name" in eval_error("--original", src, "--data", "plainword")
     short = tmp_path / "short.txt"
     short.write_text("alpha beta")
-    assert "fewer than one window of 64" in cli_error("--original", src, "--data", short, "--seq-len", "64")
-    assert "longer than the model's 64 positions" in cli_error("--original", src, "--data", text, "--seq-len", "65")
+    assert "fewer than one window of 64" in eval_error("--original", src, "--data", short, "--seq-len", "64")
+    assert "longer than the model's 64 positions" in eval_error("--original", src, "--data", text, "--seq-len", "65")
     other = tmp_path / "other"
     import shutil
 
@@ -232,16 +224,17 @@ def test_bad_inputs_are_one_line_errors(trained_pair, tmp_path):
     from mha2gqa.demo import build_tokenizer
 
     build_tokenizer("zeta eta theta " * 200, 280).save_pretrained(other)
-    assert "tokenizer mismatch" in cli_error("--original", src, "--converted", other, "--data", text, "--seq-len", "64")
+    mismatched = ("--original", src, "--converted", other, "--data", text, "--seq-len", "64")
+    assert "tokenizer mismatch" in eval_error(*mismatched)
     pair = ("--original", src, "--converted", pooled, "--data", text, "--seq-len", "64")
     afile = tmp_path / "afile"
     afile.write_text("x")
-    assert "is a file: give a folder" in cli_error(*pair, "--reference-cache", afile)
-    assert "is not a writable folder" in cli_error(*pair, "--reference-cache", afile / "sub")
-    assert "lies inside" in cli_error(*pair, "--reference-cache", src / "cache")
-    assert "cannot create it" in cli_error(*pair, "--reference-cache", "/proc/mha2gqa-cache")
-    assert "must be at least 0" in cli_error(*pair, "--reference-top-k", "-1")
-    assert "with --load-both" in cli_error(*pair, "--reference-top-k", "8", "--load-both")
+    assert "is a file: give a folder" in eval_error(*pair, "--reference-cache", afile)
+    assert "is not a writable folder" in eval_error(*pair, "--reference-cache", afile / "sub")
+    assert "lies inside" in eval_error(*pair, "--reference-cache", src / "cache")
+    assert "cannot create it" in eval_error(*pair, "--reference-cache", "/proc/mha2gqa-cache")
+    assert "must be at least 0" in eval_error(*pair, "--reference-top-k", "-1")
+    assert "with --load-both" in eval_error(*pair, "--reference-top-k", "8", "--load-both")
 
 
 @requires_fixtures("stories260K-mha-expanded", "text")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURES, requires_fixtures
+from conftest import FIXTURES, eval_error, requires_fixtures
 
 from mha2gqa.cli import main
 from mha2gqa.eval import paired
@@ -237,14 +237,6 @@ def test_a_small_drop_is_not_significant_and_the_report_shows_tasks(task_setup):
     bad.write_text(json.dumps(record))
     report = CliRunner().invoke(main, ["report", str(bad), "--html", str(root / "t.html")])
     assert report.exit_code == 1 and str(bad) in report.output and "p_value" in report.output
-
-
-def eval_error(*args) -> str:
-    result = CliRunner().invoke(main, ["eval", *map(str, args)])
-    assert result.exit_code == 1, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1 and "Traceback" not in result.output
-    return lines[0]
 
 
 def test_task_options_are_refused_before_work(tmp_path, monkeypatch):
