@@ -204,12 +204,13 @@ def _convert_process(src: Path, dst: Path, options: list[str]) -> tuple[float, f
     """Run ``mha2gqa convert SRC DST OPTIONS`` as its own process: ``(seconds, peak resident MiB)``."""
     argv = [sys.executable, "-c", "from mha2gqa.cli import main; main()", "convert", str(src), str(dst), *options]
     t = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace").strip().splitlines()
-    proc.stderr.close()
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a full pipe would stall the child
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        err = log.read().decode(errors="replace").strip().splitlines()
     if proc.returncode:
         raise SystemExit(f"{' '.join(argv[3:])}: exit {proc.returncode}: {err[-1:]}")
     return seconds, usage.ru_maxrss / 1024  # KiB on Linux
