@@ -10,7 +10,6 @@ calibration half and the held-out half as the fixture's README pins them."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -32,19 +31,11 @@ class Unavailable(Exception):
     """The fixture or what building it needs is absent (callers skip, benchmarks exit with the reason)."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def smollm2(fixtures: Path = DEFAULT_FIXTURES) -> tuple[Path, Path]:
     """``(model, mha_form)``: the SmolLM2-135M folders, built on first use (~1 min, ~3 GB of memory)."""
     import importlib.util
 
-    from mha2gqa.core.cache import cache_root, computed_with, entry_name, locked
+    from mha2gqa.core.cache import cache_root, computed_with, entry_name, file_sha256, locked
 
     here = fixtures / SMOLLM2_DIR
     gguf, build = here / SMOLLM2_GGUF, here / "build.py"
@@ -52,7 +43,7 @@ def smollm2(fixtures: Path = DEFAULT_FIXTURES) -> tuple[Path, Path]:
         raise Unavailable(f"{here}: the SmolLM2 GGUF fixture is absent")
     if importlib.util.find_spec("gguf") is None:
         raise Unavailable("the gguf package is not installed (pip install -e '.[dev]')")
-    material = {"gguf": _sha256(gguf), "build": _sha256(build), **computed_with()}
+    material = {"gguf": file_sha256(gguf), "build": file_sha256(build), **computed_with()}
     material.pop("mha2gqa", None)  # the build does not run mha2gqa's code
     root = cache_root() / "fixtures"
     key = f"smollm2-{entry_name(material)}"

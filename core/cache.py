@@ -91,6 +91,15 @@ def model_identity(path: str, folder: Path) -> dict[str, Any]:
     }
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read 16 MiB at a time (a cache key's part for a file)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def entry_name(material: dict[str, Any]) -> str:
     """A cache entry's folder name: 24 hex digits of the sha256 of ``material`` (JSON-able: what its
     content depends on)."""

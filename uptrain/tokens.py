@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mha2gqa.core.cache import entry_name, locked
+from mha2gqa.core.cache import entry_name, file_sha256, locked
 from mha2gqa.core.checkpoint import TOKENIZER_DEFINITION
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import staged_output
@@ -75,27 +75,19 @@ def stream_ids(tokenizer, source: str, text_field: str = "text", doc_split: str 
     return torch.tensor([t for c in chunks for t in c], dtype=torch.long)
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def key_material(tokenizer_folder: Path, source: str, text_field: str, doc_split: str) -> dict[str, Any]:
     """What determines a store's tokens: the text (a local file's sha256, a ``datasets`` name with its
     fingerprint), the tokenizer's files, the text settings and the piece rule."""
     path = Path(source).expanduser()
     if path.is_file():
-        text: dict[str, Any] = {"file_sha256": _file_sha256(path), "bytes": path.stat().st_size}
+        text: dict[str, Any] = {"file_sha256": file_sha256(path), "bytes": path.stat().st_size}
     else:
         from mha2gqa.core.text import open_source
 
         ds, _, _ = open_source(source, text_field, doc_split, "data")
         text = {"datasets": source, "fingerprint": ds._fingerprint}
     tokenizer = {
-        name: _file_sha256(tokenizer_folder / name)
+        name: file_sha256(tokenizer_folder / name)
         for name in TOKENIZER_DEFINITION
         if (tokenizer_folder / name).is_file()
     }
@@ -136,7 +128,7 @@ class TokenStore:
         if i not in self._maps:
             name, n, digest = self.shards[i]
             path = self.folder / name
-            if _file_sha256(path) != digest:
+            if file_sha256(path) != digest:
                 raise Mha2GqaError(
                     f"token cache {path}: its checksum does not match the manifest (damaged or changed); remove "
                     f"{self.folder} and run again to rebuild it"
