@@ -50,7 +50,7 @@ from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.convert.tensor_plan import attention_names
-from mha2gqa.core.conversion_record import RELATIVE_ERROR, Refit, RefitLayer
+from mha2gqa.core.conversion_record import LOUD_SCALED_ERROR, Refit, RefitLayer
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
@@ -207,8 +207,8 @@ def fit_layer(
     windows a step (``per_call`` windows per forward), early stopped on the held-out windows
     (:func:`split_windows`): a check that does not lower the best held-out error by
     :data:`MIN_GAIN` of it counts towards :data:`PATIENCE`, and the fit stops there once half its
-    steps are done. Returns the best values, or ``start``
-    itself when no check lowered the held-out error (``kept``)."""
+    steps are done. Returns the best values, or ``start`` itself when no check lowered the held-out
+    error (``kept``)."""
     fitted, held = split_windows(windows)
 
     def error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -479,6 +479,6 @@ def refit(
         params=list(roles),
         seed=s.seed,
         layers=records,
-        error=RELATIVE_ERROR,
+        error=LOUD_SCALED_ERROR,
     )
     return [by_name[t.name] for t in tensors], record

@@ -53,10 +53,10 @@ class Allocation:
     costs: dict[str, dict[str, float]]
 
 
-#: :attr:`Refit.error` of records written before the error was relative (their default)
+#: :attr:`Refit.error` of records written before loud dimensions were scaled (their default)
 ABSOLUTE_ERROR = "mean squared error"
 #: :attr:`Refit.error` now: squared error over max(the dimension's mean square, the average one)
-RELATIVE_ERROR = "mean squared error, each hidden dimension louder than average relative to its size"
+LOUD_SCALED_ERROR = "mean squared error, each hidden dimension louder than average relative to its size"
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,10 @@ def test_fit_layer_keeps_the_best_held_out_values_and_stops_when_they_stop_falli
     worse = fit_layer(forward, start, ["w"], held_out_wants_half, 8, steps=50, lr=0.05, batch=4, seed=0)
     assert worse.kept and worse.values is start and worse.steps == 25 and worse.loss_after == worse.loss_before
     assert fit_layer(forward, start, [], targets, 8, steps=50, lr=0.05, batch=4, seed=0).steps == 0
+    # a fit that still gains, but by less than MIN_GAIN a check, stops at half its steps and keeps
+    # its best values (not its start)
+    crawl = fit_layer(forward, start, ["w"], targets, 8, steps=50, lr=1e-5, batch=4, seed=0)
+    assert not crawl.kept and crawl.steps == 25 and crawl.loss_after < crawl.loss_before
 
 
 def _reference(src, plain, calib_text, steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
