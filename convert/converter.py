@@ -64,7 +64,7 @@ class ConversionResult:
         )
         return (
             f"{self.record.family}: KV heads {f.num_kv_heads_before} -> {after} "
-            f"({f.num_heads} query heads, {f.num_layers} layers, method {f.method}); "
+            f"({f.num_heads} query heads, {f.num_layers} layers, {f.recipe}); "
             f"KV cache {f.kv_cache_bytes_per_token_before:,} -> {f.kv_cache_bytes_per_token_after:,} "
             f"bytes/token ({f.kv_cache_dtype}); wrote {out.total_size / 2**20:,.1f} MiB in "
             f"{len(out.files)} shard(s) to {self.output} in {self.seconds:.1f} s"

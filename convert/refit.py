@@ -356,10 +356,10 @@ def refit(
     one file per layer) and the :class:`Refit` record."""
     from accelerate.utils import set_module_tensor_to_device
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
 
     from mha2gqa.core.capture import decoder_layers
     from mha2gqa.core.models import resolve_device
+    from mha2gqa.core.progress import bar as progress_bar
 
     s, dims = c.settings, c.dims
     map_large_allocations()
@@ -389,7 +389,9 @@ def refit(
     layers, attr = decoder_layers(model)
     roles = s.refit_roles()
     records: list[RefitLayer] = []
-    bar = tqdm(total=len(layers), unit="layer", desc=f"refitting on {ids.numel():,} tokens", disable=not s.progress)
+    bar = progress_bar(
+        total=len(layers), unit="layer", desc=f"refitting on {ids.numel():,} tokens", disable=not s.progress
+    )
     with bar:
         for i, layer in enumerate(layers):
             prefix = f"{model.base_model_prefix}.{attr}.{i}."

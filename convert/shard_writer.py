@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError, disk_full
+from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.safetensors_io import TensorInfo, copy_range
 from mha2gqa.core.signals import check as check_signals
+from mha2gqa.core.units import format_bytes
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -109,7 +110,7 @@ def write_checkpoint(
     by_name = {t.name: t for t in tensors}
     total = sum(t.nbytes for t in tensors)
     weight_map: dict[str, str] = {}
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", disable=not progress)
+    bar = progress_bar(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", disable=not progress)
     try:
         for filename, names in shards.items():
             path = folder / filename
@@ -130,7 +131,7 @@ def write_checkpoint(
                 os.close(fd)
     except OSError as e:
         if disk_full(e):
-            need = tqdm.format_sizeof(total, "B", 1024)
+            need = format_bytes(total)
             raise Mha2GqaError(
                 f"disk full while writing {folder.parent}: the output needs {need}; free space or choose another DST"
             ) from None

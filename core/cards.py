@@ -97,6 +97,7 @@ def model_card(record: ConversionRecord) -> str:
     rows = [
         ("source", f"`{base}`" + (f" @ `{src.revision}`" if src.revision else "")),
         ("family", record.family),
+        ("recipe", f"`{conv.recipe}`"),
         ("method", f"`{conv.method}`"),
         ("grouping", f"`{conv.grouping}`"),
         ("query heads", conv.num_heads),

@@ -20,6 +20,10 @@ from mha2gqa.core.records import CONVERSION_RECORD
 CONVERSION_SCHEMA = "mha2gqa.conversion/1"
 
 
+#: Per-layer counts a recipe name lists one by one (more: their average).
+RECIPE_LAYERS = 8
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What a calibrated method read (``data`` None: from the weights alone)."""
@@ -128,6 +132,21 @@ class Facts:
     def changed(self) -> bool:
         """Some layer's KV-head count changed (otherwise every tensor is a copy)."""
         return self.num_kv_heads_after != self.num_kv_heads_before or bool(self.num_kv_heads_per_layer)
+
+    @property
+    def recipe(self) -> str:
+        """The conversion named in full, the one name every table, report, card and summary shows:
+        the method, ``/similarity`` grouping, ``/per-layer(...)`` counts (``auto``: allocated from
+        calibration; more than :data:`RECIPE_LAYERS` layers: their average), ``+refit``; e.g.
+        ``svd+refit``, ``svd/per-layer(4,1,2)+refit``, ``svd/per-layer(auto, avg 2)``."""
+        name = self.method + ("" if self.grouping == "contiguous" else f"/{self.grouping}")
+        counts = self.num_kv_heads_per_layer
+        if counts:
+            shown = (
+                ",".join(map(str, counts)) if len(counts) <= RECIPE_LAYERS else f"avg {sum(counts) / len(counts):.3g}"
+            )
+            name += f"/per-layer({'auto, ' if self.per_layer_allocation else ''}{shown})"
+        return name + ("+refit" if self.refit is not None else "")
 
     @property
     def kv_heads_after(self) -> str:

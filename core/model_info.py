@@ -41,13 +41,15 @@ class ModelInfo:
             self.kv_cache_bytes_per_token = dims.kv_cache_bytes_per_token(None, by_name(self.dtype).bytes)
 
     @property
-    def method(self) -> str:
-        """The conversion method, ``+uptrain`` when the model was uptrained after it."""
-        method = self.conversion.method if self.conversion else ""
-        return f"{method}+uptrain" if method and self.uptrained else method
+    def recipe(self) -> str:
+        """The conversion's recipe (:attr:`Facts.recipe`), ``+uptrain`` when the model was uptrained
+        after it; empty for a model that was not converted."""
+        recipe = self.conversion.recipe if self.conversion else ""
+        return f"{recipe}+uptrain" if recipe and self.uptrained else recipe
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         if self.conversion is not None:
             data["conversion"] = self.conversion.to_dict()
+            data["recipe"] = self.recipe  # for readers of the JSON; recomputed from the record when read
         return {k: v for k, v in data.items() if not (k in _OPTIONAL and v is None)}

@@ -73,6 +73,9 @@ def check_gates(results: Results, limits: GateSettings) -> list[Gate]:
         return gates
     if results.converted is None:
         raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
+    if results.invalid_because is not None:  # no figure of an invalid comparison may pass a gate
+        o = results.data["calibration_overlap"]
+        gates.append(Gate(f"{o.get('use', 'calibration')}_text_overlap", float(o.get("share", 1.0)), 0.0, "<="))
     if limits.max_ppl_ratio is not None:
         for name, p in results.protocols.items():
             gates.append(Gate(f"ppl_ratio[{name}]", p.ppl_ratio, limits.max_ppl_ratio, "<="))

@@ -45,10 +45,10 @@ class Outcome:
         return [line for line in (self.gates_line, self.verdict_line) if line]
 
     def exit_code(self, strict: bool = False) -> int:
-        """Non-zero (:data:`GATE_EXIT_CODE`) when a gate failed, or with ``strict`` when the verdict
-        is not ``pass``."""
+        """Non-zero (:data:`GATE_EXIT_CODE`) when a gate failed (a verdict that is not valid fails the
+        gates), or with ``strict`` when the verdict is not a valid ``pass``."""
         verdict = self.results.verdict
-        failed = not self.passed or (strict and verdict is not None and verdict.tier != "pass")
+        failed = not self.passed or (strict and verdict is not None and not verdict.passed)
         return GATE_EXIT_CODE if failed else 0
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
+from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.metrics import kl_divergence
 
@@ -227,7 +227,7 @@ def score_windows(
     tokens = 0
     agree = AgreementSums() if pair else None
     total = sum(int((t != IGNORE).sum()) for _, t in windows)
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress)
+    bar = progress_bar(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress)
     for index, batch in enumerate(_batches(windows, batch_size)):
         check_signals()
         inputs = torch.stack([w[0] for w in batch])

@@ -35,7 +35,7 @@ from mha2gqa.eval.tables import (
     verdict_cell,
     worst,
 )
-from mha2gqa.eval.verdict import SOURCE, THRESHOLDS, TIERS
+from mha2gqa.eval.verdict import SHOWN, SOURCE, THRESHOLDS
 
 
 def load_results(paths: list[Path]) -> list[Results]:
@@ -90,7 +90,7 @@ def quality_chart(results: list[Results]) -> bytes | None:
     """Perplexity ratio against KV share, one line per method (pairs only)."""
     points = [
         (
-            r.converted.method,
+            r.converted.recipe,
             r.converted.kv_cache_bytes_per_token / r.original.kv_cache_bytes_per_token,
             r.headline.ppl_ratio,
         )
@@ -106,10 +106,12 @@ color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:2px solid #0072B
 table{border-collapse:collapse;margin:.6em 0;font-size:.92em}
 th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}th{background:#eef4fa}
 td:first-child,th:first-child{text-align:left}img{max-width:100%;margin:.4em 0;border:1px solid #eee}
-.meta{color:#555;font-size:.9em}.fail{color:#D55E00;font-weight:bold}.pass{color:#009E73;font-weight:bold}
-.borderline{color:#A66F00;font-weight:bold}
-.verdict{padding:.6em 1em;border-radius:6px;font-weight:bold;margin:1em 0}.verdict.pass{background:#e3f5ee}
-.verdict.fail{background:#fbe9e1}.verdict.borderline{background:#fdf3d7}
+.meta{color:#555;font-size:.9em}.pass{color:#0B6E2E;font-weight:bold}.borderline{color:#7A5A00;font-weight:bold}
+.fail{color:#A3142E;font-weight:bold}.not-valid{color:#333;font-weight:bold}
+.verdict{padding:.6em 1em;border-radius:6px;font-weight:bold;margin:1em 0;border-left:8px solid}
+.verdict.pass{background:#DDF2E3;border-color:#117733}.verdict.borderline{background:#FFF1C7;border-color:#DDAA33}
+.verdict.fail{background:#F9DDE3;border-color:#BB2244}.verdict.not-valid{background:#E6E6E6;border-color:#555;
+border-left-style:dashed}
 .wide{overflow-x:auto}details{border:1px solid #ddd;border-radius:6px;padding:.3em .8em;margin:.8em 0}
 summary{cursor:pointer;font-size:1.15em;font-weight:600;padding:.3em 0}nav a{margin-right:1em}ul.worst{font-size:.92em}
 """
@@ -216,6 +218,11 @@ def _figure(
         parts_md += [f"![{caption}]({fig_dir.name}/{stem}.png)", ""]
 
 
+def _css(shown: str) -> str:
+    """The CSS class of a verdict as shown (``not valid`` -> ``not-valid``)."""
+    return shown.replace(" ", "-")
+
+
 def _verdict(results: list[Results]) -> list[tuple[str, str]]:
     """The first lines of the report, ``(css class, sentence)``: the verdict over every comparison
     (one: its sentence; several: how many in each tier and the worst), then the gates' result."""
@@ -223,13 +230,15 @@ def _verdict(results: list[Results]) -> list[tuple[str, str]]:
     judged = [(r, v) for r in results if (v := r.judge()) is not None]
     if len(judged) == 1:
         sentence = judged[0][1].sentence()
-        lines.append((judged[0][1].tier, sentence[0].upper() + sentence[1:]))
+        lines.append((_css(judged[0][1].shown), sentence[0].upper() + sentence[1:]))
     elif judged:
-        counts = Counter(v.tier for _, v in judged)
-        worst_tier = max(counts, key=TIERS.index)
-        tally = ", ".join(f"{counts[t]} {t}" for t in TIERS if counts[t])
-        best = min(judged, key=lambda rv: (TIERS.index(rv[1].tier), rv[0].headline.ppl_ratio or 1))[0]
-        lines.append((worst_tier, f"Verdicts: {tally} (worst: {worst_tier}; best: {best.title}, {verdict_cell(best)})"))
+        counts = Counter(v.shown for _, v in judged)
+        worst_tier = max(counts, key=SHOWN.index)
+        tally = ", ".join(f"{counts[t]} {t}" for t in SHOWN if counts[t])
+        best = min(judged, key=lambda rv: (SHOWN.index(rv[1].shown), rv[0].headline.ppl_ratio or 1))[0]
+        lines.append(
+            (_css(worst_tier), f"Verdicts: {tally} (worst: {worst_tier}; best: {best.title}, {verdict_cell(best)})")
+        )
     gated = [r for r in results if r.gates]
     if gated:
         failed = [f"{r.title} ({gate_cell(r).removeprefix('FAIL: ')})" for r in gated if not r.gates["passed"]]

@@ -161,14 +161,29 @@ class Results:
 
     def judge(self) -> Verdict | None:
         """The recorded verdict, else one judged from the numbers (results written before verdicts
-        existed); None for a model evaluated alone."""
+        existed); None for a model evaluated alone. Not valid (:attr:`invalid_because`) when the
+        evaluation text overlaps what the conversion read, unless the run allowed it."""
         if self.verdict is not None:
-            return self.verdict
+            return self.verdict.judged_invalid(self.invalid_because)
         if self.converted is None or self.agreement is None:
             return None
         ratios = {n: p.ppl_ratio for n, p in self.protocols.items()}
         values = figures_of(ratios, self.agreement.kl["mean"], self.agreement.top1_agreement)
-        return judge(values, self.placement())
+        verdict = judge(values, self.placement())
+        return verdict.judged_invalid(self.invalid_because) if verdict is not None else None
+
+    @property
+    def invalid_because(self) -> str | None:
+        """Why this comparison's figures do not measure the conversion (None: they do): the evaluation
+        text is, or overlaps, its calibration or refit text and the run did not pass
+        ``--allow-overlap``."""
+        o = self.data.get("calibration_overlap")
+        if not isinstance(o, dict) or not o.get("flagged") or self.settings.get("allow_overlap"):
+            return None
+        use = o.get("use", "calibration")
+        if o.get("same"):
+            return f"evaluated on the conversion's {use} text"
+        return f"the evaluation text shares {float(o.get('share', 0)):.1%} of its lines with the {use} text"
 
     @property
     def overlap_warning(self) -> str | None:

@@ -109,6 +109,11 @@ class EvalSettings:
         None, help="The first N documents of each task (a quick look, not a release figure).", minimum=1
     )
     include_path: str | None = setting(None, help="A folder of extra task YAML files (local tasks, local data).")
+    allow_overlap: bool = setting(
+        False,
+        help="Judge the verdict even when the evaluation text is (or overlaps) the text the conversion was "
+        "calibrated or refitted on; otherwise such a verdict is NOT VALID and fails --strict and gates.",
+    )
     revision: str | None = setting(None, help="Hub revision when a model is a hub id.")
     progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 

@@ -3,6 +3,7 @@ the terminal summary, the report (HTML and Markdown), the demo and job summaries
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,8 @@ def verdict_text(v: Verdict | None) -> str:
     """A verdict in a table cell (empty for none)."""
     if v is None:
         return ""
+    if v.invalid:
+        return f"NOT VALID ({v.invalid}): would be {verdict_text(replace(v, invalid=None))}"
     if v.tier == "pass":
         return "pass"
     name = v.decided_by.replace("ppl_ratio", "ratio").replace("kl_mean", "KL").replace("top1_agreement", "top-1")
@@ -295,7 +298,7 @@ def overview_table(results: list[Results], runs: list[tuple[str, list[dict[str, 
         saving = f" ({1 - kv / r.original.kv_cache_bytes_per_token:.1%})" if conv else ""
         t.add(
             Path(conv.path).name if short and conv else r.title,
-            conv.method if conv else "",
+            conv.recipe if conv else "",
             kv_heads(conv) if conv else "",
             calibration(conv),
             f"{p.original.ppl:.3f}" + (f" → {p.converted.ppl:.3f}" if p.converted else ""),

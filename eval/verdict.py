@@ -12,13 +12,17 @@ still decide the exit code.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from mha2gqa.core import typed
 
 #: The tiers, best first.
 TIERS = ("pass", "borderline", "fail")
+#: How a verdict whose measurement is not valid reads (and is tallied), instead of its tier.
+NOT_VALID = "not valid"
+#: Every verdict a reader sees, best first (not valid: worse than any measured tier).
+SHOWN = (*TIERS, NOT_VALID)
 #: Where the thresholds are explained.
 SOURCE = "docs/evaluation.md#what-a-good-result-looks-like"
 
@@ -85,12 +89,30 @@ class Verdict:
     thresholds: dict[str, dict[str, Any]]
     yardstick: str | None = None  # where the conversion sits among weight quantizations
     source: str = SOURCE
+    #: why the figures do not measure the conversion (e.g. evaluated on its calibration text); None: valid
+    invalid: str | None = None
+
+    @property
+    def shown(self) -> str:
+        """The tier, or :data:`NOT_VALID`: what the verdict says (and tallies as) to a reader."""
+        return NOT_VALID if self.invalid else self.tier
+
+    @property
+    def passed(self) -> bool:
+        """A valid pass."""
+        return self.invalid is None and self.tier == "pass"
 
     def sentence(self) -> str:
-        """``verdict: BORDERLINE (ppl_ratio[disjoint] 1.12: pass <= 1.05, borderline <= 1.2) ...``"""
+        """``verdict: BORDERLINE (ppl_ratio[disjoint] 1.12: pass <= 1.05, borderline <= 1.2) ...``; not
+        valid: ``verdict: NOT VALID (evaluated on the calibration text ...) - would be PASS (...)``."""
         decided = next(f for f in self.figures if f.name == self.decided_by)
-        text = f"verdict: {self.tier.upper()} ({decided.name} {decided.value:.4g}: {decided.limit})"
-        return text + (f"; {self.yardstick}" if self.yardstick else "")
+        text = f"{self.tier.upper()} ({decided.name} {decided.value:.4g}: {decided.limit})"
+        text += f"; {self.yardstick}" if self.yardstick else ""
+        return f"verdict: NOT VALID ({self.invalid}) - would be {text}" if self.invalid else f"verdict: {text}"
+
+    def judged_invalid(self, why: str | None) -> Verdict:
+        """This verdict, marked not valid for ``why`` (itself when ``why`` is None or it already is)."""
+        return self if why is None or self.invalid else replace(self, invalid=why)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -42,9 +42,11 @@ from mha2gqa.uptrain.settings import UptrainSettings
 @click.option("--debug", is_flag=True, help="Show the traceback of an error (for bug reports).")
 def main(debug: bool) -> None:
     """Convert multi-head-attention checkpoints to grouped-query attention, and measure the cost."""
+    from mha2gqa.core.progress import quiet_library_bars
     from mha2gqa.core.signals import install
 
     click.get_current_context().call_on_close(install())
+    quiet_library_bars()  # in a log, the libraries' bars are only redraws
     if debug:
         os.environ[DEBUG_ENV] = "1"
 
@@ -63,18 +65,15 @@ def convert(src: str, dst: Path, quiet: bool, **options: Any) -> None:
     conversion = prepare(src, dst, ConvertSettings(**options, progress=not quiet))  # before torch loads
     from mha2gqa.convert.converter import run as run_conversion
 
-    result = run_conversion(conversion)
-    if not quiet:
-        click.echo(result.summary())
+    click.echo(run_conversion(conversion).summary())
 
 
-def _run_and_print(job, output_dir: Path | None, quiet: bool) -> None:
+def _run_and_print(job, output_dir: Path | None, quiet: bool, overwrite: bool) -> None:
     from mha2gqa.eval.tables import sweep_table
     from mha2gqa.jobs import run_job
 
-    result = run_job(job, output_dir, log=(lambda m: None) if quiet else click.echo, progress=False)
-    if quiet:
-        return
+    log = (lambda m: None) if quiet else click.echo
+    result = run_job(job, output_dir, log=log, progress=False, overwrite=overwrite)
     echo_all(sweep_table(result.rows).text())
     click.echo(f"results: {result.output_dir / 'results'}")
     if result.report:
@@ -91,15 +90,16 @@ def _run_and_print(job, output_dir: Path | None, quiet: bool) -> None:
     "output_dir",
     folder=True,
 )
-@click.option("-q", "--quiet", is_flag=True, help="No summary.")
+@overwrite_option
+@quiet_option
 @threads_option
 @user_errors
-def run_cmd(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
+def run_cmd(job_file: Path, output_dir: Path | None, overwrite: bool, quiet: bool) -> None:
     """Run a job file: convert a model to every KV-head count and method it lists, evaluate each
     against the original, render one report and check the gates (exit 3 if one fails)."""
     from mha2gqa.jobs import load_job
 
-    _run_and_print(load_job(job_file), output_dir, quiet)
+    _run_and_print(load_job(job_file), output_dir, quiet, overwrite)
 
 
 @main.command()
@@ -107,9 +107,10 @@ def run_cmd(job_file: Path, output_dir: Path | None, quiet: bool) -> None:
 @output_option(
     "Where models, results and the report go [default: the cache].", "--output-dir", "output_dir", folder=True
 )
+@overwrite_option
 @threads_option
 @user_errors
-def demo(output_dir: Path | None, **options: Any) -> None:
+def demo(output_dir: Path | None, overwrite: bool, **options: Any) -> None:
     """The whole pipeline offline: train (once, cached) a small MHA Llama (or GPT-NeoX) on CPython's
     docs, convert it to fewer KV heads, evaluate, and write an HTML report."""
     request = DemoRequest(**options)
@@ -118,7 +119,8 @@ def demo(output_dir: Path | None, **options: Any) -> None:
         from mha2gqa.demo import demo_model
 
         demo_model(job.demo, rebuild=True, log=click.echo)
-    _run_and_print(job, output_dir, quiet=False)
+    # its default folder, in the cache, is the demo's own: each demo replaces the last
+    _run_and_print(job, output_dir, quiet=False, overwrite=overwrite or (output_dir or job.output_dir) is None)
 
 
 @main.command(name="eval")
@@ -162,12 +164,11 @@ def eval_cmd(
     outcome = request.run(log=None if quiet else lambda m: click.echo(m, err=True))
     if outcome is None:  # not the main process
         return
-    if not quiet:
-        from mha2gqa.eval.summary import summary_lines
+    from mha2gqa.eval.summary import summary_lines
 
-        echo_all(summary_lines(outcome.results))
-        if output is not None:
-            click.echo(f"results: {output}")
+    echo_all(summary_lines(outcome.results))
+    if output is not None:
+        click.echo(f"results: {output}")
     echo_all(outcome.lines())
     if code := outcome.exit_code(strict):
         sys.exit(code)
@@ -187,7 +188,7 @@ def uptrain_cmd(converted: str, quiet: bool, **options: Any) -> None:
     from mha2gqa.uptrain import uptrain as run_uptrain
 
     result = run_uptrain(converted, settings, log=(lambda m: None) if quiet else click.echo)
-    if not quiet and is_main_process():
+    if is_main_process():
         click.echo(result.summary())
 
 

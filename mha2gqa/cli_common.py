@@ -73,7 +73,9 @@ def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return option(wrapper)
 
 
-quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary.")
+quiet_option = click.option(
+    "-q", "--quiet", is_flag=True, help="No progress bars or log lines; the results and the verdict still print."
+)
 overwrite_option = click.option(
     "--overwrite", is_flag=True, help="Replace an existing output file (only one mha2gqa wrote)."
 )

@@ -316,10 +316,10 @@ def _check_heads(job: Job, source: str) -> None:
             raise Mha2GqaError(e.render(f"convert.{e.setting}")) from None
 
 
-def _claim_run_folder(out: Path, job: Job, source: str) -> Path:
+def _claim_run_folder(out: Path, job: Job, source: str, overwrite: bool) -> Path:
     """The job's output folder, owned by this run: a previous run's folder (ours) is replaced
-    wholly, in one exchange, so results of two runs never mix; a folder we did not write, or one
-    holding an input, is refused."""
+    wholly, in one exchange, so results of two runs never mix, and only with ``overwrite``; a folder
+    we did not write, or one holding an input, is refused."""
     import json
 
     from mha2gqa.core.output import check_destination, staged_output
@@ -331,18 +331,23 @@ def _claim_run_folder(out: Path, job: Job, source: str) -> Path:
         "the calibration text": job.convert.get("calibration"),
         "the uptraining data": job.uptrain.get("data"),
     }
-    out = check_destination(out, True, inputs, "--output-dir")
+    out = check_destination(out, overwrite, inputs, "--output-dir")
     with staged_output(out, overwrite=True, inputs=inputs, what="--output-dir") as tmp:
         (tmp / RUN_RECORD).write_text(json.dumps({"job": job.name, "source": source, "created": now()}) + "\n")
     return out
 
 
 def run_job(
-    job: Job, output_dir: Path | None = None, log: Callable[[str], None] = print, progress: bool = False
+    job: Job,
+    output_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+    progress: bool = False,
+    overwrite: bool = False,
 ) -> RunResult:
-    """Convert, evaluate, report and gate as the job says; returns where everything went."""
+    """Convert, evaluate, report and gate as the job says; returns where everything went. An earlier
+    run's folder is replaced only with ``overwrite``."""
     with _quiet_bars(not progress):
-        return _run_job(job, output_dir, log, progress)
+        return _run_job(job, output_dir, log, progress, overwrite)
 
 
 @contextlib.contextmanager
@@ -361,7 +366,9 @@ def _quiet_bars(quiet: bool):
             hf_logging.enable_progress_bar()
 
 
-def _run_job(job: Job, output_dir: Path | None, log: Callable[[str], None], progress: bool) -> RunResult:
+def _run_job(
+    job: Job, output_dir: Path | None, log: Callable[[str], None], progress: bool, overwrite: bool
+) -> RunResult:
     from mha2gqa.convert.converter import run as run_conversion
     from mha2gqa.convert.prepare import prepare
     from mha2gqa.eval.report import load_results, load_runs, render
@@ -369,7 +376,7 @@ def _run_job(job: Job, output_dir: Path | None, log: Callable[[str], None], prog
 
     source, default_out = _source(job, log)
     _check_heads(job, source)
-    out = _claim_run_folder(Path(output_dir or job.output_dir or default_out), job, source)
+    out = _claim_run_folder(Path(output_dir or job.output_dir or default_out), job, source, overwrite)
     # Every stage is scored against one cached copy of the source's scores (one model in memory).
     cache = job.eval.reference_cache or str(out / ".reference")
     settings = dataclasses.replace(
@@ -445,7 +452,7 @@ def _evaluate_stage(
     p = typed.headline
     row = {
         "tag": tag,
-        "method": label,
+        "method": typed.converted.recipe or label,
         "num_kv_heads": heads_tag(g, ","),
         "original_ppl": p.original.ppl,
         "converted_ppl": p.converted.ppl,

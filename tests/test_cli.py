@@ -15,11 +15,11 @@ def test_convert_prints_one_summary_line(tiny_checkpoint, tmp_path):
     assert "KV heads 4 -> 2" in summary[0] and "KV cache 512 -> 256 bytes/token (F32)" in summary[0]
 
 
-def test_quiet_prints_nothing(tiny_checkpoint, tmp_path):
+def test_quiet_prints_the_result_only(tiny_checkpoint, tmp_path):
     result = CliRunner().invoke(
         main, ["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "-g", "1", "-q"]
     )
-    assert result.exit_code == 0 and result.output == ""
+    assert result.exit_code == 0 and len(result.output.splitlines()) == 1 and "KV heads 4 -> 1" in result.output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_key_value_heads"] == 1
 
 
@@ -52,7 +52,7 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
     assert "## Uptraining recovery" in (tmp_path / "run" / "report.md").read_text()
     folder = next(tmp_path.glob("demo-*"))
     assert (folder / "mha" / "model.safetensors").is_file() and (folder / "heldout-unseen.txt").is_file()
-    again = CliRunner().invoke(main, args)
+    again = CliRunner().invoke(main, [*args, "--overwrite"])  # its own earlier run: replaced when asked
     assert again.exit_code == 0 and "training the demo" not in again.output  # cached
 
 
@@ -204,20 +204,24 @@ def test_library_errors_name_the_setting_and_the_cli_its_flag(tiny_checkpoint, t
 
 
 def test_a_job_rerun_replaces_its_previous_run_wholly(tmp_path, monkeypatch):
-    """A re-run with other settings never leaves the previous run's results beside the new ones."""
+    """A re-run needs --overwrite, and with other settings never leaves the previous run's results
+    beside the new ones."""
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
     out = tmp_path / "run"
     base = ["demo", "--steps", "3", "--uptrain-steps", "0", "--output-dir", str(out)]
     assert CliRunner().invoke(main, [*base, "-g", "2", "--method", "mean"]).exit_code == 0
     assert (out / "results" / "mean-g2.json").is_file()
-    assert CliRunner().invoke(main, [*base, "-g", "4", "--method", "first"]).exit_code == 0
+    again = CliRunner().invoke(main, [*base, "-g", "4", "--method", "first"])  # careful as convert: refused ...
+    assert again.exit_code == 1 and "exists and is not empty: pass --overwrite" in again.output
+    assert sorted(p.name for p in (out / "results").iterdir()) == ["mean-g2.json"]
+    assert CliRunner().invoke(main, [*base, "-g", "4", "--method", "first", "--overwrite"]).exit_code == 0
     assert sorted(p.name for p in (out / "results").iterdir()) == ["first-g4.json"]
     assert sorted(p.name for p in (out / "models").iterdir()) == ["first-g4"]
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
     result = CliRunner().invoke(
-        main, ["demo", "--steps", "3", "--uptrain-steps", "0", "-g", "2", "--output-dir", str(foreign)]
+        main, ["demo", "--steps", "3", "--uptrain-steps", "0", "-g", "2", "--output-dir", str(foreign), "--overwrite"]
     )
     assert result.exit_code == 1 and "was not written by mha2gqa" in result.output
     assert (foreign / "notes.txt").read_text() == "keep"

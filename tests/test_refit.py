@@ -72,6 +72,7 @@ def test_refit_lowers_every_layers_held_out_error_and_the_output_error(calib_tex
     assert record["refit"]["params"] == ["q", "k", "v", "o"] and record["rewrites"] == ["q", "k", "v", "o"]
     card = (out.output / "README.md").read_text()
     assert "refitted on 1,024 tokens" in card and "layer 1:" in card
+    assert "| recipe | `mean+refit` |" in card and "mean+refit" in out.summary()  # named as refitted
     assert not list(out.output.glob(".mha2gqa-refit*")) and not list(tmp_path.glob(".refit*"))
 
 
@@ -219,6 +220,7 @@ def test_a_per_layer_conversion_refits_only_its_changed_layers_and_loads_with_it
     src = source("llama", calib_text, tmp_path / "src", num_hidden_layers=3)
     out = convert_checkpoint(src, tmp_path / "out", None, **refit(calib_text, num_kv_heads_per_layer="4,2,1"))
     assert [r.layer for r in out.facts.refit.layers] == [1, 2]
+    assert out.facts.recipe == "mean/per-layer(4,2,1)+refit"
     model = AutoModelForCausalLM.from_pretrained(out.output, trust_remote_code=True, dtype=torch.float32).eval()
     assert torch.isfinite(logits(model, IDS)).all()
     a, b = read_all(src), read_all(out.output)

@@ -206,10 +206,28 @@ def test_eval_on_the_calibration_text_is_flagged(pair, tmp_path):
     out = tmp_path / "r.json"
     res = CliRunner().invoke(main, eval_argv(src, conv, text, "64", "1200", "--output", str(out), "--no-attention"))
     assert res.exit_code == 0 and "warning: the evaluation text is the same text as" in res.output
-    overlap = json.loads(out.read_text())["data"]["calibration_overlap"]
+    record = json.loads(out.read_text())
+    overlap = record["data"]["calibration_overlap"]
     assert overlap["same"] and overlap["flagged"] and overlap["use"] == "calibration"
+    # the last line itself says the verdict is not valid, and what it would have been
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("verdict: NOT VALID (evaluated on the conversion's calibration text) - would be ")
+    assert record["verdict"]["invalid"] == "evaluated on the conversion's calibration text"
     page = render([Results.load(out)], tmp_path / "r.html")["html"].read_text()
     assert "Warning," in page and "calibration text" in page
+    assert 'class="verdict not-valid"' in page and "Verdict: NOT VALID" in page
+    # --strict and any gate fail on it; --allow-overlap judges it as measured
+    base = eval_argv(src, conv, text, "64", "1200", "--no-attention", "-q")
+    assert CliRunner().invoke(main, [*base, "--strict"]).exit_code == 3
+    gated = CliRunner().invoke(main, [*base, "--max-ppl-ratio", "100"])
+    assert gated.exit_code == 3 and "GATES FAILED: calibration_text_overlap 1 > 0" in gated.output
+    allowed = CliRunner().invoke(main, [*base, "--max-ppl-ratio", "100", "--allow-overlap"])
+    assert allowed.exit_code == 0 and "gates passed" in allowed.output and "NOT VALID" not in allowed.output
+    # a results file written before verdicts could be invalid: read now, it is not valid either
+    del record["verdict"]["invalid"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(record))
+    assert Results.load(old).judge().sentence().startswith("verdict: NOT VALID")
     # a copy of part of it, with other text: the shared share is measured
     other = tmp_path / "o.txt"
     lines = [f"a different line number {i} about dogs and parks and rain, long enough" for i in range(300)]
@@ -220,12 +238,14 @@ def test_eval_on_the_calibration_text_is_flagged(pair, tmp_path):
     )
     shared = json.loads(part.read_text())["data"]["calibration_overlap"]
     assert not shared["same"] and shared["flagged"] and 0 < shared["share"] < 1
+    assert "of its lines with the calibration text" in Results.load(part).judge().invalid
     held = tmp_path / "h.txt"
     held.write_text("\n".join(lines))
     assert (
         CliRunner().invoke(main, eval_argv(src, conv, held, "64", "1200", "-q", "--output", str(part), "--overwrite"))
     ).exit_code == 0
     assert not json.loads(part.read_text())["data"]["calibration_overlap"]["flagged"]
+    assert Results.load(part).judge().invalid is None
 
 
 def test_calibration_for_a_method_that_ignores_it_is_refused(pair, tmp_path):

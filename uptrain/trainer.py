@@ -525,13 +525,13 @@ class _Trainer:
 
     def train(self) -> int:
         """The step loop from the start (or resume) step to the end or ``stop_after``; returns the last step."""
-        from tqdm.auto import tqdm
+        from mha2gqa.core.progress import bar as progress_bar
 
         s, plan = self.s, self.plan
         if self.start_step == 0:
             self.evaluate(0)
         stop = min(plan.total, self.start_step + s.stop_after) if s.stop_after else plan.total
-        bar = tqdm(
+        bar = progress_bar(
             total=plan.total,
             initial=self.start_step,
             unit="step",

@@ -203,12 +203,11 @@ def collect(
     (:meth:`LayerStats.compact`). ``on_layer(layer, full, run)`` sees each layer's statistics over
     all source heads as one group, and the layer itself with its inputs and outputs
     (:class:`LayerRun`), before they are cut (with ``groups=None``, nothing is kept)."""
-    from tqdm.auto import tqdm
-
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.capture import capturing, decoder_layers
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.models import resolve_device
+    from mha2gqa.core.progress import bar as progress_bar
 
     dev = resolve_device(device)
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
@@ -226,7 +225,7 @@ def collect(
     layers, attr = decoder_layers(model)
     prefix = f"{model.base_model_prefix}.{attr}."
     desc = f"calibrating {len(layers)} layers on {windows.numel():,} tokens"
-    bar = tqdm(total=len(layers) * len(states), unit="window", desc=desc, disable=not progress)
+    bar = progress_bar(total=len(layers) * len(states), unit="window", desc=desc, disable=not progress)
     recording = [True]  # off while a cost runs a layer again with merged weights
 
     def record(layer, q, k, v, *_):
