@@ -524,3 +524,21 @@ def test_stories260k_acceptance_300_steps(tmp_path):
         ratios[method] = {e["step"]: e["ppl_ratio"] for e in evals}
     assert ratios["svd"][300] <= 1.3 and ratios["mean"][300] <= 1.7
     assert ratios["svd"][50] <= ratios["mean"][300]
+
+
+def test_default_evaluation_is_scaled_to_the_run_and_an_expensive_one_is_said():
+    from mha2gqa.uptrain.eval_budget import EVAL_SHARE, MAX_EVAL_TOKENS, eval_budget, evaluations
+
+    assert evaluations(30, 3) == 11 and evaluations(30, 7) == 6  # step 0, every 7th, and the last
+    # 30 steps of 8 x 256 tokens with a live kd teacher: 61,440 x 4 = 245,760 units; 11 evaluations x 2 models
+    b = eval_budget(30, 2048, 3, 256, teacher_trains=True, teacher_scores=True, asked=None, available=10**6)
+    assert b.tokens == 2048 and b.count == 11  # 0.2 x 245,760 / 22 = 2,234.2 -> whole windows of 256
+    assert abs(b.share - 11 * 2048 * 2 / (11 * 2048 * 2 + 245_760)) < 1e-12 and b.share <= EVAL_SHARE
+    assert "2,048 tokens x 11 evaluations, about 15% of the run's compute (by default" in b.line(asked=False)
+    asked = eval_budget(30, 2048, 3, 256, teacher_trains=True, teacher_scores=True, asked=65536, available=10**6)
+    assert asked.tokens == 65536 and asked.share > 0.5 and "(--eval-tokens)" in asked.line(asked=True)
+    long = eval_budget(10**5, 2048, 10**4, 256, teacher_trains=False, teacher_scores=False, asked=None, available=10**6)
+    assert long.tokens == MAX_EVAL_TOKENS  # a long run's evaluations stop growing
+    short = eval_budget(1, 64, 1, 256, teacher_trains=False, teacher_scores=False, asked=None, available=10**6)
+    assert short.tokens == 256  # one window at least
+    assert eval_budget(30, 2048, 3, 256, False, False, None, available=700).tokens == 512  # what there is, whole

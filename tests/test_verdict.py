@@ -355,3 +355,34 @@ def test_a_stopped_uptraining_points_at_resume(pair, tmp_path, monkeypatch):
     assert res.exit_code == 128 + signal.SIGINT
     assert "stopped by SIGINT; the checkpoints written so far stay in" in res.output and "--resume" in res.output
     assert "nothing partial" not in res.output
+
+
+def test_an_evals_log_to_a_file_is_lines_not_redraws(pair, tmp_path):
+    """stderr and stdout to a file (a CI log): no carriage-return redraws, a few dozen lines at most."""
+    import subprocess
+    import sys
+
+    src, conv, text = pair
+    log = tmp_path / "eval.log"
+    argv = eval_argv(src, conv, text, "64", "4000", "--attention-windows", "2")
+    with open(log, "w") as f:
+        done = subprocess.run(
+            [sys.executable, "-c", "from mha2gqa.cli import main; main()", *argv], stdout=f, stderr=f, timeout=600
+        )
+    out = log.read_text()
+    assert done.returncode == 0 and "verdict:" in out.splitlines()[-1], out[-2000:]
+    assert "\r" not in out and len(out.splitlines()) <= 60, out
+
+
+def test_progress_off_a_terminal_is_a_line_every_few_seconds(monkeypatch):
+    import io
+
+    from mha2gqa.core import progress
+
+    stream = io.StringIO()  # not a terminal
+    monkeypatch.setattr(progress.sys, "stderr", stream)
+    with progress.bar(total=10_000, desc="scoring") as bar:
+        for _ in range(10_000):
+            bar.update(1)
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and 1 <= len(lines) <= 3 and "10000/10000" in lines[-1], lines

@@ -74,7 +74,12 @@ class UptrainSettings:
         None, help="Held-out text evaluated periodically (perplexity; KL with --teacher).", job=False
     )
     eval_every: int | None = setting(None, help="Steps between evaluations [default: a tenth of the run].", minimum=1)
-    eval_tokens: int | None = setting(65536, help="Held-out tokens per evaluation.", minimum=1)
+    eval_tokens: int | None = setting(
+        None,
+        help="Held-out tokens per evaluation [default: what keeps the evaluations near a fifth of the run's "
+        "compute, whole windows, at most 65,536].",
+        minimum=1,
+    )
     eval_seq_len: int | None = setting(None, help="Evaluation window [default: --seq-len].", minimum=2)
     eval_batch_size: int | None = setting(
         None, help="Windows per evaluation forward [default: the micro-batch].", minimum=1

@@ -39,6 +39,7 @@ from mha2gqa.uptrain.checkpoints import (
     skip_model_weights,
 )
 from mha2gqa.uptrain.data import WindowOrder
+from mha2gqa.uptrain.eval_budget import MAX_EVAL_TOKENS, WARN_SHARE, eval_budget
 from mha2gqa.uptrain.objectives import combined
 from mha2gqa.uptrain.params import adapters, apply_lora, lora_targets, param_groups, select_trainable
 from mha2gqa.uptrain.record import UptrainRecord
@@ -163,22 +164,38 @@ def _resolve(student: str, s: UptrainSettings, processes: int, log) -> _Resolved
             f"--data {s.data}: {store.total} tokens, too little text for one training window of {seq_len} tokens; "
             "give more text or a smaller --seq-len"
         )
-    eval_windows = []
-    if s.eval_data:
-        ids = _tokens(tokenizer, "eval_data", s, s.eval_tokens)
-        if ids.numel() < eval_seq_len:
-            raise Mha2GqaError(
-                f"--eval-data {s.eval_data}: {ids.numel()} tokens, fewer than one window of {eval_seq_len}; "
-                "give more text or a smaller --eval-seq-len"
-            )
-        eval_windows = disjoint_windows(ids, eval_seq_len)
     tokens_per_step = s.batch_size * seq_len
     total = s.max_steps or (math.ceil(s.max_tokens / tokens_per_step) if s.max_tokens else None)
     total = total or math.ceil(num_windows / s.batch_size)
     if s.warmup_steps >= total:
         raise SettingError("warmup_steps", f"{{name}} {s.warmup_steps} must be fewer than the run's {total} steps")
     eval_every = s.eval_every or max(1, total // 10)
-    run = {**asdict(s), "seq_len": seq_len, "max_steps": total, "max_tokens": None, "eval_seq_len": eval_seq_len}
+    eval_windows, eval_tokens = [], s.eval_tokens
+    if s.eval_data:
+        ids = _tokens(tokenizer, "eval_data", s, s.eval_tokens or MAX_EVAL_TOKENS)
+        if ids.numel() < eval_seq_len:
+            raise Mha2GqaError(
+                f"--eval-data {s.eval_data}: {ids.numel()} tokens, fewer than one window of {eval_seq_len}; "
+                "give more text or a smaller --eval-seq-len"
+            )
+        live_teacher = teacher_folder is not None and not s.teacher_top_k
+        budget = eval_budget(
+            total, tokens_per_step, eval_every, eval_seq_len,
+            teacher_trains=live_teacher and s.objective != "ce", teacher_scores=live_teacher,
+            asked=s.eval_tokens, available=ids.numel(),
+        )  # fmt: skip
+        if s.eval_tokens is None or budget.share > WARN_SHARE:
+            log(budget.line(asked=s.eval_tokens is not None))
+        eval_tokens = budget.tokens
+        eval_windows = disjoint_windows(ids[:eval_tokens], eval_seq_len)
+    run = {
+        **asdict(s),
+        "seq_len": seq_len,
+        "max_steps": total,
+        "max_tokens": None,
+        "eval_seq_len": eval_seq_len,
+        "eval_tokens": eval_tokens,
+    }
     return _Resolved(
         student_folder,
         teacher_folder,
