@@ -105,7 +105,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:11
 color:#222;line-height:1.45}h1{font-size:1.6em}h2{border-bottom:2px solid #0072B2;padding-bottom:.2em;margin-top:2em}
 table{border-collapse:collapse;margin:.6em 0;font-size:.92em}
 th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}th{background:#eef4fa}
-td:first-child,th:first-child{text-align:left}img{max-width:100%;margin:.4em 0;border:1px solid #eee}
+td:first-child,th:first-child,td.text,th.text{text-align:left}img{max-width:100%;margin:.4em 0;border:1px solid #eee}
 .meta{color:#555;font-size:.9em}.pass{color:#0B6E2E;font-weight:bold}.borderline{color:#7A5A00;font-weight:bold}
 .fail{color:#A3142E;font-weight:bold}.not-valid{color:#333;font-weight:bold}
 .verdict{padding:.6em 1em;border-radius:6px;font-weight:bold;margin:1em 0;border-left:8px solid}

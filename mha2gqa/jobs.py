@@ -44,6 +44,13 @@ from mha2gqa.eval.gates import GateSettings
 from mha2gqa.eval.settings import EvalSettings
 from mha2gqa.uptrain.settings import UptrainSettings
 
+#: A job's recipe refits after the merge when it ends so (``svd+refit``: ``--method svd --refit``).
+REFIT = "+refit"
+#: What a job's ``methods`` may list: every method, alone or refitted.
+RECIPES = (*METHODS, *(m + REFIT for m in METHODS))
+#: The recipe the README recommends (its "Which method to use"; shipped jobs of real models use it).
+RECOMMENDED = "svd" + REFIT
+
 _TOP = ("name", "source", "demo", "convert", "eval", "uptrain", "gates", "report", "output_dir")
 
 
@@ -53,7 +60,7 @@ class Job:
     source: str
     demo: DemoSettings
     num_kv_heads: tuple[int | tuple[int, ...], ...]  # a count for every layer, or each layer's own
-    methods: tuple[str, ...]
+    methods: tuple[str, ...]  # recipes: a method, or a method + REFIT
     convert: dict[str, Any] = field(default_factory=dict)  # further ConvertSettings fields
     eval: EvalSettings | None = None
     uptrain: dict[str, Any] = field(default_factory=dict)  # UptrainSettings fields ({}: no uptraining)
@@ -62,12 +69,15 @@ class Job:
     output_dir: Path | None = None
 
     def convert_settings(
-        self, num_kv_heads: int | tuple[int, ...], method: str, calibration: str | None = None
+        self, num_kv_heads: int | tuple[int, ...], recipe: str, calibration: str | None = None
     ) -> ConvertSettings:
-        """The settings of one conversion of the sweep (checked); the sweep's calibration text goes to
-        the methods that read it."""
+        """The settings of one conversion of the sweep (checked): ``recipe`` is a method, refitted
+        when it ends in :data:`REFIT`; the sweep's calibration text goes to the recipes that read it."""
         options = {**self.convert, **({"calibration": calibration} if calibration else {})}
+        if recipe.endswith(REFIT):
+            options["refit"] = True
         heads = heads_settings(num_kv_heads)
+        method = recipe.removesuffix(REFIT)
         settings = ConvertSettings(**heads, method=method, overwrite=True, progress=False, **options)
         if not settings.reads_calibration:
             settings = dataclasses.replace(settings, calibration=None)
@@ -119,7 +129,7 @@ def _sweep(conv: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...], dict
         "convert.methods",
         methods if isinstance(methods, list) else [methods],
         tuple[str, ...],
-        Spec("", choices=tuple(METHODS)),
+        Spec("", choices=RECIPES),
     )
     return heads, methods, conv
 
@@ -171,7 +181,7 @@ def _parse(path: Path, data: Any) -> Job:
         raise SettingError("source", "'{name}' is required (a folder, a hub id, or demo)")
     demo = from_mapping(DemoSettings, _section(data, "demo"), "demo")
     heads, methods, conv = _sweep(_section(data, "convert"))
-    fixed = {**heads_settings(heads[0]), "method": methods[0], "overwrite": True, "progress": False}
+    fixed = {**heads_settings(heads[0]), "method": methods[0].removesuffix(REFIT), "overwrite": True, "progress": False}
     from_mapping(ConvertSettings, _checkable(conv), "convert", fixed=fixed)  # keys and types
     ev = _section(data, "eval")
     if "data" not in ev:
@@ -235,7 +245,10 @@ class DemoRequest:
         None, help="KV-head counts (repeatable) [default: the job's].", short="-g", minimum=1
     )
     methods: tuple[str, ...] | None = setting(
-        None, help="Methods (repeatable) [default: the job's].", flag="--method", choices=tuple(METHODS)
+        None,
+        help="Recipes (repeatable): a method, or a method then +refit (svd+refit) [default: the job's].",
+        flag="--method",
+        choices=RECIPES,
     )
     steps: int | None = setting(None, help="Training steps of the demo model [default: the job's].", minimum=1)
     uptrain_steps: int | None = setting(
@@ -350,6 +363,20 @@ def run_job(
         return _run_job(job, output_dir, log, progress, overwrite)
 
 
+class _NotesOnce:
+    """A job's log that says each ``note:`` / ``warning:`` line once, however many stages repeat it."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log, self.seen = log, set()
+
+    def __call__(self, message: str, prefix: str = "") -> None:
+        if message.startswith(("note:", "warning:")):
+            if message in self.seen:
+                return
+            self.seen.add(message)
+        self.log(prefix + message)
+
+
 @contextlib.contextmanager
 def _quiet_bars(quiet: bool):
     """transformers' own progress bars (loading and writing shards) off while a job runs quietly: its
@@ -374,6 +401,7 @@ def _run_job(
     from mha2gqa.eval.report import load_results, load_runs, render
     from mha2gqa.uptrain import uptrain
 
+    log = _NotesOnce(log)  # a sweep repeats the same notes for every conversion: each is said once
     source, default_out = _source(job, log)
     _check_heads(job, source)
     out = _claim_run_folder(Path(output_dir or job.output_dir or default_out), job, source, overwrite)
@@ -408,7 +436,7 @@ def _run_job(
                         overwrite=True,
                         progress=progress,
                     ),
-                    log=lambda m, tag=tag: log(f"  {tag}: {m}"),
+                    log=lambda m, tag=tag: log(m, f"  {tag}: "),
                 )
                 log(f"uptrained {tag}: {result.summary()}")
                 stages.append((f"{tag}-uptrained", f"{method}+uptrain", up_dir))
@@ -447,7 +475,8 @@ def _evaluate_stage(
 
     log(f"evaluating {tag} against the original")
     path = out / "results" / f"{tag}.json"
-    outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run(log=lambda m: log(f"  {m}"))
+    say = log if isinstance(log, _NotesOnce) else _NotesOnce(log)
+    outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run(log=lambda m: say(m, "  "))
     typed = outcome.results
     p = typed.headline
     row = {

@@ -1,6 +1,7 @@
 """The command line: summary line, quiet mode, help, and the offline demo end to end."""
 
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -117,9 +118,32 @@ def test_every_shipped_job_file_loads(tmp_path):
         job = load_job(path)
         assert job.num_kv_heads and job.methods and job.eval.data
     demo = load_job(jobs["demo"])
-    assert demo.source == "demo" and demo.demo == DemoSettings() and demo.num_kv_heads == (4, 2, 1)
-    assert demo.methods == ("mean", "svd") and demo.convert["calibration"] == "demo-train"
+    assert demo.source == "demo" and demo.demo == DemoSettings() and demo.num_kv_heads == (4, 1)
+    assert demo.methods == ("mean", "svd", "svd+refit") and demo.convert["calibration"] == "demo-train"
     assert demo.uptrain["data"] == "demo-train" and demo.uptrain["max_steps"] > 0
+    text = "wikitext:wikitext-2-raw-v1:train"
+    assert demo.convert_settings(4, "svd+refit", text).refit and not demo.convert_settings(4, "svd", text).refit
+
+
+def test_shipped_jobs_for_real_models_follow_the_readmes_advice():
+    """Every shipped job of a real model converts with the recipe the README recommends, calibrated on
+    other text than it is evaluated on, and gates no looser than the verdict's borderline bounds."""
+    from mha2gqa.eval.verdict import THRESHOLDS
+    from mha2gqa.jobs import RECOMMENDED, load_job, shipped_jobs
+
+    method, _, step = RECOMMENDED.partition("+")
+    advice = (Path(__file__).parents[1] / "README.md").read_text().split("## Which method to use")[1].split("\n## ")[0]
+    assert f"--method {method} --calibration TEXT" in advice and f"`--{step}`" in advice
+    bounds = {t.figure: t.borderline for t in THRESHOLDS}
+    real = {name: load_job(path) for name, path in shipped_jobs().items() if name != "demo"}
+    assert real
+    for name, job in real.items():
+        assert job.methods == (RECOMMENDED,), name
+        assert job.convert["calibration"] and job.convert["calibration"] != job.eval.data, name
+        g = job.gates
+        assert g.max_ppl_ratio is not None and g.max_ppl_ratio <= bounds["ppl_ratio"], name
+        assert g.max_kl is not None and g.max_kl <= bounds["kl_mean"], name
+        assert g.min_top1 is not None and g.min_top1 >= bounds["top1_agreement"], name
 
 
 def test_bad_job_files_are_refused(tmp_path):
@@ -225,3 +249,18 @@ def test_a_job_rerun_replaces_its_previous_run_wholly(tmp_path, monkeypatch):
     )
     assert result.exit_code == 1 and "was not written by mha2gqa" in result.output
     assert (foreign / "notes.txt").read_text() == "keep"
+
+
+def test_a_job_says_each_note_once_however_many_stages_repeat_it():
+    from mha2gqa.jobs import _NotesOnce
+
+    lines: list[str] = []
+    log = _NotesOnce(lines.append)
+    for tag in ("mean-g4", "svd-g4"):
+        log("note: training windows of 128 tokens do not reach positions 128-255", f"  {tag}: ")
+        log("step 0/30: held-out perplexity 1.0", f"  {tag}: ")
+    assert lines == [
+        "  mean-g4: note: training windows of 128 tokens do not reach positions 128-255",
+        "  mean-g4: step 0/30: held-out perplexity 1.0",
+        "  svd-g4: step 0/30: held-out perplexity 1.0",
+    ]

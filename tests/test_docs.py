@@ -25,6 +25,9 @@ def test_the_readme_is_a_front_door():
     assert len(readme.splitlines()) <= 200
     first = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).splitlines()
     assert "mha2gqa demo" in first[0] and "pytest" in first[1]  # the two set-up commands come first
+    setup, tests = (line.split("  #")[0].strip() for line in first[:2])
+    assert setup.startswith("python3 -m venv .venv && . .venv/bin/activate && ") and "[dev]" not in setup
+    assert tests in text(".ci/run").splitlines()  # CI runs exactly the README's test command
     assert "## Which method to use" in readme and "## What a good result looks like" in readme
     first_screen = "\n".join(readme.splitlines()[:60])  # the advice comes before the demo's output
     assert "## Which method to use" in first_screen and "## What a good result looks like" in first_screen
