@@ -227,7 +227,7 @@ def recovery_curves(runs: list[tuple[str, list[dict[str, Any]]]]) -> bytes:
 def quality_vs_kv(points: list[tuple[str, float, float]]) -> bytes:
     """Perplexity ratio against KV-cache bytes per token (share of the original's), one line per
     method: ``points`` are ``(method, KV share, ratio)``. The trade a conversion buys, at a glance."""
-    plt, fig = _figure(6.4, 3.6)
+    plt, fig = _figure(8.0, 3.6)
     ax = fig.add_subplot()
     methods = sorted({m for m, _, _ in points}, key=lambda m: (m.endswith("+uptrain"), m))
     for i, method in enumerate(methods):
@@ -246,5 +246,6 @@ def quality_vs_kv(points: list[tuple[str, float, float]]) -> bytes:
     if len({x for _, x, _ in points}) == 1:  # one KV share: show it on the whole 0-100% scale
         ax.set_xlim(0, 100)
     ax.set_title("Quality against KV-cache size (lower left is better)")
-    ax.legend(frameon=False, fontsize=8)
+    # beside the axes, never over the lines: a sweep of several recipes has a long legend
+    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _png(plt, fig)

@@ -87,7 +87,7 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
 
 
 def quality_chart(results: list[Results]) -> bytes | None:
-    """Perplexity ratio against KV share, one line per method (pairs only)."""
+    """Perplexity ratio against KV share, one line per recipe (pairs only)."""
     points = [
         (
             r.converted.recipe,
@@ -128,7 +128,7 @@ def _meta(r: Results) -> str:
 
 FIGURE_CAPTIONS = {
     "attention_kl": "Where attention changed: KL divergence of each head's attention rows (darker = closer).",
-    "quality": "What the KV-cache saving cost: perplexity ratio against KV bytes per token, one line per method.",
+    "quality": "What the KV-cache saving cost: perplexity ratio against KV bytes per token, one line per recipe.",
     "head_output_error": "What each head now adds to the residual stream: the relative error of its output "
     "through its columns of the output projection (comparable across methods that rewrite q_proj/o_proj).",
     "entropy": "Attention entropy per layer; converted rows drifting toward the uniform line have lost focus.",
