@@ -78,7 +78,7 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
     s.check()
     dst = Path(dst)
     method, grouping = get_method(s.method), get_grouping(s.grouping)
-    ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle)
+    ckpt = open_checkpoint(str(src), revision=s.revision, allow_pickle=s.allow_pickle, check_config=resolve)
     check_destination(dst, s.overwrite, inputs_of(ckpt, s))
     if find_retarget(ckpt.config) is not None:  # held to its own class's checks: every tensor, every shape
         from mha2gqa.core.expected_tensors import check_tensors, expected_tensors  # (torch: only now)

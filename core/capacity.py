@@ -50,13 +50,14 @@ def attention_kind(shape: ModelShape) -> str:
     return "MHA" if d.num_kv_heads == d.num_heads else ("MQA" if d.num_kv_heads == 1 else "GQA")
 
 
-def inspect_model(model: str, seq_len: int, batch_size: int, revision: str | None = None) -> Report:
+def inspect_model(model: str, seq_len: int | None, batch_size: int, revision: str | None = None) -> Report:
     """Family, head counts, exact parameters and KV-cache bytes of ``model`` (folder, config.json or
     hub id) for ``batch_size`` sequences of ``seq_len`` tokens."""
     from mha2gqa.core.settings import validate
 
-    validate(PlanSettings(seq_len=seq_len))
+    settings = validate(PlanSettings(seq_len=seq_len))
     shape = model_shape(load_config(model, revision))
+    seq_len = settings.window(shape.max_positions)
     info = describe(shape)
     info["kv_cache_bytes"] = {k: v * seq_len * batch_size for k, v in info["kv_cache_bytes_per_token"].items()}
     info.update(seq_len=seq_len, batch_size=batch_size)
@@ -71,7 +72,7 @@ def inspect_model(model: str, seq_len: int, batch_size: int, revision: str | Non
     table = Table(["KV dtype", "bytes/token", f"KV cache @ {seq_len} x {batch_size}"])
     for name in KV_DTYPES:
         table.add(name, f"{info['kv_cache_bytes_per_token'][name]:,}", format_bytes(info["kv_cache_bytes"][name]))
-    return Report(info, lines + table.text(indent="  "))
+    return Report(info, lines + table.text(indent="  ") + [f"  {n}" for n in shape.length_note(seq_len)])
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class CapacityPlan:
         s, gpu, speed = self.settings, self.gpu, self.speed
         hw = f"{gpu.name}: {format_bytes(gpu.memory)}" + (f", {gpu.bandwidth / 1e12:.3g} TB/s" if gpu.bandwidth else "")
         head = f"{self.model}: {self.shape.dims.num_heads} query heads, {s.seq_len}-token sequences"
-        out = [f"{head}, {hw}, {s.dtype} KV cache"]
+        out = [f"{head}, {hw}, {s.dtype} KV cache", *self.shape.length_note(s.seq_len)]
         table = Table(
             ["KV heads", "KV bytes/token", "KV/sequence", "weights", "sequences that fit"]
             + (["tok/s @1", "tok/s/seq @max", "tok/s total @max", "prefill"] if speed else [])
@@ -174,6 +175,7 @@ def plan_capacity(
         check_destination(plot_path, overwrite, inputs, "--plot", folder=False)
     bench = read_bench(bench_path) if bench_path is not None else None
     shape = model_shape(load_config(model, revision))
+    s = dataclasses.replace(s, seq_len=s.window(shape.max_positions))
     heads = shape.dims.kv_heads_per_layer  # a per-layer checkpoint is planned with its own counts too
     if per_layer is not None:
         heads = parse_kv_heads_list(per_layer)

@@ -6,6 +6,7 @@ import json
 import pickle
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -167,11 +168,16 @@ def check_loadable(label: str, model: str, revision: str | None = None) -> None:
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
 
+    expected = []
+
+    def config_first(config: dict[str, Any]) -> None:  # what the model is, before its files
+        dims_of(config)
+        expected.append(expected_tensors(config))
+
     try:
-        ckpt = open_checkpoint(model, revision, allow_pickle=True)
-        dims_of(ckpt.config)
+        ckpt = open_checkpoint(model, revision, allow_pickle=True, check_config=config_first)
         present = {name: info.shape for name, info in ckpt.tensors.items()}
-        check_tensors(present, expected_tensors(ckpt.config), str(ckpt.folder))
+        check_tensors(present, expected[0], str(ckpt.folder))
     except Mha2GqaError as e:
         raise Mha2GqaError(f"{label} {e}") from None
 
@@ -187,13 +193,25 @@ def check_models(**models: str | None) -> None:
                 raise Mha2GqaError(f"{label} {e}") from None
 
 
-def open_checkpoint(src: str, revision: str | None = None, allow_pickle: bool = False) -> Checkpoint:
-    """Resolve ``src``, read its config and index every tensor (headers only)."""
+def open_checkpoint(
+    src: str,
+    revision: str | None = None,
+    allow_pickle: bool = False,
+    check_config: Callable[[dict[str, Any]], Any] | None = None,
+) -> Checkpoint:
+    """Resolve ``src``, read its config and index every tensor (headers only). ``check_config`` (e.g.
+    the family's resolution) judges the config before the weights are looked for: a model refused for
+    what it is is refused for that, not for a missing file."""
     folder, repo_id, commit = resolve_folder(src, revision, allow_pickle)
     config = read_config(folder)
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "unknown")
         raise Mha2GqaError(f"{folder}: quantized checkpoint ({method}); convert the unquantized model, then quantize")
+    if check_config is not None:
+        try:
+            check_config(config)
+        except Mha2GqaError as e:
+            raise Mha2GqaError(f"{folder}: {e}") from None
     files, fmt = _weight_files(folder, allow_pickle)
     tensors = read_shard_index(files) if fmt == "safetensors" else _pickle_index(files)
     if fmt == "safetensors" and (folder / SAFE_INDEX).is_file():

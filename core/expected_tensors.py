@@ -52,7 +52,10 @@ def expected_tensors(config: dict[str, Any]) -> Expected:
     except (*config_errors(), TypeError, KeyError, AttributeError, IndexError, ArithmeticError, RuntimeError) as e:
         # transformers' own validation of the values (a field of the wrong type, a bad combination), or a
         # value its model cannot be built with (zero heads, a negative size)
-        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300] or type(e).__name__
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        if "Should contain one of" in why:  # an unknown model type: transformers then lists every one it knows
+            why = why.split("Should contain one of")[0].strip() + " (not a model type this transformers knows)"
+        why = why[:300]
         raise Mha2GqaError(f"config.json ({model_type}): transformers cannot build this model from it: {why}") from None
     finally:
         logging.set_verbosity(verbosity)

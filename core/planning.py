@@ -5,6 +5,7 @@ counts from the family's declared terms, KV bytes from :class:`~mha2gqa.core.dim
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,11 @@ class Gpu:
     bandwidth: float
     bf16_flops: float
 
+
+#: Tokens per sequence ``plan`` and ``inspect`` size for, when the model allows as many.
+PLAN_WINDOW = 4096
+#: Config keys that give a model's positions, as families spell them (GPT-2: ``n_positions``).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 
 #: Presets for ``plan --gpu``; each figure is from the vendor's datasheet named beside it.
 GPUS: dict[str, Gpu] = {
@@ -82,9 +88,17 @@ class PlanSettings:
     utilization: float = setting(
         0.5, help="Share of --tflops prefill reaches (model FLOPs utilisation).", above=0, maximum=1
     )
-    seq_len: int = setting(4096, help="Tokens per sequence (prompt + generation).", minimum=1)
+    seq_len: int | None = setting(
+        None,
+        help=f"Tokens per sequence (prompt + generation) [default: min({PLAN_WINDOW}, the model's positions)].",
+        minimum=1,
+    )
     dtype: str = setting("bf16", help="KV-cache dtype.", choices=KV_DTYPES)
     weights_dtype: str | None = setting(None, help="Weights dtype [default: --dtype].", choices=KV_DTYPES)
+
+    def window(self, positions: int | None) -> int:
+        """Tokens per sequence: ``seq_len``, else :data:`PLAN_WINDOW` cut to the model's ``positions``."""
+        return self.seq_len or min(PLAN_WINDOW, positions or PLAN_WINDOW)
 
     def hardware(self) -> Gpu | None:
         """The GPU to plan for (preset, overridden by the explicit values), None for memory-only
@@ -125,9 +139,22 @@ def load_config(model: str, revision: str | None = None) -> dict[str, Any]:
     except Mha2GqaError:
         raise
     except Exception as e:
+        known = known_config(model) if revision is None else None
+        if known is not None:  # offline, or the hub unreachable: a well-known model's shipped copy
+            sys.stderr.write(f"note: {model}: the hub cannot be reached; planning with mha2gqa's copy of its config\n")
+            return known
         raise Mha2GqaError(
             f"{model}: no such folder, and its config.json cannot be fetched from the hub ({type(e).__name__})"
         ) from None
+
+
+def known_config(model: str) -> dict[str, Any] | None:
+    """mha2gqa's copy of a well-known hub model's ``config.json`` (``core/known_configs.json``), or None."""
+    import json
+    from importlib import resources
+
+    data = json.loads(resources.files("mha2gqa.core").joinpath("known_configs.json").read_text(encoding="utf-8"))
+    return data.get(model) if not model.startswith("_") else None
 
 
 def count_parameters(config: dict[str, Any], family: Family, num_kv_heads: int | None = None) -> int | None:
@@ -168,6 +195,13 @@ class ModelShape:
     weights_dtype: str
     lookup_parameters: int = 0  # an untied input embedding: read per token, never multiplied
     converts_as: str | None = None  # the class a re-targeted source is converted in (GPT-2 -> GPTBigCode...)
+    max_positions: int | None = None  # the positions the model was made for (None: its config does not say)
+
+    def length_note(self, seq_len: int) -> list[str]:
+        """A note when ``seq_len`` is longer than the model's positions (the sizes are then hypothetical)."""
+        if self.max_positions and seq_len > self.max_positions:
+            return [f"note: {seq_len:,}-token sequences are longer than the model's {self.max_positions:,} positions"]
+        return []
 
     def parameters_at(self, num_kv_heads: float) -> float:
         return self.parameters - (self.dims.num_kv_heads - num_kv_heads) * self.kv_parameters_per_head
@@ -192,7 +226,9 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     tied = bool(config_value(config, "tie_word_embeddings", dict(family.parameter_defaults).get("tie_word_embeddings")))
     vocab = config_value(config, "vocab_size")
     lookup = 0 if tied or not isinstance(vocab, int) else vocab * dims.hidden_size
-    return ModelShape(family.family, arch.name, dims, params, per_head, dtype, lookup, converts_as)
+    positions = next((config_value(source, k) for k in POSITION_KEYS if config_value(source, k)), None)
+    positions = positions if isinstance(positions, int) and not isinstance(positions, bool) else None
+    return ModelShape(family.family, arch.name, dims, params, per_head, dtype, lookup, converts_as, positions)
 
 
 def _meta_total(config: dict[str, Any]) -> int:

@@ -241,7 +241,7 @@ def bench(original: str, converted: str | None, output: Path | None, overwrite: 
 @revision_option
 @json_option
 @user_errors
-def inspect(model: str, seq_len: int, batch_size: int, revision: str | None, as_json: bool) -> None:
+def inspect(model: str, seq_len: int | None, batch_size: int, revision: str | None, as_json: bool) -> None:
     """Family, head counts, parameters and KV-cache size of MODEL (folder, config.json or hub id)."""
     from mha2gqa.core.capacity import inspect_model
 

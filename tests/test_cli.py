@@ -264,3 +264,20 @@ def test_a_job_says_each_note_once_however_many_stages_repeat_it():
         "  mean-g4: step 0/30: held-out perplexity 1.0",
         "  svd-g4: step 0/30: held-out perplexity 1.0",
     ]
+
+
+def test_a_model_refused_for_what_it_is_is_refused_for_that_before_its_missing_weights(tmp_path):
+    folder = tmp_path / "foo"
+    folder.mkdir()
+    config = {"architectures": ["FooForCausalLM"], "model_type": "foo", "num_attention_heads": 8, "hidden_size": 64}
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 50)
+    conv = CliRunner().invoke(main, ["convert", str(folder), str(tmp_path / "out"), "-g", "1"])
+    assert conv.exit_code == 1 and "unsupported model family (FooForCausalLM)" in conv.output
+    assert "no model.safetensors" not in conv.output
+    for argv in (["eval", "--original", str(folder), "--data", str(text)],
+                 ["uptrain", str(folder), "--data", str(text), "--output", str(tmp_path / "up")]):  # fmt: skip
+        res = CliRunner().invoke(main, argv)
+        assert res.exit_code == 1 and "not a model type this transformers knows" in res.output, res.output
+        assert "no model.safetensors" not in res.output and len(res.output) < 300

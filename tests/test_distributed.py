@@ -40,12 +40,14 @@ def test_two_processes_equal_one(tmp_path):
     )  # thread counts differ: float noise only
 
 
-def run_ok(cmd: list[str]) -> None:
-    """Run ``cmd``; on failure the assertion shows what it printed (torchrun's ranks included)."""
+def run_ok(cmd: list[str]) -> str:
+    """Run ``cmd``; its standard output. On failure the assertion shows what it printed (torchrun's
+    ranks included)."""
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, "\n".join(
         ln for ln in (done.stdout + done.stderr).splitlines() if "rank1" in ln or "Error" in ln
     )[-6000:]
+    return done.stdout
 
 
 def test_uptraining_on_two_processes_follows_the_one_process_run(tmp_path):

@@ -86,6 +86,19 @@ def test_inspect_and_plan_cli(tmp_path):
     assert re.search(r"^\s+8\s+131,072\s+512\.00 MiB", text, re.M), text
 
 
+def test_inspect_and_plan_size_for_the_models_own_positions(tmp_path):
+    """A 256-position model is sized at 256 tokens a sequence, not at 4,096; a longer --seq-len is said."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA2_7B, "max_position_embeddings": 256}))
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(tmp_path), "--json"]).output)
+    assert info["seq_len"] == 256 and info["kv_cache_bytes"]["fp16"] == 524_288 * 256
+    longer = CliRunner().invoke(main, ["inspect", str(tmp_path), "--seq-len", "1000"]).output
+    assert "note: 1,000-token sequences are longer than the model's 256 positions" in longer
+    plan = CliRunner().invoke(main, ["plan", str(tmp_path), "--gpu-memory", "80GB"]).output
+    assert "256-token sequences" in plan and "longer than" not in plan
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA2_7B, "max_position_embeddings": 32768}))
+    assert json.loads(CliRunner().invoke(main, ["inspect", str(tmp_path), "--json"]).output)["seq_len"] == 4096
+
+
 def eval_args(pair, *extra):
     src, conv, text = pair
     return eval_argv(src, conv, text, "64", "1200", "-q", *extra)
@@ -252,3 +265,18 @@ def test_bench_defaults_fit_a_short_model(tmp_path):
     assert settings["prompt_len"] + settings["new_tokens"] <= 64 and settings["new_tokens"] >= 2
     too_long = ["bench", "--original", str(src), "--prompt-len", "60", "--new-tokens", "8"]
     assert "exceeds the model's 64 positions" in CliRunner().invoke(main, too_long).output
+
+
+def test_plan_and_inspect_of_a_well_known_hub_id_work_offline(monkeypatch):
+    """The hub unreachable: the shipped copy of a well-known model's config plans it, and says so."""
+    from mha2gqa.core.planning import known_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = CliRunner().invoke(main, ["plan", "meta-llama/Llama-2-7b-hf", "--gpu", "h100-sxm"])
+    assert out.exit_code == 0 and "mha2gqa's copy of its config" in out.output
+    assert re.search(r"^\s+8\s+131,072", out.output, re.M), out.output  # the same sizes as its real config
+    info = json.loads(CliRunner().invoke(main, ["inspect", "meta-llama/Llama-2-7b-hf", "--json"]).stdout)
+    assert info["parameters"] == 6_738_415_616
+    assert model_shape(known_config("google/gemma-7b")).dims.head_dim == 256
+    unknown = CliRunner().invoke(main, ["plan", "someone/not-a-known-model"])
+    assert unknown.exit_code == 1 and "cannot be fetched from the hub" in unknown.output

@@ -45,9 +45,9 @@ def _one(argv: list[str]) -> None:
     subprocess.run([sys.executable, "-m", "mha2gqa.cli", *argv], check=True, capture_output=True)
 
 
-def _two(argv: list[str]) -> None:
+def _two(argv: list[str]) -> str:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    run_ok([*torchrun, "-m", "mha2gqa.cli", *argv])  # standalone: a free port of its own
+    return run_ok([*torchrun, "-m", "mha2gqa.cli", *argv])  # standalone: a free port of its own
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -70,7 +70,8 @@ def test_fsdp_on_two_processes_follows_one_process(run, tmp_path, objective):
     if objective == "kd":  # 15 held-out windows: the ranks score 8 and 7 (+ one with nothing scored)
         extra += ("--eval-data", str(run["text"]), "--eval-tokens", "500", "--eval-every", "3")
     _one(_argv(run, tmp_path / "one", *extra))
-    _two(_argv(run, tmp_path / "fsdp", *extra, "--sharding", "fsdp"))
+    summary = _two(_argv(run, tmp_path / "fsdp", *extra, "--sharding", "fsdp"))
+    assert "on 2 processes (FSDP: sharded)" in summary  # the summary says how it ran
     one, fsdp, start = _weights(tmp_path / "one"), _weights(tmp_path / "fsdp"), _weights(run["student"])
     _close(one, fsdp, 1e-5)
     evals = [

@@ -69,12 +69,19 @@ class UptrainResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     teacher_cache: Path | None = None  # set when the run was only the teacher pass (--teacher-only)
+    processes: int = 1
+    sharded: bool = False  # --sharding fsdp: parameters, gradients and optimizer state sharded over the processes
 
     def summary(self) -> str:
         if self.teacher_cache is not None:
             return f"teacher pass done in {self.seconds:.1f} s: {self.teacher_cache} (train with the same settings)"
         state = "done" if self.complete else f"stopped at step {self.steps} of {self.total_steps} (--resume continues)"
-        line = f"uptrain {state}: {self.steps:,} steps, {self.tokens:,} tokens in {self.seconds:.1f} s -> {self.output}"
+        how = f" on {self.processes} processes" if self.processes > 1 else ""
+        how += (" (FSDP: sharded)" if self.processes > 1 else " (FSDP)") if self.sharded else ""
+        line = (
+            f"uptrain {state}: {self.steps:,} steps, {self.tokens:,} tokens{how} in {self.seconds:.1f} s -> "
+            f"{self.output}"
+        )
         if self.evals:
             first, last = self.evals[0], self.evals[-1]
             line += f"; held-out perplexity {first['ppl']:.4f} (step {first['step']}) -> {last['ppl']:.4f}"
@@ -588,6 +595,8 @@ class _Trainer:
             complete,
             self.evals,
             time.perf_counter() - self.started,
+            processes=self.acc.num_processes,
+            sharded=self.s.sharded,
         )
         if complete:
             dtype = by_name(plan.source_dtype).torch if plan.source_dtype else None
