@@ -82,6 +82,16 @@ def resolve(config: Any, strict: bool = True) -> Architecture:
         why = spec.refusal(source)
         if why:
             raise Mha2GqaError(f"{_arch(source, spec.source)} cannot be re-expressed as {spec.target} exactly: {why}")
+    try:
+        return _resolved(source, spec, strict)
+    except Mha2GqaError as e:  # a re-targeted source's derived config: said in the user's own fields
+        explained = spec.explain(str(e), source) if spec is not None else None
+        if explained is None:
+            raise
+        raise Mha2GqaError(explained) from None
+
+
+def _resolved(source: dict[str, Any], spec: Retarget | None, strict: bool) -> Architecture:
     target = spec.target_config(source) if spec is not None else source
     family = find_family(target)
     if strict:

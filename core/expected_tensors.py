@@ -31,6 +31,7 @@ class Expected:
     prefix: str = ""  # the base model's prefix, which some checkpoints leave out (GPT-2's hub files)
     renames: tuple[tuple[str, str], ...] = ()  # transformers' key renamings on load (GPT-NeoX embed_out -> lm_head)
     converted: bool = False  # transformers also merges or splits tensors on load: names are not compared
+    kv_heads_per_layer: tuple[int, ...] | None = None  # the config's own per-layer KV-head counts
 
 
 def expected_tensors(config: dict[str, Any]) -> Expected:
@@ -64,7 +65,19 @@ def expected_tensors(config: dict[str, Any]) -> Expected:
     ignore = [re.compile(p) for p in (model._keys_to_ignore_on_load_unexpected or [])]
     renames, converted = _load_renames(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
-    return Expected(shapes, tied, [*ignore, *_IGNORABLE], prefix, renames, converted)
+    per_layer = _kv_heads_per_layer(cfg_dict)
+    return Expected(shapes, tied, [*ignore, *_IGNORABLE], prefix, renames, converted, per_layer)
+
+
+def _kv_heads_per_layer(config: dict[str, Any]) -> tuple[int, ...] | None:
+    """The per-layer KV-head counts a config declares (either per-layer form), None for one count."""
+    from mha2gqa.core.architecture import dims_of
+
+    try:
+        counts = dims_of(config).kv_heads_per_layer
+    except Mha2GqaError:
+        return None
+    return tuple(counts) if counts else None
 
 
 def _load_renames(model: Any) -> tuple[tuple[tuple[str, str], ...], bool]:
@@ -98,6 +111,11 @@ def _as_loaded(name: str, expected: Expected) -> str:
     return prefixed if expected.prefix and prefixed in expected.shapes else name
 
 
+#: A decoder layer's index in a tensor name, and a name of its K/V (or fused QKV) projection.
+_LAYER = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
+_KV = re.compile(r"(k_proj|v_proj|qkv_proj|query_key_value|c_attn|Wqkv)\.(weight|bias)$")
+
+
 def check_tensors(present: dict[str, tuple[int, ...]], expected: Expected, what: str) -> None:
     """Raise a one-line :class:`Mha2GqaError` when ``present`` (name -> shape) does not match
     ``expected``: missing tensors, extra tensors or shape mismatches."""
@@ -119,6 +137,14 @@ def check_tensors(present: dict[str, tuple[int, ...]], expected: Expected, what:
         raise Mha2GqaError(f"{what}: {len(extra)} tensors the config does not describe: {few(extra)}")
     if wrong:
         k = wrong[0]
+        layers = sorted({int(m.group(1)) for n in wrong if (m := _LAYER.search(n))})
+        if expected.kv_heads_per_layer and layers and all(_KV.search(n) for n in wrong):
+            counts = ", ".join(f"layer {i}: {expected.kv_heads_per_layer[i]}" for i in layers[:4])
+            raise Mha2GqaError(
+                f"{what}: the config's per-layer KV-head counts do not match the weights ({counts} KV heads by "
+                f"the config, but e.g. {k} is {list(present[k])}, not {list(shapes[k])}): fix the counts in "
+                "config.json, or convert the model again"
+            )
         raise Mha2GqaError(
             f"{what}: {len(wrong)} tensors have the wrong shape, e.g. {k} is {list(present[k])}, "
             f"the config says {list(shapes[k])}"

@@ -7,6 +7,8 @@ import ast
 import operator
 from typing import Any
 
+from mha2gqa.core.errors import Mha2GqaError
+
 _BINOPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -48,7 +50,21 @@ def evaluate_expression(expr: str, config: dict[str, Any]) -> Any:
             return ev(node.body) if ev(node.test) else ev(node.orelse)
         raise ValueError(f"unsupported expression {ast.dump(node)[:60]}")
 
-    return ev(ast.parse(expr, mode="eval"))
+    try:
+        return ev(ast.parse(expr, mode="eval"))
+    except (TypeError, ZeroDivisionError, AttributeError) as e:  # a config value of the wrong kind
+        shown = ", ".join(f"{n} {config.get(n)!r:.30}" for n in names_in(expr) if n in config) or "missing values"
+        raise ExpressionError(f"config.json: {shown}: not usable here ({type(e).__name__}: {e})") from None
+
+
+class ExpressionError(Mha2GqaError, ValueError):
+    """An expression could not be evaluated on a config: the config's values are of the wrong kind."""
+
+
+def names_in(expr: str) -> list[str]:
+    """The config keys ``expr`` reads (the first part of a dotted one), in order, once each."""
+    names = [n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)]
+    return list(dict.fromkeys(names))
 
 
 _ALLOWED = (

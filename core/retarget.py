@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from mha2gqa.core.expressions import check_expression, evaluate_expression
+from mha2gqa.core.expressions import check_expression, evaluate_expression, names_in
 from mha2gqa.core.families import check_keys, load_definitions, match_definition
 
 _TOP_KEYS = {
@@ -67,12 +67,48 @@ class Retarget:
 
         return {k: v for k, v in ((k, build(s)) for k, s in self.config.items()) if v is not None}
 
+    def source_fields(self, target_key: str) -> list[str]:
+        """The source config keys the target's ``target_key`` (at any depth) is computed from."""
+
+        def find(spec: Any) -> list[str]:
+            if isinstance(spec, dict) and set(spec) != {"value"}:
+                for k, v in spec.items():
+                    if k == target_key and isinstance(v, str):
+                        return names_in(v)
+                    found = find(v)
+                    if found:
+                        return found
+            return []
+
+        return find(self.config)
+
+    def explain(self, message: str, config: dict[str, Any]) -> str | None:
+        """``message`` (an error about the target's config) said in terms of the user's own fields, or
+        None when it names no computed field."""
+        for key in sorted(_target_keys(self.config), key=len, reverse=True):
+            if key in message and (fields := [f for f in self.source_fields(key) if f in config]):
+                shown = ", ".join(f"{f} {config[f]!r:.30}" for f in fields)
+                arch = (config.get("architectures") or [self.source])[0]
+                said = message.removeprefix("config.json: ")
+                return f"config.json: {shown} of this {arch}: as {self.target} ({key} from them) {said}"
+        return None
+
     def refusal(self, config: dict[str, Any]) -> str | None:
         """Why this source cannot be re-expressed exactly, or None."""
         for expr, reason in self.requires:
             if not evaluate_expression(expr, config):
                 return reason
         return None
+
+
+def _target_keys(spec: dict[str, Any]) -> set[str]:
+    """Every key of a target config definition, at any depth."""
+    keys = set()
+    for k, v in spec.items():
+        keys.add(k)
+        if isinstance(v, dict) and set(v) != {"value"}:
+            keys |= _target_keys(v)
+    return keys
 
 
 def parse_retarget(data: dict[str, Any], origin: str = "<dict>") -> Retarget:

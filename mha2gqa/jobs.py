@@ -221,11 +221,12 @@ def _parse(path: Path, data: Any) -> Job:
     calibration = _checkable(conv).get("calibration")
     readers = []
     for method in methods:  # every conversion's settings, checked now
-        try:
-            settings = job.convert_settings(heads[0], method, calibration)
-            settings.check_calibration()
-        except SettingError as e:
-            raise SettingError(e.setting, e.render(f"convert.{e.setting}")) from None
+        for g in heads:
+            try:
+                settings = job.convert_settings(g, method, calibration)
+                settings.check_calibration()
+            except SettingError as e:
+                raise SettingError(e.setting, e.render(f"convert.{e.setting}")) from None
         readers += [method] if settings.calibration else []
     if calibration and not readers:
         raise SettingError(

@@ -171,6 +171,11 @@ def test_bad_job_files_are_refused(tmp_path):
             "uptrain: {data: demo-train, output: y}\n",
             "unknown key 'uptrain.output'",
         ),
+        (  # every entry of the sweep is checked, not only the first: auto allocation and given counts clash
+            "source: demo\neval: {data: demo-heldout}\nconvert: {num_kv_heads: [2, '2,1,2,1'], per_layer: auto, "
+            "calibration: demo-train, methods: [svd]}\n",
+            "auto chooses each layer's count",
+        ),
         (  # settings the job decides itself (job=False on their spec) are not job-file keys
             "source: demo\neval: {data: demo-heldout, progress: false}\nconvert: {num_kv_heads: 2}\n",
             "unknown key 'eval.progress'",

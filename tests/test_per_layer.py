@@ -348,3 +348,14 @@ def test_fused_and_per_head_norm_families_convert_per_layer_with_unchanged_logit
     with torch.no_grad():
         cache = ours(ids, use_cache=True).past_key_values
     assert [layer.keys.shape[1] for layer in cache.layers] == [2, 1]
+
+
+def test_per_layer_counts_that_disagree_with_the_weights_are_named_as_the_cause(source, tmp_path):
+    out = convert_checkpoint(source, tmp_path / "pl", None, num_kv_heads_per_layer="4,2,2,1", progress=False).output
+    config = json.loads((out / "config.json").read_text())
+    config["num_key_value_heads_per_layer"] = [2, 4, 2, 1]  # swapped: the weights hold 4 then 2
+    (out / "config.json").write_text(json.dumps(config))
+    text = story_text(tmp_path / "t.txt")
+    res = CliRunner().invoke(main, eval_argv(source, out, text, "32", "200"))
+    assert res.exit_code == 1 and "the config's per-layer KV-head counts do not match the weights" in res.output
+    assert "layer 0: 2, layer 1: 4 KV heads by the config" in res.output, res.output

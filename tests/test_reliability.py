@@ -382,17 +382,40 @@ def test_a_torn_last_log_line_is_skipped_with_a_warning(tmp_path):
 # ---- full disks ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 64 KiB tmpfs (root only; skipped where mounting is not allowed)."""
-    disk = tmp_path / "disk"
+def _mount_tmpfs(disk: Path, size: int) -> None:
+    """A ``size``-byte tmpfs at ``disk`` (root only; the test is skipped where mounting is not allowed)."""
     disk.mkdir()
     if os.geteuid() != 0 or not shutil.which("mount"):
         pytest.skip("needs root to mount a small tmpfs")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+    options = f"size={-(-size // 4096) * 4096}"
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs is not allowed here")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KiB tmpfs."""
+    _mount_tmpfs(tmp_path / "disk", 64 * 1024)
+    yield tmp_path / "disk"
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")], capture_output=True)
+
+
+def test_a_disk_that_fills_while_the_optimizer_state_is_saved_is_one_line(pair, tmp_path):
+    """The checkpoint's model fits, its optimizer state (twice the weights, written by torch's C++
+    stream, which says only "iostream error") does not: one line, no traceback, no partial folder."""
+    _, conv, text = pair
+    disk = tmp_path / "half"
+    _mount_tmpfs(disk, int((conv / "model.safetensors").stat().st_size * 2.2))
+    try:
+        result = run_cli(
+            "uptrain", conv, "--data", text, "--output", disk / "run", "-q", "--seq-len", 16, "--max-steps", 2,
+            "--save-every", 1,
+        )  # fmt: skip
+        assert result.exit_code == 1, result.output
+        assert "disk full" in result.output and "Traceback" not in result.output, result.output
+        assert not [p for p in (disk / "run").rglob("*") if p.name.startswith(".")]  # no half-written checkpoint
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_every_writer_reports_a_full_disk_in_one_line(pair, tiny_disk, tmp_path):

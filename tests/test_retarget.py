@@ -384,3 +384,22 @@ def test_each_output_tensor_keeps_its_sources_dtype(tmp_path):
     assert out["model.layers.0.mlp.fc1.bias"].dtype == torch.bfloat16
     assert out["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16  # the checkpoint's own dtype
     assert torch.isfinite(logits(_stock(tmp_path / "out"), IDS)).all()
+
+
+def test_a_retargeted_sources_bad_config_is_reported_in_its_own_fields(tmp_path):
+    """The derived field (Phi's partial_rotary_factor) is not what the user wrote: the error names
+    the source's own keys and values first; a value of the wrong kind is one line too."""
+    base = {"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_head": 4, "n_embd": 64, "n_layer": 2,
+            "vocab_size": 100, "n_positions": 64}  # fmt: skip
+    neox = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "num_attention_heads": 4,
+            "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100, "max_position_embeddings": 64,
+            "intermediate_size": 128}  # fmt: skip
+    for config, said in [
+        ({**base, "rotary_dim": 1000}, "config.json: rotary_dim 1000, n_embd 64, n_head 4 of this GPTJForCausalLM"),
+        ({**base, "rotary_dim": "x"}, "config.json: rotary_dim 'x': not usable here"),
+        ({**neox, "rotary_pct": 3.0}, "config.json: rotary_pct 3.0 of this GPTNeoXForCausalLM"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        res = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+        assert res.exit_code == 1 and said in res.output and "Traceback" not in res.output, res.output
+        assert res.output.startswith("Error: ") and len(res.output.strip().splitlines()) == 1

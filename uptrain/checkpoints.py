@@ -174,22 +174,33 @@ def _building(tmp: Path, accelerator) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
+        full = _out_of_space(e, tmp)  # before the partial files are removed: they fill the disk
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        if _out_of_space(e):  # torch and safetensors report a full disk in their own words
+        if full:  # torch, safetensors and accelerate report a full disk in their own words
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from None
         raise
 
 
 #: How torch's and safetensors' writers say the disk is full (they raise their own error types).
-_FULL_DISK = ("No space left on device", "file write failed", "os error 28")
+_FULL_DISK = ("No space left on device", "file write failed", "os error 28", "iostream error", "PytorchStreamWriter")
+#: Free bytes below which a failed write is taken for a full disk, whatever the writer said.
+_NEARLY_FULL = 1 << 20
 
 
-def _out_of_space(e: BaseException) -> bool:
-    """``e`` is a full disk, whoever raised it."""
-    if isinstance(e, OSError):
-        return disk_full(e)
-    return isinstance(e, Exception) and any(s in str(e) for s in _FULL_DISK)
+def _out_of_space(e: BaseException, where: Path) -> bool:
+    """``e``, raised while writing under ``where``, is a full disk: the OS said so, the writer's
+    words say so, or the disk has (almost) no room left (a C++ stream says only "iostream error")."""
+    if isinstance(e, OSError) and disk_full(e):
+        return True
+    if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: not a disk
+        return False
+    if any(s in str(e) for s in _FULL_DISK):
+        return True
+    try:
+        return shutil.disk_usage(where if where.exists() else where.parent).free < _NEARLY_FULL
+    except OSError:
+        return False
 
 
 def skip_model_weights(accelerator) -> None:
