@@ -14,14 +14,40 @@ IMPL = "mha2gqa_capture"
 _recorder: Callable[..., None] | None = None
 
 
+def softcap_of(module: Any) -> float | None:
+    """The attention-logit soft cap of an attention module (Gemma 2: ``cap * tanh(scores / cap)``), or None."""
+    return getattr(module, "attn_logit_softcapping", None)
+
+
 def _capture_forward(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("softcap") is not None:  # SDPA has no soft cap: the eager computation, as the model's own
+        out = _softcapped_attention(query, key, value, attention_mask, kwargs.get("scaling"), kwargs["softcap"])
+    else:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if _recorder is not None:
         scaling, window = kwargs.get("scaling"), kwargs.get("sliding_window")
         _recorder(module.layer_idx, query, key, value, attention_mask, scaling, window, out[0], module)
     return out
+
+
+def _softcapped_attention(query, key, value, mask, scaling: float | None, softcap: float):
+    """Eager attention with soft-capped scores: ``[B, H, T, d]`` queries, ``[B, G, S, d]`` keys and
+    values, a boolean (True: attend) or additive mask, or None (causal) -> ``([B, T, H, d], probs)``."""
+    import torch
+
+    n = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(n, 1), value.repeat_interleave(n, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling or query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        t, s = query.shape[2], key.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=query.device).tril(s - t)
+    mask = mask[..., : key.shape[2]]
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
 def _register() -> None:

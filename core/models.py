@@ -90,7 +90,9 @@ def load_model(
     folder, _, _ = resolve_folder(path, revision)
     logging.disable_progress_bar()
     try:
-        kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+        # SDPA, except where the family soft-caps attention logits (Gemma 2): SDPA cannot, eager can
+        capped = read_config(folder).get("attn_logit_softcapping") is not None
+        kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "eager" if capped else "sdpa"}
         if device_map:
             kwargs["device_map"] = device_map
         cls = AutoModelForCausalLM

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mha2gqa.core.capture import capturing
+from mha2gqa.core.capture import capturing, softcap_of
 from mha2gqa.core.conversion_record import Facts
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.metrics import cosine, row_stats
@@ -47,9 +47,14 @@ def _scores_mask(mask: torch.Tensor | None, rows: slice, t: int, sliding_window:
     return allowed[None, None]
 
 
-def _log_attention(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float) -> torch.Tensor:
-    """float32 log-softmax of ``q k^T * scaling`` over allowed keys. ``[B,H,C,d],[B,H,T,d] -> [B,H,C,T]``."""
+def _log_attention(
+    q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
+    """float32 log-softmax of ``q k^T * scaling`` (soft-capped: ``cap * tanh(s / cap)``) over allowed
+    keys. ``[B,H,C,d],[B,H,T,d] -> [B,H,C,T]``."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     return torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
@@ -170,8 +175,9 @@ def compare_layer(
     sums: HeadSums,
     chunk: int = 128,
     projections: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """Add one layer's statistics to ``sums``.
+    """Add one layer's statistics to ``sums`` (``softcap``: the family's attention-logit soft cap).
 
     ``orig``/``conv``: ``(q [B,H,T,d], k [B,G,T,d], v [B,G,T,d])`` of each model; KV head ``j``
     serves query heads ``[j*H/G, (j+1)*H/G)`` as in ``repeat_kv``. ``projections``: both models'
@@ -191,8 +197,8 @@ def compare_layer(
         # lower triangle is computed (the mask, causal or sliding, decides within it).
         keys = rows.stop
         allowed = _scores_mask(mask, rows, keys, sliding_window, qo.device)
-        lo = _log_attention(qo[:, :, rows], ko[:, :, :keys], allowed, scaling)
-        lc = _log_attention(qc[:, :, rows], kc[:, :, :keys], allowed, scaling)
+        lo = _log_attention(qo[:, :, rows], ko[:, :, :keys], allowed, scaling, softcap)
+        lc = _log_attention(qc[:, :, rows], kc[:, :, :keys], allowed, scaling, softcap)
         stats = row_stats(lo, lc, allowed)
         sums.kl += stats["kl"].sum(dims).double().cpu()
         sums.js += stats["js"].sum(dims).double().cpu()
@@ -346,8 +352,9 @@ def compare_attention(
             projections = (head_projections(w_o, heads), head_projections(w_c, heads).to(w_o.device))
         sums[layer] = HeadSums(heads)
         compare_layer(
-            (o["q"], o["k"], o["v"]), (q, k, v), o.get("mask"), scaling_o, window_o, sums[layer], chunk, projections
-        )
+            (o["q"], o["k"], o["v"]), (q, k, v), o.get("mask"), scaling_o, window_o, sums[layer], chunk, projections,
+            softcap_of(module),
+        )  # fmt: skip
 
     def done(layer, hidden):
         ref = hidden_orig.pop(layer)

@@ -32,6 +32,18 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 8}),
     "gemma": ("gemma", {"head_dim": 16}),
+    # sliding-window layers shorter than the tests' windows; caps low enough to bite on random weights
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 8,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    "gemma3": ("gemma3_text", {"head_dim": 8, "sliding_window": 8, "query_pre_attn_scalar": 8}),
     "phi": ("phi", {"partial_rotary_factor": 0.5}),
     "phi3": ("phi3", {}),
     "stablelm": ("stablelm", {"qk_layernorm": True, "use_qkv_bias": True}),

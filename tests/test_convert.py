@@ -105,7 +105,7 @@ def test_equalised_groups_convert_without_changing_logits(family, tmp_path):
         out = convert_checkpoint(src, tmp_path / f"out{g}", g, "mean", progress=False).output
         converted = load(out)
         assert dims_of(converted.config).num_kv_heads == g
-        torch.testing.assert_close(logits(converted, IDS), before, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits(converted, IDS), before, atol=1e-5, rtol=1e-5)  # float noise only
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3", "stablelm", "olmo2"])

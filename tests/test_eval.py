@@ -11,7 +11,7 @@ from conftest import FAMILY_CONFIGS, FIXTURES, eval_argv, eval_error, random_mod
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.core.capture import capturing
+from mha2gqa.core.capture import capturing, softcap_of
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.families import families
 from mha2gqa.eval.attention import _log_attention, _scores_mask, attention_similarity
@@ -105,17 +105,18 @@ def test_capture_rebuilds_each_layers_attention_output_exactly(family):
         heads = q.shape[1]
         k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
         allowed = _scores_mask(mask, slice(0, q.shape[2]), q.shape[2], window, q.device)
-        out = torch.matmul(_log_attention(q, k, allowed, scaling).exp(), v.float()).transpose(1, 2)
+        out = torch.matmul(_log_attention(q, k, allowed, scaling, softcap_of(module)).exp(), v.float()).transpose(1, 2)
         torch.testing.assert_close(out, output.float(), atol=1e-5, rtol=1e-4)
         checked.append(layer)
 
+    before = model.config._attn_implementation
     with torch.no_grad(), capturing(model, recorder):
         model(torch.randint(3, 90, (2, 24)))
     if not families()[family].attention_interface:  # Falcon: nothing to see, and eval says so
         assert checked == []
         return
     assert checked == list(range(model.config.num_hidden_layers))
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == before
 
 
 def test_identity_gives_zero_divergence(llama, tmp_path):
