@@ -194,7 +194,10 @@ def test_disk_full_mid_write_removes_the_temp_folder(src, tmp_path, monkeypatch)
 
     monkeypatch.setattr(writer, "_write_tensor", failing)
     convert_refused(
-        src, tmp_path, r"disk full while writing .*: the output needs \d+(\.\d+)?kB; free space or choose another DST"
+        src,
+        tmp_path,
+        r"disk full while writing .*: the output needs [\d,]+(\.\d+)? (B|KiB|MiB|GiB); free space or choose "
+        "another DST",
     )
     assert not (tmp_path / "out").exists()
 

@@ -46,7 +46,11 @@ def _refused_before_scoring(res, *words):
 
 @pytest.mark.parametrize(
     ("counts", "words"),
-    [([1, 4], ("wrong shape",)), ([3, 1], ("layer 0 has 3 KV heads",)), ([4, 1, 1], ("2 layers", "[4, 1, 1]"))],
+    [
+        ([1, 4], ("per-layer KV-head counts do not match the weights", "layer 0: 1")),
+        ([3, 1], ("layer 0 has 3 KV heads",)),
+        ([4, 1, 1], ("2 layers", "[4, 1, 1]")),
+    ],
     ids=["disagrees-with-weights", "non-divisor", "wrong-length"],
 )
 def test_a_per_layer_list_that_does_not_fit_is_refused(per_layer, tmp_path, counts, words):
@@ -194,8 +198,8 @@ def _edited(classic, tmp_path, name, config=None, drop=None):
         ("gpt2", None, "transformer.h.1.attn.c_attn.bias", "missing: transformer.h.1.attn.c_attn.bias"),
         ("gpt2", {"n_inner": -5}, None, "transformers cannot build this model"),
         ("gpt2", {"n_inner": "x"}, None, "transformers cannot build this model"),
-        ("gptj", {"n_head": 0}, None, "transformers cannot build this model"),
-        ("gptj", {"n_head": "4"}, None, "transformers cannot build this model"),
+        ("gptj", {"n_head": 0}, None, "n_head 0: not usable here"),  # said in the source's own fields
+        ("gptj", {"n_head": "4"}, None, "n_head '4': not usable here"),
         ("neox", {"hidden_size": 64}, None, "wrong shape"),
     ],
     ids=[
