@@ -73,7 +73,9 @@ class ConvertSettings:
         help="Calibration text for svd / aligned / similarity grouping "
         "(a file or a datasets name, as for eval --data).",
     )
-    calibration_tokens: int = setting(16384, help="Calibration tokens (the first N of the text).", minimum=1)
+    calibration_tokens: int = setting(
+        32768, help="Calibration tokens (the first N of the text; 32,768: see docs/methods.md).", minimum=1
+    )
     calibration_seq_len: int | None = setting(
         None, help=f"Calibration window [default: min({CALIBRATION_WINDOW}, the model's positions)].", minimum=2
     )
