@@ -90,13 +90,14 @@ def load_model(
     folder, _, _ = resolve_folder(path, revision)
     logging.disable_progress_bar()
     try:
+        config = read_config(folder)
         # SDPA, except where the family soft-caps attention logits (Gemma 2): SDPA cannot, eager can
-        capped = read_config(folder).get("attn_logit_softcapping") is not None
+        capped = config.get("attn_logit_softcapping") is not None
         kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "eager" if capped else "sdpa"}
         if device_map:
             kwargs["device_map"] = device_map
         cls = AutoModelForCausalLM
-        if PER_LAYER_KEY in read_config(folder):  # layers with their own KV-head counts
+        if PER_LAYER_KEY in config:  # layers with their own KV-head counts
             from transformers import AutoConfig
 
             from mha2gqa.core.per_layer import causal_lm_class, per_layer_class
