@@ -19,6 +19,13 @@ def softcap_of(module: Any) -> float | None:
     return getattr(module, "attn_logit_softcapping", None)
 
 
+def soft_capped(scores: Any, cap: float | None) -> Any:
+    """``cap * tanh(scores / cap)``, the scores as a soft-capping family sees them; ``scores`` when None."""
+    import torch
+
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def _capture_forward(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -39,8 +46,7 @@ def _softcapped_attention(query, key, value, mask, scaling: float | None, softca
 
     n = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(n, 1), value.repeat_interleave(n, 1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling or query.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
+    scores = soft_capped(torch.matmul(query, key.transpose(2, 3)) * (scaling or query.shape[-1] ** -0.5), softcap)
     if mask is None:
         t, s = query.shape[2], key.shape[2]
         mask = torch.ones(t, s, dtype=torch.bool, device=query.device).tril(s - t)

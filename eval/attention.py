@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mha2gqa.core.capture import capturing, softcap_of
+from mha2gqa.core.capture import capturing, soft_capped, softcap_of
 from mha2gqa.core.conversion_record import Facts
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.metrics import cosine, row_stats
@@ -52,9 +52,7 @@ def _log_attention(
 ) -> torch.Tensor:
     """float32 log-softmax of ``q k^T * scaling`` (soft-capped: ``cap * tanh(s / cap)``) over allowed
     keys. ``[B,H,C,d],[B,H,T,d] -> [B,H,C,T]``."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
+    s = soft_capped(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling, softcap)
     return torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
