@@ -467,7 +467,7 @@ def _evaluate_stage(
     settings,
     job: Job,
     out: Path,
-    log: Callable[[str], None],
+    log: _NotesOnce,
 ) -> tuple[Path, dict[str, Any], bool]:
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed."""
@@ -476,8 +476,7 @@ def _evaluate_stage(
 
     log(f"evaluating {tag} against the original")
     path = out / "results" / f"{tag}.json"
-    say = log if isinstance(log, _NotesOnce) else _NotesOnce(log)
-    outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run(log=lambda m: say(m, "  "))
+    outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run(log=lambda m: log(m, "  "))
     typed = outcome.results
     p = typed.headline
     row = {
