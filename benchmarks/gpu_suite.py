@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -47,6 +48,9 @@ NEEDED = {
     "psutil": "psutil",
     "pytest": "pytest",
 }
+
+#: set when the script runs itself again after installing: what the first run installed.
+INSTALLED_ENV = "MHA2GQA_GPU_SUITE_INSTALLED"
 
 FULL = {
     "layers": 22,
@@ -107,7 +111,14 @@ def ensure_installed(wheels: Path | None) -> list[str]:
             ]
         )
         installed.append("mha2gqa")
-    return installed
+    if installed and INSTALLED_ENV in os.environ:
+        raise SystemExit(f"installed {', '.join(installed)}, but a fresh interpreter lacks them: check pip's target")
+    if installed:
+        # What was installed (an editable install's import hook above all) is seen only by a fresh
+        # interpreter: run this script again, telling it what this one installed.
+        env = {**os.environ, INSTALLED_ENV: ",".join(installed)}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    return [name for name in os.environ.get(INSTALLED_ENV, "").split(",") if name]
 
 
 def run_gpu_tests(out: Path) -> dict:

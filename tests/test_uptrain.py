@@ -386,6 +386,19 @@ def test_lora_adapters_merge_into_a_stock_model_and_resume_exactly(models, tmp_p
         torch.testing.assert_close(resumed[k], after[k], rtol=1e-6, atol=1e-7)
 
 
+def test_a_second_run_in_one_process_uses_its_own_precision(models, tmp_path):
+    """Accelerate keeps its state process-wide: a second run (a job's next stage, a library user's loop)
+    with another precision was refused, and one with another device would have run on the first's."""
+
+    def precision(out: Path, mp: str) -> str:
+        uptrain(str(models["student"]), _settings(models, out, max_steps=2, mixed_precision=mp), log=_quiet)
+        return next(r for r in read_log(out) if r["type"] == "start")["mixed_precision"]
+
+    assert precision(tmp_path / "a", "no") == "no"
+    assert precision(tmp_path / "b", "bf16") == "bf16"
+    assert precision(tmp_path / "c", "no") == "no"
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 

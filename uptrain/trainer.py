@@ -97,7 +97,22 @@ def _accelerator(s: UptrainSettings):
     mp = s.mixed_precision
     if mp == "auto":
         mp = "bf16" if not cpu and torch.cuda.is_bf16_supported() else "no"
+    _forget_earlier_accelerator()
     return Accelerator(cpu=cpu, mixed_precision=mp, step_scheduler_with_optimizer=False)
+
+
+def _forget_earlier_accelerator() -> None:
+    """Let this run choose its own device and precision.
+
+    Accelerate keeps its state process-wide: a second run in one process (a job's next stage, a library
+    user's loop) with another precision is refused, and one asking for another device silently gets the
+    first's. A single process forgets both; under a distributed launch the processes (and their devices)
+    are the launcher's and stay, and only the precision state is forgotten.
+    """
+    from accelerate.state import AcceleratorState, DistributedType, PartialState
+
+    single = bool(PartialState._shared_state) and PartialState().distributed_type == DistributedType.NO
+    AcceleratorState._reset_state(reset_partial_state=single)
 
 
 def _tokens(tokenizer, setting: str, s: UptrainSettings, max_tokens: int | None) -> torch.Tensor:
