@@ -88,6 +88,9 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
         allow_pickle=s.allow_pickle,
         progress=s.progress,
         on_layer=on_layer,
+        # a refit starts better from the values' principal subspace than from the output-weighted
+        # code (docs/methods.md, "The value code weighted by o_proj")
+        weigh_values=not s.refit,
     )
 
 

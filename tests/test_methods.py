@@ -10,7 +10,7 @@ from test_convert import IDS, equalise_groups, read_all
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.convert.calibration.stats import LayerStats
+from mha2gqa.convert.calibration.stats import LayerStats, output_gram, output_weighted_code, top_eigvecs
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.methods.svd import svd_merge_layer
 from mha2gqa.core.architecture import dims_of
@@ -402,6 +402,56 @@ def test_svd_reads_a_pickle_checkpoint_only_with_allow_pickle(calib_text, tmp_pa
         convert_checkpoint(src, tmp_path / "no", 2, "svd", **kw)
 
 
+def _weighted_error(gram, per_head, encode, decode) -> float:
+    """``E sum_h |O_h (v_h - decode_h encode^T v)|^2`` from ``gram = E v v^T`` (exact, no sampling)."""
+    s, d = per_head.shape[0], per_head.shape[-1]
+    residual = torch.eye(s * d, dtype=torch.float64) - decode @ encode.T
+    weight = torch.block_diag(*per_head)
+    return float(torch.trace(residual.T @ weight @ residual @ gram))
+
+
+def test_output_weighted_value_code_loses_least_as_the_output_projection_sees_it():
+    gen = torch.Generator().manual_seed(0)
+    s, d, hidden, r = 3, 4, 20, 2
+    x = torch.randn(500, s * d, generator=gen, dtype=torch.float64) * torch.linspace(0.2, 3.0, s * d)
+    gram = x.T @ x / 500
+    o = torch.randn(hidden, s * r * d, generator=gen, dtype=torch.float64) * torch.rand(s * r * d, generator=gen)
+    per_head = output_gram(o, s * r, d).reshape(s, r, d, d).sum(1)
+    # by hand: head 0's Gram is the sum over its r query heads of O_i^T O_i
+    o0 = torch.cat([o[:, i * d : (i + 1) * d] for i in range(r)])
+    torch.testing.assert_close(per_head[0], o0.T @ o0)
+    encode, decode = output_weighted_code(gram, per_head)
+    top = top_eigvecs(gram, d)
+    weighted, plain = _weighted_error(gram, per_head, encode, decode), _weighted_error(gram, per_head, top, top)
+    assert weighted < 0.9 * plain, (weighted, plain)
+    for _ in range(20):  # no other code of this size does better (random perturbations of the optimum)
+        e2 = encode + 0.05 * torch.randn(encode.shape, generator=gen, dtype=torch.float64)
+        d2 = decode + 0.05 * torch.randn(decode.shape, generator=gen, dtype=torch.float64)
+        p = torch.linalg.pinv(e2.T @ gram @ e2) @ e2.T @ gram  # best decode for e2
+        assert _weighted_error(gram, per_head, e2, p.T) >= weighted * (1 - 1e-3)
+        assert _weighted_error(gram, per_head, e2, d2) >= weighted * (1 - 1e-3)
+    # an output projection that weights every direction alike gives the principal subspace back
+    same = torch.eye(d, dtype=torch.float64).expand(s, d, d)
+    e1, d1 = output_weighted_code(gram, same)
+    torch.testing.assert_close(d1 @ e1.T, top @ top.T)
+
+
+def test_calibration_records_each_query_heads_output_gram(calib_text, tmp_path):
+    from mha2gqa.convert.calibration.streaming import collect
+
+    model = random_model(tiny_config("llama", vocab_size=300), seed=3)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    stats = collect(src, 2, str(calib_text), 128, 32, device="cpu", compact=False)
+    dims = dims_of(model.config)
+    for i, layer in enumerate(model.model.layers):
+        want = output_gram(layer.self_attn.o_proj.weight.detach(), dims.num_heads, dims.head_dim)
+        torch.testing.assert_close(stats.layers[i].o_gram, want)
+    small = collect(src, 2, str(calib_text), 128, 32, device="cpu")
+    assert all(s.o_gram is None and s.v_decode is not None for s in small.layers.values())
+    plain = collect(src, 2, str(calib_text), 128, 32, device="cpu", compact=False, weigh_values=False)
+    assert all(s.o_gram is None for s in plain.layers.values())  # a refit's start: the principal subspace
+
+
 def test_compact_statistics_keep_what_the_merges_read(calib_text, tmp_path):
     """Compacted per-layer statistics (eigenbasis and first block-row instead of the Grams) give the
     same subspaces and Procrustes inputs, and the same converted model, as the full Grams."""
@@ -416,8 +466,8 @@ def test_compact_statistics_keep_what_the_merges_read(calib_text, tmp_path):
         b = full.layers[layer]
         assert a.v_gram is None and a.k_rest_gram is None and b.v_gram is not None
         for j in range(2):
-            ua, ub = a.value_basis(j, d), b.value_basis(j, d)
-            torch.testing.assert_close(ua @ ua.T, ub @ ub.T)  # same subspace (signs may differ)
+            (ea, da), (eb, db) = a.value_code(j, d), b.value_code(j, d)
+            torch.testing.assert_close(da @ ea.T, db @ eb.T)  # same projection (signs may differ)
             torch.testing.assert_close(a.value_row(j, d), b.value_row(j, d))
             ra, rb = a.rest_basis(j, rest), b.rest_basis(j, rest)
             torch.testing.assert_close(ra @ ra.T, rb @ rb.T)

@@ -76,4 +76,5 @@ def regroup(full: LayerStats, groups: list[list[int]], num_heads: int) -> LayerS
     kr = torch.stack([full.k_rest_gram[0][rows(rest, g)][:, rows(rest, g)] for g in groups])
     kp = torch.stack([full.k_plane_gram[0][:, g][:, :, g] for g in groups])
     q = full.q_plane_energy[rows(r, perm)]
-    return LayerStats(v, kp, kr, q, full.tokens, perm=perm)
+    o = full.o_gram[rows(r, perm)] if full.o_gram is not None else None
+    return LayerStats(v, kp, kr, q, full.tokens, perm=perm, o_gram=o)

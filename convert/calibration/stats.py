@@ -9,7 +9,9 @@ Only small second-moment matrices are kept per layer (float64), never the activa
   keys (RoPE multiplies every head's plane by the same ``e^{i theta t}``, which cancels in
   ``k_h conj(k_h')``, so post-RoPE keys give the pre-RoPE Gram);
 - ``k_rest_gram[j]``: ``[s*(d-R), s*(d-R)]`` Gram of the non-rotary key dimensions (partial rotary);
-- ``q_plane_energy``: ``[H, P]`` energy ``sum |q|^2`` of each query head on each rotary plane.
+- ``q_plane_energy``: ``[H, P]`` energy ``sum |q|^2`` of each query head on each rotary plane;
+- ``o_gram``: ``[H, d, d]`` Gram ``O_i^T O_i`` of each query head's columns of the output projection
+  (read from the weights, not the text): how much each value direction reaches the layer's output.
 
 Here ``d`` is head_dim, ``R`` the rotary dims (``d * partial_rotary_factor``), ``P = R/2``.
 """
@@ -35,8 +37,10 @@ class LayerStats:
     q_plane_energy: torch.Tensor  # [H, P] float64
     tokens: int = 0
     perm: list[int] | None = None  # source KV heads in their new order (similarity grouping)
+    o_gram: torch.Tensor | None = None  # [H, d, d] float64 (None: values weighted equally)
     # What the merges read, kept instead of the Grams once a layer is done (see compact):
-    v_basis: torch.Tensor | None = None  # [G, s*d, d] top eigenvectors (svd)
+    v_basis: torch.Tensor | None = None  # [G, s*d, d] the shared value code's encoder (svd)
+    v_decode: torch.Tensor | None = None  # [G, s*d, d] each head's values from the code (svd)
     v_row: torch.Tensor | None = None  # [G, d, s*d] first block-row, sum_t v_ref v_h^T (aligned)
     k_rest_basis: torch.Tensor | None = None
     k_rest_row: torch.Tensor | None = None
@@ -45,15 +49,30 @@ class LayerStats:
         """Keep only what :mod:`mha2gqa.convert.methods` read, dropping the ``(s*d)^2`` Grams, so
         statistics of many layers fit in memory (64 MB -> 8 MB a layer for 64 heads at G = 8)."""
         if self.v_gram is not None:
-            self.v_basis, self.v_row = top_eigvecs(self.v_gram, head_dim), self.v_gram[:, :head_dim].clone()
+            codes = [self.value_code(j, head_dim) for j in range(self.v_gram.shape[0])]
+            self.v_basis = torch.stack([c[0] for c in codes])
+            self.v_decode = torch.stack([c[1] for c in codes])
+            self.v_row = self.v_gram[:, :head_dim].clone()
             self.k_rest_basis = top_eigvecs(self.k_rest_gram, rest) if rest else self.k_rest_gram[..., :0]
             self.k_rest_row = self.k_rest_gram[:, :rest].clone()
-            self.v_gram = self.k_rest_gram = None
+            self.v_gram = self.k_rest_gram = self.o_gram = None
         return self
 
-    def value_basis(self, j: int, d: int) -> torch.Tensor:
-        """``[s*d, d]``: top principal directions of group ``j``'s stacked values."""
-        return self.v_basis[j] if self.v_basis is not None else top_eigvecs(self.v_gram[j], d)
+    def value_code(self, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(encode, decode)``, each ``[s*d, d]``: group ``j``'s shared values are ``z = encode^T v``
+        (``v``: its heads' values stacked) and head ``m``'s are approximated by ``decode_m z``
+        (``decode_m``: its ``d`` rows), the code that loses least of the values as the output
+        projection passes them on (:func:`output_weighted_code`; without ``o_gram``, the top
+        principal directions, encode = decode)."""
+        if self.v_basis is not None:
+            return self.v_basis[j], self.v_decode[j] if self.v_decode is not None else self.v_basis[j]
+        if self.o_gram is None:
+            top = top_eigvecs(self.v_gram[j], d)
+            return top, top
+        s = self.v_gram.shape[-1] // d
+        r = self.o_gram.shape[0] // (self.v_gram.shape[0] * s)
+        per_head = self.o_gram[j * s * r : (j + 1) * s * r].reshape(s, r, d, d).sum(1)  # [s, d, d]
+        return output_weighted_code(self.v_gram[j], per_head)
 
     def value_row(self, j: int, d: int) -> torch.Tensor:
         """``[d, s*d]``: ``sum_t v_ref v_h^T`` for every head ``h`` of group ``j``."""
@@ -64,6 +83,39 @@ class LayerStats:
 
     def rest_row(self, j: int, rest: int) -> torch.Tensor:
         return self.k_rest_row[j] if self.k_rest_row is not None else self.k_rest_gram[j][:rest]
+
+
+#: Ridge added to each head's output Gram, relative to its mean eigenvalue: keeps the weighting
+#: invertible when an output projection leaves a value direction (almost) unused.
+OUTPUT_RIDGE = 1e-3
+
+
+def output_gram(o: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """``[H, d, d]`` float64: ``O_i^T O_i`` for each query head's columns ``O_i`` ``[hidden, d]`` of the
+    output projection ``o`` ``[hidden, H*d]``."""
+    cols = o.double().reshape(o.shape[0], num_heads, head_dim).permute(1, 0, 2)  # [H, hidden, d]
+    return cols.transpose(1, 2) @ cols
+
+
+def output_weighted_code(gram: torch.Tensor, per_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(encode, decode)`` ``[s*d, d]`` minimising ``E sum_h |O_h (v_h - decode_h encode^T v)|^2``,
+    where ``O_h^T O_h = per_head[h]`` ``[s, d, d]`` sums over the query heads reading head ``h`` and
+    ``gram`` ``[s*d, s*d]`` is ``E v v^T`` of the stacked values: with ``M = blockdiag(M_h)``,
+    ``M_h = (per_head[h] + ridge)^(1/2)``, the top-``d`` eigenvectors ``U`` of ``M gram M`` give
+    ``encode = M U`` and ``decode = M^-1 U``, returned as ``encode = Q`` (orthonormal columns,
+    ``M U = Q R``) and ``decode = M^-1 U R^T``: the same merge, with the shared value projection
+    ``encode^T W_v`` on the scale of the source's (a refit's Adam steps are sized to it). Equal heads
+    (values in a ``d``-dim subspace) are reconstructed exactly, as with the unweighted code."""
+    d = per_head.shape[-1]
+    eye = torch.eye(d, dtype=torch.float64)
+    ridge = OUTPUT_RIDGE * per_head.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)  # [s]
+    e, vec = torch.linalg.eigh(per_head.double() + ridge[:, None, None] * eye)
+    root = vec @ torch.diag_embed(e.sqrt()) @ vec.transpose(1, 2)
+    inverse_root = vec @ torch.diag_embed(e.rsqrt()) @ vec.transpose(1, 2)
+    m, m_inv = torch.block_diag(*root), torch.block_diag(*inverse_root)
+    u = top_eigvecs(m @ gram @ m, d)
+    q, r = torch.linalg.qr(m @ u)
+    return q, m_inv @ u @ r.T
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
-from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
+from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate, output_gram
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.dims import contiguous_groups
@@ -185,6 +185,7 @@ def collect(
     compact: bool = True,
     progress: bool = False,
     on_layer=None,
+    weigh_values: bool = True,
 ) -> CalibrationStats:
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
     ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model (a folder,
@@ -202,10 +203,14 @@ def collect(
     With ``compact`` (the default) each finished layer keeps only what the merges read
     (:meth:`LayerStats.compact`). ``on_layer(layer, full, run)`` sees each layer's statistics over
     all source heads as one group, and the layer itself with its inputs and outputs
-    (:class:`LayerRun`), before they are cut (with ``groups=None``, nothing is kept)."""
+    (:class:`LayerRun`), before they are cut (with ``groups=None``, nothing is kept). With
+    ``weigh_values`` each layer's output-projection Gram is recorded too, so that ``svd`` chooses the
+    value code that loses least as ``o_proj`` passes it on (without: the values' principal
+    subspace, the better start for a refit)."""
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.capture import capturing, decoder_layers
     from mha2gqa.core.checkpoint import open_checkpoint
+    from mha2gqa.core.families import find_family
     from mha2gqa.core.models import resolve_device
     from mha2gqa.core.progress import bar as progress_bar
 
@@ -224,6 +229,7 @@ def collect(
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
     layers, attr = decoder_layers(model)
     prefix = f"{model.base_model_prefix}.{attr}."
+    family = find_family(ckpt.config)
     desc = f"calibrating {len(layers)} layers on {windows.numel():,} tokens"
     bar = progress_bar(total=len(layers) * len(states), unit="window", desc=desc, disable=not progress)
     recording = [True]  # off while a cost runs a layer again with merged weights
@@ -242,6 +248,9 @@ def collect(
                     out = layer(h, **kw)
                     states[n] = (out[0] if isinstance(out, tuple) else out, kw)
                     bar.update(1)
+            o_name = family.o_proj.format(layer=i) + ".weight" if family is not None and weigh_values else None
+            if o_name in ckpt.tensors and i in full.layers:  # how each value direction reaches the output
+                full.layers[i].o_gram = output_gram(ckpt.load(o_name), dims.num_heads, dims.head_dim)
             if on_layer is not None:  # before the weights go: a cost may run the layer again
                 recording[0] = False
                 with _float32_on_call(layer):

@@ -4,10 +4,13 @@
 For KV group ``j`` with source heads ``h`` (``s`` of them) and the query heads ``Q(h)`` that read each:
 
 V
-    The top-``d`` principal subspace ``U`` ``[s*d, d]`` of the group's stacked values (uncentred, from
-    ``v_gram``) becomes the shared value projection ``U^T [W_v,h; ...]``; head ``h``'s values are
-    ``U_h z`` (``U_h``: its ``d`` rows of ``U``), so ``U_h`` is absorbed into the ``o_proj`` columns of
-    every query head in ``Q(h)``.
+    A shared value code ``z = E^T v`` of the group's stacked values ``v`` becomes the shared value
+    projection ``E^T [W_v,h; ...]``; head ``h``'s values are ``D_h z`` (``D_h``: its ``d`` rows of
+    ``D``), so ``D_h`` is absorbed into the ``o_proj`` columns of every query head in ``Q(h)``. ``E``
+    and ``D`` ``[s*d, d]`` minimise the values' error as the output projection passes it on,
+    ``E sum_h |O_h (v_h - D_h z)|^2`` (from ``v_gram`` and ``o_gram``, see
+    :func:`~mha2gqa.convert.calibration.stats.output_weighted_code`); without ``o_gram`` they are the
+    top-``d`` principal subspace of the stacked values (``E = D``).
 K, rotary planes
     Only transforms that commute with RoPE may be absorbed into ``q_proj``: one complex coefficient
     per plane ``(i, i + R/2)`` per head. Per plane, the best rank-1 approximation of the group's
@@ -56,13 +59,13 @@ def svd_merge_layer(
         raise Mha2GqaError("calibration statistics do not match this conversion (group size or head_dim)")
     for j, members in enumerate(contiguous_groups(groups * s, groups)):
         # ---- V: shared principal subspace, basis into o_proj
-        u = stats.value_basis(j, d).to(w["v"].dtype)  # [s*d, d]
+        u, decode = (x.to(w["v"].dtype) for x in stats.value_code(j, d))  # [s*d, d] each
         v_stack = torch.cat([w["v"][h * d : (h + 1) * d] for h in members])
         v_rows.append(u.T @ v_stack)
         if vb is not None:
             vb_rows.append(u.T @ torch.cat([vb[h * d : (h + 1) * d] for h in members]))
         for m, h in enumerate(members):
-            u_h = u[m * d : (m + 1) * d]  # [d, d]
+            u_h = decode[m * d : (m + 1) * d]  # [d, d]
             for i in range(h * r, (h + 1) * r):
                 o[:, i * d : (i + 1) * d] = o[:, i * d : (i + 1) * d] @ u_h
         # ---- K rotary planes: weighted complex rank-1 per plane, coefficients into q_proj
