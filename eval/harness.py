@@ -41,6 +41,7 @@ from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.pair import calibration_overlap
 from mha2gqa.eval.perplexity import (
+    ScoredPass,
     Window,
     batch_count,
     disjoint_windows,
@@ -71,9 +72,8 @@ def scored_pass(
     progress: bool = False,
     desc: str = "",
     **replay: Any,
-) -> dict[str, Any]:
-    """One :func:`score_windows` pass split across ``accelerate`` processes, sums reduced on all:
-    ``nll_sum`` per model, ``tokens``, ``windows``, ``seconds`` and (a pair) ``agreement``.
+) -> ScoredPass:
+    """One :func:`score_windows` pass split across ``accelerate`` processes, sums reduced on all.
     ``replay``: ``record=`` or ``replay=`` for a pair one model at a time (see score_windows)."""
     mine, state = _split_for_rank(windows)
     padding = None
@@ -86,18 +86,18 @@ def scored_pass(
     nll = [sum(p[0][i] for p in parts) for i in range(len(res.nll_sum))]
     tokens = sum(p[1] for p in parts)
     seconds = max(p[2] for p in parts)
-    out: dict[str, Any] = {"nll_sum": nll, "tokens": tokens, "windows": len(windows), "seconds": seconds}
+    agreement = None
     agreements = [p[3] for p in parts if p[3] is not None]
     if agreements and sum(a.tokens for a in agreements):
         per_token = {
             key: torch.cat([t for a in agreements for t in getattr(a, key)])
             for key in ("kl", "kl_reverse", "delta_p", "nll")
         }
-        out["agreement"] = agreement_stats(**per_token, top1_same=sum(a.top1_same for a in agreements))
+        agreement = agreement_stats(**per_token, top1_same=sum(a.top1_same for a in agreements))
         rest = [t for a in agreements for t in a.rest_mass]
         if rest:  # against a top-k reference: the mass its KLs do not resolve
-            out["agreement"]["reference_rest_mass"] = summarize(torch.cat(rest))
-    return out
+            agreement["reference_rest_mass"] = summarize(torch.cat(rest))
+    return ScoredPass(tuple(nll), tokens, len(windows), seconds, agreement)
 
 
 def is_main_process() -> bool:
@@ -112,16 +112,16 @@ def _ppl_entry(nll_sum: float, tokens: int) -> dict[str, float]:
 
 
 def _protocol_result(
-    names: list[str], res: dict[str, Any], settings: dict[str, Any], extra: list[dict] | None = None
+    names: list[str], res: ScoredPass, settings: dict[str, Any], extra: list[dict] | None = None
 ) -> dict:
     entry: dict[str, Any] = {
         "settings": settings,
-        "windows": res["windows"],
-        "seconds": res["seconds"],
-        "tokens_per_second": res["tokens"] * len(names) / max(res["seconds"], 1e-9),
+        "windows": res.windows,
+        "seconds": res.seconds,
+        "tokens_per_second": res.tokens * len(names) / max(res.seconds, 1e-9),
     }
     for i, name in enumerate(names):
-        entry[name] = {**_ppl_entry(res["nll_sum"][i], res["tokens"]), **((extra or [{}] * len(names))[i])}
+        entry[name] = {**_ppl_entry(res.nll_sum[i], res.tokens), **((extra or [{}] * len(names))[i])}
     if len(names) == 2:
         entry["ppl_ratio"] = entry[names[1]]["ppl"] / entry[names[0]]["ppl"]
     return entry
@@ -163,7 +163,7 @@ class _Run:
     def stream(self) -> str:
         return "one BOS at the start" if self.tokenizer.bos_token_id is not None else "no BOS (tokenizer has none)"
 
-    def score(self, models: list[torch.nn.Module], name: str, **kw: Any) -> dict[str, Any]:
+    def score(self, models: list[torch.nn.Module], name: str, **kw: Any) -> ScoredPass:
         return scored_pass(models, self.passes[name], self.settings.batch_size, self.settings.progress, name, **kw)
 
     def run_tasks(self, model: torch.nn.Module, name: str, log: Callable[[str], None] | None = None) -> None:
@@ -288,15 +288,15 @@ def _task_plan(s: EvalSettings) -> Any:
     return plan_tasks(s.tasks, s.include_path)
 
 
-def _protocols(run: _Run, scored: dict[str, dict[str, Any]], results: dict[str, Any]) -> None:
+def _protocols(run: _Run, scored: dict[str, ScoredPass], results: dict[str, Any]) -> None:
     """Protocol entries (and a pair's output agreement) from each pass's scored sums."""
     common = run.common
     if "disjoint" in run.settings.protocols:
         results["protocols"]["disjoint"] = _protocol_result(
             run.names, scored["disjoint"], {**common, "stream": run.stream}
         )
-    if len(run.names) == 2 and "agreement" in scored["disjoint"]:
-        results["agreement"] = {**scored["disjoint"]["agreement"], "settings": {"protocol": "disjoint", **common}}
+    if len(run.names) == 2 and scored["disjoint"].agreement is not None:
+        results["agreement"] = {**scored["disjoint"].agreement, "settings": {"protocol": "disjoint", **common}}
     if "stride" in run.settings.protocols:
         settings = {**common, "stride": run.stride, "stream": run.stream}
         results["protocols"]["stride"] = _protocol_result(run.names, scored["stride"], settings)
@@ -306,7 +306,7 @@ def _protocols(run: _Run, scored: dict[str, dict[str, Any]], results: dict[str, 
         nbytes = sum(len(d.encode("utf-8")) for d in used)
         extra = []
         for i in range(len(run.names)):
-            ll = -res["nll_sum"][i]
+            ll = -res.nll_sum[i]
             extra.append(
                 {
                     "word_perplexity": math.exp(-ll / words),
@@ -490,7 +490,7 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
         scored = {}
         for name in run.passes:
             res = run.score([converted.model], name, replay=ref.replayer(name))
-            scored[name] = {**res, "seconds": res["seconds"] + ref.seconds(name)}
+            scored[name] = res.plus_seconds(ref.seconds(name))
         _protocols(run, scored, results)
         if run.attention_batch is not None and main:
             if log:
@@ -559,7 +559,7 @@ def _reference(
         original = _load(run, 0)
         for name in run.passes:
             res = run.score([original.model], name, record=ref.recorder(name, s.reference_top_k))
-            ref.add_seconds(name, res["seconds"])
+            ref.add_seconds(name, res.seconds)
         if run.attention_batch is not None and main:
             _, seconds = _timed(lambda: record_attention(original.model, run.attention_batch, ref))
             ref.add_seconds("attention", seconds)
@@ -590,8 +590,8 @@ def _quantized(run: _Run, ref: Any, name: str, log: Callable[[str], None] | None
         "group": scheme.group,
         "weights": weights,
         "ppl_ratio": ratios,
-        "agreement": scored["disjoint"]["agreement"],
-        "seconds": sum(r["seconds"] for r in scored.values()),
+        "agreement": scored["disjoint"].agreement,
+        "seconds": sum(r.seconds for r in scored.values()),
     }
 
 

@@ -23,7 +23,8 @@ cut windows:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +117,28 @@ class PassResult:
     windows: int
     agreement: AgreementSums | None
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ScoredPass:
+    """One pass over windows with every process's sums reduced (what the protocols, the uptraining
+    evaluations and the quantization yardstick read): ``nll_sum`` per model, the scored ``tokens``,
+    the ``windows``, the slowest process's ``seconds`` and, for a pair, ``agreement`` (the results
+    file's ``agreement`` section: :func:`~mha2gqa.eval.metrics.agreement_stats`)."""
+
+    nll_sum: tuple[float, ...]
+    tokens: int
+    windows: int
+    seconds: float
+    agreement: dict[str, Any] | None = None
+
+    def nll(self, model: int) -> float:
+        """Mean negative log-likelihood per token of model ``model`` (0: the first given)."""
+        return self.nll_sum[model] / self.tokens
+
+    def plus_seconds(self, seconds: float) -> ScoredPass:
+        """The same pass, ``seconds`` more (the original's share of a pair scored one at a time)."""
+        return replace(self, seconds=self.seconds + seconds)
 
 
 def batch_count(windows: list[Window], batch_size: int) -> int:

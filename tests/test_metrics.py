@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from mha2gqa.eval.metrics import cosine, entropy, js_divergence, kl_divergence, summarize
@@ -82,7 +83,8 @@ def test_agreement_statistics_equal_an_independent_float64_computation():
     a, b = random_model(tiny_config("llama"), seed=1), random_model(tiny_config("llama"), seed=2)
     ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(3))
     windows = disjoint_windows(ids, 64)
-    got = scored_pass([a, b], windows, batch_size=2)["agreement"]
+    scored = scored_pass([a, b], windows, batch_size=2)
+    got = scored.agreement
     lo, lc, target = [], [], []
     with torch.no_grad():
         for inputs, targets in windows:
@@ -97,6 +99,10 @@ def test_agreement_statistics_equal_an_independent_float64_computation():
     dp = pc[rows, target] - po[rows, target]
     nll_o, nll_c = -lo[rows, target], -lc[rows, target]
     n = len(target)
+    assert scored.tokens == n and scored.windows == len(windows)
+    assert scored.nll(0) == pytest.approx(nll_o.mean(), rel=1e-5)
+    assert scored.nll(1) == pytest.approx(nll_c.mean(), rel=1e-5)
+    assert scored.plus_seconds(2.5).seconds == scored.seconds + 2.5
     same = (lo.argmax(1) == lc.argmax(1)).mean()
     expected = {
         ("kl", "mean"): kl.mean(),

@@ -791,13 +791,13 @@ def _evaluate(acc, model, teacher, windows, batch_size: int) -> dict[str, Any]:
     finally:
         model.train()
     i = len(models) - 1
-    out: dict[str, Any] = {"nll": res["nll_sum"][i] / res["tokens"], "eval_tokens": res["tokens"]}
+    out: dict[str, Any] = {"nll": res.nll(i), "eval_tokens": res.tokens}
     out["ppl"] = math.exp(out["nll"])
     if teacher is not None:
-        out["teacher_ppl"] = math.exp(res["nll_sum"][0] / res["tokens"])
+        out["teacher_ppl"] = math.exp(res.nll(0))
         out["ppl_ratio"] = out["ppl"] / out["teacher_ppl"]
-        out["kl_mean"] = res["agreement"]["kl"]["mean"]
-        out["top1_agreement"] = res["agreement"]["top1_agreement"]
+        out["kl_mean"] = res.agreement["kl"]["mean"]
+        out["top1_agreement"] = res.agreement["top1_agreement"]
     return out
 
 
