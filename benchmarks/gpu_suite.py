@@ -204,12 +204,12 @@ def decode_figures(size: dict, device, dtype) -> list[dict]:
                     warmup=1,
                     batch_size=batch,
                 )
-                kv_bytes = out["kv_cache"]["measured_bytes"]
+                kv_bytes = out.kv_cache.measured_bytes
                 row.update(
-                    decode_tokens_per_second=out["decode_tokens_per_second"]["median"],
-                    prefill_seconds=out["prefill_seconds"]["median"],
+                    decode_tokens_per_second=out.decode_tokens_per_second.median,
+                    prefill_seconds=out.prefill_seconds.median,
                     kv_cache_bytes=kv_bytes,
-                    kv_matches_plan=kv_bytes == out["kv_cache"]["planned_bytes"],
+                    kv_matches_plan=kv_bytes == out.kv_cache.planned_bytes,
                 )
             except torch.OutOfMemoryError:
                 row["oom"] = True

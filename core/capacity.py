@@ -8,12 +8,11 @@ Each report is a value with its JSON form and its terminal lines, so the CLI onl
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.core.bench_record import BenchRecord
 from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError, SettingError
@@ -29,7 +28,6 @@ from mha2gqa.core.planning import (
     model_shape,
     throughput,
 )
-from mha2gqa.core.records import BENCH_SCHEMA
 from mha2gqa.core.text_table import Table
 from mha2gqa.core.units import format_bytes
 
@@ -173,7 +171,7 @@ def plan_capacity(
             raise SettingError("gpu", f"{option}: give {{name}} or --bandwidth")
     if plot_path is not None:
         check_destination(plot_path, overwrite, inputs, "--plot", folder=False)
-    bench = read_bench(bench_path) if bench_path is not None else None
+    bench = BenchRecord.load(bench_path) if bench_path is not None else None
     shape = model_shape(load_config(model, revision))
     s = dataclasses.replace(s, seq_len=s.window(shape.max_positions))
     heads = shape.dims.kv_heads_per_layer  # a per-layer checkpoint is planned with its own counts too
@@ -192,64 +190,26 @@ def plan_capacity(
     return result
 
 
-def _number(value: Any, where: str, path: Path, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise Mha2GqaError(f"--bench {path}: {where} is not a number; re-run `mha2gqa bench --output`")
-    if positive and value <= 0:
-        raise Mha2GqaError(f"--bench {path}: {where} is {value}, not positive; re-run `mha2gqa bench --output`")
-    return value
-
-
-def read_bench(path: Path) -> dict[str, Any]:
-    """A ``mha2gqa bench --output`` file, every figure :func:`bench_beside_estimate` reads checked
-    (a damaged or foreign file is one line naming it)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise Mha2GqaError(f"--bench {path}: not readable JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("schema") != BENCH_SCHEMA:
-        raise Mha2GqaError(f"--bench {path}: not a `mha2gqa bench --output` file")
-    settings, models = data.get("settings"), data.get("models")
-    if not isinstance(settings, dict) or not isinstance(models, dict) or not models:
-        raise Mha2GqaError(f"--bench {path}: its settings or models are missing; re-run `mha2gqa bench --output`")
-    for key in ("prompt_len", "new_tokens", "batch_size"):
-        if not isinstance(settings.get(key), int) or isinstance(settings.get(key), bool) or settings[key] < 1:
-            raise Mha2GqaError(f"--bench {path}: settings.{key} is not a positive integer")
-    if unknown := set(models) - {"original", "converted"}:
-        raise Mha2GqaError(f"--bench {path}: models has entries {sorted(unknown)!r} besides original and converted")
-    for name, m in models.items():
-        if not isinstance(m, dict) or not isinstance(m.get("decode_tokens_per_second"), dict):
-            raise Mha2GqaError(f"--bench {path}: models.{name} has no decode figures")
-        _number(m["decode_tokens_per_second"].get("median"), f"models.{name}.decode_tokens_per_second.median", path)
-        _number(m.get("num_kv_heads"), f"models.{name}.num_kv_heads", path)
-        if m.get("parameters") is not None:
-            _number(m["parameters"], f"models.{name}.parameters", path)
-    return data
-
-
-def bench_beside_estimate(bench: dict[str, Any], result: CapacityPlan) -> list[str]:
+def bench_beside_estimate(bench: BenchRecord, result: CapacityPlan) -> list[str]:
     """Each benchmarked model's measured decode tokens/s beside the roofline estimate for the same
     batch and context (refused when the benchmark is of another model)."""
     gpu = result.gpu
-    settings = bench["settings"]
+    settings = bench.settings
     by_heads = {r.num_kv_heads: r for r in result.rows}
-    context = settings["prompt_len"] + settings["new_tokens"] / 2
-    batch = settings["batch_size"]
+    context = settings.prompt_len + settings.new_tokens / 2
+    batch = settings.batch_size
     lines = [
-        f"  bench ({settings.get('device_name') or settings.get('device')}, batch {batch}, mean context "
+        f"  bench ({settings.device_name or settings.device}, batch {batch}, mean context "
         f"{context:,.0f}) beside the estimate on {gpu.name}:"
     ]
-    for name, m in bench["models"].items():
-        row = by_heads.get(m["num_kv_heads"])
-        if row is None or (
-            m.get("parameters") is not None and m["parameters"] != result.shape.parameters_at(row.num_kv_heads)
-        ):
+    for name, m in bench.models.items():
+        row = by_heads.get(m.num_kv_heads)
+        if row is None or (m.parameters is not None and m.parameters != result.shape.parameters_at(row.num_kv_heads)):
             raise Mha2GqaError(
-                f"--bench: its {name} model is not this model at {m['num_kv_heads']} KV heads; "
+                f"--bench: its {name} model is not this model at {m.num_kv_heads} KV heads; "
                 "benchmark this model, or plan the benchmarked one"
             )
-        measured = m["decode_tokens_per_second"]["median"]
+        measured = m.decode_tokens_per_second.median
         estimate = batch / decode_step_seconds(row, batch, context, gpu.bandwidth)
         lines.append(
             f"    {name} ({row.num_kv_heads} KV heads): measured {measured:,.1f} tok/s, estimate "

@@ -10,14 +10,12 @@ of every layer's key and value tensors), next to the planner's arithmetic.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
-from typing import Any
 
 import torch
 
 from mha2gqa.core.architecture import dims_of
-from mha2gqa.core.records import BENCH_SCHEMA
+from mha2gqa.core.bench_record import BenchModel, BenchRecord, BenchRun, KvCache, Speedup, Spread
 from mha2gqa.core.text_table import Table
 from mha2gqa.eval.settings import BenchSettings
 
@@ -55,14 +53,10 @@ def cache_bytes(cache) -> tuple[int, int]:
     return total, tokens
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 @torch.inference_mode()
 def bench_model(
     model, prompt_len: int, new_tokens: int, repeats: int = 5, warmup: int = 1, batch_size: int = 1, seed: int = 0
-) -> dict[str, Any]:
+) -> BenchModel:
     """Prefill and decode timings and the measured KV cache of one model."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
@@ -82,22 +76,16 @@ def bench_model(
     dims = dims_of(cfg)
     element = next(iter(out.past_key_values.layers)).keys.element_size()
     planned = dims.kv_cache_bytes_per_token(None, element) * tokens * batch_size  # per-layer counts too
-    return {
-        "prefill_seconds": _stats(prefill),
-        "decode_tokens_per_second": _stats(decode),
-        "kv_cache": {
-            "measured_bytes": measured,
-            "planned_bytes": planned,
-            "cached_tokens": tokens,
-            "bytes_per_token": measured / (tokens * batch_size),
-            "dtype_bytes": element,
-        },
-        "num_kv_heads": dims.num_kv_heads,
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
+    return BenchModel(
+        num_kv_heads=dims.num_kv_heads,
+        decode_tokens_per_second=Spread.of(decode),
+        parameters=sum(p.numel() for p in model.parameters()),
+        prefill_seconds=Spread.of(prefill),
+        kv_cache=KvCache(measured, planned, tokens, measured / (tokens * batch_size), element),
+    )
 
 
-def run_bench(original: str, converted: str | None, s: BenchSettings) -> dict[str, Any]:
+def run_bench(original: str, converted: str | None, s: BenchSettings) -> BenchRecord:
     """Benchmark ``original`` (and ``converted``), one model in memory at a time, with the same
     prompt; returns the ``bench --output`` record (schema :data:`~mha2gqa.core.records.BENCH_SCHEMA`)
     with ``converted_vs_original`` (decode speed-up, KV-cache ratio) for a pair."""
@@ -106,49 +94,49 @@ def run_bench(original: str, converted: str | None, s: BenchSettings) -> dict[st
     dev = resolve_device(s.device)
     dt = resolve_dtype(s.dtype, dev)
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    settings = {**dataclasses.asdict(s), "device": str(dev), "device_name": device_name, "dtype": str(dt)}
-    results: dict[str, Any] = {"schema": BENCH_SCHEMA, "settings": settings, "models": {}}
+    models: dict[str, BenchModel] = {}
+    prompt = new = 0
     for name, path in (("original", original), ("converted", converted)):
         if path is None:
             continue
         loaded = load_model(path, dev, dt)
         prompt, new = s.lengths(getattr(loaded.model.config, "max_position_embeddings", None))
-        settings.update(prompt_len=prompt, new_tokens=new)
         figures = bench_model(loaded.model, prompt, new, s.repeats, s.warmup, s.batch_size)
-        results["models"][name] = {"path": path, **figures}
+        models[name] = dataclasses.replace(figures, path=path)
         del loaded
-    if len(results["models"]) == 2:
-        o, c = results["models"]["original"], results["models"]["converted"]
-        results["converted_vs_original"] = {
-            "decode_speedup": c["decode_tokens_per_second"]["median"] / o["decode_tokens_per_second"]["median"],
-            "kv_cache_ratio": c["kv_cache"]["measured_bytes"] / o["kv_cache"]["measured_bytes"],
-        }
-    return results
+    speedup = None
+    if len(models) == 2:
+        o, c = models["original"], models["converted"]
+        speedup = Speedup(
+            c.decode_tokens_per_second.median / o.decode_tokens_per_second.median,
+            c.kv_cache.measured_bytes / o.kv_cache.measured_bytes,
+        )
+    run = BenchRun(prompt, new, s.batch_size, s.repeats, s.warmup, str(dev), str(dt), device_name)
+    return BenchRecord(run, models, speedup)
 
 
-def bench_lines(results: dict[str, Any]) -> list[str]:
+def bench_lines(record: BenchRecord) -> list[str]:
     """The terminal's view of a :func:`run_bench` record: settings, one row per model, the ratios."""
-    s = results["settings"]
-    dtype = s["dtype"].removeprefix("torch.")
+    s = record.settings
     lines = [
-        f"{s['prompt_len']}-token prompt, {s['new_tokens']} new tokens, batch {s['batch_size']}, {s['device']} "
-        f"{dtype}, median of {s['repeats']} [min-max]"
+        f"{s.prompt_len}-token prompt, {s.new_tokens} new tokens, batch {s.batch_size}, {s.device} "
+        f"{s.dtype.removeprefix('torch.')}, median of {s.repeats} [min-max]"
     ]
     table = Table(["model", "KV heads", "prefill ms", "decode tok/s", "KV cache bytes/token", "vs planned"])
-    for name, m in results["models"].items():
-        p, d, kv = m["prefill_seconds"], m["decode_tokens_per_second"], m["kv_cache"]
+    for name, m in record.models.items():
+        p, d, kv = m.prefill_seconds, m.decode_tokens_per_second, m.kv_cache
         table.add(
             name,
-            m["num_kv_heads"],
-            f"{p['median'] * 1e3:.1f} [{p['min'] * 1e3:.1f}-{p['max'] * 1e3:.1f}]",
-            f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]",
-            f"{kv['bytes_per_token']:,.0f}",
-            f"{kv['measured_bytes'] / kv['planned_bytes'] - 1:+.1%}",
+            m.num_kv_heads,
+            f"{p.median * 1e3:.1f} [{p.min * 1e3:.1f}-{p.max * 1e3:.1f}]",
+            f"{d.median:.1f} [{d.min:.1f}-{d.max:.1f}]",
+            f"{kv.bytes_per_token:,.0f}",
+            f"{kv.measured_bytes / kv.planned_bytes - 1:+.1%}",
         )
     lines += table.text()
-    ratio = results.get("converted_vs_original")
+    ratio = record.converted_vs_original
     if ratio:
         lines.append(
-            f"converted: decode {ratio['decode_speedup']:.2f}x, KV cache {ratio['kv_cache_ratio']:.1%} of the original"
+            f"converted: decode {ratio.decode_speedup:.2f}x, KV cache {ratio.kv_cache_ratio:.1%} of the original"
         )
     return lines

@@ -145,5 +145,5 @@ def benchmark(
 
     results = run_bench(original, converted, settings)
     if output is not None:
-        write_json(output, results, "--output", overwrite, inputs)
+        write_json(output, results.to_dict(), "--output", overwrite, inputs)
     return bench_lines(results)

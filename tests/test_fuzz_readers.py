@@ -212,8 +212,9 @@ BENCH = {
 @given(data=st.data())
 @FUZZ
 def test_bench_file(tmp_path_factory, data):
-    from mha2gqa.core.capacity import BENCH_SCHEMA, plan_capacity
+    from mha2gqa.core.capacity import plan_capacity
     from mha2gqa.core.planning import PlanSettings
+    from mha2gqa.core.records import BENCH_SCHEMA
 
     root = tmp_path_factory.mktemp("bench")
     save(random_model(tiny_config("llama")), root / "m") if not (root / "m").exists() else None

@@ -140,4 +140,4 @@ def test_bench_cache_bytes_equal_the_planners(pair):
     for folder in (pair["src"], pair["mean"]):
         model = load_model(str(folder), torch.device("cuda"), torch.bfloat16).model
         out = bench_model(model, 16, 8, repeats=1, warmup=0, batch_size=2)
-        assert out["kv_cache"]["measured_bytes"] == out["kv_cache"]["planned_bytes"]
+        assert out.kv_cache.measured_bytes == out.kv_cache.planned_bytes

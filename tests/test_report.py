@@ -224,6 +224,50 @@ def test_bench_measures_a_cache_of_g_heads_as_planned(pair, tmp_path):
     assert wrong.exit_code == 1 and "is not this model" in wrong.output
 
 
+#: A ``bench --output`` file as mha2gqa wrote it before the record was typed (commit 420da7d).
+BENCH_WRITTEN_BEFORE = {
+    "schema": "mha2gqa.bench/1",
+    "settings": {"prompt_len": 32, "new_tokens": 8, "batch_size": 1, "repeats": 2, "warmup": 1, "device": "cpu",
+                 "dtype": "torch.float32", "device_name": "CPU"},
+    "models": {
+        "original": {"path": "/m/src", "prefill_seconds": {"median": 0.01, "min": 0.009, "max": 0.012},
+                     "decode_tokens_per_second": {"median": 250.0, "min": 240.0, "max": 260.0},
+                     "kv_cache": {"measured_bytes": 10240, "planned_bytes": 10240, "cached_tokens": 40,
+                                  "bytes_per_token": 256.0, "dtype_bytes": 4},
+                     "num_kv_heads": 4, "parameters": 123456},
+    },
+}  # fmt: skip
+
+
+def test_a_bench_file_written_before_reads_and_bad_values_are_refused_in_one_line(tmp_path):
+    from mha2gqa.core.bench_record import BenchRecord
+    from mha2gqa.core.errors import Mha2GqaError
+    from mha2gqa.eval.bench import bench_lines
+
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(BENCH_WRITTEN_BEFORE))
+    record = BenchRecord.load(path)
+    assert record.models["original"].kv_cache.planned_bytes == 10240
+    assert record.settings.device_name == "CPU" and record.converted_vs_original is None
+    assert "250.0 [240.0-260.0]" in "\n".join(bench_lines(record))
+    assert {k: v for k, v in record.to_dict().items() if v is not None} == BENCH_WRITTEN_BEFORE  # same file back
+    for where, bad, says in (
+        (("settings", "batch_size"), 0, "settings.batch_size is 0, not positive"),
+        (("settings", "prompt_len"), "32", "settings.prompt_len is not an integer"),
+        (("models", "original", "decode_tokens_per_second", "median"), float("nan"), "median is nan, not positive"),
+        (("models", "original", "num_kv_heads"), None, "models.original.num_kv_heads is not an integer"),
+    ):
+        data = json.loads(json.dumps(BENCH_WRITTEN_BEFORE))
+        node = data
+        for key in where[:-1]:
+            node = node[key]
+        node[where[-1]] = bad
+        path.write_text(json.dumps(data))
+        with pytest.raises(Mha2GqaError) as e:
+            BenchRecord.load(path)
+        assert str(path) in str(e.value) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 @requires_fixtures("stories260K-mha-expanded", "text")
 def test_report_renders_for_a_real_fixture_pair(tmp_path):
     src = FIXTURES / "stories260K-mha-expanded"
