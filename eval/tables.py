@@ -3,7 +3,7 @@ the terminal summary, the report (HTML and Markdown), the demo and job summaries
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -382,28 +382,46 @@ def samples_table(r: Results) -> Table | None:
     return t
 
 
-def sweep_table(rows: list[dict[str, Any]]) -> Table:
+@dataclass(frozen=True)
+class SweepRow:
+    """One evaluated model of a job or the demo (a conversion, or an uptrained one), as the summary
+    table shows it; ``num_kv_heads`` as written (``2`` or per layer ``4,2,2,1``)."""
+
+    tag: str
+    method: str
+    num_kv_heads: str
+    original_ppl: float
+    converted_ppl: float
+    ppl_ratio: float
+    kl_mean: float
+    top1: float
+    kv_bytes_per_token: int
+    kv_bytes_per_token_before: int
+    verdict: str = ""
+    tasks: str | None = None
+
+
+def sweep_table(rows: list[SweepRow]) -> Table:
     """The summary of a job or the demo: the original, then every conversion (and uptrained model);
     a ``tasks`` column when the rows carry one."""
-    tasked = any(r.get("tasks") for r in rows)
+    tasked = any(r.tasks for r in rows)
     header = ["model", "KV heads", "KV cache B/token", "perplexity", "ratio", "KL", "top-1", "verdict"]
     t = Table(header + (["tasks"] if tasked else []))
     if rows:
         first = rows[0]
-        before = f"{first['kv_bytes_per_token_before']:,}"
-        t.add("original", "", before, f"{first['original_ppl']:.3f}", "1.00x", "", "", "", *([""] if tasked else []))
+        before = f"{first.kv_bytes_per_token_before:,}"
+        t.add("original", "", before, f"{first.original_ppl:.3f}", "1.00x", "", "", "", *([""] if tasked else []))
     for r in rows:
-        label = f"{r['method']} -> {r['num_kv_heads']} KV heads"
         t.add(
-            label,
-            str(r["num_kv_heads"]),
-            f"{r['kv_bytes_per_token']:,}",
-            f"{r['converted_ppl']:.3f}",
-            f"{r['ppl_ratio']:.2f}x",
-            f"{r['kl_mean']:.3f}",
-            f"{r['top1']:.1%}",
-            r.get("verdict", ""),
-            *([r.get("tasks", "")] if tasked else []),
+            f"{r.method} -> {r.num_kv_heads} KV heads",
+            r.num_kv_heads,
+            f"{r.kv_bytes_per_token:,}",
+            f"{r.converted_ppl:.3f}",
+            f"{r.ppl_ratio:.2f}x",
+            f"{r.kl_mean:.3f}",
+            f"{r.top1:.1%}",
+            r.verdict,
+            *([r.tasks or ""] if tasked else []),
         )
     return t
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -43,6 +43,9 @@ from mha2gqa.demo import DEMO_ARCHITECTURES, DemoSettings
 from mha2gqa.eval.gates import GateSettings
 from mha2gqa.eval.settings import EvalSettings
 from mha2gqa.uptrain.settings import UptrainSettings
+
+if TYPE_CHECKING:
+    from mha2gqa.eval.tables import SweepRow
 
 #: A job's recipe refits after the merge when it ends so (``svd+refit``: ``--method svd --refit``).
 REFIT = "+refit"
@@ -289,7 +292,7 @@ class RunResult:
     output_dir: Path
     results: list[Path]
     report: Path | None
-    rows: list[dict[str, Any]]
+    rows: list[SweepRow]
     gates_passed: bool
 
 
@@ -415,7 +418,7 @@ def _run_job(
     up = {**job.uptrain, "data": _demo_text(job, job.uptrain.get("data"))} if job.uptrain else {}
     paths: list[Path] = []
     runs: list[Path] = []
-    rows: list[dict[str, Any]] = []
+    rows: list[SweepRow] = []
     passed = True
     for method in job.methods:
         for g in job.num_kv_heads:
@@ -468,34 +471,34 @@ def _evaluate_stage(
     job: Job,
     out: Path,
     log: _NotesOnce,
-) -> tuple[Path, dict[str, Any], bool]:
+) -> tuple[Path, SweepRow, bool]:
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed."""
     from mha2gqa.eval.outcome import EvalRequest
-    from mha2gqa.eval.tables import task_cell, verdict_cell
+    from mha2gqa.eval.tables import SweepRow, task_cell, verdict_cell
 
     log(f"evaluating {tag} against the original")
     path = out / "results" / f"{tag}.json"
     outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run(log=lambda m: log(m, "  "))
     typed = outcome.results
     p = typed.headline
-    row = {
-        "tag": tag,
-        "method": typed.converted.recipe or label,
-        "num_kv_heads": heads_tag(g, ","),
-        "original_ppl": p.original.ppl,
-        "converted_ppl": p.converted.ppl,
-        "ppl_ratio": p.ppl_ratio,
-        "kl_mean": typed.agreement.kl["mean"],
-        "top1": typed.agreement.top1_agreement,
-        "kv_bytes_per_token": conv.facts.kv_cache_bytes_per_token_after,
-        "kv_bytes_per_token_before": conv.facts.kv_cache_bytes_per_token_before,
-        "verdict": verdict_cell(typed),
-        **({"tasks": task_cell(typed)} if typed.tasks is not None else {}),
-    }
+    row = SweepRow(
+        tag=tag,
+        method=typed.converted.recipe or label,
+        num_kv_heads=heads_tag(g, ","),
+        original_ppl=p.original.ppl,
+        converted_ppl=p.converted.ppl,
+        ppl_ratio=p.ppl_ratio,
+        kl_mean=typed.agreement.kl["mean"],
+        top1=typed.agreement.top1_agreement,
+        kv_bytes_per_token=conv.facts.kv_cache_bytes_per_token_after,
+        kv_bytes_per_token_before=conv.facts.kv_cache_bytes_per_token_before,
+        verdict=verdict_cell(typed),
+        tasks=task_cell(typed) if typed.tasks is not None else None,
+    )
     log(
-        f"  {tag}: perplexity {row['converted_ppl']:.3f} (x{row['ppl_ratio']:.3f} the original's, "
-        f"{p.original.tokens:,} tokens), KL {row['kl_mean']:.4f}, top-1 {row['top1']:.1%}"
+        f"  {tag}: perplexity {row.converted_ppl:.3f} (x{row.ppl_ratio:.3f} the original's, "
+        f"{p.original.tokens:,} tokens), KL {row.kl_mean:.4f}, top-1 {row.top1:.1%}"
     )
     for line in outcome.lines():  # the gates, then the verdict
         log(f"  {tag}: {line}")
