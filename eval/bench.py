@@ -71,10 +71,11 @@ def bench_model(
         t, out = _timed_generate(model, prompt, new_tokens)
         full.append(t)
     decode = [(new_tokens - 1) * batch_size / max(f - p, 1e-9) for f, p in zip(full, prefill, strict=True)]
-    measured, tokens = cache_bytes(out.past_key_values)
-    cfg = model.config
-    dims = dims_of(cfg)
-    element = next(iter(out.past_key_values.layers)).keys.element_size()
+    # transformers renamed the output's `past_key_values` to `cache` (the old name warns from 5.2x on)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    measured, tokens = cache_bytes(cache)
+    dims = dims_of(model.config)
+    element = next(iter(cache.layers)).keys.element_size()
     planned = dims.kv_cache_bytes_per_token(None, element) * tokens * batch_size  # per-layer counts too
     return BenchModel(
         num_kv_heads=dims.num_kv_heads,
