@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,6 @@ class Spread:
 
     @classmethod
     def of(cls, values: list[float]) -> Spread:
-        import statistics
-
         return cls(statistics.median(values), min(values), max(values))
 
 

@@ -64,8 +64,8 @@ class LayerStats:
         (``decode_m``: its ``d`` rows), the code that loses least of the values as the output
         projection passes them on (:func:`output_weighted_code`; without ``o_gram``, the top
         principal directions, encode = decode)."""
-        if self.v_basis is not None:
-            return self.v_basis[j], self.v_decode[j] if self.v_decode is not None else self.v_basis[j]
+        if self.v_basis is not None:  # compacted: both kept
+            return self.v_basis[j], self.v_decode[j]
         if self.o_gram is None:
             top = top_eigvecs(self.v_gram[j], d)
             return top, top

@@ -229,7 +229,8 @@ def collect(
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
     layers, attr = decoder_layers(model)
     prefix = f"{model.base_model_prefix}.{attr}."
-    family = find_family(ckpt.config)
+    family = find_family(ckpt.config) if weigh_values else None
+    o_proj = family.o_proj + ".weight" if family is not None else None  # {layer} to fill
     desc = f"calibrating {len(layers)} layers on {windows.numel():,} tokens"
     bar = progress_bar(total=len(layers) * len(states), unit="window", desc=desc, disable=not progress)
     recording = [True]  # off while a cost runs a layer again with merged weights
@@ -248,7 +249,7 @@ def collect(
                     out = layer(h, **kw)
                     states[n] = (out[0] if isinstance(out, tuple) else out, kw)
                     bar.update(1)
-            o_name = family.o_proj.format(layer=i) + ".weight" if family is not None and weigh_values else None
+            o_name = o_proj.format(layer=i) if o_proj is not None else None
             if o_name in ckpt.tensors and i in full.layers:  # how each value direction reaches the output
                 full.layers[i].o_gram = output_gram(ckpt.load(o_name), dims.num_heads, dims.head_dim)
             if on_layer is not None:  # before the weights go: a cost may run the layer again

@@ -58,16 +58,16 @@ def svd_merge_layer(
     if stats.value_row(0, d).shape[1] != s * d:
         raise Mha2GqaError("calibration statistics do not match this conversion (group size or head_dim)")
     for j, members in enumerate(contiguous_groups(groups * s, groups)):
-        # ---- V: shared principal subspace, basis into o_proj
-        u, decode = (x.to(w["v"].dtype) for x in stats.value_code(j, d))  # [s*d, d] each
+        # ---- V: shared value code, each head's decoder into o_proj
+        encode, decode = (x.to(w["v"].dtype) for x in stats.value_code(j, d))  # [s*d, d] each
         v_stack = torch.cat([w["v"][h * d : (h + 1) * d] for h in members])
-        v_rows.append(u.T @ v_stack)
+        v_rows.append(encode.T @ v_stack)
         if vb is not None:
-            vb_rows.append(u.T @ torch.cat([vb[h * d : (h + 1) * d] for h in members]))
+            vb_rows.append(encode.T @ torch.cat([vb[h * d : (h + 1) * d] for h in members]))
         for m, h in enumerate(members):
-            u_h = decode[m * d : (m + 1) * d]  # [d, d]
+            decode_h = decode[m * d : (m + 1) * d]  # [d, d]
             for i in range(h * r, (h + 1) * r):
-                o[:, i * d : (i + 1) * d] = o[:, i * d : (i + 1) * d] @ u_h
+                o[:, i * d : (i + 1) * d] = o[:, i * d : (i + 1) * d] @ decode_h
         # ---- K rotary planes: weighted complex rank-1 per plane, coefficients into q_proj
         new_k = torch.zeros(d, w["k"].shape[1], dtype=w["k"].dtype)
         new_kb = torch.zeros(d, dtype=w["k"].dtype) if kb is not None else None
