@@ -15,7 +15,11 @@
    - attention similarity vs the eager ``output_attentions`` route: wall time and peak memory;
    - decode tokens/s and KV cache bytes with H, H/4 and 1 KV heads at batch 1, 8, 32, 64 with a
      2,048-token context (prompt + new tokens), and where a batch runs out of memory;
-   - calibration seconds per layer (``svd`` with 512 calibration tokens on the device).
+   - calibration seconds per layer (``svd`` with 512 calibration tokens on the device);
+   - the refit's seconds per layer and per step at its defaults (200 steps of 8 windows at most) on a
+     random model of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64; ``--tiny``: 2 layers),
+     9 -> 1 KV head with ``svd --refit`` on 16,384 calibration tokens, as issue 33's real-model runs.
+   ``--figures`` picks some of them (``tests,perplexity,attention,decode,calibration,refit``).
 4. Writes ``gpu_suite.md`` (one table) and ``gpu_suite.json`` in ``--out``.
 """
 
@@ -65,6 +69,7 @@ FULL = {
     "ppl_batch": 4,
     "attn_seq_len": 1024,
     "calibration_tokens": 512,
+    "refit": {"layers": 30, "hidden": 576, "heads": 9, "intermediate": 1536, "vocab": 8192, "tokens": 16384},
 }
 TINY = {
     "layers": 2,
@@ -79,7 +84,10 @@ TINY = {
     "ppl_batch": 2,
     "attn_seq_len": 64,
     "calibration_tokens": 128,
+    "refit": {"layers": 2, "hidden": 64, "heads": 8, "intermediate": 128, "vocab": 512, "tokens": 1024},
 }
+#: what the suite can measure, in the order it runs them (``--figures``)
+FIGURES = ("tests", "perplexity", "attention", "decode", "calibration", "refit")
 
 
 def ensure_installed(wheels: Path | None) -> list[str]:
@@ -223,7 +231,7 @@ def decode_figures(size: dict, device, dtype) -> list[dict]:
     return rows
 
 
-def speed_figures(size: dict, device_name: str, dtype_name: str) -> dict:
+def speed_figures(size: dict, device_name: str, dtype_name: str, figures: set[str]) -> dict:
     import torch
 
     sys.path.insert(0, str(HERE))
@@ -246,17 +254,23 @@ def speed_figures(size: dict, device_name: str, dtype_name: str) -> dict:
         "repeats": 3,
     }
     out: dict = {}
-    t = time.perf_counter()
-    out["perplexity"] = eval_speed.perplexity_bench(args)
-    print(f"  perplexity: {out['perplexity']} ({time.perf_counter() - t:.0f} s)", flush=True)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    out["attention"] = {
-        k: {"wall": v["wall"], "peak_bytes": v["peak_bytes"]} for k, v in eval_speed.attention_bench(args).items()
-    }
-    print(f"  attention: {out['attention']}", flush=True)
-    out["decode"] = decode_figures(size, device, dtype)
-    out["calibration"] = calibration_figure(size, device_name)
+    if "perplexity" in figures:
+        t = time.perf_counter()
+        out["perplexity"] = eval_speed.perplexity_bench(args)
+        print(f"  perplexity: {out['perplexity']} ({time.perf_counter() - t:.0f} s)", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "attention" in figures:
+        out["attention"] = {
+            k: {"wall": v["wall"], "peak_bytes": v["peak_bytes"]} for k, v in eval_speed.attention_bench(args).items()
+        }
+        print(f"  attention: {out['attention']}", flush=True)
+    if "decode" in figures:
+        out["decode"] = decode_figures(size, device, dtype)
+    if "calibration" in figures:
+        out["calibration"] = calibration_figure(size, device_name)
+    if "refit" in figures:
+        out["refit"] = refit_figure(size["refit"], device_name)
     return out
 
 
@@ -292,6 +306,72 @@ def calibration_figure(size: dict, device_name: str) -> dict:
     return {"seconds": seconds, "seconds_per_layer": seconds / size["layers"], "tokens": size["calibration_tokens"]}
 
 
+def refit_figure(shape: dict, device_name: str) -> dict:
+    """Seconds per layer and per step of ``svd --refit`` at its default steps and batch, H -> 1 KV head,
+    on a random Llama of ``shape`` (float32 on the device, as the refit runs)."""
+    import statistics
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.demo import build_tokenizer, cpython_text
+
+    config = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"],
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    with tempfile.TemporaryDirectory(prefix="mha2gqa-gpu-suite-") as tmp:
+        src = Path(tmp) / "mha"
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(src)
+        train, _ = cpython_text(0.1)
+        build_tokenizer(train, min(shape["vocab"], 4096)).save_pretrained(src)
+        (Path(tmp) / "calibration.txt").write_text(train)
+        t = time.perf_counter()
+        result = convert_checkpoint(
+            src,
+            Path(tmp) / "refit",
+            1,
+            method="svd",
+            device=device_name,
+            calibration=str(Path(tmp) / "calibration.txt"),
+            calibration_tokens=shape["tokens"],
+            refit=True,
+            progress=False,
+        )
+        seconds = time.perf_counter() - t
+    layers = result.facts.refit.layers
+    per_layer = [r.seconds for r in layers]
+    per_step = [r.seconds / r.steps for r in layers if r.steps]
+    figure = {
+        "shape": shape,
+        "seconds": seconds,
+        "refit_seconds": sum(per_layer),
+        "seconds_per_layer": statistics.median(per_layer),
+        "seconds_per_step": statistics.median(per_step),
+        "steps": [r.steps for r in layers],
+        "max_steps": result.facts.refit.steps,
+        "batch": result.facts.refit.batch,
+    }
+    print(
+        f"  refit: {figure['seconds_per_layer']:.2f} s per layer, {figure['seconds_per_step'] * 1e3:.1f} ms per step "
+        f"(median; {statistics.mean(figure['steps']):.0f} of {figure['max_steps']} steps on average), "
+        f"{seconds:.0f} s for the conversion",
+        flush=True,
+    )
+    return figure
+
+
 def _decode_cell(row: dict) -> str:
     from mha2gqa.core.units import format_bytes
 
@@ -316,26 +396,38 @@ def markdown(results: dict) -> str:
             f"| `pytest -m gpu` | {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped "
             f"({t['seconds']:.0f} s) |"
         )
-    p = sp["perplexity"]
-    ratio = p["mha2gqa"]["tokens_per_s"] / p["plain"]["tokens_per_s"]
-    lines.append(
-        f"| perplexity tok/s, mha2gqa vs plain loop | {p['mha2gqa']['tokens_per_s']:,.0f} vs "
-        f"{p['plain']['tokens_per_s']:,.0f} ({ratio:.2f}x; ppl {p['mha2gqa']['ppl']:.4f} vs "
-        f"{p['plain']['ppl']:.4f}) |"
-    )
-    a = sp["attention"]
-    lines.append(
-        f"| attention similarity at {s['attn_seq_len']} tokens, mha2gqa vs eager | {a['ours']['wall']:.2f} s "
-        f"vs {a['eager']['wall']:.2f} s; {a['ours']['peak_bytes'] / 2**20:,.0f} vs "
-        f"{a['eager']['peak_bytes'] / 2**20:,.0f} MiB |"
-    )
-    for row in sp["decode"]:
+    p = sp.get("perplexity")
+    if p:
+        ratio = p["mha2gqa"]["tokens_per_s"] / p["plain"]["tokens_per_s"]
+        lines.append(
+            f"| perplexity tok/s, mha2gqa vs plain loop | {p['mha2gqa']['tokens_per_s']:,.0f} vs "
+            f"{p['plain']['tokens_per_s']:,.0f} ({ratio:.2f}x; ppl {p['mha2gqa']['ppl']:.4f} vs "
+            f"{p['plain']['ppl']:.4f}) |"
+        )
+    a = sp.get("attention")
+    if a:
+        lines.append(
+            f"| attention similarity at {s['attn_seq_len']} tokens, mha2gqa vs eager | {a['ours']['wall']:.2f} s "
+            f"vs {a['eager']['wall']:.2f} s; {a['ours']['peak_bytes'] / 2**20:,.0f} vs "
+            f"{a['eager']['peak_bytes'] / 2**20:,.0f} MiB |"
+        )
+    for row in sp.get("decode", []):
         lines.append(
             f"| decode, {row['kv_heads']} KV heads, batch {row['batch']}, context {s['context']} | "
             f"{_decode_cell(row)} |"
         )
-    c = sp["calibration"]
-    lines.append(f"| svd calibration ({c['tokens']} tokens) | {c['seconds_per_layer']:.2f} s per layer |")
+    c = sp.get("calibration")
+    if c:
+        lines.append(f"| svd calibration ({c['tokens']} tokens) | {c['seconds_per_layer']:.2f} s per layer |")
+    r = sp.get("refit")
+    if r:
+        sh = r["shape"]
+        lines.append(
+            f"| `svd --refit` {sh['heads']} -> 1 KV head, {sh['layers']} layers of hidden {sh['hidden']}, "
+            f"{sh['tokens']:,} tokens, at most {r['max_steps']} steps x {r['batch']} windows | "
+            f"{r['seconds_per_layer']:.2f} s per layer, {r['seconds_per_step'] * 1e3:.1f} ms per step (medians; "
+            f"{sum(r['steps']) / len(r['steps']):.0f} steps a layer on average); {r['seconds']:.0f} s in all |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -345,8 +437,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny model and batches: the CPU smoke mode")
     parser.add_argument("--wheels", type=Path, default=None, help="wheels of missing dependencies (offline)")
-    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true", help="the same as --figures without tests")
+    parser.add_argument(
+        "--figures", default=",".join(FIGURES), help=f"what to measure, comma-separated from {','.join(FIGURES)}"
+    )
     args = parser.parse_args(argv)
+    figures = {f.strip() for f in args.figures.split(",") if f.strip()}
+    if not figures or figures - set(FIGURES):
+        parser.error(f"--figures {args.figures!r}: give some of {','.join(FIGURES)}, comma-separated")
+    if args.skip_tests:
+        figures.discard("tests")
     args.out.mkdir(parents=True, exist_ok=True)
     installed = ensure_installed(args.wheels)
     import torch
@@ -364,10 +464,10 @@ def main(argv: list[str] | None = None) -> dict:
         "size": size,
         "versions": {"torch": torch.__version__},
     }
-    if not args.tiny and not args.skip_tests:
+    if not args.tiny and "tests" in figures:
         results["tests"] = run_gpu_tests(args.out)
         print(f"pytest -m gpu: {results['tests']}", flush=True)
-    results["speed"] = speed_figures(size, args.device, dtype)
+    results["speed"] = speed_figures(size, args.device, dtype, figures)
     (args.out / "gpu_suite.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     table = markdown(results)
     (args.out / "gpu_suite.md").write_text(table)

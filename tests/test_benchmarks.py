@@ -30,8 +30,21 @@ def test_gpu_suite_cpu_smoke_mode_writes_its_table_and_json(tmp_path):
     by = {(r["kv_heads"], r["batch"]): r["kv_cache_bytes"] for r in decode}
     assert by[(2, 4)] * 4 == by[(8, 4)] and by[(1, 1)] * 8 == by[(8, 1)]  # the cache shrinks as H/G
     assert speed["calibration"]["seconds_per_layer"] > 0 and speed["attention"]["ours"]["wall"] > 0
+    refit = speed["refit"]
+    assert len(refit["steps"]) == refit["shape"]["layers"] and all(0 < n <= refit["max_steps"] for n in refit["steps"])
+    assert 0 < refit["seconds_per_step"] < refit["seconds_per_layer"] <= refit["refit_seconds"] < refit["seconds"]
     table = (tmp_path / "gpu_suite.md").read_text()
-    assert "perplexity tok/s" in table and "decode, 1 KV heads, batch 4" in table
+    assert "perplexity tok/s" in table and "decode, 1 KV heads, batch 4" in table and "`svd --refit` 8 -> 1" in table
+
+
+def test_gpu_suite_measures_only_the_figures_asked_for_and_refuses_unknown_ones(tmp_path):
+    run = [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--out", str(tmp_path), "--device", "cpu", "--tiny"]
+    proc = subprocess.run([*run, "--figures", "calibration"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(json.loads((tmp_path / "gpu_suite.json").read_text())["speed"]) == {"calibration"}
+    assert "svd calibration" in (tmp_path / "gpu_suite.md").read_text()
+    proc = subprocess.run([*run, "--figures", "calibration,speed"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--figures 'calibration,speed': give some of tests," in proc.stderr
 
 
 @requires_fixtures("stories260K/tokenizer.json")
