@@ -87,7 +87,7 @@ def main() -> None:
                 t = time.perf_counter()
                 result = uptrain(str(student), settings, log=lambda m: None)
                 seconds = time.perf_counter() - t
-                curves[name] = {e["step"]: e["ppl_ratio"] for e in result.evals}
+                curves[name] = {e.step: e.ppl_ratio for e in result.evals}
                 at_512 = EvalSettings(data=str(work / "held.txt"), seq_len=512, attention=False, progress=False)
                 full = evaluate(str(model), str(work / name), at_512)
                 finals[name] = (full["protocols"]["disjoint"]["ppl_ratio"], full["agreement"]["kl"]["mean"], seconds)

@@ -11,6 +11,7 @@ from typing import Any
 from mha2gqa.core.figures import OKABE_ITO
 from mha2gqa.core.figures import figure as _figure
 from mha2gqa.core.figures import png as _png
+from mha2gqa.core.runlog import RunEval, RunHistory
 
 
 def heatmap(
@@ -192,21 +193,24 @@ def log_axis(ax: Any, values: list[float]) -> list[float]:
     return ticks
 
 
-def recovery_curves(runs: list[tuple[str, list[dict[str, Any]]]]) -> bytes:
+def recovery_curves(runs: list[RunHistory]) -> bytes:
     """Held-out perplexity (ratio to the teacher when the log has one) and KL to the teacher
     against training tokens seen, one line per uptraining run."""
-    with_kl = any("kl_mean" in e for _, evals in runs for e in evals)
-    ratio = all("ppl_ratio" in e for _, evals in runs for e in evals)
+    evals = [e for run in runs for e in run.evals]
+    with_kl = any(e.kl_mean is not None for e in evals)
+    ratio = all(e.ppl_ratio is not None for e in evals)
+
+    def shown(e: RunEval) -> float:
+        return e.ppl_ratio if ratio else e.ppl  # type: ignore[return-value]
+
     plt, fig = _figure(10 if with_kl else 6, 3.4)
     axes = fig.subplots(1, 2 if with_kl else 1, squeeze=False)[0]
-    for i, (label, evals) in enumerate(runs):
+    for i, run in enumerate(runs):
         colour, marker = OKABE_ITO[i % len(OKABE_ITO)], "osD^v<>p"[i % 8]
-        x = [e["tokens"] for e in evals]
-        axes[0].plot(
-            x, [e["ppl_ratio" if ratio else "ppl"] for e in evals], marker + "-", ms=3, color=colour, label=label
-        )
+        x = [e.tokens for e in run.evals]
+        axes[0].plot(x, [shown(e) for e in run.evals], marker + "-", ms=3, color=colour, label=run.label)
         if with_kl:
-            axes[1].plot(x, [e.get("kl_mean") for e in evals], marker + "-", ms=3, color=colour, label=label)
+            axes[1].plot(x, [e.kl_mean for e in run.evals], marker + "-", ms=3, color=colour, label=run.label)
     axes[0].set_ylabel("perplexity / teacher's" if ratio else "held-out perplexity")
     axes[0].set_title("Held-out perplexity during uptraining")
     if ratio:
@@ -214,10 +218,9 @@ def recovery_curves(runs: list[tuple[str, list[dict[str, Any]]]]) -> bytes:
     if with_kl:
         axes[1].set_ylabel("mean KL(teacher ‖ student), nats")
         axes[1].set_title("Distance to the MHA parent")
-    values = [e["ppl_ratio" if ratio else "ppl"] for _, evals in runs for e in evals]
-    log_axis(axes[0], values + ([1.0] if ratio else []))
+    log_axis(axes[0], [shown(e) for e in evals] + ([1.0] if ratio else []))
     if with_kl:
-        log_axis(axes[1], [e["kl_mean"] for _, evals in runs for e in evals if e.get("kl_mean")])
+        log_axis(axes[1], [e.kl_mean for e in evals if e.kl_mean])
     for ax in axes:
         ax.set_xlabel("training tokens seen")
     axes[0].legend(frameon=False, fontsize=8)

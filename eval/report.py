@@ -14,16 +14,14 @@ import html
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mha2gqa.core import typed
 from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import check_destination, write_text
 from mha2gqa.core.records import FILE_MARK
-from mha2gqa.core.runlog import read_log
+from mha2gqa.core.runlog import RunHistory
 from mha2gqa.eval import plots
 from mha2gqa.eval.results import Results
 from mha2gqa.eval.tables import (
@@ -143,57 +141,10 @@ FIGURE_CAPTIONS = {
 }
 
 
-def load_runs(paths: list[Path]) -> list[tuple[str, list[dict[str, Any]]]]:
-    """Uptraining logs (``uptrain_log.jsonl`` or the ``--output`` folder holding one) as
-    ``(label, records)``; the label is the run folder's name."""
-    out = []
-    for p in paths:
-        records = read_log(Path(p))
-        if not records or not isinstance(records[0], dict) or records[0].get("type") != "start":
-            raise Mha2GqaError(f"{p}: not a log of `mha2gqa uptrain` (no start record)")
-        try:
-            typed.read(_RunStart, records[0], "start record")
-            for i, r in enumerate(records):
-                if not isinstance(r, dict):
-                    raise typed.RecordError(f"record {i + 1} is not an object")
-                if r.get("type") == "eval":
-                    typed.read(_RunEval, r, f"record {i + 1} (eval)")
-                elif "step" in r:
-                    typed.value(int, r["step"], f"record {i + 1}.step")
-        except typed.RecordError as e:
-            raise Mha2GqaError(f"{p}: {e}") from None
-        folder = Path(p) if Path(p).is_dir() else Path(p).parent
-        out.append((folder.resolve().name, records))
-    return out
-
-
-@dataclass
-class _RunSettings:
-    objective: str
-    train: str
-    max_steps: int
-
-
-@dataclass
-class _RunStart:
-    """What the report reads of an uptraining log's start record."""
-
-    settings: _RunSettings
-    tokens_per_step: int
-    num_kv_heads: int | None = None
-
-
-@dataclass
-class _RunEval:
-    """What the report reads of an uptraining log's evaluation records."""
-
-    step: int
-    tokens: int
-    ppl: float
-    teacher_ppl: float | None = None
-    ppl_ratio: float | None = None
-    kl_mean: float | None = None
-    eval_tokens: int | None = None
+def load_runs(paths: list[Path]) -> list[RunHistory]:
+    """Uptraining logs (``uptrain_log.jsonl`` or the ``--output`` folder holding one), each read
+    whole and checked (:class:`~mha2gqa.core.runlog.RunHistory`), labelled by its run folder."""
+    return [RunHistory.read(Path(p)) for p in paths]
 
 
 def _figure(
@@ -253,7 +204,7 @@ def render(
     results: list[Results],
     html_path: Path | None = None,
     md_path: Path | None = None,
-    runs: list[tuple[str, list[dict[str, Any]]]] | None = None,
+    runs: list[RunHistory] | None = None,
     overwrite: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
@@ -367,11 +318,10 @@ class _Page:
 
     def recovery(self, runs) -> None:
         table = recovery_table(runs)
-        curves = [(label, [r for r in recs if r.get("type") == "eval"]) for label, recs in runs]
         self.html += ['<details id="uptraining"><summary>Uptraining recovery</summary>', table.html()]
         self.md += ["## Uptraining recovery", "", table.markdown(), ""]
-        if any(evals for _, evals in curves):
-            self.figure("recovery", plots.recovery_curves([c for c in curves if c[1]]), "recovery")
+        if any(run.evals for run in runs):
+            self.figure("recovery", plots.recovery_curves([run for run in runs if run.evals]), "recovery")
         self.html.append("</details>")
 
     def comparison(self, i: int, r: Results, scales: dict[str, tuple[float, float]]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from mha2gqa.core.dims import kv_bytes_per_token
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.model_info import ModelInfo
+from mha2gqa.core.runlog import RunHistory
 from mha2gqa.core.text_table import Table
 from mha2gqa.core.units import format_bytes
 from mha2gqa.eval.results import Results
@@ -283,7 +284,7 @@ def shared_original(results: list[Results]) -> str | None:
     return paths.pop() if len(paths) == 1 else None
 
 
-def overview_table(results: list[Results], runs: list[tuple[str, list[dict[str, Any]]]] | None = None) -> Table:
+def overview_table(results: list[Results], runs: list[RunHistory] | None = None) -> Table:
     """The first screen: one row per comparison with everything that decides it (perplexities on
     how many tokens, ratio, KL, top-1, KV bytes and the saving, calibration, the verdict and each
     gate's result), its first cell linking to the comparison's section (named by the converted model
@@ -313,25 +314,24 @@ def overview_table(results: list[Results], runs: list[tuple[str, list[dict[str, 
             link=f"#result-{i}",
         )
     evaluated = {Path(r.converted.path).name for r in results if r.converted}
-    for label, records in runs or []:
-        if label not in evaluated:  # an uptraining run only seen through its log: its last evaluation
-            t.add(*_run_row(label, records), *([""] * (tasked + gated)), link="#uptraining")
+    for run in runs or []:
+        if run.label not in evaluated:  # an uptraining run only seen through its log: its last evaluation
+            t.add(*_run_row(run), *([""] * (tasked + gated)), link="#uptraining")
     return t
 
 
-def _run_row(label: str, records: list[dict[str, Any]]) -> list[str]:
+def _run_row(run: RunHistory) -> list[str]:
     """An overview row for an uptraining run from its log's last held-out evaluation (vs its teacher)."""
-    start, evals = records[0], [r for r in records if r.get("type") == "eval"]
-    last = evals[-1] if evals else {}
-    ratio, kl = last.get("ppl_ratio"), last.get("kl_mean")
+    last = run.evals[-1] if run.evals else None
+    ratio, kl = (last.ppl_ratio, last.kl_mean) if last else (None, None)
     verdict = judge(figures_of({"held-out": ratio} if ratio else {}, kl, None))
     return [
-        label,
+        run.label,
         "uptrain",
-        str(start.get("num_kv_heads", "")),
+        str(run.start.num_kv_heads),
         "-",
-        f"{last['teacher_ppl']:.3f} → {last['ppl']:.3f}" if last.get("teacher_ppl") is not None else "",
-        f"{last.get('eval_tokens') or 0:,}" if last else "",
+        f"{last.teacher_ppl:.3f} → {last.ppl:.3f}" if last and last.teacher_ppl is not None else "",
+        f"{last.eval_tokens:,}" if last else "",
         f"{ratio:.3f}x" if ratio else "",
         f"{kl:.4f}" if kl is not None else "",
         "",
@@ -426,26 +426,24 @@ def sweep_table(rows: list[SweepRow]) -> Table:
     return t
 
 
-def recovery_table(runs: list[tuple[str, list[dict[str, Any]]]]) -> Table:
+def recovery_table(runs: list[RunHistory]) -> Table:
     """One row per uptraining run: what trained, how long, and held-out quality before -> after."""
     t = Table(["run", "objective", "trains", "steps", "tokens", "held-out PPL", "vs teacher", "KL"])
-    for label, records in runs:
-        s = records[0]["settings"]
-        evals = [r for r in records if r.get("type") == "eval"]
-        steps = max((r.get("step", 0) for r in records), default=0)
+    for run in runs:
+        start, steps = run.start, run.steps
         row = [
-            label,
-            s["objective"],
-            s["train"],
-            f"{steps:,} / {s['max_steps']:,}",
-            f"{steps * records[0]['tokens_per_step']:,}",
+            run.label,
+            start.objective,
+            start.train,
+            f"{steps:,} / {start.max_steps:,}",
+            f"{steps * start.tokens_per_step:,}",
         ]
-        if evals:
-            a, b = evals[0], evals[-1]
-            both = {k: a.get(k) is not None and b.get(k) is not None for k in ("ppl_ratio", "kl_mean")}
-            row.append(f"{a['ppl']:.3f} → {b['ppl']:.3f} ({b.get('eval_tokens') or 0:,} tok)")
-            row.append(f"{a['ppl_ratio']:.3f}x → {b['ppl_ratio']:.3f}x" if both["ppl_ratio"] else "")
-            row.append(f"{a['kl_mean']:.4f} → {b['kl_mean']:.4f}" if both["kl_mean"] else "")
+        if run.evals:
+            a, b = run.evals[0], run.evals[-1]
+            row.append(f"{a.ppl:.3f} → {b.ppl:.3f} ({b.eval_tokens:,} tok)")
+            ratios, kls = (a.ppl_ratio, b.ppl_ratio), (a.kl_mean, b.kl_mean)
+            row.append(f"{ratios[0]:.3f}x → {ratios[1]:.3f}x" if None not in ratios else "")
+            row.append(f"{kls[0]:.4f} → {kls[1]:.4f}" if None not in kls else "")
         else:
             row += ["(no --eval-data)", "", ""]
         t.add(*row)

@@ -172,13 +172,16 @@ def test_conversion_record(converted, data):
 
 
 RUN_LOG = [
-    {"type": "start", "settings": {"objective": "kd", "train": "all", "max_steps": 4}, "tokens_per_step": 64,
-     "num_kv_heads": 2},
-    {"type": "eval", "step": 0, "tokens": 0, "ppl": 14.0, "teacher_ppl": 10.0, "ppl_ratio": 1.4, "kl_mean": 0.4,
-     "eval_tokens": 512},
-    {"type": "train", "step": 2, "tokens": 128, "loss": 2.0},
-    {"type": "eval", "step": 4, "tokens": 256, "ppl": 10.4, "teacher_ppl": 10.0, "ppl_ratio": 1.04, "kl_mean": 0.04,
-     "eval_tokens": 512},
+    {"type": "start", "created": "2026-11-26T00:00:00+00:00", "student": "s", "teacher": "t",
+     "settings": {"objective": "kd", "train": "all", "max_steps": 4}, "windows": 16, "tokens_per_step": 64,
+     "total_steps": 4, "trainable_parameters": 100, "parameters": 100, "num_heads": 4, "num_kv_heads": 2,
+     "processes": 1, "device": "cpu", "mixed_precision": "no", "eval_seq_len": 32},
+    {"type": "eval", "step": 0, "tokens": 0, "nll": 2.64, "ppl": 14.0, "teacher_ppl": 10.0, "ppl_ratio": 1.4,
+     "kl_mean": 0.4, "eval_tokens": 512},
+    {"type": "train", "step": 2, "tokens": 128, "epoch": 0.5, "loss": 2.0, "kd": 2.0, "lr": 1e-3,
+     "grad_norm": 1.5, "tokens_per_second": 900.0},
+    {"type": "eval", "step": 4, "tokens": 256, "nll": 2.34, "ppl": 10.4, "teacher_ppl": 10.0, "ppl_ratio": 1.04,
+     "kl_mean": 0.04, "eval_tokens": 512},
 ]  # fmt: skip
 
 

@@ -109,7 +109,7 @@ def test_calibration_and_svd_on_cuda_equal_cpu(pair, tmp_path):
 
 
 def test_uptraining_with_bf16_autocast_reaches_the_cpu_loss(pair, tmp_path):
-    from mha2gqa.core.runlog import read_log
+    from mha2gqa.core.runlog import RunTrain, read_log
     from mha2gqa.uptrain import UptrainSettings, uptrain
 
     def run(device: str, precision: str) -> float:
@@ -127,7 +127,7 @@ def test_uptraining_with_bf16_autocast_reaches_the_cpu_loss(pair, tmp_path):
             progress=False,
         )
         uptrain(str(pair["mean"]), s, log=lambda *_: None)
-        return [r for r in read_log(out) if r["type"] == "train"][-1]["loss"]
+        return [r for r in read_log(out) if isinstance(r, RunTrain)][-1].loss
 
     cpu, gpu = run("cpu", "no"), run("cuda", "bf16")
     assert abs(gpu - cpu) / cpu < 0.05, (gpu, cpu)

@@ -361,21 +361,24 @@ def test_training_stops_on_a_non_finite_loss(pair, tmp_path, monkeypatch):
 
 
 def test_a_torn_last_log_line_is_skipped_with_a_warning(tmp_path):
-    from mha2gqa.core.runlog import RunLog, read_log
+    from mha2gqa.core.runlog import RunLog, RunTrain, read_log
 
     log = tmp_path / "uptrain_log.jsonl"
     writer = RunLog(log)
     for step in range(3):
-        writer.write({"type": "train", "step": step})
+        writer.write(RunTrain(step, 64 * step, 0.1 * step, 2.0, 1e-3, None, 100.0, parts={"ce": 2.0}))
     with log.open("a") as f:
         f.write('{"type": "train", "st')  # killed mid-write
     with pytest.warns(UserWarning, match="torn last line"):
-        assert [r["step"] for r in read_log(log)] == [0, 1, 2]
+        assert [r.step for r in read_log(log)] == [0, 1, 2]
     with pytest.warns(UserWarning):
         RunLog(log, keep_until_step=1)  # a resume keeps what is whole up to its checkpoint
-    assert [r["step"] for r in read_log(log)] == [0, 1]
+    assert read_log(log) == [RunTrain(s, 64 * s, 0.1 * s, 2.0, 1e-3, None, 100.0, parts={"ce": 2.0}) for s in (0, 1)]
     log.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
-    with pytest.raises(Mha2GqaError, match="line 2 is not a log record"):
+    with pytest.raises(Mha2GqaError, match=r"line 1\.type None is not one of start, train"):
+        read_log(log)
+    log.write_text('{"type": "train", "step": 1}\nnot json\n{"b": 2}\n')
+    with pytest.raises(Mha2GqaError, match=r"uptrain_log.jsonl: line 1 \(train\).tokens is missing"):
         read_log(log)
 
 

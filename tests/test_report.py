@@ -268,6 +268,201 @@ def test_a_bench_file_written_before_reads_and_bad_values_are_refused_in_one_lin
         assert str(path) in str(e.value) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+#: An uptraining run's log as mha2gqa wrote it before its records were typed (commit 8e98ff6: stopped
+#: at step 2, resumed, finished), and the run's uptraining record (settings shortened).
+RUN_LOG_WRITTEN_BEFORE = [
+    {
+        "type": "start",
+        "created": "2026-11-26T04:45:48+00:00",
+        "student": "/tmp/oldlog/student",
+        "teacher": "/work/shared/fixtures/stories260K-mha-expanded",
+        "settings": {
+            "objective": "mix",
+            "train": "all",
+            "max_steps": 4,
+            "seq_len": 64,
+            "batch_size": 2,
+            "lr": 0.0001,
+            "data": "/tmp/oldlog/train.txt",
+            "eval_data": "/tmp/oldlog/held.txt",
+            "teacher": "/work/shared/fixtures/stories260K-mha-expanded",
+        },
+        "windows": 148,
+        "tokens_per_step": 128,
+        "total_steps": 4,
+        "trainable_parameters": 260032,
+        "parameters": 260032,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "processes": 1,
+        "device": "cpu",
+        "mixed_precision": "no",
+        "eval_seq_len": 64,
+    },
+    {
+        "nll": 2.093757992699033,
+        "eval_tokens": 63,
+        "ppl": 8.115355377690307,
+        "teacher_ppl": 8.115355377690307,
+        "ppl_ratio": 1.0,
+        "kl_mean": 0.0,
+        "top1_agreement": 1.0,
+        "type": "eval",
+        "step": 0,
+        "tokens": 0,
+        "seq_len": 64,
+    },
+    {
+        "type": "train",
+        "step": 2,
+        "tokens": 256,
+        "epoch": 0.027,
+        "loss": 0.8314338028430939,
+        "ce": 1.6624085903167725,
+        "kd": 0.0004589935124386102,
+        "lr": 5.500000000000001e-05,
+        "grad_norm": 3.2500643730163574,
+        "tokens_per_second": 2197.6435065569294,
+        "step_seconds": 0.05824420549470233,
+        "peak_memory_mib": [509.6],
+    },
+    {
+        "nll": 2.0863499717106895,
+        "eval_tokens": 63,
+        "ppl": 8.05545878624849,
+        "teacher_ppl": 8.115355377690307,
+        "ppl_ratio": 0.9926193507672533,
+        "kl_mean": 0.0010883621765338878,
+        "top1_agreement": 1.0,
+        "type": "eval",
+        "step": 2,
+        "tokens": 256,
+        "seq_len": 64,
+    },
+    {
+        "type": "resume",
+        "step": 2,
+        "created": "2026-11-26T04:46:00+00:00",
+        "from": "/tmp/oldlog/run/checkpoints/step-0000002",
+    },
+    {
+        "type": "train",
+        "step": 4,
+        "tokens": 512,
+        "epoch": 0.0541,
+        "loss": 0.8365761637687683,
+        "ce": 1.6716087460517883,
+        "kd": 0.0015435704262927175,
+        "lr": 1e-05,
+        "grad_norm": 2.8312723636627197,
+        "tokens_per_second": 2119.527595954687,
+        "step_seconds": 0.060390815502614714,
+        "peak_memory_mib": [505.7],
+    },
+    {
+        "nll": 2.085477072095114,
+        "eval_tokens": 63,
+        "ppl": 8.048430247421395,
+        "teacher_ppl": 8.115355377690307,
+        "ppl_ratio": 0.9917532717725592,
+        "kl_mean": 0.0015257090788275542,
+        "top1_agreement": 1.0,
+        "type": "eval",
+        "step": 4,
+        "tokens": 512,
+        "seq_len": 64,
+    },
+    {"type": "end", "step": 4, "tokens": 512, "created": "2026-11-26T04:46:01+00:00", "seconds": 1.3226108599992585},
+]
+UPTRAIN_RECORD_WRITTEN_BEFORE = {
+    "schema": "mha2gqa.uptrain/1",
+    "uptrain": {
+        "student": "/tmp/oldlog/student",
+        "settings": {
+            "objective": "mix",
+            "train": "all",
+            "max_steps": 4,
+            "seq_len": 64,
+            "batch_size": 2,
+            "lr": 0.0001,
+            "data": "/tmp/oldlog/train.txt",
+            "eval_data": "/tmp/oldlog/held.txt",
+            "teacher": "/work/shared/fixtures/stories260K-mha-expanded",
+            "min_lr_ratio": 0.1,
+        },
+        "steps": 4,
+        "tokens": 512,
+        "warmup_steps": 0,
+        "trainable_parameters": 260032,
+        "processes": 1,
+        "mixed_precision": "no",
+        "first_eval": {
+            "nll": 2.093757992699033,
+            "eval_tokens": 63,
+            "ppl": 8.115355377690307,
+            "teacher_ppl": 8.115355377690307,
+            "ppl_ratio": 1.0,
+            "kl_mean": 0.0,
+            "top1_agreement": 1.0,
+            "type": "eval",
+            "step": 0,
+            "tokens": 0,
+            "seq_len": 64,
+        },
+        "last_eval": {
+            "nll": 2.085477072095114,
+            "eval_tokens": 63,
+            "ppl": 8.048430247421395,
+            "teacher_ppl": 8.115355377690307,
+            "ppl_ratio": 0.9917532717725592,
+            "kl_mean": 0.0015257090788275542,
+            "top1_agreement": 1.0,
+            "type": "eval",
+            "step": 4,
+            "tokens": 512,
+            "seq_len": 64,
+        },
+    },
+    "mha2gqa_version": "0.1.0",
+    "created": "2026-11-26T04:46:00+00:00",
+}
+
+
+def test_a_run_log_written_before_reads_typed_and_writes_back_the_same_records(tmp_path):
+    from mha2gqa.core.errors import Mha2GqaError
+    from mha2gqa.core.runlog import RunEval, RunHistory, RunLog, RunResume, RunStart, RunTrain, read_log, to_json
+    from mha2gqa.eval.tables import overview_table, recovery_table
+    from mha2gqa.uptrain.record import UptrainRecord
+
+    run = tmp_path / "run-old"
+    run.mkdir()
+    log = run / "uptrain_log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in RUN_LOG_WRITTEN_BEFORE))
+    records = read_log(log)
+    assert [type(r) for r in records[:3]] == [RunStart, RunEval, RunTrain] and isinstance(records[4], RunResume)
+    assert records[0].objective == "mix" and records[0].num_kv_heads == 4 and records[2].parts.keys() == {"ce", "kd"}
+    assert records[4].from_.endswith("step-0000002") and records[2].peak_memory_mib == [509.6]
+    assert [to_json(r) for r in records] == RUN_LOG_WRITTEN_BEFORE  # every key and value as written
+    history = RunHistory.read(run)
+    assert history.label == "run-old" and history.steps == 4 and [e.step for e in history.evals] == [0, 2, 4]
+    row = recovery_table([history]).markdown()
+    assert "| run-old | mix | all | 4 / 4 | 512 | 8.115 → 8.048 (63 tok) | 1.000x → 0.992x | 0.0000 → 0.0015 |" in row
+    assert (
+        "| [run-old](#uptraining) | uptrain | 4 | - | 8.115 → 8.048 | 63 | 0.992x | 0.0015 |"
+        in overview_table([], [history]).markdown()
+    )
+    with pytest.warns(UserWarning):  # a resume at step 2 keeps what was whole up to it, as written
+        with log.open("a") as f:
+            f.write('{"type": "tra')
+        RunLog(log, keep_until_step=2)
+    assert [json.loads(x) for x in log.read_text().splitlines()] == RUN_LOG_WRITTEN_BEFORE[:5]
+    record = UptrainRecord.from_dict(UPTRAIN_RECORD_WRITTEN_BEFORE, "old.json")
+    assert record.last_eval == records[-2] and "×0.992 the teacher, KL 0.0015" in record.card(None)
+    log.write_text(log.read_text().replace('"ppl": 8.05545878624849', '"ppl": "8.06"'))
+    with pytest.raises(Mha2GqaError, match=r"uptrain_log.jsonl: line 4 \(eval\)\.ppl is not a number"):
+        RunHistory.read(run)
+
+
 @requires_fixtures("stories260K-mha-expanded", "text")
 def test_report_renders_for_a_real_fixture_pair(tmp_path):
     src = FIXTURES / "stories260K-mha-expanded"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.runlog import read_log
+from mha2gqa.core.runlog import RunEnd, RunEval, RunStart, RunTrain, read_log, to_json
 from mha2gqa.uptrain import UptrainSettings, uptrain
 from mha2gqa.uptrain.checkpoints import checkpoint_dirs
 from mha2gqa.uptrain.data import WindowOrder, pack_windows
@@ -212,24 +212,25 @@ def test_uptrain_improves_and_writes_a_stock_gqa_model(models, tmp_path):
     )
     assert result.complete and result.steps == 30 and result.tokens == 30 * 4 * 32
     evals = result.evals
-    assert [e["step"] for e in evals] == [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30]
-    assert evals[-1]["ppl"] < 0.1 * evals[0]["ppl"]  # (the parent is random: KL to it grows under ce)
-    assert evals[0]["teacher_ppl"] == pytest.approx(evals[-1]["teacher_ppl"], rel=1e-9)
+    assert [e.step for e in evals] == [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30]
+    assert evals[-1].ppl < 0.1 * evals[0].ppl  # (the parent is random: KL to it grows under ce)
+    assert evals[0].teacher_ppl == pytest.approx(evals[-1].teacher_ppl, rel=1e-9)
     assert [s for s, _ in checkpoint_dirs(out)] == [27, 30]  # save_total_limit
     ckpt = checkpoint_dirs(out)[0][1]  # a Hugging Face model with its card and records, plus trainer state
     assert AutoModelForCausalLM.from_pretrained(ckpt).config.num_key_value_heads == 2
     assert json.loads((ckpt / "mha2gqa_uptrain.json").read_text())["uptrain"]["steps"] == 27
     assert "## Conversion" in (ckpt / "README.md").read_text() and (ckpt / "optimizer.bin").is_file()
     log = read_log(out)
-    assert log[0]["type"] == "start" and log[-1]["type"] == "end"
-    assert [r["step"] for r in log if r["type"] == "train"] == [10, 20, 30]
+    assert isinstance(log[0], RunStart) and isinstance(log[-1], RunEnd)
+    assert [r.step for r in log if isinstance(r, RunTrain)] == [10, 20, 30]
+    assert [r for r in log if isinstance(r, RunEval)] == evals  # the log holds what the run returned
     model = AutoModelForCausalLM.from_pretrained(out)  # stock transformers
     assert model.config.num_key_value_heads == 2 and model.config.use_cache  # generation keeps its cache
     with torch.no_grad():
         cache = model(torch.tensor([[1, 5, 7, 9]]), use_cache=True).past_key_values
     assert cache.layers[0].keys.shape[1] == 2  # the KV cache holds G heads
     record = json.loads((out / "mha2gqa_uptrain.json").read_text())["uptrain"]
-    assert record["steps"] == 30 and record["last_eval"]["ppl"] == evals[-1]["ppl"]
+    assert record["steps"] == 30 and record["last_eval"]["ppl"] == evals[-1].ppl
     typed_record = UptrainRecord.read(out)  # the typed record reads back what was written
     assert typed_record.steps == 30 and typed_record.to_json() == (out / "mha2gqa_uptrain.json").read_text()
     damaged = json.loads(typed_record.to_json())
@@ -248,8 +249,8 @@ def test_kd_objective_moves_toward_the_teacher(models, tmp_path):
         _settings(models, tmp_path / "kd", objective="kd", max_steps=20, teacher=str(models["parent"])),
         log=_quiet,
     )
-    assert result.evals[-1]["kl_mean"] < 0.8 * result.evals[0]["kl_mean"]
-    losses = [r["kd"] for r in read_log(tmp_path / "kd") if r["type"] == "train"]
+    assert result.evals[-1].kl_mean < 0.8 * result.evals[0].kl_mean
+    losses = [r.parts["kd"] for r in read_log(tmp_path / "kd") if isinstance(r, RunTrain)]
     assert losses[-1] < losses[0]
 
 
@@ -266,10 +267,10 @@ def test_resume_continues_the_same_trajectory(models, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
-    steps = [(r["type"], r.get("step")) for r in read_log(split)]
+    steps = [(r.TYPE, getattr(r, "step", None)) for r in read_log(split)]
     assert steps.count(("eval", 100)) == 1 and ("resume", 100) in steps
-    evals_a = [r["ppl"] for r in read_log(straight) if r["type"] == "eval"]
-    evals_b = [r["ppl"] for r in read_log(split) if r["type"] == "eval"]
+    evals_a = [r.ppl for r in read_log(straight) if isinstance(r, RunEval)]
+    evals_b = [r.ppl for r in read_log(split) if isinstance(r, RunEval)]
     assert evals_a == pytest.approx(evals_b, rel=1e-6)
 
 
@@ -294,8 +295,8 @@ def test_max_tokens_sets_the_steps_and_one_epoch_is_the_default(models, tmp_path
     )
     assert r.total_steps == 8  # ceil(1000 / (4 x 32))
     r = uptrain(str(models["student"]), _settings(models, tmp_path / "b", max_steps=None, eval_data=None), log=_quiet)
-    windows = read_log(tmp_path / "b")[0]["windows"]
-    assert r.total_steps == -(-windows // 4) and read_log(tmp_path / "b")[-2]["epoch"] >= 1.0
+    windows = read_log(tmp_path / "b")[0].windows
+    assert r.total_steps == -(-windows // 4) and read_log(tmp_path / "b")[-2].epoch >= 1.0
 
 
 def test_cli_uptrain_then_eval(models, tmp_path):
@@ -360,9 +361,13 @@ def test_report_draws_the_recovery_curves(models, tmp_path):
     assert (tmp_path / "r_files" / "recovery.png").stat().st_size > 5000
     assert "data:image/png;base64," in (tmp_path / "r.html").read_text()
     bogus = tmp_path / "bogus.jsonl"
-    bogus.write_text('{"type": "train", "step": 1}\n')
+    train = next(r for r in read_log(tmp_path / "run-ce") if isinstance(r, RunTrain))
+    bogus.write_text(json.dumps(to_json(train)) + "\n")  # whole records, but no start record
     r = CliRunner().invoke(main, ["report", "--uptrain", str(bogus)])
     assert r.exit_code == 1 and "not a log of `mha2gqa uptrain`" in r.output
+    bogus.write_text('{"type": "train", "step": 1}\n')
+    r = CliRunner().invoke(main, ["report", "--uptrain", str(bogus)])
+    assert r.exit_code == 1 and "bogus.jsonl: line 1 (train).tokens is missing; the log is damaged" in r.output
     assert CliRunner().invoke(main, ["report"]).exit_code == 1
 
 
@@ -392,7 +397,7 @@ def test_a_second_run_in_one_process_uses_its_own_precision(models, tmp_path):
 
     def precision(out: Path, mp: str) -> str:
         uptrain(str(models["student"]), _settings(models, out, max_steps=2, mixed_precision=mp), log=_quiet)
-        return next(r for r in read_log(out) if r["type"] == "start")["mixed_precision"]
+        return next(r for r in read_log(out) if isinstance(r, RunStart)).mixed_precision
 
     assert precision(tmp_path / "a", "no") == "no"
     assert precision(tmp_path / "b", "bf16") == "bf16"
@@ -486,7 +491,7 @@ def test_train_all_needs_no_family_definition(tmp_path, models):
     folder = save(GPT2LMHeadModel(cfg), tmp_path / "gpt2")
     AutoTokenizer.from_pretrained(models["parent"]).save_pretrained(folder)
     result = uptrain(str(folder), _settings(models, tmp_path / "run", max_steps=3), log=_quiet)
-    assert result.complete and result.evals[-1]["ppl"] < result.evals[0]["ppl"]
+    assert result.complete and result.evals[-1].ppl < result.evals[0].ppl
     with pytest.raises(Mha2GqaError, match="unsupported model family"):
         uptrain(str(folder), _settings(models, tmp_path / "run2", train="attention"), log=_quiet)
 
@@ -521,7 +526,7 @@ def _stories_run(tmp_path: Path, method: str, **settings) -> list[dict]:
 def test_stories260k_one_kv_head_recovers_quickly_from_svd(tmp_path):
     """The issue's setting, shortened: svd -> 1 KV head, 60 steps of 8 x 256 on the first 85% of the
     text at lr 1e-3, evaluated on the rest. (The 300-step curves are benchmarks/uptrain_recovery.py.)"""
-    ratios = [e["ppl_ratio"] for e in _stories_run(tmp_path, "svd", max_steps=60, eval_every=30, eval_tokens=16384)]
+    ratios = [e.ppl_ratio for e in _stories_run(tmp_path, "svd", max_steps=60, eval_every=30, eval_tokens=16384)]
     assert ratios[0] > 3.0  # svd alone: about x3.7
     assert ratios[-1] < 1.5  # 60 steps: about x1.4
 
@@ -534,7 +539,7 @@ def test_stories260k_acceptance_300_steps(tmp_path):
     ratios = {}
     for method in ("svd", "mean"):
         evals = _stories_run(tmp_path, method, max_steps=300, eval_every=50, eval_tokens=None)
-        ratios[method] = {e["step"]: e["ppl_ratio"] for e in evals}
+        ratios[method] = {e.step: e.ppl_ratio for e in evals}
     assert ratios["svd"][300] <= 1.3 and ratios["mean"][300] <= 1.7
     assert ratios["svd"][50] <= ratios["mean"][300]
 

@@ -16,6 +16,7 @@ from mha2gqa.core.cards import model_card
 from mha2gqa.core.conversion_record import ConversionRecord
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_RECORD, now, version
+from mha2gqa.core.runlog import RunEval
 
 UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
 
@@ -33,8 +34,8 @@ class UptrainRecord:
     trainable_parameters: int
     processes: int
     mixed_precision: str
-    first_eval: dict[str, Any] | None = None
-    last_eval: dict[str, Any] | None = None
+    first_eval: RunEval | None = None
+    last_eval: RunEval | None = None
     mha2gqa_version: str = dataclasses.field(default_factory=version)
     created: str = dataclasses.field(default_factory=now)
     schema: str = UPTRAIN_SCHEMA
@@ -87,9 +88,9 @@ class UptrainRecord:
             ("data", f"`{s['data']}`"),
         ]
         if ev := self.last_eval:
-            line = f"perplexity {ev['ppl']:.4f} on `{s['eval_data']}` ({ev['eval_tokens']:,} tokens)"
-            if "ppl_ratio" in ev:
-                line += f", ×{ev['ppl_ratio']:.3f} the teacher, KL {ev['kl_mean']:.4f}"
+            line = f"perplexity {ev.ppl:.4f} on `{s['eval_data']}` ({ev.eval_tokens:,} tokens)"
+            if ev.ppl_ratio is not None:
+                line += f", ×{ev.ppl_ratio:.3f} the teacher, KL {ev.kl_mean:.4f}"
             rows.append(("held-out", line))
         table = "\n".join(f"| {k} | {v} |" for k, v in rows)
         text = (

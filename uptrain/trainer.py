@@ -27,7 +27,7 @@ from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.models import resolve_device
 from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG, UPTRAIN_RECORD, now
-from mha2gqa.core.runlog import RunLog, read_log
+from mha2gqa.core.runlog import RunEnd, RunEval, RunLog, RunResume, RunStart, RunTrain, read_log
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.uptrain.checkpoints import (
     check_output,
@@ -66,7 +66,7 @@ class UptrainResult:
     total_steps: int
     tokens: int
     complete: bool
-    evals: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[RunEval] = field(default_factory=list)
     seconds: float = 0.0
     teacher_cache: Path | None = None  # set when the run was only the teacher pass (--teacher-only)
     processes: int = 1
@@ -84,9 +84,9 @@ class UptrainResult:
         )
         if self.evals:
             first, last = self.evals[0], self.evals[-1]
-            line += f"; held-out perplexity {first['ppl']:.4f} (step {first['step']}) -> {last['ppl']:.4f}"
-            if "ppl_ratio" in last:
-                line += f" (x{last['ppl_ratio']:.3f} the teacher, KL {last['kl_mean']:.4f})"
+            line += f"; held-out perplexity {first.ppl:.4f} (step {first.step}) -> {last.ppl:.4f}"
+            if last.ppl_ratio is not None:
+                line += f" (x{last.ppl_ratio:.3f} the teacher, KL {last.kl_mean:.4f})"
         return line
 
 
@@ -409,7 +409,7 @@ class _Trainer:
         self.log = RunLog(self.output / UPTRAIN_LOG, self.main, self.start_step if self.resume_from else None)
         # every evaluation of the run so far (a resumed run's earlier ones come from its log)
         resumed = self.start_step and self.main
-        self.evals = [r for r in read_log(self.output / UPTRAIN_LOG) if r.get("type") == "eval"] if resumed else []
+        self.evals = [r for r in read_log(self.output / UPTRAIN_LOG) if isinstance(r, RunEval)] if resumed else []
 
     def announce(self) -> None:
         """The start (or resume) record and the opening lines."""
@@ -417,29 +417,28 @@ class _Trainer:
         total_params = sum(p.numel() for p in self.model.parameters())
         if self.resume_from is not None:
             self.say(f"resuming from {self.resume_from} (step {self.start_step:,})")
-            self.log.write({"type": "resume", "step": self.start_step, "created": now(), "from": str(self.resume_from)})
+            self.log.write(RunResume(self.start_step, now(), str(self.resume_from)))
         else:
             if s.resume:
                 self.say(f"--resume: no checkpoint in {self.output}; starting from step 0")
             self.log.write(
-                {
-                    "type": "start",
-                    "created": now(),
-                    "student": self.student,
-                    "teacher": s.teacher,
-                    "settings": plan.run,
-                    "windows": plan.num_windows,
-                    "tokens_per_step": self.tokens_per_step,
-                    "total_steps": plan.total,
-                    "trainable_parameters": self.trainable.count,
-                    "parameters": total_params,
-                    "num_heads": plan.dims.num_heads,
-                    "num_kv_heads": plan.dims.num_kv_heads,
-                    "processes": acc.num_processes,
-                    "device": str(acc.device),
-                    "mixed_precision": acc.mixed_precision,
-                    "eval_seq_len": plan.eval_seq_len,
-                }
+                RunStart(
+                    created=now(),
+                    student=self.student,
+                    teacher=s.teacher,
+                    settings=plan.run,
+                    windows=plan.num_windows,
+                    tokens_per_step=self.tokens_per_step,
+                    total_steps=plan.total,
+                    trainable_parameters=self.trainable.count,
+                    parameters=total_params,
+                    num_heads=plan.dims.num_heads,
+                    num_kv_heads=plan.dims.num_kv_heads,
+                    processes=acc.num_processes,
+                    device=str(acc.device),
+                    mixed_precision=acc.mixed_precision,
+                    eval_seq_len=plan.eval_seq_len,
+                )
             )
         self.say(
             f"uptrain: {self.trainable.count:,} of {total_params:,} parameters ({s.train}), objective "
@@ -458,17 +457,21 @@ class _Trainer:
         if not self.plan.eval_windows:
             return
         record = _evaluate(
-            self.acc, self.model, self.teacher, self.plan.eval_windows, self.s.eval_batch_size or self.plan.micro
-        )
-        record.update(
-            {"type": "eval", "step": step, "tokens": step * self.tokens_per_step, "seq_len": self.plan.eval_seq_len}
+            self.acc,
+            self.model,
+            self.teacher,
+            self.plan.eval_windows,
+            self.s.eval_batch_size or self.plan.micro,
+            step=step,
+            tokens=step * self.tokens_per_step,
+            seq_len=self.plan.eval_seq_len,
         )
         self.evals.append(record)
         self.log.write(record)
         against = (
-            f" (x{record['ppl_ratio']:.3f} the teacher's, KL {record['kl_mean']:.4f})" if "ppl_ratio" in record else ""
+            f" (x{record.ppl_ratio:.3f} the teacher's, KL {record.kl_mean:.4f})" if record.ppl_ratio is not None else ""
         )
-        self.say(f"step {step:,}/{self.plan.total:,}: held-out perplexity {record['ppl']:.3f}{against}")
+        self.say(f"step {step:,}/{self.plan.total:,}: held-out perplexity {record.ppl:.3f}{against}")
 
     def model_files(self, step: int) -> dict[str, str]:
         """Model card, uptraining record and conversion record of the model at ``step``."""
@@ -587,11 +590,15 @@ class _Trainer:
             bar.update(1)
             if step % s.log_every == 0 or step == stop:
                 rec = window.record(
-                    step, self.tokens_per_step, self.order.epoch(step), self.scheduler.get_last_lr()[0], grad_norm
+                    step,
+                    self.tokens_per_step,
+                    self.order.epoch(step),
+                    self.scheduler.get_last_lr()[0],
+                    grad_norm,
+                    self.peak_memory(),
                 )
-                rec["peak_memory_mib"] = self.peak_memory()
                 self.log.write(rec)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_second']:,.0f}")
+                bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{rec.tokens_per_second:,.0f}")
             if step % plan.eval_every == 0 or step == plan.total:
                 self.evaluate(step)
             if step % plan.save_every == 0 or step == stop:
@@ -616,15 +623,7 @@ class _Trainer:
         if complete:
             dtype = by_name(plan.source_dtype).torch if plan.source_dtype else None
             save_final(self.acc, self.model, plan.tokenizer, self.output, dtype, self.model_files(step), self.s.sharded)
-            self.log.write(
-                {
-                    "type": "end",
-                    "step": step,
-                    "tokens": step * self.tokens_per_step,
-                    "created": now(),
-                    "seconds": result.seconds,
-                }
-            )
+            self.log.write(RunEnd(step, step * self.tokens_per_step, now(), result.seconds))
         return result
 
 
@@ -641,18 +640,22 @@ class _Window:
         self.count += 1
         self.seconds += seconds
 
-    def record(self, step: int, tokens_per_step: int, epoch: float, lr: float, grad_norm) -> dict[str, Any]:
-        rec = {
-            "type": "train",
-            "step": step,
-            "tokens": step * tokens_per_step,
-            "epoch": round(epoch, 4),
-            **{k: v / self.count for k, v in self.sums.items()},
-            "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "tokens_per_second": self.count * tokens_per_step / max(self.seconds, 1e-9),
-            "step_seconds": self.seconds / self.count,
-        }
+    def record(
+        self, step: int, tokens_per_step: int, epoch: float, lr: float, grad_norm, peak_memory_mib: list[float]
+    ) -> RunTrain:
+        sums = {k: v / self.count for k, v in self.sums.items()}
+        rec = RunTrain(
+            step=step,
+            tokens=step * tokens_per_step,
+            epoch=round(epoch, 4),
+            loss=sums.pop("loss"),
+            lr=lr,
+            grad_norm=float(grad_norm) if grad_norm is not None else None,
+            tokens_per_second=self.count * tokens_per_step / max(self.seconds, 1e-9),
+            step_seconds=self.seconds / self.count,
+            peak_memory_mib=peak_memory_mib,
+            parts=sums,
+        )
         self.__init__()
         return rec
 
@@ -778,9 +781,9 @@ def _accumulate(acc, model, teacher, fetch, micro_batches, s: UptrainSettings):
 
 
 @torch.no_grad()
-def _evaluate(acc, model, teacher, windows, batch_size: int) -> dict[str, Any]:
-    """Held-out perplexity of the student (and the teacher's, with KL and top-1 agreement to it),
-    windows split over processes; the harness's scoring pass."""
+def _evaluate(acc, model, teacher, windows, batch_size: int, *, step: int, tokens: int, seq_len: int | None) -> RunEval:
+    """Held-out perplexity of the student (and the teacher's, with KL and top-1 agreement to it) at
+    ``step`` (``tokens`` trained so far), windows split over processes; the harness's scoring pass."""
     from mha2gqa.eval.harness import scored_pass
 
     model.eval()
@@ -790,15 +793,19 @@ def _evaluate(acc, model, teacher, windows, batch_size: int) -> dict[str, Any]:
             res = scored_pass(models, windows, batch_size, progress=False, desc="eval")
     finally:
         model.train()
-    i = len(models) - 1
-    out: dict[str, Any] = {"nll": res.nll(i), "eval_tokens": res.tokens}
-    out["ppl"] = math.exp(out["nll"])
-    if teacher is not None:
-        out["teacher_ppl"] = math.exp(res.nll(0))
-        out["ppl_ratio"] = out["ppl"] / out["teacher_ppl"]
-        out["kl_mean"] = res.agreement["kl"]["mean"]
-        out["top1_agreement"] = res.agreement["top1_agreement"]
-    return out
+    nll = res.nll(len(models) - 1)
+    scores = {"step": step, "tokens": tokens, "seq_len": seq_len, "nll": nll, "ppl": math.exp(nll)}
+    if teacher is None:
+        return RunEval(**scores, eval_tokens=res.tokens)
+    teacher_ppl = math.exp(res.nll(0))
+    return RunEval(
+        **scores,
+        eval_tokens=res.tokens,
+        teacher_ppl=teacher_ppl,
+        ppl_ratio=scores["ppl"] / teacher_ppl,
+        kl_mean=res.agreement["kl"]["mean"],
+        top1_agreement=res.agreement["top1_agreement"],
+    )
 
 
 def _with_lora(model, family, dims, s: UptrainSettings, resume_from: Path | None):
