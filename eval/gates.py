@@ -8,11 +8,10 @@ when any gate fails (1 is a user error, 2 a usage error), after writing the resu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
 
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.settings import setting
-from mha2gqa.eval.results import Results
+from mha2gqa.eval.results import GateCheck, GatesRecord, Results
 
 GATE_EXIT_CODE = 3
 
@@ -74,13 +73,13 @@ def check_gates(results: Results, limits: GateSettings) -> list[Gate]:
     if results.converted is None:
         raise Mha2GqaError("gates compare a conversion with its original: pass --converted")
     if results.invalid_because is not None:  # no figure of an invalid comparison may pass a gate
-        o = results.data["calibration_overlap"]
-        gates.append(Gate(f"{o.get('use', 'calibration')}_text_overlap", float(o.get("share", 1.0)), 0.0, "<="))
+        o = results.data.calibration_overlap
+        gates.append(Gate(f"{o.use}_text_overlap", o.share, 0.0, "<="))
     if limits.max_ppl_ratio is not None:
         for name, p in results.protocols.items():
             gates.append(Gate(f"ppl_ratio[{name}]", p.ppl_ratio, limits.max_ppl_ratio, "<="))
     if limits.max_kl is not None:
-        gates.append(Gate("kl_mean", results.agreement.kl["mean"], limits.max_kl, "<="))
+        gates.append(Gate("kl_mean", results.agreement.kl.mean, limits.max_kl, "<="))
     if limits.min_top1 is not None:
         gates.append(Gate("top1_agreement", results.agreement.top1_agreement, limits.min_top1, ">="))
     if limits.on_tasks:
@@ -105,5 +104,6 @@ def verdict(gates: list[Gate]) -> str:
     return "gates passed: " + "; ".join(map(str, gates))
 
 
-def gates_record(gates: list[Gate]) -> dict[str, Any]:
-    return {"passed": all(g.passed for g in gates), "checks": [{**asdict(g), "passed": g.passed} for g in gates]}
+def gates_record(gates: list[Gate]) -> GatesRecord:
+    """The gates as the results file records them."""
+    return GatesRecord(all(g.passed for g in gates), [GateCheck(**asdict(g), passed=g.passed) for g in gates])

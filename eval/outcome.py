@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,8 @@ class EvalRequest:
         results = Results.from_dict(record, str(self.output) if self.output is not None else None)
         gates = check_gates(results, self.limits)
         if gates:
-            record["gates"] = results.gates = gates_record(gates)
+            results.gates = gates_record(gates)
+            record["gates"] = asdict(results.gates)
         results.verdict = results.judge()
         if results.verdict is not None:
             record["verdict"] = results.verdict.to_dict()

@@ -6,22 +6,23 @@ Colour-blind-safe choices: the cividis colour map for heat maps and the Okabe-It
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mha2gqa.core.figures import OKABE_ITO
 from mha2gqa.core.figures import figure as _figure
 from mha2gqa.core.figures import png as _png
 from mha2gqa.core.runlog import RunEval, RunHistory
 
+if TYPE_CHECKING:
+    from mha2gqa.eval.results import AttentionLayer
 
-def heatmap(
-    layers: list[dict[str, Any]], key: str, title: str, unit: str, scale: tuple[float, float] | None = None
-) -> bytes:
-    """Layer x query-head heat map of ``heads[h][key]``; ``scale`` ``(vmin, vmax)`` shared across
-    the report's sections so that a bad conversion looks worse than a good one at a glance."""
+
+def heatmap(cells: list[list[float]], title: str, unit: str, scale: tuple[float, float] | None = None) -> bytes:
+    """Layer x query-head heat map of ``cells`` ``[layer][head]``; ``scale`` ``(vmin, vmax)`` shared
+    across the report's sections so that a bad conversion looks worse than a good one at a glance."""
     import numpy as np
 
-    values = np.array([[h[key] for h in layer["heads"]] for layer in layers])
+    values = np.array(cells)
     plt, fig = _figure(1.8 + 0.45 * values.shape[1], 1.4 + 0.32 * values.shape[0])
     ax = fig.add_subplot()
     vmin, vmax = scale or (None, None)
@@ -39,16 +40,14 @@ def heatmap(
     return _png(plt, fig)
 
 
-def entropy_curves(layers: list[dict[str, Any]]) -> bytes:
+def entropy_curves(layers: list[AttentionLayer]) -> bytes:
     """Per-layer mean attention entropy of both models and of the uniform distribution."""
-    x = [layer["layer"] for layer in layers]
+    x = [layer.layer for layer in layers]
     plt, fig = _figure(6, 3.2)
     ax = fig.add_subplot()
-    ax.plot(x, [layer["mean_entropy_original"] for layer in layers], "o-", color=OKABE_ITO[0], label="original")
-    ax.plot(x, [layer["mean_entropy_converted"] for layer in layers], "s-", color=OKABE_ITO[1], label="converted")
-    ax.plot(
-        x, [layer["entropy_uniform"] for layer in layers], "--", color=OKABE_ITO[7], label="uniform (no information)"
-    )
+    ax.plot(x, [layer.mean_entropy_original for layer in layers], "o-", color=OKABE_ITO[0], label="original")
+    ax.plot(x, [layer.mean_entropy_converted for layer in layers], "s-", color=OKABE_ITO[1], label="converted")
+    ax.plot(x, [layer.entropy_uniform for layer in layers], "--", color=OKABE_ITO[7], label="uniform (no information)")
     ax.set_xlabel("layer")
     ax.set_ylabel("attention entropy (nats)")
     ax.set_xticks(x)
@@ -57,20 +56,20 @@ def entropy_curves(layers: list[dict[str, Any]]) -> bytes:
     return _png(plt, fig)
 
 
-def hidden_cosine_curve(layers: list[dict[str, Any]]) -> bytes:
-    x = [layer["layer"] for layer in layers]
+def hidden_cosine_curve(layers: list[AttentionLayer]) -> bytes:
+    x = [layer.layer for layer in layers]
     plt, fig = _figure(6, 3.0)
     ax = fig.add_subplot()
-    ax.plot(x, [layer["hidden_cosine"] for layer in layers], "o-", color=OKABE_ITO[2])
+    ax.plot(x, [layer.hidden_cosine for layer in layers], "o-", color=OKABE_ITO[2])
     ax.set_xlabel("layer")
     ax.set_ylabel("cosine (original, converted)")
     ax.set_xticks(x)
-    ax.set_ylim(min(0.0, min(layer["hidden_cosine"] for layer in layers)), 1.02)
+    ax.set_ylim(min(0.0, min(layer.hidden_cosine for layer in layers)), 1.02)
     ax.set_title("Hidden-state cosine after each layer (1 = unchanged)")
     return _png(plt, fig)
 
 
-def head_similarity_maps(layers: list[dict[str, Any]], per_row: int = 4) -> bytes:
+def head_similarity_maps(layers: list[AttentionLayer], per_row: int = 4) -> bytes:
     """Per layer, the heads' H x H attention-pattern cosine: original | converted side by side,
     ``per_row`` layers to a row, one colour scale (0 to 1) for every panel."""
     import numpy as np
@@ -80,29 +79,29 @@ def head_similarity_maps(layers: list[dict[str, Any]], per_row: int = 4) -> byte
     plt, fig = _figure(1.5 * cols + 1.2, 1.7 * rows + 0.6)
     im = None
     for i, layer in enumerate(layers):
-        for j, model in enumerate(("original", "converted")):
+        pair = layer.head_similarity
+        for j, similarity in enumerate((pair.original, pair.converted)):
             ax = fig.add_subplot(rows, cols, (i // per_row) * cols + 2 * (i % per_row) + j + 1)
-            matrix = np.array(layer["head_similarity"][model]["matrix"])
-            im = ax.imshow(matrix, cmap="cividis", vmin=0, vmax=1, interpolation="nearest")
+            im = ax.imshow(np.array(similarity.matrix), cmap="cividis", vmin=0, vmax=1, interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
-            ax.set_title(f"L{layer['layer']} {'orig' if j == 0 else 'conv'}", fontsize=8)
+            ax.set_title(f"L{layer.layer} {'orig' if j == 0 else 'conv'}", fontsize=8)
     fig.suptitle("Head diversity: cosine of the heads' attention patterns (1 = identical)", fontsize=10)
     fig.colorbar(im, ax=fig.axes, shrink=0.8, label="cosine")
     return _png(plt, fig, tight=False)  # tight_layout would fight the colour bar that spans every panel
 
 
-def head_similarity_curve(layers: list[dict[str, Any]]) -> bytes:
+def head_similarity_curve(layers: list[AttentionLayer]) -> bytes:
     """Mean head similarity per layer: original, converted, and the converted within / across KV groups."""
-    x = [layer["layer"] for layer in layers]
+    x = [layer.layer for layer in layers]
     plt, fig = _figure(6, 3.2)
     ax = fig.add_subplot()
-    sim = [layer["head_similarity"] for layer in layers]
-    ax.plot(x, [s["original"]["mean"] for s in sim], "o-", color=OKABE_ITO[0], label="original")
-    ax.plot(x, [s["converted"]["mean"] for s in sim], "s-", color=OKABE_ITO[1], label="converted")
-    for key, style, colour, where in (("within_groups", "^--", 2, "within"), ("across_groups", "v:", 3, "across")):
-        if all(s["converted"][key] is not None for s in sim):
-            values = [s["converted"][key] for s in sim]
+    sim = [layer.head_similarity for layer in layers]
+    ax.plot(x, [s.original.mean for s in sim], "o-", color=OKABE_ITO[0], label="original")
+    ax.plot(x, [s.converted.mean for s in sim], "s-", color=OKABE_ITO[1], label="converted")
+    within, across = [s.converted.within_groups for s in sim], [s.converted.across_groups for s in sim]
+    for values, style, colour, where in ((within, "^--", 2, "within"), (across, "v:", 3, "across")):
+        if None not in values:
             ax.plot(x, values, style, color=OKABE_ITO[colour], label=f"converted, {where} KV groups")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean cosine between heads")
@@ -113,7 +112,7 @@ def head_similarity_curve(layers: list[dict[str, Any]]) -> bytes:
     return _png(plt, fig)
 
 
-def per_layer_heads(heads: list[int], layers: list[dict[str, Any]] | None) -> bytes:
+def per_layer_heads(heads: list[int], layers: list[AttentionLayer] | None) -> bytes:
     """A per-layer budget: each layer's KV heads (bars) beside its mean attention KL (line)."""
     plt, fig = _figure(6, 3.2)
     ax = fig.add_subplot()
@@ -125,8 +124,8 @@ def per_layer_heads(heads: list[int], layers: list[dict[str, Any]] | None) -> by
     if layers:
         ax2 = ax.twinx()
         ax2.plot(
-            [layer["layer"] for layer in layers],
-            [layer["mean_kl"] for layer in layers],
+            [layer.layer for layer in layers],
+            [layer.mean_kl for layer in layers],
             "o-",
             color=OKABE_ITO[1],
             label="attention KL",

@@ -15,7 +15,6 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.errors import Mha2GqaError
@@ -23,7 +22,7 @@ from mha2gqa.core.output import check_destination, write_text
 from mha2gqa.core.records import FILE_MARK
 from mha2gqa.core.runlog import RunHistory
 from mha2gqa.eval import plots
-from mha2gqa.eval.results import Results
+from mha2gqa.eval.results import HeadScore, Results
 from mha2gqa.eval.tables import (
     gate_cell,
     overview_table,
@@ -40,19 +39,27 @@ def load_results(paths: list[Path]) -> list[Results]:
     return [Results.load(p) for p in paths]
 
 
-def _head_key(layers: list[dict[str, Any]]) -> str:
-    heads = layers[0]["heads"][0]
-    return "contribution_rel_error" if "contribution_rel_error" in heads else "output_rel_error"
+#: the heat maps of each comparison: name -> (the cell of a head, title, colour-bar unit)
+HEATMAPS: dict[str, tuple[Callable[[HeadScore], float], str, str]] = {
+    "attention_kl": (lambda h: h.kl, "Attention KL(original ‖ converted) per head", "KL (nats)"),
+    "head_output_error": (
+        lambda h: h.error,
+        "Head contribution error (output through o_proj)",
+        "‖Δ(o·W_o)‖ / ‖o·W_o‖",
+    ),
+}
+
+
+def _cells(r: Results, cell: Callable[[HeadScore], float]) -> list[list[float]]:
+    """``[layer][head]`` values of one heat map (none without attention figures)."""
+    return [[cell(h) for h in x.heads] for x in r.attention.layers] if r.attention else []
 
 
 def shared_scales(results: list[Results]) -> dict[str, tuple[float, float]]:
-    """One colour scale per heat-map metric over every comparison of the report."""
-    values: dict[str, list[float]] = {}
-    for r in results:
-        layers = (r.attention or {}).get("layers") or []
-        if layers:
-            for key in ("kl", _head_key(layers)):
-                values.setdefault(key, []).extend(h[key] for x in layers for h in x["heads"])
+    """One colour scale per heat map over every comparison of the report."""
+    values = {
+        name: [v for r in results for row in _cells(r, cell) for v in row] for name, (cell, _, _) in HEATMAPS.items()
+    }
     return {k: (min(v), max(v)) for k, v in values.items() if v}
 
 
@@ -60,23 +67,18 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
     """Figure name -> PNG bytes for one results file (pairs only), heat maps on ``scales``."""
     att, scales = r.attention, scales or {}
     out: dict[str, bytes] = {}
-    if att and att.get("layers"):
-        layers = att["layers"]
-        out["attention_kl"] = plots.heatmap(
-            layers, "kl", "Attention KL(original ‖ converted) per head", "KL (nats)", scales.get("kl")
-        )
-        key = _head_key(layers)
-        out["head_output_error"] = plots.heatmap(
-            layers, key, "Head contribution error (output through o_proj)", "‖Δ(o·W_o)‖ / ‖o·W_o‖", scales.get(key)
-        )
+    if att is not None:
+        layers = att.layers
+        for name, (cell, title, unit) in HEATMAPS.items():
+            out[name] = plots.heatmap(_cells(r, cell), title, unit, scales.get(name))
         out["entropy"] = plots.entropy_curves(layers)
         out["hidden_cosine"] = plots.hidden_cosine_curve(layers)
-        if "head_similarity" in layers[0]:
+        if all(x.head_similarity is not None for x in layers):
             out["head_similarity_curve"] = plots.head_similarity_curve(layers)
             out["head_similarity"] = plots.head_similarity_maps(layers)
     conv = r.converted
     if conv and conv.kv_heads_per_layer:
-        out["per_layer_heads"] = plots.per_layer_heads(conv.kv_heads_per_layer, (att or {}).get("layers"))
+        out["per_layer_heads"] = plots.per_layer_heads(conv.kv_heads_per_layer, att.layers if att else None)
     elif conv:  # one count for every layer: which query heads share each KV head
         h, g = conv.num_heads, conv.num_kv_heads
         groups = (conv.conversion.query_heads_per_kv_head if conv.conversion else None) or contiguous_groups(h, g)
@@ -118,7 +120,7 @@ summary{cursor:pointer;font-size:1.15em;font-weight:600;padding:.3em 0}nav a{mar
 def _meta(r: Results) -> str:
     d, dev = r.data, r.device
     return (
-        f"data {d['source']} ({d['stream_tokens']:,} tokens) · device {dev['type']} {dev['dtype']} · "
+        f"data {d.source} ({d.stream_tokens:,} tokens) · device {dev.type} {dev.dtype} · "
         f"mha2gqa {r.versions.get('mha2gqa', '?')}, transformers {r.versions.get('transformers', '?')} · "
         f"{r.created}"
     )
@@ -192,7 +194,7 @@ def _verdict(results: list[Results]) -> list[tuple[str, str]]:
         )
     gated = [r for r in results if r.gates]
     if gated:
-        failed = [f"{r.title} ({gate_cell(r).removeprefix('FAIL: ')})" for r in gated if not r.gates["passed"]]
+        failed = [f"{r.title} ({gate_cell(r).removeprefix('FAIL: ')})" for r in gated if not r.gates.passed]
         if failed:
             lines.append(("fail", f"GATES FAILED in {len(failed)} of {len(gated)}: " + "; ".join(failed)))
         else:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import EVAL_SCHEMA
+from mha2gqa.eval.pair import Overlap
 from mha2gqa.eval.paired import mcnemar_exact
 from mha2gqa.eval.tasks import TasksSection
 from mha2gqa.eval.verdict import Verdict, figures_of, judge
@@ -25,6 +26,172 @@ from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 class _Missing(Mha2GqaError):
     pass
+
+
+@dataclass(kw_only=True)
+class Stats:
+    """Percentiles of a per-token figure (KL, Δp); the llama.cpp-style report's extra statistics
+    (``std_error``, ``min``, the low percentiles) are present wherever ``kl_reverse`` is."""
+
+    mean: float
+    median: float
+    q90: float
+    q95: float
+    q99: float
+    q99_9: float
+    max: float
+    std_error: float | None = None
+    min: float | None = None
+    q0_1: float | None = None
+    q1: float | None = None
+    q5: float | None = None
+    q10: float | None = None
+
+    #: the statistics the llama.cpp-style report reads beside the headline ones
+    REPORT: ClassVar[tuple[str, ...]] = ("std_error", "min", "q0_1", "q1", "q5", "q10")
+
+
+@dataclass(kw_only=True)
+class DeltaP(Stats):
+    """Δp, the change in the correct token's probability, with its root mean square."""
+
+    rms: float | None = None
+    rms_error: float | None = None
+
+
+@dataclass
+class RestMass:
+    """Against a top-k reference cache: the probability mass outside the kept tokens."""
+
+    mean: float
+    max: float
+
+
+@dataclass
+class HeadScore:
+    """One query head of one layer: attention KL, and the error of its output (through ``o_proj``:
+    ``contribution_rel_error``; files written before it was measured have the raw output error)."""
+
+    kl: float
+    output_rel_error: float
+    contribution_rel_error: float | None = None
+
+    @property
+    def error(self) -> float:
+        return self.contribution_rel_error if self.contribution_rel_error is not None else self.output_rel_error
+
+
+@dataclass
+class Similarity:
+    """Cosine of every pair of heads' attention patterns in one model's layer."""
+
+    mean: float
+    matrix: list[list[float]]
+    within_groups: float | None = None
+    across_groups: float | None = None
+
+
+@dataclass
+class HeadSimilarity:
+    original: Similarity
+    converted: Similarity
+
+
+@dataclass(kw_only=True)
+class AttentionMeans:
+    """The per-head means a layer and the whole model both report."""
+
+    mean_kl: float
+    mean_js: float
+    mean_cosine: float
+    mean_entropy_original: float
+    mean_entropy_converted: float
+    entropy_uniform: float
+    mean_output_rel_error: float
+    mean_contribution_rel_error: float | None = None
+
+    @property
+    def head_error(self) -> float:
+        """The mean per-head contribution error (the raw output error in files written before it)."""
+        found = self.mean_contribution_rel_error
+        return found if found is not None else self.mean_output_rel_error
+
+
+@dataclass(kw_only=True)
+class AttentionLayer(AttentionMeans):
+    layer: int
+    heads: list[HeadScore]
+    hidden_cosine: float
+    head_similarity: HeadSimilarity | None = None
+
+
+@dataclass(kw_only=True)
+class AttentionSummary(AttentionMeans):
+    mean_hidden_cosine: float
+    head_similarity_original_mean: float | None = None
+    head_similarity_converted_mean: float | None = None
+    head_similarity_converted_within_groups: float | None = None
+    head_similarity_converted_across_groups: float | None = None
+
+
+@dataclass
+class Attention:
+    """Attention similarity (``--attention``): the whole model's means and each layer's heads."""
+
+    seq_len: int
+    summary: AttentionSummary
+    layers: list[AttentionLayer]
+
+
+@dataclass
+class GateCheck:
+    """One gate as recorded: ``value op limit`` and whether it held."""
+
+    name: str
+    value: float
+    limit: float
+    op: str
+    passed: bool
+
+
+@dataclass
+class GatesRecord:
+    passed: bool
+    checks: list[GateCheck]
+
+
+@dataclass
+class Sample:
+    """A greedy continuation of the same prompt by both models."""
+
+    prompt: str
+    original: str = ""
+    converted: str = ""
+
+
+@dataclass
+class DataInfo:
+    """The evaluation text: where it came from, how many documents and tokens, and how much of it
+    the conversion read (``calibration_overlap``)."""
+
+    source: str
+    documents: int
+    stream_tokens: int
+    text_field: str | None = None
+    doc_split: str | None = None
+    characters: int | None = None
+    sha256: str | None = None
+    calibration_overlap: Overlap | None = None
+
+
+@dataclass
+class DeviceInfo:
+    type: str
+    dtype: str
+    device_map: str | None = None
+    processes: int | None = None
+    name: str | None = None
+    threads: int | None = None
 
 
 @dataclass
@@ -57,18 +224,18 @@ class Agreement:
     """Output agreement of the converted model with the original on the same scored tokens."""
 
     tokens: int
-    kl: dict[str, float]
+    kl: Stats
     top1_agreement: float
     nll_delta: float
     settings: dict[str, Any] = field(default_factory=dict)
     # llama.cpp's KL report (files written before it was recorded lack these)
-    kl_reverse: dict[str, float] | None = None
-    delta_p: dict[str, float] | None = None
+    kl_reverse: Stats | None = None
+    delta_p: DeltaP | None = None
     top1_error: float | None = None
     nll_delta_error: float | None = None
     nll_correlation: float | None = None
     # against a top-k reference cache: the probability mass outside the kept tokens (KLs are lower bounds)
-    reference_rest_mass: dict[str, float] | None = None
+    reference_rest_mass: RestMass | None = None
 
 
 @dataclass
@@ -92,17 +259,17 @@ class Results:
     created: str
     settings: dict[str, Any]
     models: dict[str, ModelInfo]
-    data: dict[str, Any]
+    data: DataInfo
     protocols: dict[str, Protocol]
-    device: dict[str, Any]
+    device: DeviceInfo
     versions: dict[str, str] = field(default_factory=dict)
     tokenizer: dict[str, Any] = field(default_factory=dict)
     agreement: Agreement | None = None
-    attention: dict[str, Any] | None = None
-    gates: dict[str, Any] | None = None
+    attention: Attention | None = None
+    gates: GatesRecord | None = None
     verdict: Verdict | None = None
     quantization: dict[str, Quantized] = field(default_factory=dict)
-    samples: list[dict[str, str]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
     tasks: TasksSection | None = None  # lm-evaluation-harness tasks (--tasks)
     git_revision: str | None = None
     seconds: float = 0.0
@@ -168,7 +335,7 @@ class Results:
         if self.converted is None or self.agreement is None:
             return None
         ratios = {n: p.ppl_ratio for n, p in self.protocols.items()}
-        values = figures_of(ratios, self.agreement.kl["mean"], self.agreement.top1_agreement)
+        values = figures_of(ratios, self.agreement.kl.mean, self.agreement.top1_agreement)
         verdict = judge(values, self.placement())
         return verdict.judged_invalid(self.invalid_because) if verdict is not None else None
 
@@ -177,39 +344,38 @@ class Results:
         """Why this comparison's figures do not measure the conversion (None: they do): the evaluation
         text is, or overlaps, its calibration or refit text and the run did not pass
         ``--allow-overlap``."""
-        o = self.data.get("calibration_overlap")
-        if not isinstance(o, dict) or not o.get("flagged") or self.settings.get("allow_overlap"):
+        o = self.data.calibration_overlap
+        if o is None or not o.flagged or self.settings.get("allow_overlap"):
             return None
-        use = o.get("use", "calibration")
-        if o.get("same"):
-            return f"evaluated on the conversion's {use} text"
-        return f"the evaluation text shares {float(o.get('share', 0)):.1%} of its lines with the {use} text"
+        if o.same:
+            return f"evaluated on the conversion's {o.use} text"
+        return f"the evaluation text shares {o.share:.1%} of its lines with the {o.use} text"
 
     @property
     def overlap_warning(self) -> str | None:
         """The warning when the evaluation text is (or overlaps) the conversion's calibration text."""
-        o = self.data.get("calibration_overlap")
-        if not isinstance(o, dict) or not o.get("flagged"):
+        o = self.data.calibration_overlap
+        if o is None or not o.flagged:
             return None
-        what = "is" if o.get("same") else f"shares {float(o.get('share', 0)):.1%} of its lines with"
-        return f"evaluation text {what} the conversion's {o.get('use', 'calibration')} text {o.get('text')}"
+        what = "is" if o.same else f"shares {o.share:.1%} of its lines with"
+        return f"evaluation text {what} the conversion's {o.use} text {o.text}"
 
     def placement(self) -> str | None:
         """Where the conversion sits among the quantized yardsticks, by mean KL to the original:
         ``costs less than int4 weight quantization (KL 0.012 vs 0.034); more than int8 (vs 0.0004)``."""
         if not self.quantization or self.agreement is None:
             return None
-        kl = self.agreement.kl["mean"]
-        ranked = sorted(self.quantization.items(), key=lambda nq: nq[1].agreement.kl["mean"])
-        less = [(n, q) for n, q in ranked if kl <= q.agreement.kl["mean"]]
-        more = [(n, q) for n, q in ranked if kl > q.agreement.kl["mean"]]
+        kl = self.agreement.kl.mean
+        ranked = sorted(self.quantization.items(), key=lambda nq: nq[1].agreement.kl.mean)
+        less = [(n, q) for n, q in ranked if kl <= q.agreement.kl.mean]
+        more = [(n, q) for n, q in ranked if kl > q.agreement.kl.mean]
         parts = []
         if less:
             n, q = less[0]
-            parts.append(f"costs less than {n} weight quantization (KL {kl:.4g} vs {q.agreement.kl['mean']:.4g})")
+            parts.append(f"costs less than {n} weight quantization (KL {kl:.4g} vs {q.agreement.kl.mean:.4g})")
         if more:
             n, q = more[-1]
-            parts.append(f"costs more than {n} weight quantization (KL {kl:.4g} vs {q.agreement.kl['mean']:.4g})")
+            parts.append(f"costs more than {n} weight quantization (KL {kl:.4g} vs {q.agreement.kl.mean:.4g})")
         return "; ".join(parts)
 
     @property
@@ -241,147 +407,9 @@ def _protocol(name: str, p: Any) -> Protocol:
     return out
 
 
-# -- the nested sections the readers index into, checked once here ---------------------------------
-@dataclass
-class _Data:
-    source: str
-    documents: int
-    stream_tokens: int
-
-
-@dataclass
-class _Device:
-    type: str
-    dtype: str
-
-
-@dataclass
-class _KL:
-    mean: float
-    median: float
-    q90: float
-    q95: float
-    q99: float
-    q99_9: float
-    max: float
-
-
-@dataclass
-class _Stats(_KL):
-    """llama.cpp's full statistics of a per-token figure (the KL report reads every one)."""
-
-    std_error: float
-    min: float
-    q0_1: float
-    q1: float
-    q5: float
-    q10: float
-
-
-@dataclass
-class _DeltaP(_Stats):
-    rms: float
-    rms_error: float
-
-
-@dataclass
-class _Report:
-    """What the KL report needs beside the statistics (present whenever Δp and the reverse KL are)."""
-
-    top1_error: float
-    nll_delta_error: float
-    nll_correlation: float
-
-
-@dataclass
-class _RestMass:
-    mean: float
-    max: float
-
-
-@dataclass
-class _Head:
-    kl: float
-    output_rel_error: float
-    contribution_rel_error: float | None = None
-
-
-@dataclass
-class _Similarity:
-    mean: float
-    matrix: list[list[float]]
-    within_groups: float | None = None
-    across_groups: float | None = None
-
-
-@dataclass
-class _HeadSimilarity:
-    original: _Similarity
-    converted: _Similarity
-
-
-@dataclass(kw_only=True)
-class _Means:
-    """The per-head means a layer and the whole model both report."""
-
-    mean_kl: float
-    mean_js: float
-    mean_cosine: float
-    mean_entropy_original: float
-    mean_entropy_converted: float
-    entropy_uniform: float
-    mean_output_rel_error: float
-    mean_contribution_rel_error: float | None = None
-
-
-@dataclass(kw_only=True)
-class _Layer(_Means):
-    layer: int
-    heads: list[_Head]
-    hidden_cosine: float
-    head_similarity: _HeadSimilarity | None = None
-
-
-@dataclass(kw_only=True)
-class _Summary(_Means):
-    mean_hidden_cosine: float
-    head_similarity_original_mean: float | None = None
-    head_similarity_converted_mean: float | None = None
-    head_similarity_converted_within_groups: float | None = None
-    head_similarity_converted_across_groups: float | None = None
-
-
-@dataclass
-class _Attention:
-    seq_len: int
-    summary: _Summary
-    layers: list[_Layer]
-
-
-@dataclass
-class _Check:
-    name: str
-    value: float
-    limit: float
-    op: str
-    passed: bool
-
-
-@dataclass
-class _Gates:
-    passed: bool
-    checks: list[_Check]
-
-
-@dataclass
-class _Sample:
-    prompt: str
-    original: str = ""
-    converted: str = ""
-
-
 def _check_sections(r: Results) -> None:
-    """The sections kept as plain dicts, checked against what the terminal, report and tables read."""
+    """What the types alone cannot say: a lone model holds no comparison's sections, a pair's every
+    protocol scored both models, the llama.cpp-style report whole, the attention section not empty."""
     if r.converted is None and (r.attention or r.agreement or r.quantization or r.samples or r.verdict):
         raise _Missing("models.converted is missing, but the file holds a comparison's sections")
     if r.converted is not None:  # a pair: every protocol scored both models
@@ -390,33 +418,23 @@ def _check_sections(r: Results) -> None:
                 raise _Missing(f"protocols.{name}: a pair's protocol needs its converted score and ppl_ratio")
             if (p.original.bits_per_byte is None) != (p.converted.bits_per_byte is None):
                 raise _Missing(f"protocols.{name}: bits_per_byte is given for one model only")
-    for name, q in r.quantization.items():
-        typed.read(_KL, q.agreement.kl, f"quantization.{name}.agreement.kl")
-    typed.read(_Data, r.data, "data")
-    typed.read(_Device, r.device, "device")
     a = r.agreement
-    if a is not None:
-        typed.read(_KL, a.kl, "agreement.kl")
-        if a.kl_reverse is not None and a.delta_p is not None:  # the llama.cpp-style report
-            typed.read(_Stats, a.kl, "agreement.kl")
-            typed.read(_Stats, a.kl_reverse, "agreement.kl_reverse")
-            typed.read(_DeltaP, a.delta_p, "agreement.delta_p")
-            typed.read(_Report, asdict(a), "agreement")
-        if a.reference_rest_mass is not None:
-            typed.read(_RestMass, a.reference_rest_mass, "agreement.reference_rest_mass")
-    if r.attention is not None:
-        attention = typed.read(_Attention, r.attention, "attention")
-        if not attention.layers or any(not layer.heads for layer in attention.layers):
-            raise _Missing("attention.layers is empty, or a layer has no heads")
-    if r.gates is not None:
-        typed.read(_Gates, r.gates, "gates")
-    for i, sample in enumerate(r.samples):
-        typed.read(_Sample, sample, f"samples[{i}]")
+    if a is not None and a.kl_reverse is not None and a.delta_p is not None:  # the llama.cpp-style report
+        for where, stats, extra in (
+            ("agreement.kl", a.kl, ()),
+            ("agreement.kl_reverse", a.kl_reverse, ()),
+            ("agreement.delta_p", a.delta_p, ("rms", "rms_error")),
+        ):
+            for name in (*Stats.REPORT, *extra):
+                if getattr(stats, name) is None:
+                    raise _Missing(f"{where}.{name} is missing")
+        for name in ("top1_error", "nll_delta_error", "nll_correlation"):
+            if getattr(a, name) is None:
+                raise _Missing(f"agreement.{name} is missing")
+    if r.attention is not None and (not r.attention.layers or any(not x.heads for x in r.attention.layers)):
+        raise _Missing("attention.layers is empty, or a layer has no heads")
     if r.tasks is not None:
         _check_tasks(r.tasks, r.converted is not None)
-    overlap = r.data.get("calibration_overlap")
-    if overlap is not None and not isinstance(overlap, dict):
-        raise _Missing("data.calibration_overlap is not an object")
 
 
 def _check_tasks(section: TasksSection, pair: bool) -> None:
@@ -448,4 +466,26 @@ def _check_tasks(section: TasksSection, pair: bool) -> None:
                 raise _Missing(f"{where}.paired.test {t.test!r} is not mcnemar-exact or paired-bootstrap")
 
 
-__all__ = ["Agreement", "ModelInfo", "Protocol", "Quantized", "Results", "Score"]
+__all__ = [
+    "Agreement",
+    "Attention",
+    "AttentionLayer",
+    "AttentionMeans",
+    "AttentionSummary",
+    "DataInfo",
+    "DeltaP",
+    "DeviceInfo",
+    "GateCheck",
+    "GatesRecord",
+    "HeadScore",
+    "HeadSimilarity",
+    "ModelInfo",
+    "Protocol",
+    "Quantized",
+    "RestMass",
+    "Results",
+    "Sample",
+    "Score",
+    "Similarity",
+    "Stats",
+]

@@ -3,6 +3,7 @@ the terminal summary, the report (HTML and Markdown), the demo and job summaries
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.runlog import RunHistory
 from mha2gqa.core.text_table import Table
 from mha2gqa.core.units import format_bytes
-from mha2gqa.eval.results import Results
+from mha2gqa.eval.results import Results, Stats
 from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 #: Sequence lengths of the KV-cache table (those past the model's positions are left out).
@@ -46,7 +47,7 @@ def agreement_table(r: Results) -> Table | None:
     kl = a.kl
     t = Table(["KL mean", "median", "q90", "q95", "q99", "q99.9", "max", "top-1 agreement", "NLL delta", "tokens"])
     t.add(
-        *(f"{kl[k]:.4f}" for k in ("mean", "median", "q90", "q95", "q99", "q99_9", "max")),
+        *(f"{x:.4f}" for x in (kl.mean, kl.median, kl.q90, kl.q95, kl.q99, kl.q99_9, kl.max)),
         f"{a.top1_agreement:.2%}",
         f"{a.nll_delta:+.4f}",
         f"{a.tokens:,}",
@@ -54,19 +55,19 @@ def agreement_table(r: Results) -> Table | None:
     return t
 
 
-#: The rows of llama.cpp's KL report: (label, summary key).
-KL_REPORT_ROWS = (
-    ("max", "max"),
-    ("99.9%", "q99_9"),
-    ("99%", "q99"),
-    ("95%", "q95"),
-    ("90%", "q90"),
-    ("median", "median"),
-    ("10%", "q10"),
-    ("5%", "q5"),
-    ("1%", "q1"),
-    ("0.1%", "q0_1"),
-    ("min", "min"),
+#: The rows of llama.cpp's KL report: (label, the statistic).
+KL_REPORT_ROWS: tuple[tuple[str, Callable[[Stats], float | None]], ...] = (
+    ("max", lambda s: s.max),
+    ("99.9%", lambda s: s.q99_9),
+    ("99%", lambda s: s.q99),
+    ("95%", lambda s: s.q95),
+    ("90%", lambda s: s.q90),
+    ("median", lambda s: s.median),
+    ("10%", lambda s: s.q10),
+    ("5%", lambda s: s.q5),
+    ("1%", lambda s: s.q1),
+    ("0.1%", lambda s: s.q0_1),
+    ("min", lambda s: s.min),
 )
 
 
@@ -80,13 +81,13 @@ def kl_report_table(r: Results) -> Table | None:
     kl, rev, dp = a.kl, a.kl_reverse, a.delta_p
     t.add(
         "mean ± error",
-        f"{kl['mean']:.5f} ± {kl['std_error']:.5f}",
-        f"{rev['mean']:.5f} ± {rev['std_error']:.5f}",
-        f"{dp['mean']:+.3%} ± {dp['std_error']:.3%}",
+        f"{kl.mean:.5f} ± {kl.std_error:.5f}",
+        f"{rev.mean:.5f} ± {rev.std_error:.5f}",
+        f"{dp.mean:+.3%} ± {dp.std_error:.3%}",
     )
-    for label, key in KL_REPORT_ROWS:
-        t.add(label, f"{kl[key]:.5f}", f"{rev[key]:.5f}", f"{dp[key]:+.3%}")
-    t.add("RMS Δp", "", "", f"{dp['rms']:.3%} ± {dp['rms_error']:.3%}")
+    for label, stat in KL_REPORT_ROWS:
+        t.add(label, f"{stat(kl):.5f}", f"{stat(rev):.5f}", f"{stat(dp):+.3%}")
+    t.add("RMS Δp", "", "", f"{dp.rms:.3%} ± {dp.rms_error:.3%}")
     t.add("same top token", f"{a.top1_agreement:.3%} ± {a.top1_error:.3%}", "", "")
     t.add("mean ln(PPL(converted) / PPL(original))", f"{a.nll_delta:.5f} ± {a.nll_delta_error:.5f}", "", "")
     t.add("correlation of per-token NLLs", f"{a.nll_correlation:.4f}", "", "")
@@ -95,7 +96,7 @@ def kl_report_table(r: Results) -> Table | None:
 
 def attention_table(r: Results) -> Table | None:
     att = r.attention
-    if not att or not att.get("layers"):
+    if att is None:
         return None
     conv = r.converted
     per_layer = conv.kv_heads_per_layer if conv else None  # a per-layer budget: each layer's KV heads and bytes
@@ -115,29 +116,22 @@ def attention_table(r: Results) -> Table | None:
         ]
     )
     element = by_name(conv.dtype).bytes
-    for x in att["layers"]:
-        heads = per_layer[x["layer"]] if per_layer else None
+    for x in att.layers:
+        heads = per_layer[x.layer] if per_layer else None
         cells = [str(heads), f"{kv_bytes_per_token([heads], conv.head_dim, element):,}"] if per_layer else []
         t.add(
-            str(x["layer"]),
+            str(x.layer),
             *cells,
-            f"{x['mean_kl']:.4f}",
-            f"{x['mean_js']:.4f}",
-            f"{x['mean_cosine']:.4f}",
-            f"{x['mean_entropy_original']:.3f}",
-            f"{x['mean_entropy_converted']:.3f}",
-            f"{x['entropy_uniform']:.3f}",
-            f"{head_error(x):.4f}",
-            f"{x['hidden_cosine']:.4f}",
+            f"{x.mean_kl:.4f}",
+            f"{x.mean_js:.4f}",
+            f"{x.mean_cosine:.4f}",
+            f"{x.mean_entropy_original:.3f}",
+            f"{x.mean_entropy_converted:.3f}",
+            f"{x.entropy_uniform:.3f}",
+            f"{x.head_error:.4f}",
+            f"{x.hidden_cosine:.4f}",
         )
     return t
-
-
-def head_error(entry: dict[str, Any]) -> float:
-    """A layer's (or the summary's) mean per-head contribution error; files written before it was
-    measured give the raw output error."""
-    found = entry.get("mean_contribution_rel_error")
-    return found if found is not None else entry["mean_output_rel_error"]
 
 
 def kv_rows(r: Results) -> list[list[str]]:
@@ -169,8 +163,8 @@ def gates_table(r: Results) -> Table | None:
     if not r.gates:
         return None
     t = Table(["gate", "value", "limit", "result"])
-    for g in r.gates["checks"]:
-        t.add(g["name"], f"{g['value']:.4g}", f"{g['op']} {g['limit']:.4g}", "pass" if g["passed"] else "FAIL")
+    for g in r.gates.checks:
+        t.add(g.name, f"{g.value:.4g}", f"{g.op} {g.limit:.4g}", "pass" if g.passed else "FAIL")
     return t
 
 
@@ -305,7 +299,7 @@ def overview_table(results: list[Results], runs: list[RunHistory] | None = None)
             f"{p.original.ppl:.3f}" + (f" → {p.converted.ppl:.3f}" if p.converted else ""),
             f"{p.original.tokens:,}",
             f"{p.ppl_ratio or 1:.3f}x",
-            f"{a.kl['mean']:.4f}" if a else "",
+            f"{a.kl.mean:.4f}" if a else "",
             f"{a.top1_agreement:.1%}" if a else "",
             f"{kv:,}{saving}",
             verdict_cell(r),
@@ -352,21 +346,20 @@ def gate_cell(r: Results) -> str:
     """``pass``, ``FAIL: <failed gates>`` or empty when no gate was asked for."""
     if not r.gates:
         return ""
-    failed = [g["name"] for g in r.gates["checks"] if not g["passed"]]
+    failed = [g.name for g in r.gates.checks if not g.passed]
     return "FAIL: " + ", ".join(failed) if failed else "pass"
 
 
 def worst(r: Results, count: int = 3) -> str:
     """The layers with the highest attention KL and the heads with the highest contribution error."""
     att = r.attention
-    if not att or not att.get("layers"):
+    if att is None:
         return ""
-    layers = sorted(att["layers"], key=lambda x: -x["mean_kl"])[:count]
-    key = "contribution_rel_error" if "contribution_rel_error" in att["layers"][0]["heads"][0] else "output_rel_error"
-    heads = sorted(((h[key], x["layer"], i) for x in att["layers"] for i, h in enumerate(x["heads"])), reverse=True)
+    layers = sorted(att.layers, key=lambda x: -x.mean_kl)[:count]
+    heads = sorted(((h.error, x.layer, i) for x in att.layers for i, h in enumerate(x.heads)), reverse=True)
     return (
         "worst layers by attention KL: "
-        + ", ".join(f"{x['layer']} ({x['mean_kl']:.3g})" for x in layers)
+        + ", ".join(f"{x.layer} ({x.mean_kl:.3g})" for x in layers)
         + "; worst heads by contribution error: "
         + ", ".join(f"layer {layer} head {h} ({v:.3g})" for v, layer, h in heads[:count])
     )
@@ -378,7 +371,7 @@ def samples_table(r: Results) -> Table | None:
         return None
     t = Table(["prompt", "original", "converted"])
     for s in r.samples:
-        t.add(s["prompt"], s.get("original", ""), s.get("converted", ""))
+        t.add(s.prompt, s.original, s.converted)
     return t
 
 

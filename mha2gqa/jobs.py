@@ -489,7 +489,7 @@ def _evaluate_stage(
         original_ppl=p.original.ppl,
         converted_ppl=p.converted.ppl,
         ppl_ratio=p.ppl_ratio,
-        kl_mean=typed.agreement.kl["mean"],
+        kl_mean=typed.agreement.kl.mean,
         top1=typed.agreement.top1_agreement,
         kv_bytes_per_token=conv.facts.kv_cache_bytes_per_token_after,
         kv_bytes_per_token_before=conv.facts.kv_cache_bytes_per_token_before,

@@ -164,7 +164,7 @@ def test_the_yardstick_equals_scoring_a_quantized_copy(pair, tmp_path):
     assert CliRunner().invoke(main, [*argv, "--output", str(by_hand)]).exit_code == 0
     hand, yard = Results.load(by_hand), results.quantization["int4"]
     assert math.isclose(yard.ppl_ratio["disjoint"], hand.headline.ppl_ratio, rel_tol=1e-9)
-    assert math.isclose(yard.agreement.kl["mean"], hand.agreement.kl["mean"], rel_tol=1e-6, abs_tol=1e-12)
+    assert math.isclose(yard.agreement.kl.mean, hand.agreement.kl.mean, rel_tol=1e-6, abs_tol=1e-12)
     assert yard.agreement.top1_agreement == hand.agreement.top1_agreement
 
 
@@ -177,7 +177,7 @@ def test_int8_is_closer_than_int4_on_a_real_model(tmp_path):
                                     "--output", str(out)])  # fmt: skip
     assert res.exit_code == 0, res.output
     q = Results.load(out).quantization
-    assert 0 < q["int8"].agreement.kl["mean"] < q["int4"].agreement.kl["mean"]
+    assert 0 < q["int8"].agreement.kl.mean < q["int4"].agreement.kl.mean
     assert abs(q["int8"].ppl_ratio["disjoint"] - 1) < abs(q["int4"].ppl_ratio["disjoint"] - 1)
     assert q["int8"].agreement.top1_agreement > q["int4"].agreement.top1_agreement
 
@@ -327,13 +327,18 @@ def test_a_folder_given_as_text_says_so(pair):
 
 
 def test_uptraining_runs_seen_only_through_their_logs_join_the_overview():
+    from mha2gqa.core.runlog import RunHistory, from_json
     from mha2gqa.eval.tables import overview_table
 
-    start = {"type": "start", "settings": {"objective": "kd", "train": "all", "max_steps": 4}, "num_kv_heads": 2,
-             "tokens_per_step": 64}  # fmt: skip
-    evals = [{"type": "eval", "step": s, "ppl": p, "teacher_ppl": 10.0, "ppl_ratio": p / 10, "kl_mean": k,
-              "eval_tokens": 512} for s, p, k in ((0, 14.0, 0.4), (4, 10.4, 0.04))]  # fmt: skip
-    table = overview_table([], [("g2-uptrained", [start, *evals])])
+    start = {"type": "start", "created": "2026-11-26T00:00:00+00:00", "student": "s", "teacher": "t",
+             "settings": {"objective": "kd", "train": "all", "max_steps": 4}, "windows": 8, "tokens_per_step": 64,
+             "total_steps": 4, "trainable_parameters": 10, "parameters": 10, "num_heads": 4, "num_kv_heads": 2,
+             "processes": 1, "device": "cpu", "mixed_precision": "no"}  # fmt: skip
+    evals = [{"type": "eval", "step": s, "tokens": 64 * s, "nll": 2.0, "ppl": p, "teacher_ppl": 10.0,
+              "ppl_ratio": p / 10, "kl_mean": k, "eval_tokens": 512}
+             for s, p, k in ((0, 14.0, 0.4), (4, 10.4, 0.04))]  # fmt: skip
+    run = RunHistory("g2-uptrained", tuple(from_json(r, "record") for r in [start, *evals]))
+    table = overview_table([], [run])
     (row,) = table.rows
     assert row[0] == "g2-uptrained" and row[1] == "uptrain" and row[2] == "2" and row[6] == "1.040x"
     assert row[-1] == "pass" and table.html().count('href="#uptraining"') == 1
