@@ -351,7 +351,7 @@ def test_training_stops_on_a_non_finite_loss(pair, tmp_path, monkeypatch):
     def poisoned(*args, **kwargs):
         return float("nan"), {}
 
-    monkeypatch.setattr(trainer, "_accumulate", poisoned)
+    monkeypatch.setattr(trainer, "accumulate", poisoned)
     _, conv, text = pair
     result = run_cli(
         "uptrain", conv, "--data", text, "--output", tmp_path / "run", "-q", "--seq-len", 16, "--max-steps", 3

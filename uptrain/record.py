@@ -70,6 +70,20 @@ class UptrainRecord:
             raise Mha2GqaError(f"{path}: not readable JSON ({e})") from None
         return cls.from_dict(data, str(path))
 
+    def files(self, conversion: ConversionRecord | None, student_folder: Path) -> dict[str, str]:
+        """What travels with the uptrained model (and each checkpoint): this record, the model card,
+        the conversion record, and a per-layer student's modeling file."""
+        from mha2gqa.core.per_layer import MODELING_FILE
+        from mha2gqa.core.records import CONVERSION_RECORD
+
+        files = {UPTRAIN_RECORD: self.to_json(), "README.md": self.card(conversion)}
+        if conversion:
+            files[CONVERSION_RECORD] = conversion.to_json()
+        modeling = Path(student_folder) / MODELING_FILE
+        if modeling.is_file():  # a per-layer student: its class travels with the weights
+            files[MODELING_FILE] = modeling.read_text(encoding="utf-8")
+        return files
+
     def card(self, conversion: ConversionRecord | None) -> str:
         """The model card (README.md) of the uptrained model: the uptraining, then the conversion."""
         base, s = Path(self.student).name, self.settings
