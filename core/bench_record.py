@@ -1,5 +1,5 @@
 """The ``bench --output`` record: written by :mod:`mha2gqa.eval.bench`, read back by ``plan --bench``
-(:mod:`mha2gqa.core.capacity`), both through these types (the file's schema is
+(:mod:`mha2gqa.serving.capacity`), both through these types (the file's schema is
 :data:`~mha2gqa.core.records.BENCH_SCHEMA`)."""
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ from mha2gqa.cli_common import (
     user_errors,
 )
 from mha2gqa.convert.settings import ConvertSettings
-from mha2gqa.core.planning import PlanSettings
 from mha2gqa.core.settings import click_options
 from mha2gqa.eval.gates import GATE_EXIT_CODE, GateSettings
 from mha2gqa.eval.settings import BenchSettings, EvalSettings
 from mha2gqa.jobs import DemoRequest
+from mha2gqa.serving.sizing import PlanSettings
 from mha2gqa.uptrain.settings import UptrainSettings
 
 
@@ -243,7 +243,7 @@ def bench(original: str, converted: str | None, output: Path | None, overwrite: 
 @user_errors
 def inspect(model: str, seq_len: int | None, batch_size: int, revision: str | None, as_json: bool) -> None:
     """Family, head counts, parameters and KV-cache size of MODEL (folder, config.json or hub id)."""
-    from mha2gqa.core.capacity import inspect_model
+    from mha2gqa.serving.capacity import inspect_model
 
     report = inspect_model(model, seq_len, batch_size, revision)
     echo_all([json.dumps(report.data, indent=2)] if as_json else report.lines)
@@ -282,7 +282,7 @@ def plan_cmd(
 ) -> None:
     """For every valid KV-head count: KV cache, weights, how many sequences fit and (with --gpu or
     --bandwidth) estimated decode tokens/s and prefill time (config only)."""
-    from mha2gqa.core.capacity import plan_capacity
+    from mha2gqa.serving.capacity import plan_capacity
 
     result = plan_capacity(model, PlanSettings(**options), revision, per_layer, bench_path, plot_path, overwrite)
     echo_all([json.dumps(result.to_dict(), indent=2)] if as_json else result.lines())

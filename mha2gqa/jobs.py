@@ -317,7 +317,7 @@ def _demo_text(job: Job, name: str | None) -> str | None:
 def _check_heads(job: Job, source: str) -> None:
     """Every KV-head count of the sweep must divide the source's, checked before the first conversion."""
     from mha2gqa.core.architecture import resolve
-    from mha2gqa.core.planning import load_config
+    from mha2gqa.serving.sizing import load_config
 
     try:
         dims = resolve(load_config(source)).dims  # BLOOM, T5...: refused with the reason convert gives

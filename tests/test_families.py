@@ -110,7 +110,7 @@ def test_declared_parameter_terms_count_exactly_what_transformers_builds(family)
     """The planner counts parameters from the family's terms, without torch (or, for a family that
     declares none, GPTBigCode and Falcon, from its class on ``meta``): for every family, with each
     switch on and off, MHA and GQA, the count equals the model class's own."""
-    from mha2gqa.core.planning import count_parameters, model_shape
+    from mha2gqa.serving.sizing import count_parameters, model_shape
 
     fam = families()[family]
     base = tiny_config(family)
@@ -128,7 +128,7 @@ def test_declared_parameter_terms_count_exactly_what_transformers_builds(family)
 
 
 def test_parameter_terms_use_the_model_class_defaults_for_absent_switches():
-    from mha2gqa.core.planning import count_parameters
+    from mha2gqa.serving.sizing import count_parameters
 
     fam = families()["starcoder2"]  # ties embeddings and uses biases unless told otherwise
     config = tiny_config("starcoder2")

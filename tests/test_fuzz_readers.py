@@ -215,9 +215,9 @@ BENCH = {
 @given(data=st.data())
 @FUZZ
 def test_bench_file(tmp_path_factory, data):
-    from mha2gqa.core.capacity import plan_capacity
-    from mha2gqa.core.planning import PlanSettings
     from mha2gqa.core.records import BENCH_SCHEMA
+    from mha2gqa.serving.capacity import plan_capacity
+    from mha2gqa.serving.sizing import PlanSettings
 
     root = tmp_path_factory.mktemp("bench")
     save(random_model(tiny_config("llama")), root / "m") if not (root / "m").exists() else None
@@ -233,9 +233,9 @@ def test_bench_file(tmp_path_factory, data):
 @FUZZ
 def test_model_config(tmp_path_factory, data):
     from mha2gqa.core.architecture import resolve
-    from mha2gqa.core.capacity import plan_capacity
     from mha2gqa.core.checkpoint import read_config
-    from mha2gqa.core.planning import PlanSettings
+    from mha2gqa.serving.capacity import plan_capacity
+    from mha2gqa.serving.sizing import PlanSettings
 
     base = tiny_config("llama").to_dict()
     base = {k: v for k, v in base.items() if isinstance(v, int | float | str | bool | list | dict | type(None))}

@@ -4,6 +4,7 @@ core     <- convert, eval, uptrain, top      (core imports only core)
 convert  <- top                              (convert imports core)
 eval     <- uptrain, top                     (eval imports core)
 uptrain  <- top                              (uptrain imports core and eval's scorer)
+serving  <- top                              (serving imports core: plan, inspect, bench sizing)
 top      = mha2gqa/ (CLI, jobs, demo), configs: anything
 """
 
@@ -19,6 +20,7 @@ FOLDERS = {
     "convert": "convert",
     "eval": "eval",
     "uptrain": "uptrain",
+    "serving": "serving",
     "mha2gqa": "top",
     "configs": "top",
 }
@@ -27,7 +29,8 @@ ALLOWED = {
     "convert": {"core", "convert"},
     "eval": {"core", "eval"},
     "uptrain": {"core", "eval", "uptrain"},
-    "top": {"core", "convert", "eval", "uptrain", "top"},
+    "serving": {"core", "serving"},
+    "top": {"core", "convert", "eval", "uptrain", "serving", "top"},
 }
 
 
@@ -38,7 +41,7 @@ def layer_of(module: str) -> str | None:
         return None
     if len(parts) == 1:
         return "root"
-    return parts[1] if parts[1] in ("core", "convert", "eval", "uptrain") else "top"
+    return parts[1] if parts[1] in ("core", "convert", "eval", "uptrain", "serving") else "top"
 
 
 def imports(path: Path) -> list[tuple[int, str]]:

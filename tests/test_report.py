@@ -18,10 +18,10 @@ from conftest import (
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.core.planning import capacity_rows, model_shape
 from mha2gqa.core.units import parse_size
 from mha2gqa.eval.gates import GATE_EXIT_CODE
 from mha2gqa.eval.tables import OVERVIEW_COLUMNS
+from mha2gqa.serving.sizing import capacity_rows, model_shape
 
 
 def test_planner_matches_hand_calculations_for_llama2_7b():
@@ -39,7 +39,7 @@ def test_planner_matches_hand_calculations_for_llama2_7b():
 
 def test_throughput_estimate_matches_a_hand_calculation_and_plots(tmp_path):
     """Llama-2-7B, bf16 weights and KV cache, 80 GB at 3.35 TB/s, 4,096-token sequences."""
-    from mha2gqa.core.planning import GPUS, throughput
+    from mha2gqa.serving.sizing import GPUS, throughput
 
     shape = model_shape(LLAMA2_7B)
     gpu = GPUS["h100-sxm"]
@@ -484,7 +484,7 @@ def test_bench_defaults_fit_a_short_model(tmp_path):
 
 def test_plan_and_inspect_of_a_well_known_hub_id_work_offline(monkeypatch):
     """The hub unreachable: the shipped copy of a well-known model's config plans it, and says so."""
-    from mha2gqa.core.planning import known_config
+    from mha2gqa.serving.sizing import known_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = CliRunner().invoke(main, ["plan", "meta-llama/Llama-2-7b-hf", "--gpu", "h100-sxm"])

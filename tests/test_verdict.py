@@ -311,8 +311,8 @@ def test_a_run_without_fixtures_says_how_many_were_skipped(tmp_path):
 
 # -- smaller points -------------------------------------------------------------------------------
 def test_plan_of_a_per_layer_checkpoint_plans_its_own_counts(tmp_path):
-    from mha2gqa.core.capacity import plan_capacity
-    from mha2gqa.core.planning import PlanSettings
+    from mha2gqa.serving.capacity import plan_capacity
+    from mha2gqa.serving.sizing import PlanSettings
 
     save(random_model(tiny_config("llama", num_hidden_layers=3)), tmp_path / "src")
     out = convert_checkpoint(tmp_path / "src", tmp_path / "pl", None, num_kv_heads_per_layer="4,1,2", progress=False)

@@ -149,11 +149,11 @@ def load_config(model: str, revision: str | None = None) -> dict[str, Any]:
 
 
 def known_config(model: str) -> dict[str, Any] | None:
-    """mha2gqa's copy of a well-known hub model's ``config.json`` (``core/known_configs.json``), or None."""
+    """mha2gqa's copy of a well-known hub model's ``config.json`` (``serving/known_configs.json``), or None."""
     import json
     from importlib import resources
 
-    data = json.loads(resources.files("mha2gqa.core").joinpath("known_configs.json").read_text(encoding="utf-8"))
+    data = json.loads(resources.files("mha2gqa.serving").joinpath("known_configs.json").read_text(encoding="utf-8"))
     return data.get(model) if not model.startswith("_") else None
 
 

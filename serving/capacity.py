@@ -16,7 +16,9 @@ from mha2gqa.core.bench_record import BenchRecord
 from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError, SettingError
-from mha2gqa.core.planning import (
+from mha2gqa.core.text_table import Table
+from mha2gqa.core.units import format_bytes
+from mha2gqa.serving.sizing import (
     Gpu,
     ModelShape,
     PlanRow,
@@ -28,8 +30,6 @@ from mha2gqa.core.planning import (
     model_shape,
     throughput,
 )
-from mha2gqa.core.text_table import Table
-from mha2gqa.core.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,8 @@ def plan_capacity(
     to be a destination this tool may write, so a mismatch is refused before anything prints; the
     plot (decode tokens/s against batch size) is written last."""
     from mha2gqa.core.output import check_destination, write_text
-    from mha2gqa.core.planning import throughput_plot
     from mha2gqa.core.settings import validate
+    from mha2gqa.serving.sizing import throughput_plot
 
     s = validate(settings)
     gpu = s.hardware()
