@@ -270,6 +270,15 @@ def speed_figures(size: dict, device_name: str, dtype_name: str, figures: set[st
     if "calibration" in figures:
         out["calibration"] = calibration_figure(size, device_name)
     if "refit" in figures:
+        if device.type == "cuda":  # the baseline: one 512-token window a call, as on a CPU
+            from mha2gqa.convert import refit
+
+            default = dict(refit.CALL_TOKENS)
+            refit.CALL_TOKENS["cuda"] = refit.CALL_TOKENS["cpu"]
+            try:
+                out["refit_one_window_a_call"] = refit_figure(size["refit"], device_name)
+            finally:
+                refit.CALL_TOKENS.update(default)
         out["refit"] = refit_figure(size["refit"], device_name)
     return out
 
@@ -419,12 +428,14 @@ def markdown(results: dict) -> str:
     c = sp.get("calibration")
     if c:
         lines.append(f"| svd calibration ({c['tokens']} tokens) | {c['seconds_per_layer']:.2f} s per layer |")
-    r = sp.get("refit")
-    if r:
+    for key, how in (("refit_one_window_a_call", ", one window a call (a CPU's)"), ("refit", "")):
+        r = sp.get(key)
+        if not r:
+            continue
         sh = r["shape"]
         lines.append(
             f"| `svd --refit` {sh['heads']} -> 1 KV head, {sh['layers']} layers of hidden {sh['hidden']}, "
-            f"{sh['tokens']:,} tokens, at most {r['max_steps']} steps x {r['batch']} windows | "
+            f"{sh['tokens']:,} tokens, at most {r['max_steps']} steps x {r['batch']} windows{how} | "
             f"{r['seconds_per_layer']:.2f} s per layer, {r['seconds_per_step'] * 1e3:.1f} ms per step (medians; "
             f"{sum(r['steps']) / len(r['steps']):.0f} steps a layer on average); {r['seconds']:.0f} s in all |"
         )

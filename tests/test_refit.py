@@ -14,7 +14,7 @@ from test_methods import calibrated, with_tokenizer
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.convert.calibration.streaming import calibration_ids
-from mha2gqa.convert.refit import CALL_TOKENS, fit_layer, split_windows
+from mha2gqa.convert.refit import CALL_TOKENS, call_tokens, fit_layer, split_windows
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.families import families
@@ -114,6 +114,29 @@ def test_fit_layer_keeps_the_best_held_out_values_and_stops_when_they_stop_falli
     assert not crawl.kept and crawl.steps == 25 and crawl.loss_after < crawl.loss_before
 
 
+def test_windows_batched_per_call_fit_as_one_at_a_time():
+    """A GPU takes a step's windows in one call (``per_call``), a CPU one window a call: the same
+    windows, the same gradient (the mean over the step), the same fit up to rounding."""
+    torch.manual_seed(0)
+    xs, w_true = torch.randn(16, 5, 4), torch.randn(4, 4)
+    start = {"w": torch.eye(4)}
+
+    def forward(values, w):
+        return xs[w] @ values["w"]
+
+    def targets(w):
+        return torch.tanh(xs[w] @ w_true)  # not reachable exactly: the fit moves every step
+
+    fits = [
+        fit_layer(forward, start, ["w"], targets, 16, steps=40, lr=0.01, batch=8, seed=3, per_call=n) for n in (1, 3, 8)
+    ]
+    for other in fits[1:]:
+        assert other.steps == fits[0].steps and not other.kept
+        torch.testing.assert_close(other.values["w"], fits[0].values["w"], rtol=1e-5, atol=1e-6)
+    assert call_tokens(torch.device("cpu")) == 512 and call_tokens(torch.device("cuda", 0)) == 8 * 512
+    assert call_tokens(torch.device("meta")) == 512  # any other device: a CPU's
+
+
 def _reference(src, plain, calib_text, steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """The refit done the simple way: both whole models in memory, stock transformers' GQA layer of
     the converted model, hidden states kept as plain tensors."""
@@ -136,7 +159,7 @@ def _reference(src, plain, calib_text, steps: int, seed: int = 0) -> dict[str, t
     h_orig, kw = caught["h"], {k: v for k, v in caught["kw"].items() if k != "past_key_values"}
     h_conv, tensors = h_orig.clone(), read_all(plain)
     fam = families()["llama"]
-    per_call = CALL_TOKENS // 32
+    per_call = CALL_TOKENS["cpu"] // 32
     for i, (lo, lc) in enumerate(zip(original.model.layers, converted.model.layers, strict=True)):
         with torch.no_grad():
             target = lo(h_orig, **kw)
