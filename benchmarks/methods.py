@@ -85,11 +85,11 @@ def _score(folder: Path, out: Path, settings, ood_settings, head: tuple, seconds
     out-of-domain ratio (with ``ood_settings``) and how many times closer to 1 than ``plain``."""
     from mha2gqa.eval.harness import evaluate
 
-    r = evaluate(str(folder), str(out), settings)
+    r = evaluate(str(folder), str(out), settings).to_dict()
     d, agree = r["protocols"]["disjoint"], r["agreement"]
     ood = None
     if ood_settings is not None:
-        ood = evaluate(str(folder), str(out), ood_settings)["protocols"]["disjoint"]["ppl_ratio"]
+        ood = evaluate(str(folder), str(out), ood_settings).headline.ppl_ratio
     closer = (plain[5] - 1) / (d["ppl_ratio"] - 1) if plain and d["ppl_ratio"] != 1 else None
     row = (*head, d["original"]["ppl"], d["converted"]["ppl"], d["ppl_ratio"], agree["kl"]["mean"],
            agree["top1_agreement"], seconds, ood, closer)  # fmt: skip
@@ -249,7 +249,7 @@ def real_model(args) -> None:
             seconds, peak = _convert_process(model, out, options)
             scores = {}
             for domain, settings in domains.items():
-                r = evaluate(str(model), str(out), settings)
+                r = evaluate(str(model), str(out), settings).to_dict()
                 scores[domain] = (r["protocols"]["disjoint"], r["agreement"])
             (d, agree), (o, _) = scores["wikitext"], scores["shakespeare"]
             row = (name, d["original"]["ppl"], d["converted"]["ppl"], d["ppl_ratio"], agree["kl"]["mean"],

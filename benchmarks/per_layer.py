@@ -67,7 +67,7 @@ def main() -> None:
                         str(folder),
                         str(out.output),
                         EvalSettings(**{**settings.__dict__, "reference_cache": str(cache)}),
-                    )
+                    ).to_dict()
                     d, a = r["protocols"]["disjoint"], r["agreement"]
                     heads = out.kv_heads_per_layer
                     row = (

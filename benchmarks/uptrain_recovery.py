@@ -90,7 +90,7 @@ def main() -> None:
                 curves[name] = {e.step: e.ppl_ratio for e in result.evals}
                 at_512 = EvalSettings(data=str(work / "held.txt"), seq_len=512, attention=False, progress=False)
                 full = evaluate(str(model), str(work / name), at_512)
-                finals[name] = (full["protocols"]["disjoint"]["ppl_ratio"], full["agreement"]["kl"]["mean"], seconds)
+                finals[name] = (full.headline.ppl_ratio, full.agreement.kl.mean, seconds)
                 print(
                     f"{name}: step 0 x{curves[name][0]:.3f} -> step {args.steps} x{curves[name][args.steps]:.3f} "
                     f"(window 256); x{finals[name][0]:.3f} at 512; {seconds:.0f} s",

@@ -2,8 +2,8 @@
 dataclasses, optionals, lists, dicts, numbers), so a damaged or foreign file is one error naming
 the file and the field, never a wrong number later.
 
-``read(cls, data, where)`` builds ``cls`` from a JSON object; ``asdict`` (from dataclasses) writes
-it back. Fields with defaults may be absent (files written before they existed).
+``read(cls, data, where)`` builds ``cls`` from a JSON object; :func:`plain` (or ``asdict``) writes it
+back. Fields with defaults may be absent (files written before they existed).
 """
 
 from __future__ import annotations
@@ -82,3 +82,26 @@ def value(annotation: Any, data: Any, where: str) -> Any:
             raise RecordError(f"{where} is not a {annotation.__name__} (got {data!r:.40})")
         return data
     raise TypeError(f"unsupported annotation {annotation!r} at {where}")  # a bug in a record type
+
+
+def plain(obj: Any) -> Any:
+    """The JSON form of a record: a dataclass as the object of its fields (a field at its default of
+    None or empty left out, as files written before it have it), or its own ``to_dict()`` where it
+    has one; lists, tuples and dicts item by item."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if callable(getattr(obj, "to_dict", None)):
+            return obj.to_dict()
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init and not unset(obj, f)}
+    if isinstance(obj, list | tuple):
+        return [plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    return obj
+
+
+def unset(obj: Any, f: dataclasses.Field) -> bool:
+    """``obj``'s field ``f`` holds its default of None, or the empty value its default factory makes."""
+    value = getattr(obj, f.name)
+    if f.default is None:
+        return value is None
+    return f.default_factory is not dataclasses.MISSING and value == f.default_factory() and not value

@@ -1,10 +1,12 @@
-"""The evaluation run: original vs converted (or one model) on the same text, as a results dict.
+"""The evaluation run: original vs converted (or one model) on the same text, as :class:`Results`.
 
 Results follow a versioned schema (:mod:`mha2gqa.eval.results`): models (paths, config summaries,
 hashes, KV bytes, conversion records), tokenizer, data source and token counts, every protocol with
 its settings, output agreement, attention similarity, timings and tokens/s, library versions,
 device, git revision. Under ``accelerate launch`` the windows are split across processes, sums are
-reduced, and only the main process returns the full results.
+reduced, and only the main process returns the results (the others None). The stages fill the
+file's sections as JSON objects; :meth:`Results.from_dict` reads them once, checked, into the typed
+value every reader uses and :meth:`Results.to_dict` writes.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from mha2gqa.eval.perplexity import (
     score_windows,
     stride_windows,
 )
+from mha2gqa.eval.results import Results
 from mha2gqa.eval.settings import EvalSettings
 
 
@@ -597,9 +600,10 @@ def _quantized(run: _Run, ref: Any, name: str, log: Callable[[str], None] | None
 
 def evaluate(
     original: str, converted: str | None, settings: EvalSettings, log: Callable[[str], None] | None = None
-) -> dict[str, Any]:
+) -> Results | None:
     """Evaluate ``original`` (and ``converted`` against it) on ``settings.data``; see module doc.
-    ``log`` hears, before the scoring starts, how much will be scored."""
+    ``log`` hears, before the scoring starts, how much will be scored. None on every process but
+    the main one of a multi-process run."""
     started = time.perf_counter()
     map_large_allocations()  # logits come and go batch after batch: keep the heap from fragmenting
     run = _prepare(original, converted, settings.check())
@@ -641,7 +645,7 @@ def evaluate(
     results["versions"] = versions()
     results["git_revision"] = git_revision()
     results["seconds"] = time.perf_counter() - started
-    return results
+    return Results.from_dict(results) if is_main_process() else None
 
 
 def _device_info(device: torch.device, dtype: torch.dtype, device_map: str | None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -108,21 +108,18 @@ class EvalRequest:
     def run(self, log: Callable[[str], None] | None = None) -> Outcome | None:
         """Evaluate, check the gates and write the results (when ``output`` is given); None on every
         process but the main one of a multi-process run."""
-        from mha2gqa.eval.harness import evaluate, is_main_process
+        from mha2gqa.eval.harness import evaluate
 
-        record = evaluate(self.original, self.converted, self.settings, log=log)
-        if not is_main_process():
+        results = evaluate(self.original, self.converted, self.settings, log=log)
+        if results is None:  # not the main process
             return None
-        results = Results.from_dict(record, str(self.output) if self.output is not None else None)
+        results.path = str(self.output) if self.output is not None else None
         gates = check_gates(results, self.limits)
         if gates:
             results.gates = gates_record(gates)
-            record["gates"] = asdict(results.gates)
         results.verdict = results.judge()
-        if results.verdict is not None:
-            record["verdict"] = results.verdict.to_dict()
         if self.output is not None:
-            write_json(self.output, record, "--output", self.overwrite, self.inputs)
+            write_json(self.output, results.to_dict(), "--output", self.overwrite, self.inputs)
         return Outcome(results, gates)
 
 

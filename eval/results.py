@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,6 +46,7 @@ class Stats:
     q1: float | None = None
     q5: float | None = None
     q10: float | None = None
+    count: int | None = None
 
     #: the statistics the llama.cpp-style report reads beside the headline ones
     REPORT: ClassVar[tuple[str, ...]] = ("std_error", "min", "q0_1", "q1", "q5", "q10")
@@ -75,6 +76,10 @@ class HeadScore:
     kl: float
     output_rel_error: float
     contribution_rel_error: float | None = None
+    js: float | None = None
+    cosine: float | None = None
+    entropy_original: float | None = None
+    entropy_converted: float | None = None
 
     @property
     def error(self) -> float:
@@ -129,6 +134,8 @@ class AttentionLayer(AttentionMeans):
 class AttentionSummary(AttentionMeans):
     mean_hidden_cosine: float
     head_similarity_original_mean: float | None = None
+    head_similarity_original_within_groups: float | None = None
+    head_similarity_original_across_groups: float | None = None
     head_similarity_converted_mean: float | None = None
     head_similarity_converted_within_groups: float | None = None
     head_similarity_converted_across_groups: float | None = None
@@ -141,6 +148,20 @@ class Attention:
     seq_len: int
     summary: AttentionSummary
     layers: list[AttentionLayer]
+    tokens: int | None = None
+    chunk: int | None = None
+    seconds: float | None = None
+
+
+@dataclass
+class ReferenceInfo:
+    """Where the original's scores came from: the reference cache entry (``folder`` None: a
+    temporary one), its size and ``form`` (``exact``, or ``top-K`` logits kept)."""
+
+    key: str
+    folder: str | None
+    bytes: int
+    form: str
 
 
 @dataclass
@@ -271,6 +292,7 @@ class Results:
     quantization: dict[str, Quantized] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
     tasks: TasksSection | None = None  # lm-evaluation-harness tasks (--tasks)
+    reference: ReferenceInfo | None = None  # the original's cached scores (pairs scored one at a time)
     git_revision: str | None = None
     seconds: float = 0.0
     path: str | None = None
@@ -303,6 +325,13 @@ class Results:
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise Mha2GqaError(f"{where}: a field has the wrong type ({e})") from None
         out.path = path
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The results file's JSON object (what :meth:`from_dict` reads back to an equal value)."""
+        out = {f.name: typed.plain(getattr(self, f.name)) for f in fields(self) if f.name != "path"}
+        out = {k: v for k, v in out.items() if v is not None}
+        out["protocols"] = {n: {k: v for k, v in p.items() if k != "name"} for n, p in out["protocols"].items()}
         return out
 
     @classmethod
@@ -482,6 +511,7 @@ __all__ = [
     "ModelInfo",
     "Protocol",
     "Quantized",
+    "ReferenceInfo",
     "RestMass",
     "Results",
     "Sample",

@@ -159,10 +159,10 @@ def test_model_against_itself_and_its_exact_conversion(trained_pair):
     src, same, _, text = trained_pair
     for other in (src, same):
         r = evaluate(str(src), str(other), EvalSettings(data=str(text), seq_len=64, max_tokens=1500, progress=False))
-        assert r["agreement"]["kl"]["max"] < 1e-5 and r["agreement"]["top1_agreement"] == 1.0
-        assert abs(r["agreement"]["nll_delta"]) < 1e-6
-        assert abs(r["attention"]["summary"]["mean_kl"]) < 1e-5
-        assert math.isclose(r["protocols"]["disjoint"]["ppl_ratio"], 1.0, rel_tol=1e-6)
+        assert r.agreement.kl.max < 1e-5 and r.agreement.top1_agreement == 1.0
+        assert abs(r.agreement.nll_delta) < 1e-6
+        assert abs(r.attention.summary.mean_kl) < 1e-5
+        assert math.isclose(r.protocols["disjoint"].ppl_ratio, 1.0, rel_tol=1e-6)
 
 
 def test_mean_pooled_conversion_diverges_and_results_follow_the_schema(trained_pair, tmp_path):
@@ -204,8 +204,8 @@ def test_jsonl_and_parquet_sources(trained_pair, tmp_path):
             None,
             EvalSettings(data=str(tmp_path / f), text_field="body", seq_len=64, max_tokens=600, progress=False),
         )
-        ppl.append(r["protocols"]["disjoint"]["original"]["ppl"])
-        assert r["data"]["documents"] == len(docs)
+        ppl.append(r.protocols["disjoint"].original.ppl)
+        assert r.data.documents == len(docs)
     assert ppl[0] == ppl[1]
 
 
@@ -246,15 +246,16 @@ def test_real_fixture_pooled_to_4_is_exact_and_to_2_is_not(tmp_path):
     g4 = convert_checkpoint(src, tmp_path / "g4", 4, progress=False).output
     g2 = convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output
     exact = evaluate(str(src), str(g4), settings)
-    assert exact["agreement"]["kl"]["max"] < 1e-4 and exact["agreement"]["top1_agreement"] == 1.0
-    assert exact["attention"]["summary"]["mean_kl"] < 1e-4
+    assert exact.agreement.kl.max < 1e-4 and exact.agreement.top1_agreement == 1.0
+    assert exact.attention.summary.mean_kl < 1e-4
     lossy = evaluate(str(src), str(g2), settings)
-    assert lossy["agreement"]["kl"]["mean"] > 0.5 and lossy["protocols"]["disjoint"]["ppl_ratio"] > 5
-    assert lossy["attention"]["summary"]["mean_kl"] > 0.1
+    assert lossy.agreement.kl.mean > 0.5 and lossy.protocols["disjoint"].ppl_ratio > 5
+    assert lossy.attention.summary.mean_kl > 0.1
 
 
-def _numbers(r: dict) -> dict:
+def _numbers(results) -> dict:
     """Everything an evaluation measured, without timings, paths and the reference cache's record."""
+    r = results.to_dict()
     drop = {"seconds", "tokens_per_second", "created", "reference", "settings", "versions", "git_revision", "device"}
     return {k: v for k, v in r.items() if k not in drop} | {
         "protocols": {
@@ -290,8 +291,8 @@ def test_one_model_at_a_time_equals_both_in_memory_and_its_cache_serves_several(
     messages: list[str] = []
     one = evaluate(str(src), str(pooled), EvalSettings(**kw, reference_cache=str(cache)), log=messages.append)
     assert _numbers(one) == _numbers(both)
-    assert one["agreement"]["kl"]["mean"] > 0 and len(one["samples"]) == 2
-    assert one["reference"]["bytes"] > 0 and any("scoring the original once" in m for m in messages)
+    assert one.agreement.kl.mean > 0 and len(one.samples) == 2
+    assert one.reference.bytes > 0 and any("scoring the original once" in m for m in messages)
     entries = [p for p in cache.iterdir() if not p.name.startswith(".")]  # (and its lock)
     assert len(entries) == 1 and (entries[0] / "mha2gqa_reference.json").is_file()
 
@@ -306,7 +307,7 @@ def test_one_model_at_a_time_equals_both_in_memory_and_its_cache_serves_several(
     assert (
         any("reusing" in m for m in messages) and [p for p in cache.iterdir() if not p.name.startswith(".")] == entries
     )
-    assert again["agreement"]["kl"]["max"] < 1e-5 and again["models"]["original"] == one["models"]["original"]
+    assert again.agreement.kl.max < 1e-5 and again.models["original"] == one.models["original"]
     assert _numbers(again)["protocols"]["disjoint"]["original"] == _numbers(one)["protocols"]["disjoint"]["original"]
 
     # Other settings make another entry beside it; a temporary cache leaves nothing behind.
@@ -427,7 +428,7 @@ def test_rolling_follows_lm_eval_conventions_checked_by_hand(trained_pair, tmp_p
 
     def rolling(**kw) -> dict:
         s = EvalSettings(data=str(data), protocols=("rolling",), samples=0, progress=False, **kw)
-        return evaluate(str(src), None, s)["protocols"]["rolling"]
+        return evaluate(str(src), None, s).to_dict()["protocols"]["rolling"]
 
     old, new = rolling(), rolling(rolling_convention="lm-eval-0.4.10")
     assert old["original"]["tokens"] == len(ids) and new["original"]["tokens"] == len(ids) + 1
@@ -446,36 +447,33 @@ def test_rolling_window_defaults_to_the_models_full_length(tmp_path):
     src = save(random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=4096)), tmp_path / "m")
     tok.save_pretrained(src)
     r = evaluate(str(src), None, EvalSettings(data=str(text), protocols=("rolling",), progress=False))
-    assert r["protocols"]["rolling"]["settings"]["seq_len"] == 4096  # lm-eval's max_length, not min(2048, ...)
-    assert r["settings"]["seq_len"] == 2048  # the other protocols' default
+    assert r.protocols["rolling"].settings["seq_len"] == 4096  # lm-eval's max_length, not min(2048, ...)
+    assert r.settings["seq_len"] == 2048  # the other protocols' default
 
 
 def test_top_k_reference_keeps_ppl_and_same_top_exact_and_bounds_kl_from_below(trained_pair, tmp_path):
     src, _, pooled, text = trained_pair
     kw = dict(data=str(text), seq_len=64, max_tokens=900, batch_size=2, attention=False, samples=0, progress=False)
     exact = evaluate(str(src), str(pooled), EvalSettings(**kw))
-    vocab = exact["tokenizer"]["vocab_size"]
+    vocab = exact.tokenizer["vocab_size"]
     full = evaluate(str(src), str(pooled), EvalSettings(**kw, reference_top_k=vocab))  # every token kept
     small = evaluate(str(src), str(pooled), EvalSettings(**kw, reference_top_k=4))
     for r in (full, small):
         for m in ("original", "converted"):
-            got, want = r["protocols"]["disjoint"][m]["nll_sum"], exact["protocols"]["disjoint"][m]["nll_sum"]
+            got, want = getattr(r.protocols["disjoint"], m).nll_sum, getattr(exact.protocols["disjoint"], m).nll_sum
             assert got == pytest.approx(want, rel=1e-6)
-        a, e = r["agreement"], exact["agreement"]
-        assert a["top1_agreement"] == e["top1_agreement"] and a["delta_p"]["mean"] == pytest.approx(
-            e["delta_p"]["mean"]
-        )
-    assert full["agreement"]["kl"]["mean"] == pytest.approx(exact["agreement"]["kl"]["mean"], rel=1e-4)
-    assert full["agreement"]["reference_rest_mass"]["max"] < 1e-6
+        a, e = r.agreement, exact.agreement
+        assert a.top1_agreement == e.top1_agreement and a.delta_p.mean == pytest.approx(e.delta_p.mean)
+    assert full.agreement.kl.mean == pytest.approx(exact.agreement.kl.mean, rel=1e-4)
+    assert full.agreement.reference_rest_mass.max < 1e-6
     # with 4 tokens and a bucket: a lower bound of each KL (log-sum inequality), and a smaller cache
-    assert small["agreement"]["kl"]["mean"] <= exact["agreement"]["kl"]["mean"] + 1e-9
-    assert small["agreement"]["kl_reverse"]["mean"] <= exact["agreement"]["kl_reverse"]["mean"] + 1e-9
-    assert 0 < small["agreement"]["reference_rest_mass"]["mean"] < 1
-    assert small["reference"]["form"] == "top-4" and small["reference"]["bytes"] < exact["reference"]["bytes"] / 4
-    from mha2gqa.eval.results import Results
+    assert small.agreement.kl.mean <= exact.agreement.kl.mean + 1e-9
+    assert small.agreement.kl_reverse.mean <= exact.agreement.kl_reverse.mean + 1e-9
+    assert 0 < small.agreement.reference_rest_mass.mean < 1
+    assert small.reference.form == "top-4" and small.reference.bytes < exact.reference.bytes / 4
     from mha2gqa.eval.summary import summary_lines
 
-    assert any("lower bounds" in line for line in summary_lines(Results.from_dict(small)))
-    assert not any("lower bounds" in line for line in summary_lines(Results.from_dict(exact)))
+    assert any("lower bounds" in line for line in summary_lines(small))
+    assert not any("lower bounds" in line for line in summary_lines(exact))
     with pytest.raises(SettingError, match="--load-both"):
         evaluate(str(src), str(pooled), EvalSettings(**kw, reference_top_k=4, load_both=True))

@@ -53,7 +53,7 @@ def _eval(pair, **kw) -> dict:
         sample_tokens=4,
         progress=False,
     )
-    return evaluate(str(pair["src"]), str(pair["mean"]), EvalSettings(**{**base, **kw}))
+    return evaluate(str(pair["src"]), str(pair["mean"]), EvalSettings(**{**base, **kw})).to_dict()
 
 
 def _close(a: float, b: float, rel: float) -> bool:

@@ -186,7 +186,7 @@ def test_svd_beats_mean_by_a_wide_margin_on_a_real_model(tmp_path):
         calibration = {"calibration": str(calib), "calibration_tokens": 8192} if method == "svd" else {}
         out = convert_checkpoint(src, tmp_path / method, 2, method, progress=False, **calibration).output
         r = evaluate(str(src), str(out), settings)
-        ratios[method] = (r["protocols"]["disjoint"]["ppl_ratio"], r["agreement"]["kl"]["mean"])
+        ratios[method] = (r.headline.ppl_ratio, r.agreement.kl.mean)
     (mean_ratio, mean_kl), (svd_ratio, svd_kl) = ratios["mean"], ratios["svd"]
     assert (svd_ratio - 1) * 5 <= mean_ratio - 1 and svd_kl < mean_kl, ratios
 

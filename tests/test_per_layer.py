@@ -122,9 +122,9 @@ def test_eval_bench_and_uptrain_run_on_a_per_layer_checkpoint(tmp_path):
         str(out),
         EvalSettings(data=str(text), seq_len=32, max_tokens=400, samples=1, sample_tokens=3, progress=False),
     )
-    assert r["models"]["converted"]["kv_heads_per_layer"] == [2, 1]
-    assert r["agreement"]["kl"]["mean"] > 0 and len(r["attention"]["layers"]) == 2
-    assert r["models"]["converted"]["kv_cache_bytes_per_token"] == 2 * 3 * 8 * 4
+    assert r.converted.kv_heads_per_layer == [2, 1]
+    assert r.agreement.kl.mean > 0 and len(r.attention.layers) == 2
+    assert r.converted.kv_cache_bytes_per_token == 2 * 3 * 8 * 4
     bench = tmp_path / "b.json"
     res = CliRunner().invoke(
         main,

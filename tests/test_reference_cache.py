@@ -34,8 +34,8 @@ def again(pair, entry):
 
 def test_an_intact_entry_is_reused_with_the_same_numbers(pair, entry):
     second, first = again(pair, entry), entry[1]
-    assert second["protocols"]["disjoint"]["converted"] == first["protocols"]["disjoint"]["converted"]
-    assert second["agreement"]["kl"] == first["agreement"]["kl"]
+    assert second.protocols["disjoint"].converted == first.protocols["disjoint"].converted
+    assert second.agreement.kl == first.agreement.kl
     manifest = json.loads((entry[0] / "mha2gqa_reference.json").read_text())
     assert manifest["files"] and all(len(v) == 2 and len(v[1]) == 64 for v in manifest["files"].values())
 

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -437,6 +438,32 @@ def test_a_run_log_written_before_reads_typed_and_writes_back_the_same_records(t
     log.write_text(log.read_text().replace('"ppl": 8.05545878624849', '"ppl": "8.06"'))
     with pytest.raises(Mha2GqaError, match=r"uptrain_log.jsonl: line 4 \(eval\)\.ppl is not a number"):
         RunHistory.read(run)
+
+
+def test_a_results_file_written_before_reads_and_writes_back_the_same(tmp_path):
+    """``tests/data/results_written_before.json``: every section (three protocols, the llama.cpp-style
+    agreement, attention with head similarity, samples, the reference cache, an int8 yardstick, gates,
+    the verdict) as the harness wrote it before evaluate() returned Results."""
+    from mha2gqa.eval.report import render
+    from mha2gqa.eval.results import Results
+    from mha2gqa.eval.summary import summary_lines
+
+    path = Path(__file__).parent / "data" / "results_written_before.json"
+    written = json.loads(path.read_text())
+    r = Results.load(path)
+
+    def present(x):  # a null and an absent optional field read the same
+        if isinstance(x, dict):
+            return {k: present(v) for k, v in x.items() if v is not None}
+        return [present(v) for v in x] if isinstance(x, list) else x
+
+    assert present(r.to_dict()) == present(written)
+    assert Results.from_dict(r.to_dict(), str(path)) == r
+    assert r.attention.layers[0].heads[0].js == written["attention"]["layers"][0]["heads"][0]["js"]
+    assert r.reference.form == "exact" and r.gates.passed and r.quantization["int8"].agreement.kl.count > 0
+    assert any(line.startswith("agreement: KL mean") for line in summary_lines(r))
+    pages = render([r], tmp_path / "r.html", tmp_path / "r.md")
+    assert "Overview" in pages["md"].read_text()
 
 
 @requires_fixtures("stories260K-mha-expanded", "text")
