@@ -31,7 +31,7 @@ error starts at zero (an exact conversion) is not touched.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -220,13 +220,11 @@ def fit_layer(
     error (``kept``)."""
     fitted, held = split_windows(windows)
 
-    def error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        squares = (out - target) ** 2
-        return squares if scale is None else squares * scale
-
     def heldout(values) -> float:
         with torch.no_grad():
-            total = sum(float(torch.sum(error(forward(values, c), targets(c)))) for c in chunks(held, per_call))
+            total = sum(
+                float(_scaled_squares(forward(values, c), targets(c), scale).sum()) for c in chunks(held, per_call)
+            )
         return total / (len(held) * targets(held[:1]).numel())
 
     before = heldout(start)
@@ -234,17 +232,13 @@ def fit_layer(
         return FitResult(start, before, before, True, 0)
     values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
     optimizer = torch.optim.Adam([values[r] for r in trainable], lr=lr, foreach=False)  # no temporaries
-    generator = torch.Generator().manual_seed(seed)
-    every = max(1, steps // CHECKS)
-    best, best_values, stale, order, done = before, None, 0, [], 0
-    for step in range(steps):
+    every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
+    best, best_values, stale, done = before, None, 0, 0
+    for step, chosen in zip(range(steps), batches, strict=False):
         check_signals()
-        if not order:
-            order = torch.randperm(len(fitted), generator=generator).tolist()
-        chosen, order = [fitted[j] for j in order[:batch]], order[batch:]
         optimizer.zero_grad(set_to_none=True)
         for c in chunks(chosen, per_call):  # a few windows' graph at a time
-            loss = torch.mean(error(forward(values, c), targets(c))) * (len(c) / len(chosen))
+            loss = torch.mean(_scaled_squares(forward(values, c), targets(c), scale)) * (len(c) / len(chosen))
             loss.backward()
         optimizer.step()
         done = step + 1
@@ -260,6 +254,22 @@ def fit_layer(
     if best_values is None:
         return FitResult(start, before, before, True, done)
     return FitResult(best_values, before, best, False, done)
+
+
+def _batches(windows: list[int], batch: int, seed: int) -> Iterator[list[int]]:
+    """``batch`` of ``windows`` at a time, endlessly: each pass a new order drawn from ``seed``."""
+    generator, order = torch.Generator().manual_seed(seed), []
+    while True:
+        if not order:
+            order = torch.randperm(len(windows), generator=generator).tolist()
+        yield [windows[j] for j in order[:batch]]
+        order = order[batch:]
+
+
+def _scaled_squares(out: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``(out - target)²``, each hidden dimension times ``scale`` ``[hidden]`` (None: ones)."""
+    squares = (out - target) ** 2
+    return squares if scale is None else squares * scale
 
 
 def batched(kwargs: dict[str, Any], n: int) -> dict[str, Any]:
@@ -357,31 +367,35 @@ def _norm_overrides(c: Conversion, tensors: Mapping[str, OutputTensor], layer: i
     return out
 
 
-def refit(
-    c: Conversion, tensors: list[OutputTensor], work: Path, log: Callable[[str], None] | None = None
-) -> tuple[list[OutputTensor], Refit]:
-    """Refit every changed layer of the planned conversion ``tensors`` (see the module doc); returns
-    the plan with each refitted layer's projections read from ``work`` (safetensors written there,
-    one file per layer) and the :class:`Refit` record."""
-    from accelerate.utils import set_module_tensor_to_device
-    from safetensors.torch import save_file
+@dataclass
+class _Streams:
+    """The refit's calibration windows and its two streams of hidden states, layer by layer."""
 
-    from mha2gqa.core.capture import decoder_layers
+    ids: torch.Tensor  # [windows, seq_len] token ids
+    kw: dict[str, Any]  # a decoder layer's keyword arguments for one window (masks, positions, RoPE)
+    original: HiddenStates  # the original model's inputs to the current layer
+    converted: HiddenStates  # the converted model's (the refitted layers before it)
+    per_call: int  # windows per forward call
+    dev: torch.device
+
+    @property
+    def every(self) -> list[list[int]]:
+        """All windows, ``per_call`` at a time."""
+        return chunks(list(range(len(self.ids))), self.per_call)
+
+
+def _streams(c: Conversion, model, work: Path) -> _Streams:
+    """The calibration windows (at least two) and the first layer's inputs in both streams (spilled
+    to ``work`` beyond ``--refit-memory``)."""
     from mha2gqa.core.models import resolve_device
-    from mha2gqa.core.progress import bar as progress_bar
 
-    s, dims = c.settings, c.dims
-    map_large_allocations()
-    dev = resolve_device(s.device)
-    model = skeleton(c.ckpt)
+    s, dev = c.settings, resolve_device(c.settings.device)
     seq_len = calibration_window(s.calibration_seq_len, getattr(model.config, "max_position_embeddings", None))
-    tokens = s.refit_tokens or s.calibration_tokens
-    ids = calibration_ids(c.ckpt.folder, s.calibration, tokens, seq_len)
+    ids = calibration_ids(c.ckpt.folder, s.calibration, s.refit_tokens or s.calibration_tokens, seq_len)
     if len(ids) < 2:
         raise SettingError(
             "refit_tokens", f"{{name}}: {ids.numel()} tokens make one window of {seq_len}; --refit needs two or more"
         )
-    fitted, held = split_windows(len(ids))
     with torch.no_grad():
         states = first_layer_inputs(model, c.ckpt, ids.to(dev), dev)
     first = torch.cat([h.cpu() for h, _ in states])
@@ -391,103 +405,111 @@ def refit(
     spill = 2 * first.numel() * 4 > parse_size(s.refit_memory)
     original = HiddenStates(first, work / "original.f32" if spill else None)
     converted = HiddenStates(first, work / "converted.f32" if spill else None)
-    del first
-    per_call = max(1, call_tokens(dev) // seq_len)
-    every = chunks(list(range(len(ids))), per_call)
+    return _Streams(ids, kw, original, converted, max(1, call_tokens(dev) // seq_len), dev)
+
+
+def _refit_layer(
+    c: Conversion, layer, i: int, prefix: str, st: _Streams, by_name: dict[str, OutputTensor], work: Path
+) -> FitResult:
+    """Fit layer ``i``'s projections (its module ``layer``, materialized, the original stream already
+    past it), write them to ``work`` and point ``by_name`` at them, and advance the converted stream
+    through the layer as written."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors.torch import save_file
+
+    s, dims, dev = c.settings, c.dims, st.dev
+    shape = LayerShape(dims.num_heads, dims.num_kv_heads, c.targets[i], dims.head_dim)
+    names = attention_names(by_name, c.family, i)
+    weights = LayerWeights({n: _converted(by_name, n, c.ckpt).to(dev) for n in names.values()}, names, c.family, shape)
+    norms = {k: v.to(dev) for k, v in _norm_overrides(c, by_name, i, shape, prefix).items()}
+    for name in [*weights.module_view(weights.values, prefix), *norms]:  # replaced on every call: free them
+        set_module_tensor_to_device(layer, name, "meta")
+    weights.adapt(layer, prefix)
+
+    def converted_layer(values, h, w):
+        params = weights.module_view(values, prefix) | norms
+        return _output(torch.func.functional_call(layer, params, (h,), batched(st.kw, len(w))))
+
+    fitted, _ = split_windows(len(st.ids))
+    result = fit_layer(
+        lambda values, w: converted_layer(values, st.converted[w].to(dev), w),
+        weights.values,
+        [r for r in weights.values if r[0] in s.refit_roles()],
+        lambda w: st.original[w].to(dev),
+        len(st.ids),
+        steps=s.refit_steps,
+        lr=s.refit_lr,
+        batch=s.refit_batch,
+        seed=s.seed * 1_000_003 + i,
+        per_call=st.per_call,
+        scale=dimension_scale(st.original, fitted, st.per_call).to(dev),
+    )
+    out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
+    written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
+    st.converted.advance(st.every, partial(converted_layer, written), dev)
+    path = work / f"layer-{i}.safetensors"
+    save_file({n: t.cpu() for n, t in out.items()}, str(path))
+    for n in out:
+        rule = by_name[n]
+        by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
+    return result
+
+
+def refit(
+    c: Conversion, tensors: list[OutputTensor], work: Path, log: Callable[[str], None] | None = None
+) -> tuple[list[OutputTensor], Refit]:
+    """Refit every changed layer of the planned conversion ``tensors`` (see the module doc); returns
+    the plan with each refitted layer's projections read from ``work`` (safetensors written there,
+    one file per layer) and the :class:`Refit` record."""
+    from mha2gqa.core.capture import decoder_layers
+    from mha2gqa.core.progress import bar as progress_bar
+
+    s = c.settings
+    map_large_allocations()
+    model = skeleton(c.ckpt)
+    st = _streams(c, model, work)
     by_name = {t.name: t for t in tensors}
     layers, attr = decoder_layers(model)
-    roles = s.refit_roles()
     records: list[RefitLayer] = []
-    bar = progress_bar(
-        total=len(layers), unit="layer", desc=f"refitting on {ids.numel():,} tokens", disable=not s.progress
-    )
-    with bar:
+    desc = f"refitting on {st.ids.numel():,} tokens"
+    with progress_bar(total=len(layers), unit="layer", desc=desc, disable=not s.progress) as bar:
         for i, layer in enumerate(layers):
             prefix = f"{model.base_model_prefix}.{attr}.{i}."
-            materialize(layer, c.ckpt, prefix, dev, dtype=torch.float32)
+            materialize(layer, c.ckpt, prefix, st.dev, dtype=torch.float32)
             layer.requires_grad_(False)
 
             def source_layer(h, w, layer=layer):
-                return _output(layer(h, **batched(kw, len(w))))
+                return _output(layer(h, **batched(st.kw, len(w))))
 
-            original.advance(every, source_layer, dev)
-            if c.targets[i] == dims.num_kv_heads:  # unchanged: an exact copy, run as it is
-                converted.advance(every, source_layer, dev)
-                release(layer)
-                bar.update(1)
-                continue
-            t0 = time.perf_counter()
-            shape = LayerShape(dims.num_heads, dims.num_kv_heads, c.targets[i], dims.head_dim)
-            names = attention_names(by_name, c.family, i)
-            weights = LayerWeights(
-                {n: _converted(by_name, n, c.ckpt).to(dev) for n in names.values()}, names, c.family, shape
-            )
-            norms = {k: v.to(dev) for k, v in _norm_overrides(c, by_name, i, shape, prefix).items()}
-            for name in [*weights.module_view(weights.values, prefix), *norms]:  # replaced on every call: free them
-                set_module_tensor_to_device(layer, name, "meta")
-            weights.adapt(layer, prefix)
-
-            def converted_layer(values, h, w, weights=weights, norms=norms, layer=layer, prefix=prefix):
-                params = weights.module_view(values, prefix) | norms
-                return _output(torch.func.functional_call(layer, params, (h,), batched(kw, len(w))))
-
-            def forward(values, w, converted_layer=converted_layer):
-                return converted_layer(values, converted[w].to(dev), w)
-
-            trainable = [r for r in weights.values if r[0] in roles]
-            scale = dimension_scale(original, fitted, per_call).to(dev)
-            result = fit_layer(
-                forward,
-                weights.values,
-                trainable,
-                lambda w: original[w].to(dev),
-                len(ids),
-                steps=s.refit_steps,
-                lr=s.refit_lr,
-                batch=s.refit_batch,
-                seed=s.seed * 1_000_003 + i,
-                per_call=per_call,
-                scale=scale,
-            )
-            dtypes = {n: BY_CODE[by_name[n].dtype].torch for n in names.values()}
-            out = weights.outputs(result.values, dtypes)
-            written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
-            converted.advance(every, partial(converted_layer, written), dev)
-            path = work / f"layer-{i}.safetensors"
-            save_file({n: t.cpu() for n, t in out.items()}, str(path))
-            for n in out:
-                rule = by_name[n]
-                by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
-            del (
-                weights,
-                norms,
-                forward,
-                converted_layer,
-                out,
-                written,
-            )  # before the next layer's fit: one layer's tensors at a time
-            release(layer)
-            seconds = time.perf_counter() - t0
-            records.append(
-                RefitLayer(i, result.loss_before, result.loss_after, result.kept, result.steps, round(seconds, 3))
-            )
-            if log is not None:
-                log(
-                    f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
-                    + (" (kept the merged weights)" if result.kept else "")
-                    + f", {result.steps} steps, {seconds:.1f} s"
+            st.original.advance(st.every, source_layer, st.dev)
+            if c.targets[i] == c.dims.num_kv_heads:  # unchanged: an exact copy, run as it is
+                st.converted.advance(st.every, source_layer, st.dev)
+            else:
+                t0 = time.perf_counter()
+                result = _refit_layer(c, layer, i, prefix, st, by_name, work)  # one layer's tensors at a time
+                seconds = time.perf_counter() - t0
+                records.append(
+                    RefitLayer(i, result.loss_before, result.loss_after, result.kept, result.steps, round(seconds, 3))
                 )
-            del result
+                if log is not None:
+                    log(
+                        f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
+                        + (" (kept the merged weights)" if result.kept else "")
+                        + f", {result.steps} steps, {seconds:.1f} s"
+                    )
+                del result
+            release(layer)
             bar.update(1)
+    fitted, held = split_windows(len(st.ids))
     record = Refit(
         data=s.calibration,
-        tokens=ids.numel(),
+        tokens=st.ids.numel(),
         windows=len(fitted),
         heldout_windows=len(held),
         steps=s.refit_steps,
         lr=s.refit_lr,
         batch=s.refit_batch,
-        params=list(roles),
+        params=list(s.refit_roles()),
         seed=s.seed,
         layers=records,
         error=LOUD_SCALED_ERROR,
