@@ -76,6 +76,19 @@ def refit_summary(refit: Refit) -> str:
     )
 
 
+def _head_sharing(conv: Facts) -> str:
+    """Which query heads share each KV head (per layer: how many, consecutive ones sharing)."""
+    if conv.num_kv_heads_per_layer:
+        return "; ".join(
+            f"layer {i}: {conv.num_heads // g} query heads per KV head"
+            for i, g in enumerate(conv.num_kv_heads_per_layer)
+        )
+    return "; ".join(
+        f"KV {j}: q {g[0]}-{g[-1]}" if len(g) > 1 else f"KV {j}: q {g[0]}"
+        for j, g in enumerate(conv.query_heads_per_kv_head)
+    )
+
+
 def model_card(record: ConversionRecord) -> str:
     """A Hugging Face model card describing the conversion in ``record``."""
     src, conv = record.source, record.conversion
@@ -85,15 +98,6 @@ def model_card(record: ConversionRecord) -> str:
         "library_name": "transformers",
         "tags": ["mha2gqa", "gqa", "grouped-query-attention", record.family],
     }
-    groups = "; ".join(
-        f"KV {j}: q {g[0]}-{g[-1]}" if len(g) > 1 else f"KV {j}: q {g[0]}"
-        for j, g in enumerate(conv.query_heads_per_kv_head)
-    )
-    if conv.num_kv_heads_per_layer:  # consecutive query heads share each KV head, layer by layer
-        groups = "; ".join(
-            f"layer {i}: {conv.num_heads // g} query heads per KV head"
-            for i, g in enumerate(conv.num_kv_heads_per_layer)
-        )
     rows = [
         ("source", f"`{base}`" + (f" @ `{src.revision}`" if src.revision else "")),
         ("family", record.family),
@@ -109,17 +113,17 @@ def model_card(record: ConversionRecord) -> str:
             f"{conv.kv_cache_bytes_per_token_before:,} → {conv.kv_cache_bytes_per_token_after:,} bytes "
             f"({conv.kv_cache_dtype})",
         ),
-        ("head sharing", groups),
+        ("head sharing", _head_sharing(conv)),
         ("mha2gqa", record.mha2gqa_version),
     ]
     allocation = conv.per_layer_allocation
     if allocation:
         uniform = ", ".join(f"G = {g}: {c:.4f}" for g, c in allocation.uniform_cost.items())
+        how = f"{allocation.budget_kv_heads} KV heads in all ({allocation.average_kv_heads:g} per layer), chosen"
         rows.append(
             (
                 "per-layer allocation",
-                f"{allocation.budget_kv_heads} KV heads in all ({allocation.average_kv_heads:g} per layer), chosen "
-                f"from calibration: cost {allocation.cost:.4f} ({allocation.cost_measure}); uniform "
+                f"{how} from calibration: cost {allocation.cost:.4f} ({allocation.cost_measure}); uniform "
                 f"{uniform or 'not within the budget'}",
             )
         )

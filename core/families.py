@@ -196,18 +196,7 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
     for key, template in attn.items():
         if "{layer}" not in template:
             raise fail(f"attention.{key} must contain '{{layer}}'")
-    norms: dict[str, NormSpec] = {}
-    for key in ("q_norm", "k_norm"):
-        if key not in data:
-            continue
-        spec = data[key]
-        if not isinstance(spec, dict) or set(spec) != _NORM_KEYS:
-            raise fail(f"{key} needs exactly {sorted(_NORM_KEYS)}")
-        if spec["layout"] not in NORM_LAYOUTS:
-            raise fail(f"{key}.layout must be one of {NORM_LAYOUTS}")
-        if (spec["layout"] == "indexed") != ("{head}" in spec["name"]):
-            raise fail(f"{key}: '{{head}}' must appear in the name exactly when layout is 'indexed'")
-        norms[key] = NormSpec(spec["name"], spec["layout"])
+    norms = {key: _parse_norm(key, data[key], fail) for key in ("q_norm", "k_norm") if key in data}
     terms, defaults = _parse_parameters(data.get("parameters"), fail)
     names = data.get("config_names", {})
     if not isinstance(names, dict) or set(names) - set(STANDARD_KEYS):
@@ -240,6 +229,17 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
         attention_interface=bool(data.get("attention_interface", True)),
         **norms,
     )
+
+
+def _parse_norm(key: str, spec: Any, fail) -> NormSpec:
+    """A family's ``q_norm``/``k_norm``: a name template and its layout (``{head}`` when indexed)."""
+    if not isinstance(spec, dict) or set(spec) != _NORM_KEYS:
+        raise fail(f"{key} needs exactly {sorted(_NORM_KEYS)}")
+    if spec["layout"] not in NORM_LAYOUTS:
+        raise fail(f"{key}.layout must be one of {NORM_LAYOUTS}")
+    if (spec["layout"] == "indexed") != ("{head}" in spec["name"]):
+        raise fail(f"{key}: '{{head}}' must appear in the name exactly when layout is 'indexed'")
+    return NormSpec(spec["name"], spec["layout"])
 
 
 def check_keys(data: dict[str, Any], allowed: set[str], required: tuple[str, ...], fail) -> None:

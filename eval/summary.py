@@ -57,13 +57,18 @@ def summary_lines(results: Results) -> list[str]:
             groups = f" (within KV groups {within:.3f}, across {across:.3f})" if within is not None and across else ""
             lines.append(f"head similarity: {before:.3f} -> {after:.3f}{groups}")
     if results.tasks is not None:
-        section = results.tasks
-        shots = section.settings.get("num_fewshot")
-        lines.append(
-            f"downstream tasks (lm-evaluation-harness {section.lm_eval_version}, "
-            f"{'each task’s own' if shots is None else shots} few-shot"
-            + (f", first {section.settings['limit']} documents" if section.settings.get("limit") else "")
-            + "; the difference tested on the paired examples):"
-        )
-        lines += tasks_table(results).text("  ")
+        lines += _tasks_lines(results)
     return lines
+
+
+def _tasks_lines(results: Results) -> list[str]:
+    """The downstream tasks: how they ran, then their table."""
+    section = results.tasks
+    shots = section.settings.get("num_fewshot")
+    head = (
+        f"downstream tasks (lm-evaluation-harness {section.lm_eval_version}, "
+        f"{'each task’s own' if shots is None else shots} few-shot"
+        + (f", first {section.settings['limit']} documents" if section.settings.get("limit") else "")
+        + "; the difference tested on the paired examples):"
+    )
+    return [head, *tasks_table(results).text("  ")]

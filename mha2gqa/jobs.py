@@ -221,10 +221,17 @@ def _parse(path: Path, data: Any) -> Job:
         report=data.get("report", True),
         output_dir=(path.parent / data["output_dir"]) if data.get("output_dir") else None,
     )
-    calibration = _checkable(conv).get("calibration")
+    _check_sweep(job)
+    return job
+
+
+def _check_sweep(job: Job) -> None:
+    """Every conversion of the job's sweep checked now (its settings, the calibration it reads), and
+    a ``convert.calibration`` some method of the sweep reads."""
+    calibration = _checkable(job.convert).get("calibration")
     readers = []
-    for method in methods:  # every conversion's settings, checked now
-        for g in heads:
+    for method in job.methods:
+        for g in job.num_kv_heads:
             try:
                 settings = job.convert_settings(g, method, calibration)
                 settings.check_calibration()
@@ -234,10 +241,9 @@ def _parse(path: Path, data: Any) -> Job:
     if calibration and not readers:
         raise SettingError(
             "convert.calibration",
-            f"no method of the sweep ({', '.join(methods)}) reads '{{name}}': add one that does (svd, aligned) "
+            f"no method of the sweep ({', '.join(job.methods)}) reads '{{name}}': add one that does (svd, aligned) "
             "or refit: true, or drop it",
         )
-    return job
 
 
 @dataclass
@@ -403,7 +409,6 @@ def _run_job(
     from mha2gqa.convert.converter import run as run_conversion
     from mha2gqa.convert.prepare import prepare
     from mha2gqa.eval.report import load_results, load_runs, render
-    from mha2gqa.uptrain import uptrain
 
     log = _NotesOnce(log)  # a sweep repeats the same notes for every conversion: each is said once
     source, default_out = _source(job, log)
@@ -429,20 +434,7 @@ def _run_job(
             log(f"converted {tag}: {conv.summary()}")
             stages = [(tag, method, model_dir)]
             if up:
-                up_dir = out / "models" / f"{tag}-uptrained"
-                result = uptrain(
-                    str(model_dir),
-                    UptrainSettings(
-                        **up,
-                        output=str(up_dir),
-                        teacher=source,
-                        eval_data=settings.data,
-                        overwrite=True,
-                        progress=progress,
-                    ),
-                    log=lambda m, tag=tag: log(m, f"  {tag}: "),
-                )
-                log(f"uptrained {tag}: {result.summary()}")
+                up_dir = _uptrain_stage(model_dir, out / "models" / f"{tag}-uptrained", up, source, settings, tag, log)
                 stages.append((f"{tag}-uptrained", f"{method}+uptrain", up_dir))
                 runs.append(up_dir)
             for stage_tag, label, stage_dir in stages:
@@ -458,6 +450,21 @@ def _run_job(
         pages = render(load_results(paths), out / "report.html", out / "report.md", load_runs(runs), log=log)
         report = pages["html"]
     return RunResult(out, paths, report, rows, passed)
+
+
+def _uptrain_stage(
+    student: Path, out: Path, up: dict[str, Any], teacher: str, settings: EvalSettings, tag: str, log
+) -> Path:
+    """Uptrain a job's conversion ``student`` into ``out`` with ``up`` (distilling from the source,
+    evaluated on the job's text); returns ``out``."""
+    from mha2gqa.uptrain import uptrain
+
+    s = UptrainSettings(
+        **up, output=str(out), teacher=teacher, eval_data=settings.data, overwrite=True, progress=settings.progress
+    )
+    result = uptrain(str(student), s, log=lambda m: log(m, f"  {tag}: "))
+    log(f"uptrained {tag}: {result.summary()}")
+    return out
 
 
 def _evaluate_stage(
