@@ -89,19 +89,27 @@ def output_costs(
                 if f"{r}_bias" in merged:
                     m.bias = torch.nn.Parameter(merged[f"{r}_bias"], requires_grad=False)
             attn.num_key_value_groups = h // g
-            err = ref = 0.0
-            with torch.no_grad():
-                for x, (y, kw) in zip(run.inputs, run.outputs, strict=True):
-                    got = run.module(x, **kw)
-                    got = got[0] if isinstance(got, tuple) else got
-                    err += (got.double() - y.double()).pow(2).sum().item()
-                    ref += y.double().pow(2).sum().item()
-            out[g] = err / max(ref, 1e-300)
+            out[g] = _relative_output_error(run)
     finally:
         for r, m in mods.items():
             m.weight, m.bias = saved[r]
         attn.num_key_value_groups = groups_before
     return out
+
+
+def _relative_output_error(run: Any) -> float:
+    """``sum |y' - y|^2 / sum |y|^2`` of the loaded layer ``run.module`` as it is now (``y'``) against
+    its recorded outputs ``y``, over the calibration windows it read."""
+    import torch
+
+    err = ref = 0.0
+    with torch.no_grad():
+        for x, (y, kw) in zip(run.inputs, run.outputs, strict=True):
+            got = run.module(x, **kw)
+            got = got[0] if isinstance(got, tuple) else got
+            err += (got.double() - y.double()).pow(2).sum().item()
+            ref += y.double().pow(2).sum().item()
+    return err / max(ref, 1e-300)
 
 
 def allocate(costs: list[dict[int, float]], budget: int) -> tuple[int, ...]:
