@@ -51,26 +51,8 @@ def aligned_merge_layer(w: dict[str, torch.Tensor], stats: LayerStats, *, shape:
                 new_vb += rv @ vb[h * d : (h + 1) * d] / s
             for i in range(h * r, (h + 1) * r):
                 o[:, i * d : (i + 1) * d] = o[:, i * d : (i + 1) * d] @ rv.T
-            # rotary planes: rotate head h's plane by the phase that best matches the reference
             if half:
-                cross = stats.k_plane_gram[j, :, m, 0]  # sum_t z_h conj(z_ref), [P]
-                unit = torch.where(cross.abs() > 0, cross.conj() / cross.abs().clamp_min(1e-300), 1.0 + 0j)
-                planes = complex_rows(w["k"], h * d, half)
-                unit = unit.to(planes.dtype)
-                planes = planes * unit[:, None]
-                new_k[:half] += planes.real / s
-                new_k[half:rot] += planes.imag / s
-                if new_kb is not None:
-                    pb = complex_rows(kb, h * d, half) * unit
-                    new_kb[:half] += pb.real / s
-                    new_kb[half:rot] += pb.imag / s
-                for i in range(h * r, (h + 1) * r):  # k_h ~ conj(u) z, so queries take u
-                    for mat in (q, qb):
-                        if mat is None:
-                            continue
-                        re, im = mat[i * d : i * d + half].clone(), mat[i * d + half : i * d + rot].clone()
-                        z = torch.complex(re, im) * (unit if mat.dim() == 1 else unit[:, None])
-                        mat[i * d : i * d + half], mat[i * d + half : i * d + rot] = z.real, z.imag
+                _align_rotary(w, stats.k_plane_gram[j, :, m, 0], h, (new_k, new_kb), (q, qb), r, d, half, s)
             if rest:
                 rows = slice(h * d + rot, (h + 1) * d)
                 rk = _procrustes(stats.rest_row(j, rest)[:, m * rest : (m + 1) * rest]).to(w["k"].dtype)
@@ -88,6 +70,29 @@ def aligned_merge_layer(w: dict[str, torch.Tensor], stats: LayerStats, *, shape:
         if new_vb is not None:
             out_vb.append(new_vb)
     return layer_out(q, qb, o, out_k, out_kb, out_v, out_vb)
+
+
+def _align_rotary(w, cross: torch.Tensor, h: int, new, queries, r: int, d: int, half: int, s: int) -> None:
+    """Head ``h``'s key rotary planes rotated by the phase that best matches the group's first head
+    (``cross``: ``sum_t z_h conj(z_ref)`` per plane, ``[P]``) and added, ``/ s``, into ``new`` (key
+    rows, bias); its ``r`` query heads in ``queries`` (q, q bias) take the same rotation."""
+    new_k, new_kb = new
+    rot = 2 * half
+    unit = torch.where(cross.abs() > 0, cross.conj() / cross.abs().clamp_min(1e-300), 1.0 + 0j)
+    planes = complex_rows(w["k"], h * d, half)
+    unit = unit.to(planes.dtype)
+    planes = planes * unit[:, None]
+    new_k[:half] += planes.real / s
+    new_k[half:rot] += planes.imag / s
+    if new_kb is not None:
+        pb = complex_rows(w["k_bias"], h * d, half) * unit
+        new_kb[:half] += pb.real / s
+        new_kb[half:rot] += pb.imag / s
+    for i in range(h * r, (h + 1) * r):  # k_h ~ conj(u) z, so queries take u
+        for mat in (mat for mat in queries if mat is not None):
+            re, im = mat[i * d : i * d + half].clone(), mat[i * d + half : i * d + rot].clone()
+            z = torch.complex(re, im) * (unit if mat.dim() == 1 else unit[:, None])
+            mat[i * d : i * d + half], mat[i * d + half : i * d + rot] = z.real, z.imag
 
 
 def weight_stats(w: dict[str, torch.Tensor], *, shape: HeadShape) -> LayerStats:
