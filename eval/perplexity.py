@@ -263,26 +263,10 @@ def score_windows(
             n = int((tgt != IGNORE).sum())
             if n == 0:
                 continue
-            keep = tgt != IGNORE
             if record is not None:
+                keep = tgt != IGNORE
                 kept[str(s)] = (logits[0][:, s : s + chunk][keep], tgt[keep])
-            if agree is None and record is None:  # one model: fused cross-entropy, no log-probs kept
-                flat = logits[0][:, s : s + chunk].flatten(0, 1).float()
-                nll[0] += F.cross_entropy(flat, tgt.flatten(), ignore_index=IGNORE, reduction="sum").item()
-            elif agree is None:
-                lo = torch.log_softmax(logits[0][:, s : s + chunk][keep].float(), -1)
-                nll[0] += F.nll_loss(lo, tgt[keep], reduction="sum").item()
-            elif saved is not None and f"{s}:values" in saved:
-                lc = torch.log_softmax(logits[-1][:, s : s + chunk][keep].float(), -1)
-                part = {k.split(":", 1)[1]: v for k, v in saved.items() if k.startswith(f"{s}:")}
-                _compare_top_k(part, lc, tgt[keep].to(lc.device), nll, agree)
-            else:
-                original = (
-                    saved[str(s)].to(logits[0].device) if saved is not None else logits[0][:, s : s + chunk][keep]
-                )
-                lo = torch.log_softmax(original.float(), -1)
-                lc = torch.log_softmax(logits[-1][:, s : s + chunk][keep].float(), -1).to(lo.device)
-                _compare(lo, lc, tgt[keep].to(lo.device), nll, agree)
+            _score_chunk([x[:, s : s + chunk] for x in logits], tgt, saved, f"{s}", nll, agree, fused=record is None)
             tokens += n
             bar.update(n)
         if record is not None:
@@ -294,6 +278,37 @@ def score_windows(
             for m in models:
                 m(inputs.to(_device(m)))
     return PassResult(nll, tokens, len(windows), agree, time.perf_counter() - start)
+
+
+def _score_chunk(
+    logits: list[torch.Tensor],
+    tgt: torch.Tensor,
+    saved: dict[str, torch.Tensor] | None,
+    key: str,
+    nll: list[float],
+    agree: AgreementSums | None,
+    fused: bool,
+) -> None:
+    """Add one chunk of positions to the NLL sums and, for a pair, the agreement: ``logits`` ``[B, C,
+    V]`` per model in memory, ``tgt`` ``[B, C]``; ``saved``: the replayed original's logits at the
+    scored positions (``key``), or their top-k form (``key:values``...). One model with ``fused``: a
+    fused cross-entropy, no log-probabilities kept."""
+    keep = tgt != IGNORE
+    if agree is None and fused:
+        flat = logits[0].flatten(0, 1).float()
+        nll[0] += F.cross_entropy(flat, tgt.flatten(), ignore_index=IGNORE, reduction="sum").item()
+    elif agree is None:
+        lo = torch.log_softmax(logits[0][keep].float(), -1)
+        nll[0] += F.nll_loss(lo, tgt[keep], reduction="sum").item()
+    elif saved is not None and f"{key}:values" in saved:
+        lc = torch.log_softmax(logits[-1][keep].float(), -1)
+        part = {k.split(":", 1)[1]: v for k, v in saved.items() if k.startswith(f"{key}:")}
+        _compare_top_k(part, lc, tgt[keep].to(lc.device), nll, agree)
+    else:
+        original = saved[key].to(logits[0].device) if saved is not None else logits[0][keep]
+        lo = torch.log_softmax(original.float(), -1)
+        lc = torch.log_softmax(logits[-1][keep].float(), -1).to(lo.device)
+        _compare(lo, lc, tgt[keep].to(lo.device), nll, agree)
 
 
 def _device(model: torch.nn.Module) -> torch.device:
