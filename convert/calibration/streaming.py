@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
-from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate, output_gram
+from mha2gqa.convert.calibration.stats import CalibrationStats, LayerStats, accumulate, output_gram
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.dims import contiguous_groups
@@ -241,17 +241,11 @@ def collect(
 
     with capturing(model, record), bar:
         for i, layer in enumerate(layers):
-            materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored ...
+            materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored, run in float32
             inputs = [h for h, _ in states] if on_layer is not None else None
-            with _float32_on_call(layer):  # ... and each module in float32 only while it runs
-                for n, (h, kw) in enumerate(states):
-                    check_signals()
-                    out = layer(h, **kw)
-                    states[n] = (out[0] if isinstance(out, tuple) else out, kw)
-                    bar.update(1)
-            o_name = o_proj.format(layer=i) if o_proj is not None else None
-            if o_name in ckpt.tensors and i in full.layers:  # how each value direction reaches the output
-                full.layers[i].o_gram = output_gram(ckpt.load(o_name), dims.num_heads, dims.head_dim)
+            _advance(layer, states, bar)
+            if o_proj is not None and i in full.layers:  # how each value direction reaches the output
+                full.layers[i].o_gram = _output_gram(ckpt, o_proj.format(layer=i), dims)
             if on_layer is not None:  # before the weights go: a cost may run the layer again
                 recording[0] = False
                 with _float32_on_call(layer):
@@ -263,13 +257,35 @@ def collect(
                 if not keep:
                     continue
                 g = per_layer[i] if per_layer else groups
-                chosen = (
-                    least_residual_groups(layer_full, g)
-                    if grouping == "similarity"
-                    else contiguous_groups(dims.num_kv_heads, g)
-                )
-                stats.layers[i] = regroup(layer_full, chosen, dims.num_heads)
+                stats.layers[i] = _grouped(layer_full, g, grouping, dims)
             if compact:
                 stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
     stats.tokens = windows.numel()
     return stats
+
+
+def _advance(layer: torch.nn.Module, states: list[tuple[torch.Tensor, dict]], bar) -> None:
+    """Replace every window's hidden states ``[1, T, hidden]`` by ``layer``'s output on them (each
+    module in float32 only while it runs), one progress tick a window."""
+    with _float32_on_call(layer):
+        for n, (h, kw) in enumerate(states):
+            check_signals()
+            out = layer(h, **kw)
+            states[n] = (out[0] if isinstance(out, tuple) else out, kw)
+            bar.update(1)
+
+
+def _output_gram(ckpt: Checkpoint, name: str, dims) -> torch.Tensor | None:
+    """Each query head's ``O_h^T O_h`` from the output projection ``name`` (None when the checkpoint
+    has no such tensor)."""
+    return output_gram(ckpt.load(name), dims.num_heads, dims.head_dim) if name in ckpt.tensors else None
+
+
+def _grouped(full: LayerStats, groups: int, grouping: str, dims) -> LayerStats:
+    """One layer's statistics over all source KV heads cut into ``groups`` groups: the ones that lose
+    least in the merge (``similarity``) or consecutive heads."""
+    if grouping == "similarity":
+        chosen = least_residual_groups(full, groups)
+    else:
+        chosen = contiguous_groups(dims.num_kv_heads, groups)
+    return regroup(full, chosen, dims.num_heads)
