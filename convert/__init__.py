@@ -2,7 +2,7 @@
 
 Where things are: the methods in :mod:`mha2gqa.convert.methods` (one module each, registered in
 its ``__init__``), their settings in :mod:`mha2gqa.convert.settings`, calibration in
-:mod:`mha2gqa.convert.calibration`, the per-tensor plan in :mod:`mha2gqa.convert.tensor_plan` and
+:mod:`mha2gqa.convert.calibration`, where each output tensor comes from in :mod:`mha2gqa.convert.tensor_sources` and
 the stages of a conversion in :mod:`mha2gqa.convert.converter`. Importing this package is cheap:
 the converter (and torch) load on first use of its names.
 """

@@ -1,5 +1,5 @@
 """The streaming MHA -> GQA conversion, in named stages: resolve the source and the method, calibrate
-(when the method reads activations), plan every output tensor, then write them one at a time into a
+(when the method reads activations), decide where every output tensor comes from, then write them one at a time into a
 folder that is renamed into place only when complete."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mha2gqa.convert.prepare import Conversion, prepare
 from mha2gqa.convert.retarget_view import retarget_record
 from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
 from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
-from mha2gqa.convert.tensor_plan import plan_conversion, rewritten
+from mha2gqa.convert.tensor_sources import rewritten, tensor_sources
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
 from mha2gqa.core.conversion_record import Allocation, Calibration, ConversionRecord, Facts, Output, Refit, Source
@@ -331,7 +331,7 @@ def _log(line: str) -> None:
 
 def run(conversion: Conversion) -> ConversionResult:
     """Carry out a conversion made by :func:`~mha2gqa.convert.prepare.prepare`: per-layer allocation and
-    calibration when the method needs them, the plan of every output tensor, the refit (``--refit``),
+    calibration when the method needs them, where every output tensor comes from, the refit (``--refit``),
     then the staged write. Streams tensor by tensor (and layer by layer): peak memory is about one
     layer, whatever the model size; nothing is left at the destination when it fails."""
     start = time.perf_counter()
@@ -340,7 +340,7 @@ def run(conversion: Conversion) -> ConversionResult:
         conversion, allocation = _allocate(conversion)
     stats, calibration = _calibrate(conversion)
     c = conversion
-    tensors = plan_conversion(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
+    tensors = tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
     record = _write(c, tensors, partial(_record, c, stats, calibration, allocation))
     return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start)
 

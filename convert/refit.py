@@ -49,7 +49,7 @@ from mha2gqa.convert.calibration.streaming import (
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.convert.shard_writer import OutputTensor
-from mha2gqa.convert.tensor_plan import attention_names
+from mha2gqa.convert.tensor_sources import attention_names
 from mha2gqa.core.conversion_record import LOUD_SCALED_ERROR, Refit, RefitLayer
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import SettingError

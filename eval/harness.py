@@ -150,7 +150,7 @@ class _Run:
     attention_batch: torch.Tensor | None  # [B, T] (pairs with attention similarity)
     prompts: list[torch.Tensor]  # sample prompts [1, P] (pairs)
     new_tokens: int
-    task_plan: Any = None  # eval.tasks.TaskPlan (--tasks)
+    task_selection: Any = None  # eval.tasks.TaskSelection (--tasks)
     task_scores: dict[str, Any] = field(default_factory=dict)  # "original"/"converted" -> eval.tasks.ModelTasks
 
     @property
@@ -172,20 +172,20 @@ class _Run:
     def run_tasks(self, model: torch.nn.Module, name: str, log: Callable[[str], None] | None = None) -> None:
         """The downstream tasks on the loaded ``model`` (``name``: original or converted), kept for
         :meth:`tasks_section`; nothing without ``--tasks``."""
-        if self.task_plan is None:
+        if self.task_selection is None:
             return
         from mha2gqa.eval.tasks import score_tasks
 
         s = self.settings
         if log:
-            log(f"tasks {', '.join(self.task_plan.names)} on the {name} model (lm-evaluation-harness)")
+            log(f"tasks {', '.join(self.task_selection.names)} on the {name} model (lm-evaluation-harness)")
         self.task_scores[name] = score_tasks(
-            self.task_plan, model, self.tokenizer, s.num_fewshot, s.limit, s.batch_size
+            self.task_selection, model, self.tokenizer, s.num_fewshot, s.limit, s.batch_size
         )
 
     def tasks_section(self) -> dict[str, Any] | None:
         """The results' ``tasks`` section from both models' task scores (None without ``--tasks``)."""
-        if self.task_plan is None:
+        if self.task_selection is None:
             return None
         from mha2gqa.eval.tasks import compare_tasks
 
@@ -193,7 +193,7 @@ class _Run:
         settings = {"tasks": list(s.tasks), "num_fewshot": s.num_fewshot, "limit": s.limit,
                     "include_path": s.include_path, "batch_size": s.batch_size}  # fmt: skip
         section = compare_tasks(
-            self.task_plan, settings, self.task_scores["original"], self.task_scores.get("converted")
+            self.task_selection, settings, self.task_scores["original"], self.task_scores.get("converted")
         )
         return section.to_dict()
 
@@ -226,7 +226,7 @@ def _attention_readable(folders: list[Path]) -> bool:
 def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     """Read the configs, tokenizer and text and cut every pass into windows (all checked), before
     any weights are loaded."""
-    plan = _task_plan(s)
+    selection = _task_selection(s)
     data = load_text(s.data, s.text_field, s.doc_split)
     paths = [original] + ([converted] if converted else [])
     folders = [resolve_folder(p, s.revision)[0] for p in paths]
@@ -274,21 +274,21 @@ def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
     prompts = [w[:prompt_len][None] for w, _ in disjoint_windows(ids, seq_len)[: s.samples]] if converted else []
     new = max(1, min(s.sample_tokens, (max_pos or 10**9) - prompt_len))
     return _Run(s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, rolling_len,
-                batch, prompts, new, task_plan=plan)  # fmt: skip
+                batch, prompts, new, task_selection=selection)  # fmt: skip
 
 
-def _task_plan(s: EvalSettings) -> Any:
+def _task_selection(s: EvalSettings) -> Any:
     """The downstream tasks resolved (None without ``--tasks``): one process only, as the harness
     takes a pre-loaded model only outside ``accelerate launch``."""
     if not s.tasks:
         return None
     from accelerate import PartialState
 
-    from mha2gqa.eval.tasks import plan_tasks
+    from mha2gqa.eval.tasks import select_tasks
 
     if PartialState().num_processes > 1:
         raise SettingError("tasks", "{name} runs in one process: evaluate the tasks without accelerate launch")
-    return plan_tasks(s.tasks, s.include_path)
+    return select_tasks(s.tasks, s.include_path)
 
 
 def _protocols(run: _Run, scored: dict[str, ScoredPass], results: dict[str, Any]) -> None:
@@ -415,7 +415,7 @@ def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[
     from accelerate import PartialState
 
     from mha2gqa.core.cache import entry_name, model_identity
-    from mha2gqa.eval.reference import key_material, windows_digest
+    from mha2gqa.eval.reference import reference_key_material, windows_digest
 
     s, state = run.settings, PartialState()
     extra = [t for t in (run.attention_batch, *run.prompts) if t is not None]
@@ -432,7 +432,7 @@ def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[
         "new_tokens": run.new_tokens,
         "top_k": s.reference_top_k,
     }
-    material = key_material(model_identity(run.paths[0], run.folders[0]), digest, settings)
+    material = reference_key_material(model_identity(run.paths[0], run.folders[0]), digest, settings)
     return entry_name(material), material
 
 
@@ -516,7 +516,7 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
         }
         scored_pair = _Scored.of([ref.manifest["model"], converted.describe().to_dict()], converted.model)
         _free(converted)
-        if run.task_plan is not None and "original" not in run.task_scores:  # its scores came from the cache
+        if run.task_selection is not None and "original" not in run.task_scores:  # its scores came from the cache
             original = _load(run, 0)
             run.run_tasks(original.model, "original", log)
             _free(original)

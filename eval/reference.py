@@ -71,7 +71,7 @@ def windows_digest(passes: dict[str, list[Window]], *extra: torch.Tensor) -> str
     return h.hexdigest()
 
 
-def key_material(original: dict[str, Any], digest: str, settings: dict[str, Any]) -> dict[str, Any]:
+def reference_key_material(original: dict[str, Any], digest: str, settings: dict[str, Any]) -> dict[str, Any]:
     """Everything an entry's numbers depend on (see the module doc)."""
     return {"schema": SCHEMA, "original": original, "windows": digest, "settings": settings,
             "versions": computed_with()}  # fmt: skip

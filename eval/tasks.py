@@ -1,7 +1,7 @@
 """Downstream tasks through lm-evaluation-harness, each model handed over already loaded, and the
 converted model's difference from the original tested on the paired per-example results.
 
-:func:`plan_tasks` resolves the task names before any model loads (a local ``--include-path``
+:func:`select_tasks` resolves the task names before any model loads (a local ``--include-path``
 alone when it holds every named task: the harness's full index takes ~10 s to build);
 :func:`score_tasks` runs one model through ``lm_eval.simple_evaluate`` (its own seeds, prompts,
 few-shot sampling and metrics, so the numbers are the ones ``lm_eval --model hf`` prints for the
@@ -85,14 +85,14 @@ def check_tasks(include_path: str | None) -> None:
 
 
 @dataclass
-class TaskPlan:
+class TaskSelection:
     """The named tasks, resolved: what ``simple_evaluate`` gets, and the manager that knows them."""
 
     names: list[str]
     manager: Any  # lm_eval.tasks.TaskManager
 
 
-def plan_tasks(tasks: tuple[str, ...], include_path: str | None) -> TaskPlan:
+def select_tasks(tasks: tuple[str, ...], include_path: str | None) -> TaskSelection:
     """Resolve ``tasks`` (names, groups, tags or globs) against ``include_path`` and, when it does not
     hold them all, the harness's own tasks; refuses an unknown name before any work."""
     check_tasks(include_path)
@@ -114,7 +114,7 @@ def plan_tasks(tasks: tuple[str, ...], include_path: str | None) -> TaskPlan:
             "list them with `lm_eval ls tasks`, or give --include-path with its YAML",
         )
     names = list(dict.fromkeys(n for t in tasks for n in manager.match_tasks([t])))
-    return TaskPlan(names, manager)
+    return TaskSelection(names, manager)
 
 
 @dataclass
@@ -173,9 +173,9 @@ def _metric_name(metric: str, filt: str) -> str:
 
 
 def score_tasks(
-    plan: TaskPlan, model: Any, tokenizer: Any, num_fewshot: int | None, limit: int | None, batch_size: int
+    selection: TaskSelection, model: Any, tokenizer: Any, num_fewshot: int | None, limit: int | None, batch_size: int
 ) -> ModelTasks:
-    """Run the planned tasks on the already-loaded ``model`` (one process) and read its results."""
+    """Run the selected tasks on the already-loaded ``model`` (one process) and read its results."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -184,10 +184,10 @@ def score_tasks(
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         out = lm_eval.simple_evaluate(
             model=lm,
-            tasks=plan.names,
+            tasks=selection.names,
             num_fewshot=num_fewshot,
             limit=limit,
-            task_manager=plan.manager,
+            task_manager=selection.manager,
             log_samples=True,
         )
     seconds = time.perf_counter() - start
@@ -296,7 +296,7 @@ class TasksSection:
 
 
 def compare_tasks(
-    plan: TaskPlan,
+    selection: TaskSelection,
     settings: dict[str, Any],
     original: ModelTasks,
     converted: ModelTasks | None,
@@ -327,5 +327,5 @@ def compare_tasks(
             TaskRow(name, info["group"], info["top_level"], info["n"], metrics, info["version"], info["num_fewshot"])
         )
     seconds = {"original": original.seconds, **({"converted": converted.seconds} if converted else {})}
-    full = {**settings, "resolved": plan.names, "alpha": alpha, "bootstrap_iters": BOOTSTRAP_ITERS}
+    full = {**settings, "resolved": selection.names, "alpha": alpha, "bootstrap_iters": BOOTSTRAP_ITERS}
     return TasksSection(full, lm_eval_version(), rows, seconds)

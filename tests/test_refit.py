@@ -142,7 +142,7 @@ def _reference(src, plain, calib_text, steps: int, seed: int = 0) -> dict[str, t
     the converted model, hidden states kept as plain tensors."""
     from torch.func import functional_call
 
-    from mha2gqa.convert.tensor_plan import attention_names
+    from mha2gqa.convert.tensor_sources import attention_names
 
     original, converted = load(src), load(plain)
     ids = calibration_ids(src, str(calib_text), 1024, 32)

@@ -24,8 +24,8 @@ from mha2gqa.uptrain.teacher_cache import (
     fill,
     producer_lock,
     producer_running,
+    teacher_key_material,
 )
-from mha2gqa.uptrain.teacher_cache import key_material as teacher_key_material
 
 
 def accelerator(s: UptrainSettings):

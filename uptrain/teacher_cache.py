@@ -51,7 +51,7 @@ def chunk_steps(batch_size: int, seq_len: int) -> int:
     return max(1, CHUNK_TOKENS // (batch_size * seq_len))
 
 
-def key_material(store_key: str, teacher: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+def teacher_key_material(store_key: str, teacher: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """What an entry's numbers depend on."""
     return {"schema": SCHEMA, "tokens": store_key, "teacher": teacher, "settings": settings,
             "versions": computed_with()}  # fmt: skip

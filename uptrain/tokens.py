@@ -75,7 +75,7 @@ def stream_ids(tokenizer, source: str, text_field: str = "text", doc_split: str 
     return torch.tensor([t for c in chunks for t in c], dtype=torch.long)
 
 
-def key_material(tokenizer_folder: Path, source: str, text_field: str, doc_split: str) -> dict[str, Any]:
+def tokens_key_material(tokenizer_folder: Path, source: str, text_field: str, doc_split: str) -> dict[str, Any]:
     """What determines a store's tokens: the text (a local file's sha256, a ``datasets`` name with its
     fingerprint), the tokenizer's files, the text settings and the piece rule."""
     path = Path(source).expanduser()
@@ -239,7 +239,7 @@ def token_store(
 ) -> TokenStore:
     """The store of ``source`` under ``root``: opened when it exists, else built once (runs sharing
     the cache wait for the first builder)."""
-    material = key_material(tokenizer_folder, source, text_field, doc_split)
+    material = tokens_key_material(tokenizer_folder, source, text_field, doc_split)
     key = entry_name(material)
     folder = root / key
     with locked(root, key, f"token cache {root}", f"waiting for another run tokenizing {source} into {folder}", log):

@@ -1,4 +1,4 @@
-"""Which output tensor comes from where: every tensor of the converted checkpoint, planned before
+"""Which output tensor comes from where: every tensor of the converted checkpoint, decided before
 anything is written. Untouched tensors are byte copies; the method's tensors are computed one at a
 time when the writer reaches them, so memory stays at about one layer's attention weights."""
 
@@ -82,7 +82,7 @@ class LayerMerge:
         return {names[role]: merged[role].to(src[role].dtype) for role in names}
 
 
-class _Planner:
+class _Sources:
     """The rules of one conversion: output tensor name -> how it is made."""
 
     def __init__(
@@ -218,7 +218,7 @@ class _Planner:
         return out
 
 
-def plan_conversion(
+def tensor_sources(
     ckpt: Checkpoint,
     family: Family,
     dims: AttentionDims,
@@ -235,17 +235,17 @@ def plan_conversion(
     anything is written. ``num_kv_heads``: one count for every layer, or one per layer; a layer
     keeping its current count is an exact copy."""
     targets = num_kv_heads if isinstance(num_kv_heads, tuple) else (num_kv_heads,) * dims.num_layers
-    planner = _Planner(ckpt, family, dims, targets, method, stats, seed)
+    sources = _Sources(ckpt, family, dims, targets, method, stats, seed)
     layers = [layer for layer in range(dims.num_layers) if targets[layer] != dims.num_kv_heads]
     reducer = None if method.fresh or method.layerwise else method.reduce
     for layer in layers:
         perm = stats.layers[layer].perm if stats is not None else None
         if method.layerwise or (perm is not None and perm != sorted(perm)):  # regrouped: q/o move too
-            planner.layer_merge(layer)
+            sources.layer_merge(layer)
         else:
-            planner.projections(layer, reducer)
-            planner.k_norms(layer, reducer)
-    return planner.outputs()
+            sources.projections(layer, reducer)
+            sources.k_norms(layer, reducer)
+    return sources.outputs()
 
 
 def rewritten(outputs: list[OutputTensor], family: Family) -> list[str]:
