@@ -107,9 +107,9 @@ def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
 
 def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text
-    and choose the counts (:mod:`~mha2gqa.convert.calibration.allocation`); returns the conversion
+    and choose the counts (:mod:`~mha2gqa.convert.allocation`); returns the conversion
     with those counts and the allocation record."""
-    from mha2gqa.convert.calibration.allocation import allocate, layer_costs, output_costs
+    from mha2gqa.convert.allocation import allocate, layer_costs, output_costs
 
     s, dims = source.settings, source.dims
     candidates = dims.valid_kv_heads()

@@ -46,6 +46,7 @@ from mha2gqa.convert.calibration.streaming import (
     release,
     skeleton,
 )
+from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.convert.shard_writer import OutputTensor
@@ -79,23 +80,7 @@ def call_tokens(device: torch.device) -> int:
 _SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
 
 
-@dataclass(frozen=True)
-class LayerShape:
-    """One layer's heads: ``num_heads`` query heads, ``num_kv_heads`` in the source module, ``groups``
-    after the conversion, ``head_dim`` wide."""
-
-    num_heads: int
-    num_kv_heads: int
-    groups: int
-    head_dim: int
-
-    @property
-    def share(self) -> int:
-        """Source KV heads per new KV head."""
-        return self.num_kv_heads // self.groups
-
-
-def _repeat(x: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+def _repeat(x: torch.Tensor, shape: HeadShape) -> torch.Tensor:
     """``[groups * d, ...]`` -> ``[num_kv_heads * d, ...]``: each KV head repeated over its group."""
     d = shape.head_dim
     return x.reshape(shape.groups, d, *x.shape[1:]).repeat_interleave(shape.share, 0).reshape(-1, *x.shape[1:])
@@ -106,7 +91,7 @@ class RepeatedHeads(torch.nn.Module):
     group: what the source layer's attention reads from a GQA projection, at the cost of the
     activations (``[B, T, num_kv_heads * d]``) rather than of a repeated weight."""
 
-    def __init__(self, linear: torch.nn.Linear, shape: LayerShape) -> None:
+    def __init__(self, linear: torch.nn.Linear, shape: HeadShape) -> None:
         super().__init__()
         self.shape = shape
         rows = shape.groups * shape.head_dim
@@ -125,9 +110,7 @@ class LayerWeights:
     ``qkv`` split into its parts), float32, in the output's (GQA) shapes; :meth:`module_view` gives the
     source-shaped module's parameters, after :meth:`adapt` has fitted the module to read them."""
 
-    def __init__(
-        self, tensors: Mapping[str, torch.Tensor], names: Mapping[str, str], family, shape: LayerShape
-    ) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], names: Mapping[str, str], family, shape: HeadShape) -> None:
         self.names, self.family, self.shape = dict(names), family, shape
         values = {role: tensors[name].float() for role, name in names.items()}
         for suffix in ("", "_bias"):
@@ -348,7 +331,7 @@ def _converted(tensors: Mapping[str, OutputTensor], name: str, ckpt) -> torch.Te
     return rule.source() if callable(rule.source) else ckpt.load(name)
 
 
-def _norm_overrides(c: Conversion, tensors: Mapping[str, OutputTensor], layer: int, shape: LayerShape, prefix: str):
+def _norm_overrides(c: Conversion, tensors: Mapping[str, OutputTensor], layer: int, shape: HeadShape, prefix: str):
     """The converted per-head key norm of ``layer`` in the source module's shape (``rows``: each
     head's block repeated; ``indexed``: source head ``h`` reads new head ``h // share``)."""
     norm = c.family.k_norm
@@ -418,7 +401,7 @@ def _refit_layer(
     from safetensors.torch import save_file
 
     s, dims, dev = c.settings, c.dims, st.dev
-    shape = LayerShape(dims.num_heads, dims.num_kv_heads, c.targets[i], dims.head_dim)
+    shape = HeadShape.of(dims, c.targets[i])
     names = attention_names(by_name, c.family, i)
     weights = LayerWeights({n: _converted(by_name, n, c.ckpt).to(dev) for n in names.values()}, names, c.family, shape)
     norms = {k: v.to(dev) for k, v in _norm_overrides(c, by_name, i, shape, prefix).items()}

@@ -74,6 +74,18 @@ def test_every_import_follows_the_layers():
     assert violations() == []
 
 
+def test_calibration_imports_no_method():
+    """Inside convert/, methods read calibration's statistics, never the other way round (per-layer
+    allocation, which needs both, sits above them in convert/allocation.py)."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted((ROOT / "convert" / "calibration").rglob("*.py"))
+        for line, module in imports(path)
+        if module.startswith("mha2gqa.convert.methods")
+    ]
+    assert found == []
+
+
 def test_the_check_catches_a_forbidden_import(tmp_path):
     for folder in FOLDERS:
         (tmp_path / folder).mkdir()

@@ -179,7 +179,7 @@ def test_allocation_is_the_exact_optimum_of_the_budget():
     import itertools
     import random
 
-    from mha2gqa.convert.calibration.allocation import allocate
+    from mha2gqa.convert.allocation import allocate
 
     rng = random.Random(3)
     for _ in range(30):

@@ -35,6 +35,11 @@ class HeadShape:
     def of(cls, dims: AttentionDims, groups: int) -> HeadShape:
         return cls(dims.num_heads, dims.num_kv_heads, groups, dims.head_dim, dims.rotary)
 
+    @property
+    def share(self) -> int:
+        """Source KV heads per new KV head."""
+        return self.num_kv_heads // self.groups
+
 
 @dataclass(frozen=True)
 class Method:
