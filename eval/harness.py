@@ -18,27 +18,25 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mha2gqa.core.checkpoint import TOKENIZER_FILES, read_config, resolve_folder
+from mha2gqa.core.checkpoint import read_config
 from mha2gqa.core.dims import config_value
-from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors
+from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
 from mha2gqa.core.models import (
     LoadedModel,
-    check_same_tokenizer,
     load_model,
-    load_tokenizer,
     resolve_device,
     resolve_dtype,
     tokenizer_info,
 )
 from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
-from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
+from mha2gqa.core.text import prefix_token
 from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.pair import calibration_overlap
@@ -46,11 +44,9 @@ from mha2gqa.eval.perplexity import (
     ScoredPass,
     Window,
     batch_count,
-    disjoint_windows,
-    rolling_windows,
     score_windows,
-    stride_windows,
 )
+from mha2gqa.eval.prepare import Evaluation, prepare
 from mha2gqa.eval.results import Results
 from mha2gqa.eval.settings import EvalSettings
 
@@ -130,168 +126,45 @@ def _protocol_result(
     return entry
 
 
-@dataclass
-class _Run:
-    """What every protocol of one evaluation shares: settings, text, tokenizer and the windows of
-    every pass, fixed before any model is loaded."""
+def _score(run: Evaluation, models: list[torch.nn.Module], name: str, **kw: Any) -> ScoredPass:
+    """One pass (``name``) of ``run``'s windows through ``models``."""
+    return scored_pass(models, run.passes[name], run.settings.batch_size, run.settings.progress, name, **kw)
 
-    settings: EvalSettings
-    paths: list[str]
-    folders: list[Path]
-    limit: int | None  # the models' smallest max_position_embeddings
-    tokenizer: Any
-    data: TextData
-    ids: torch.Tensor  # [N] the token stream
-    seq_len: int
-    stride: int
-    passes: dict[str, list[Window]]
-    rolling_text: list[str]  # the documents the rolling protocol scored
-    rolling_len: int  # the rolling protocol's window
-    attention_batch: torch.Tensor | None  # [B, T] (pairs with attention similarity)
-    prompts: list[torch.Tensor]  # sample prompts [1, P] (pairs)
-    new_tokens: int
-    task_selection: Any = None  # eval.tasks.TaskSelection (--tasks)
-    task_scores: dict[str, Any] = field(default_factory=dict)  # "original"/"converted" -> eval.tasks.ModelTasks
 
-    @property
-    def names(self) -> list[str]:
-        return ["original", "converted"][: len(self.paths)]
+class _Tasks:
+    """The downstream tasks of one evaluation (``--tasks``): each model's scores taken while it is
+    loaded, then the results' section; nothing without ``--tasks``."""
 
-    @property
-    def common(self) -> dict[str, Any]:
-        s = self.settings
-        return {"seq_len": self.seq_len, "max_tokens": s.max_tokens, "batch_size": s.batch_size}
+    def __init__(self, evaluation: Evaluation) -> None:
+        self.evaluation, self.scores = evaluation, {}
 
-    @property
-    def stream(self) -> str:
-        return "one BOS at the start" if self.tokenizer.bos_token_id is not None else "no BOS (tokenizer has none)"
-
-    def score(self, models: list[torch.nn.Module], name: str, **kw: Any) -> ScoredPass:
-        return scored_pass(models, self.passes[name], self.settings.batch_size, self.settings.progress, name, **kw)
-
-    def run_tasks(self, model: torch.nn.Module, name: str, log: Callable[[str], None] | None = None) -> None:
-        """The downstream tasks on the loaded ``model`` (``name``: original or converted), kept for
-        :meth:`tasks_section`; nothing without ``--tasks``."""
-        if self.task_selection is None:
+    def run(self, model: torch.nn.Module, name: str, log: Callable[[str], None] | None = None) -> None:
+        """The tasks on the loaded ``model`` (``name``: original or converted)."""
+        ev = self.evaluation
+        if ev.task_selection is None:
             return
         from mha2gqa.eval.tasks import score_tasks
 
-        s = self.settings
+        s = ev.settings
         if log:
-            log(f"tasks {', '.join(self.task_selection.names)} on the {name} model (lm-evaluation-harness)")
-        self.task_scores[name] = score_tasks(
-            self.task_selection, model, self.tokenizer, s.num_fewshot, s.limit, s.batch_size
-        )
+            log(f"tasks {', '.join(ev.task_selection.names)} on the {name} model (lm-evaluation-harness)")
+        self.scores[name] = score_tasks(ev.task_selection, model, ev.tokenizer, s.num_fewshot, s.limit, s.batch_size)
 
-    def tasks_section(self) -> dict[str, Any] | None:
+    def section(self) -> dict[str, Any] | None:
         """The results' ``tasks`` section from both models' task scores (None without ``--tasks``)."""
-        if self.task_selection is None:
+        ev = self.evaluation
+        if ev.task_selection is None:
             return None
         from mha2gqa.eval.tasks import compare_tasks
 
-        s = self.settings
+        s = ev.settings
         settings = {"tasks": list(s.tasks), "num_fewshot": s.num_fewshot, "limit": s.limit,
                     "include_path": s.include_path, "batch_size": s.batch_size}  # fmt: skip
-        section = compare_tasks(
-            self.task_selection, settings, self.task_scores["original"], self.task_scores.get("converted")
-        )
+        section = compare_tasks(ev.task_selection, settings, self.scores["original"], self.scores.get("converted"))
         return section.to_dict()
 
 
-def _max_positions(folder: Path) -> int | None:
-    from transformers import AutoConfig
-
-    try:
-        return getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
-    except (OSError, *config_errors()) as e:
-        raise Mha2GqaError(f"{folder}: cannot read its config: {str(e).splitlines()[0]}") from None
-
-
-def _attention_readable(folders: list[Path]) -> bool:
-    """Both models run their attention through transformers' attention interface, where the
-    attention comparison reads it (Falcon's does not: then it is skipped, and said so)."""
-    from mha2gqa.core.architecture import resolve
-
-    for folder in folders:
-        family = resolve(read_config(folder), strict=False).family
-        if family is not None and not family.attention_interface:
-            sys.stderr.write(
-                f"note: {family.architectures[0]} computes attention outside transformers' attention "
-                "interface, so the per-layer attention comparison is skipped\n"
-            )
-            return False
-    return True
-
-
-def _prepare(original: str, converted: str | None, s: EvalSettings) -> _Run:
-    """Read the configs, tokenizer and text and cut every pass into windows (all checked), before
-    any weights are loaded."""
-    selection = _task_selection(s)
-    data = load_text(s.data, s.text_field, s.doc_split)
-    paths = [original] + ([converted] if converted else [])
-    folders = [resolve_folder(p, s.revision)[0] for p in paths]
-    tok = load_tokenizer(folders[0])
-    if converted and any((folders[1] / f).is_file() for f in TOKENIZER_FILES):
-        check_same_tokenizer(tok, load_tokenizer(folders[1]), original, converted)
-    limits = [p for p in map(_max_positions, folders) if p]
-    max_pos = min(limits) if limits else None
-    seq_len = s.window(max_pos)
-    if max_pos and seq_len > max_pos:
-        raise SettingError(
-            "seq_len",
-            f"{{name}} {seq_len} is longer than the model's {max_pos} positions; use {{name}} {max_pos} or less",
-        )
-    stride = s.stride or max(seq_len // 2, 1)
-    if not 1 <= stride <= seq_len:
-        raise SettingError("stride", f"{{name}} {stride} must be between 1 and --seq-len {seq_len}")
-    ids = token_stream(tok, data, s.max_tokens)
-    streamed = converted is not None or "disjoint" in s.protocols or "stride" in s.protocols
-    if streamed and ids.numel() < seq_len:
-        raise SettingError(
-            "data",
-            f"{{name}} {s.data}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
-            "give more text or a smaller --seq-len",
-        )
-    passes: dict[str, list[Window]] = {}
-    if "disjoint" in s.protocols or converted:
-        passes["disjoint"] = disjoint_windows(ids, seq_len)
-    if "stride" in s.protocols:
-        passes["stride"] = stride_windows(ids, seq_len, stride)
-    used: list[str] = []
-    rolling_len = s.rolling_window(max_pos)
-    if "rolling" in s.protocols:
-        special = s.rolling_convention == "lm-eval-0.4.10"
-        docs, used = document_tokens(tok, data, s.max_tokens, special_tokens=special)
-        prefix = prefix_token(tok)
-        passes["rolling"] = [w for d in docs for w in rolling_windows(d, prefix, rolling_len)]
-    batch = None
-    if converted and s.attention and _attention_readable(folders):
-        t = s.attention_window(seq_len)
-        windows = [w for w, _ in disjoint_windows(ids, t) if w.numel() == t][: s.attention_windows]
-        batch = torch.stack(windows) if windows else None
-    # Samples: the first quarter of the first windows (at most 32 tokens), cut to the positions.
-    prompt_len = max(1, min(32, seq_len // 4))
-    prompts = [w[:prompt_len][None] for w, _ in disjoint_windows(ids, seq_len)[: s.samples]] if converted else []
-    new = max(1, min(s.sample_tokens, (max_pos or 10**9) - prompt_len))
-    return _Run(s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, rolling_len,
-                batch, prompts, new, task_selection=selection)  # fmt: skip
-
-
-def _task_selection(s: EvalSettings) -> Any:
-    """The downstream tasks resolved (None without ``--tasks``): one process only, as the harness
-    takes a pre-loaded model only outside ``accelerate launch``."""
-    if not s.tasks:
-        return None
-    from accelerate import PartialState
-
-    from mha2gqa.eval.tasks import select_tasks
-
-    if PartialState().num_processes > 1:
-        raise SettingError("tasks", "{name} runs in one process: evaluate the tasks without accelerate launch")
-    return select_tasks(s.tasks, s.include_path)
-
-
-def _protocols(run: _Run, scored: dict[str, ScoredPass], results: dict[str, Any]) -> None:
+def _protocols(run: Evaluation, scored: dict[str, ScoredPass], results: dict[str, Any]) -> None:
     """Protocol entries (and a pair's output agreement) from each pass's scored sums."""
     common = run.common
     if "disjoint" in run.settings.protocols:
@@ -331,7 +204,7 @@ def _protocols(run: _Run, scored: dict[str, ScoredPass], results: dict[str, Any]
 
 
 @torch.inference_mode()
-def _generate(run: _Run, model: torch.nn.Module) -> list[str]:
+def _generate(run: Evaluation, model: torch.nn.Module) -> list[str]:
     """Greedy continuations of the sample prompts, ``run.new_tokens`` each."""
     tok = run.tokenizer
     out = []
@@ -347,7 +220,7 @@ def _generate(run: _Run, model: torch.nn.Module) -> list[str]:
     return out
 
 
-def _samples(run: _Run, original: list[str], converted: list[str]) -> list[dict[str, Any]]:
+def _samples(run: Evaluation, original: list[str], converted: list[str]) -> list[dict[str, Any]]:
     """The sample generations of both models side by side."""
     return [
         {"prompt": run.tokenizer.decode(p[0], skip_special_tokens=True), "original": o, "converted": c}
@@ -355,7 +228,7 @@ def _samples(run: _Run, original: list[str], converted: list[str]) -> list[dict[
     ]
 
 
-def _load(run: _Run, index: int) -> LoadedModel:
+def _load(run: Evaluation, index: int) -> LoadedModel:
     s = run.settings
     device = resolve_device(s.device)
     return load_model(run.paths[index], device, resolve_dtype(s.dtype, device), s.device_map, s.revision)
@@ -392,11 +265,11 @@ class _Scored:
         return cls(descriptions, p.device, p.dtype)
 
 
-def _together(run: _Run, results: dict[str, Any]) -> _Scored:
+def _together(run: Evaluation, tasks: _Tasks, results: dict[str, Any]) -> _Scored:
     """One model, or a pair with both models in memory (``load_both``)."""
     loaded = [_load(run, i) for i in range(len(run.paths))]
     models = [m.model for m in loaded]
-    _protocols(run, {name: run.score(models, name) for name in run.passes}, results)
+    _protocols(run, {name: _score(run, models, name) for name in run.passes}, results)
     main = is_main_process()
     if len(models) == 2 and run.attention_batch is not None and main:
         order = head_order_of(loaded[1].conversion())
@@ -407,11 +280,11 @@ def _together(run: _Run, results: dict[str, Any]) -> _Scored:
     if len(models) == 2 and run.prompts and main:
         results["samples"] = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
     for name, model in zip(run.names, models, strict=True):
-        run.run_tasks(model, name)
+        tasks.run(model, name)
     return _Scored.of([m.describe().to_dict() for m in loaded], models[-1])
 
 
-def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
+def _reference_key(run: Evaluation, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
     from accelerate import PartialState
 
     from mha2gqa.core.cache import entry_name, model_identity
@@ -436,7 +309,7 @@ def _reference_key(run: _Run, loaded_dtype: str, device: torch.device) -> tuple[
     return entry_name(material), material
 
 
-def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:
+def _reference_size(run: Evaluation, device: torch.device, dtype: torch.dtype) -> int:
     """Bytes the original's cached scores will take (from its config, before loading it)."""
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.dtypes import from_torch
@@ -469,7 +342,9 @@ def _reference_size(run: _Run, device: torch.device, dtype: torch.dtype) -> int:
     return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention, run.settings.reference_top_k)
 
 
-def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None] | None) -> _Scored:
+def _one_at_a_time(
+    run: Evaluation, tasks: _Tasks, results: dict[str, Any], log: Callable[[str], None] | None
+) -> _Scored:
     """A pair, one model in memory at a time: the original's scores come from (or go to) the
     reference cache, then the converted model is scored against them."""
     import tempfile
@@ -486,13 +361,13 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
     main = is_main_process()
     try:
         with locked(root, key, log):
-            ref = _reference(run, root, key, material, (device, dtype), temporary, log)
+            ref = _reference(run, tasks, root, key, material, (device, dtype), temporary, log)
         if log:
             log(f"scoring the converted model {run.paths[1]}")
         converted = _load(run, 1)
         scored = {}
         for name in run.passes:
-            res = run.score([converted.model], name, replay=ref.replayer(name))
+            res = _score(run, [converted.model], name, replay=ref.replayer(name))
             scored[name] = res.plus_seconds(ref.seconds(name))
         _protocols(run, scored, results)
         if run.attention_batch is not None and main:
@@ -507,7 +382,7 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
             if log:
                 log(f"{len(run.prompts)} sample generation(s) of {run.new_tokens} tokens")
             results["samples"] = _samples(run, ref.manifest["samples"], _generate(run, converted.model))
-        run.run_tasks(converted.model, "converted", log)
+        tasks.run(converted.model, "converted", log)
         results["reference"] = {
             "key": key,
             "folder": None if temporary else str(ref.folder),
@@ -516,9 +391,9 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
         }
         scored_pair = _Scored.of([ref.manifest["model"], converted.describe().to_dict()], converted.model)
         _free(converted)
-        if run.task_selection is not None and "original" not in run.task_scores:  # its scores came from the cache
+        if run.task_selection is not None and "original" not in tasks.scores:  # its scores came from the cache
             original = _load(run, 0)
-            run.run_tasks(original.model, "original", log)
+            tasks.run(original.model, "original", log)
             _free(original)
         if s.compare_quantization:
             results["quantization"] = {name: _quantized(run, ref, name, log) for name in s.compare_quantization}
@@ -529,7 +404,8 @@ def _one_at_a_time(run: _Run, results: dict[str, Any], log: Callable[[str], None
 
 
 def _reference(
-    run: _Run,
+    run: Evaluation,
+    tasks: _Tasks,
     root: Path,
     key: str,
     material: dict[str, Any],
@@ -561,20 +437,20 @@ def _reference(
             log(f"scoring the original once, its scores cached in {root if temporary else root / key}")
         original = _load(run, 0)
         for name in run.passes:
-            res = run.score([original.model], name, record=ref.recorder(name, s.reference_top_k))
+            res = _score(run, [original.model], name, record=ref.recorder(name, s.reference_top_k))
             ref.add_seconds(name, res.seconds)
         if run.attention_batch is not None and main:
             _, seconds = _timed(lambda: record_attention(original.model, run.attention_batch, ref))
             ref.add_seconds("attention", seconds)
         if run.prompts and main:
             ref.manifest["samples"] = _generate(run, original.model)
-        run.run_tasks(original.model, "original", log)
+        tasks.run(original.model, "original", log)
         ref.manifest["model"] = original.describe().to_dict()
         _free(original)
     return ref
 
 
-def _quantized(run: _Run, ref: Any, name: str, log: Callable[[str], None] | None) -> dict[str, Any]:
+def _quantized(run: Evaluation, ref: Any, name: str, log: Callable[[str], None] | None) -> dict[str, Any]:
     """The original quantized with scheme ``name``, scored against its cached self: the perplexity
     ratio of every protocol asked for and the output agreement (the yardstick of the verdict)."""
     from mha2gqa.eval.quantization import SCHEMES, quantize_model
@@ -584,7 +460,7 @@ def _quantized(run: _Run, ref: Any, name: str, log: Callable[[str], None] | None
         log(f"yardstick: scoring the original with {scheme.description}, against the original")
     model = _load(run, 0)
     weights = quantize_model(model.model, scheme)
-    scored = {p: run.score([model.model], p, replay=ref.replayer(p)) for p in run.passes}
+    scored = {p: _score(run, [model.model], p, replay=ref.replayer(p)) for p in run.passes}
     _free(model)
     ratios = {p: _protocol_result(run.names, scored[p], {})["ppl_ratio"] for p in run.settings.protocols}
     return {
@@ -604,10 +480,16 @@ def evaluate(
     """Evaluate ``original`` (and ``converted`` against it) on ``settings.data``; see module doc.
     ``log`` hears, before the scoring starts, how much will be scored. None on every process but
     the main one of a multi-process run."""
+    return run(prepare(original, converted, settings), log)
+
+
+def run(evaluation: Evaluation, log: Callable[[str], None] | None = None) -> Results | None:
+    """Score the prepared ``evaluation`` (see the module doc); None on every process but the main one
+    of a multi-process run."""
     started = time.perf_counter()
     map_large_allocations()  # logits come and go batch after batch: keep the heap from fragmenting
-    run = _prepare(original, converted, settings.check())
-    pair = converted is not None
+    run, settings, tasks = evaluation, evaluation.settings, _Tasks(evaluation)
+    pair = len(run.paths) == 2
     if log is not None:
         how = "" if not pair else " both in memory" if settings.load_both else " one at a time"
         log(
@@ -636,10 +518,12 @@ def evaluate(
         },
         "protocols": {},
     }
-    scored = _one_at_a_time(run, results, log) if pair and not settings.load_both else _together(run, results)
-    tasks = run.tasks_section()
-    if tasks is not None:
-        results["tasks"] = tasks
+    scored = (
+        _one_at_a_time(run, tasks, results, log) if pair and not settings.load_both else _together(run, tasks, results)
+    )
+    section = tasks.section()
+    if section is not None:
+        results["tasks"] = section
     results["models"] = dict(zip(run.names, scored.descriptions, strict=True))
     results["device"] = _device_info(scored.device, scored.dtype, settings.device_map)
     results["versions"] = versions()
