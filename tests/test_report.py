@@ -379,18 +379,7 @@ UPTRAIN_RECORD_WRITTEN_BEFORE = {
     "schema": "mha2gqa.uptrain/1",
     "uptrain": {
         "student": "/tmp/oldlog/student",
-        "settings": {
-            "objective": "mix",
-            "train": "all",
-            "max_steps": 4,
-            "seq_len": 64,
-            "batch_size": 2,
-            "lr": 0.0001,
-            "data": "/tmp/oldlog/train.txt",
-            "eval_data": "/tmp/oldlog/held.txt",
-            "teacher": "/work/shared/fixtures/stories260K-mha-expanded",
-            "min_lr_ratio": 0.1,
-        },
+        "settings": {**RUN_LOG_WRITTEN_BEFORE[0]["settings"], "min_lr_ratio": 0.1},  # as the log has them
         "steps": 4,
         "tokens": 512,
         "warmup_steps": 0,
