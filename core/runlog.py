@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,10 @@ class RunEnd:
 
 
 LogRecord = RunStart | RunTrain | RunEval | RunResume | RunEnd
+#: fields that are finite numbers whenever present (a training loss that was not is refused as the run
+#: happens, so a log holding one was damaged), and of those the ones that are positive too
+_FINITE = {"train": ("loss",), "eval": ("nll", "ppl", "teacher_ppl", "ppl_ratio", "kl_mean")}
+_POSITIVE = {"ppl", "teacher_ppl", "ppl_ratio"}
 RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (RunStart, RunTrain, RunEval, RunResume, RunEnd)}
 #: JSON keys that are Python keywords
 _RENAMED = {"from": "from_"}
@@ -155,7 +160,15 @@ def from_json(data: Any, where: str) -> LogRecord:
         data["parts"] = {k: v for k, v in data.items() if k not in known}
     where = f"{where} ({cls.TYPE})"
     record = typed.read(cls, data, where)
-    return record.check(where) if isinstance(record, RunStart) else record
+    if isinstance(record, RunStart):
+        return record.check(where)
+    for name in _FINITE.get(cls.TYPE, ()):  # a number the run could not have written: tampered or damaged
+        value = getattr(record, name)
+        if value is not None and not (math.isfinite(value) and (value > 0 or name not in _POSITIVE)):
+            raise typed.RecordError(
+                f"{where}.{name} is {value}, not a {'positive' if name in _POSITIVE else 'finite'} number"
+            )
+    return record
 
 
 class RunLog:

@@ -427,6 +427,10 @@ def test_a_run_log_written_before_reads_typed_and_writes_back_the_same_records(t
     log.write_text(log.read_text().replace('"ppl": 8.05545878624849', '"ppl": "8.06"'))
     with pytest.raises(Mha2GqaError, match=r"uptrain_log.jsonl: line 4 \(eval\)\.ppl is not a number"):
         RunHistory.read(run)
+    for bad, says in (("NaN", "ppl is nan, not a positive number"), ("-8.06", "ppl is -8.06, not a positive number")):
+        log.write_text(log.read_text().replace('"ppl": "8.06"', f'"ppl": {bad}').replace('"ppl": NaN', f'"ppl": {bad}'))
+        with pytest.raises(Mha2GqaError, match=f"line 4 \\(eval\\)\\.{says}"):
+            RunHistory.read(run)
 
 
 def test_a_results_file_written_before_reads_and_writes_back_the_same(tmp_path):
