@@ -488,16 +488,16 @@ def run(evaluation: Evaluation, log: Callable[[str], None] | None = None) -> Res
     of a multi-process run."""
     started = time.perf_counter()
     map_large_allocations()  # logits come and go batch after batch: keep the heap from fragmenting
-    run, settings, tasks = evaluation, evaluation.settings, _Tasks(evaluation)
-    pair = len(run.paths) == 2
+    ev, settings, tasks = evaluation, evaluation.settings, _Tasks(evaluation)
+    pair = len(ev.paths) == 2
     if log is not None:
         how = "" if not pair else " both in memory" if settings.load_both else " one at a time"
         log(
-            f"scoring {run.ids.numel():,} tokens of {settings.data} with {len(run.paths)} model(s){how}: "
-            f"{len(run.passes)} pass(es) of windows of {run.seq_len} ({', '.join(settings.protocols)})"
-            + (", then attention similarity" if run.attention_batch is not None else "")
+            f"scoring {ev.ids.numel():,} tokens of {settings.data} with {len(ev.paths)} model(s){how}: "
+            f"{len(ev.passes)} pass(es) of windows of {ev.seq_len} ({', '.join(settings.protocols)})"
+            + (", then attention similarity" if ev.attention_batch is not None else "")
         )
-    overlap = calibration_overlap(run.data, settings.data, run.folders[1], settings.text_field) if pair else None
+    overlap = calibration_overlap(ev.data, settings.data, ev.folders[1], settings.text_field) if pair else None
     if overlap is not None and overlap.flagged:
         sys.stderr.write(overlap.warning() + "\n")
     results: dict[str, Any] = {
@@ -505,26 +505,26 @@ def run(evaluation: Evaluation, log: Callable[[str], None] | None = None) -> Res
         "created": now(),
         "settings": {
             **asdict(settings),
-            "seq_len": run.seq_len,
-            "stride": run.stride,
+            "seq_len": ev.seq_len,
+            "stride": ev.stride,
             "protocols": list(settings.protocols),
         },
         "models": {},
-        "tokenizer": tokenizer_info(run.tokenizer),
+        "tokenizer": tokenizer_info(ev.tokenizer),
         "data": {
-            **run.data.describe(),
-            "stream_tokens": run.ids.numel(),
+            **ev.data.describe(),
+            "stream_tokens": ev.ids.numel(),
             **({"calibration_overlap": overlap.to_dict()} if overlap is not None else {}),
         },
         "protocols": {},
     }
     scored = (
-        _one_at_a_time(run, tasks, results, log) if pair and not settings.load_both else _together(run, tasks, results)
+        _one_at_a_time(ev, tasks, results, log) if pair and not settings.load_both else _together(ev, tasks, results)
     )
     section = tasks.section()
     if section is not None:
         results["tasks"] = section
-    results["models"] = dict(zip(run.names, scored.descriptions, strict=True))
+    results["models"] = dict(zip(ev.names, scored.descriptions, strict=True))
     results["device"] = _device_info(scored.device, scored.dtype, settings.device_map)
     results["versions"] = versions()
     results["git_revision"] = git_revision()
