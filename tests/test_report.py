@@ -452,6 +452,13 @@ def test_a_results_file_written_before_reads_and_writes_back_the_same(tmp_path):
 
     assert present(r.to_dict()) == present(written)
     assert Results.from_dict(r.to_dict(), str(path)) == r
+    alone = {k: v for k, v in written.items() if k not in ("agreement", "attention", "samples", "reference")}
+    alone = {**alone, "quantization": {}, "gates": None, "verdict": None}  # (a lone model has none of them)
+    alone["models"] = {"original": written["models"]["original"]}
+    alone["protocols"] = {
+        n: {k: v for k, v in p.items() if k not in ("converted", "ppl_ratio")} for n, p in written["protocols"].items()
+    }
+    assert set(Results.from_dict(alone, "alone.json").to_dict()) == {k for k, v in alone.items() if v}
     assert r.attention.layers[0].heads[0].js == written["attention"]["layers"][0]["heads"][0]["js"]
     assert r.reference.form == "exact" and r.gates.passed and r.quantization["int8"].agreement.kl.count > 0
     assert any(line.startswith("agreement: KL mean") for line in summary_lines(r))
