@@ -55,7 +55,7 @@ def output_costs(
     is merged, so the cost is the layer's own. (Relative to the layer's update ``y - x`` instead, the
     first layers' large updates hid their errors and the allocation starved them: measured on
     ``pydocs-mha-8h`` it did worse than uniform.) ``run``: the
-    :class:`~mha2gqa.convert.calibration.streaming.LayerRun` of the loaded layer. ``random``
+    :class:`~mha2gqa.convert.layers.LayerRun` of the loaded layer. ``random``
     (fresh K/V, nothing kept) costs 1 at every ``G`` below the current count."""
     import torch
 

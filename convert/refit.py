@@ -3,7 +3,7 @@ projections fitted so that, reading the *converted* model's own hidden states, i
 the *original* layer gives on the original's hidden states (so later layers also correct what
 earlier ones lost). No training of the model as a whole: one small regression per layer.
 
-Streamed like calibration (:mod:`mha2gqa.convert.calibration.streaming`): the model is built on
+Streamed like calibration, through the layer engine (:mod:`mha2gqa.convert.layers`): the model is built on
 ``meta``, the embeddings run once, then each layer is loaded once (float32), runs the original
 stream (its outputs are the targets), is fitted on the converted stream and runs it again with the
 fitted weights, and is emptied. Memory: one layer (plus Adam's two moments of the fitted
@@ -39,13 +39,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.calibration.streaming import (
-    calibration_ids,
-    first_layer_inputs,
-    materialize,
-    release,
-    skeleton,
-)
+from mha2gqa.convert.layers import calibration_ids, first_layer_inputs, materialize, release, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window

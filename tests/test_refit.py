@@ -13,7 +13,7 @@ from test_methods import calibrated, with_tokenizer
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.convert.calibration.streaming import calibration_ids
+from mha2gqa.convert.layers import calibration_ids
 from mha2gqa.convert.refit import CALL_TOKENS, call_tokens, fit_layer, split_windows
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.architecture import dims_of

@@ -1,0 +1,166 @@
+"""The layer engine calibration, per-layer allocation and the refit share: the model is built on
+``meta`` (:func:`skeleton`), the embeddings run once to catch the first decoder layer's inputs
+(:func:`first_layer_inputs`), then each decoder layer in turn gets its weights from the shards
+(:func:`materialize`), runs every calibration window and is emptied again (:func:`release`).
+Memory: one layer plus the calibration activations, never the whole model."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mha2gqa.core.errors import SettingError
+from mha2gqa.core.memory import trim
+
+
+@dataclass
+class LayerRun:
+    """One decoder layer while its weights are loaded: the module, the calibration windows it read
+    (``inputs``) and what it gave (``outputs``, with each window's keyword arguments), and the name
+    prefix of its tensors (``model.layers.3.``)."""
+
+    module: torch.nn.Module
+    inputs: list[torch.Tensor]
+    outputs: list[tuple[torch.Tensor, dict]]
+    prefix: str
+
+
+class _Stop(Exception):
+    """Raised by the stand-in first layer once it has seen its inputs."""
+
+
+class _Catch(torch.nn.Module):
+    """Stands in for the decoder layers: records the inputs of the first one, then stops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, dict]] = []
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if any(a is not None for a in args):  # GPTBigCode passes encoder_hidden_states=None by position
+            raise RuntimeError("decoder layers are expected to be called with keyword arguments")
+        self.calls.append((hidden_states, kwargs))
+        raise _Stop
+
+
+def materialize(
+    module: torch.nn.Module, ckpt, prefix: str, device: torch.device, dtype: torch.dtype | None = torch.float32
+) -> None:
+    """Give ``module``'s parameters (on ``meta``) their weights from the checkpoint on ``device``, in
+    ``dtype`` (None: as stored); its buffers (real, computed at construction) move along."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        value = ckpt.load(prefix + name)
+        value = value if dtype is None else value.to(dtype=dtype)
+        set_module_tensor_to_device(module, name, device, value=value, dtype=value.dtype)  # else it casts back
+    for name, _ in module.named_buffers():
+        set_module_tensor_to_device(module, name, device)
+
+
+@contextlib.contextmanager
+def float32_on_call(layer: torch.nn.Module):
+    """Run ``layer`` in float32 while its weights stay in their stored dtype: each submodule's own
+    parameters are upcast just before it runs and given back after, so a bf16 layer costs its bf16
+    size plus one float32 module (the largest projection) instead of twice its size. The values
+    are those of a float32 copy (bf16 -> fp32 is exact), so the outputs are too."""
+    stored: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
+
+    def up(module, args):
+        own = dict(module.named_parameters(recurse=False))
+        stored[module] = {n: p.data for n, p in own.items()}
+        for p in own.values():
+            p.data = p.data.float()
+
+    def down(module, args, output):
+        for n, p in module.named_parameters(recurse=False):
+            p.data = stored[module][n]
+        del stored[module]
+
+    handles = []
+    for m in layer.modules():
+        own = list(m.parameters(recurse=False))
+        if own and any(p.dtype != torch.float32 for p in own):
+            handles += [m.register_forward_pre_hook(up), m.register_forward_hook(down)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def release(module: torch.nn.Module) -> None:
+    """Send ``module``'s parameters back to ``meta`` and hand the freed memory back to the OS
+    (glibc keeps freed heap pages otherwise, and RSS would creep up layer after layer)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        set_module_tensor_to_device(module, name, "meta")
+    trim()
+
+
+def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_field: str = "text") -> torch.Tensor:
+    """``[windows, seq_len]``: the first ``tokens`` tokens of ``data`` as disjoint windows."""
+    from mha2gqa.core.models import load_tokenizer
+    from mha2gqa.core.text import load_text, token_stream
+
+    ids = token_stream(load_tokenizer(model_dir), load_text(data, text_field, setting="calibration"), tokens)
+    if ids.numel() < seq_len:
+        raise SettingError("calibration", f"{{name}} {data}: {ids.numel()} tokens, fewer than one window of {seq_len}")
+    n = ids.numel() // seq_len
+    if n * seq_len < tokens:
+        sys.stderr.write(
+            f"warning: --calibration {data} gives {n * seq_len:,} tokens ({n} windows of {seq_len}) of the "
+            f"{tokens:,} asked for: give more text, or lower --calibration-tokens to silence this\n"
+        )
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
+def skeleton(ckpt):
+    """The model of ``ckpt`` with its parameters on ``meta`` (buffers such as RoPE tables real); a
+    re-targeted checkpoint's is the target class."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if ckpt.format == "retargeted":
+        config = AutoConfig.for_model(**ckpt.config)
+    else:
+        config = AutoConfig.from_pretrained(ckpt.folder)
+    config.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
+    """Run everything before the decoder layers once per window (embeddings as stored: a lookup
+    loses nothing) and catch what the first layer receives, GPTQ-style; hidden states and RoPE
+    tables in float32."""
+    from mha2gqa.core.capture import decoder_layers
+
+    base = model.base_model
+    prefix = f"{model.base_model_prefix}."
+    layers, attr = decoder_layers(model)
+    others = [(n, c) for n, c in base.named_children() if n != attr]
+    for name, child in others:
+        materialize(child, ckpt, f"{prefix}{name}.", device, dtype=None)
+    catcher = _Catch()
+    setattr(base, attr, torch.nn.ModuleList([catcher]))
+    try:
+        for w in windows:
+            with contextlib.suppress(_Stop):
+                base(w[None], use_cache=False)
+    finally:
+        setattr(base, attr, layers)
+    for _, child in others:
+        release(child)
+    states = []
+    for h, kw in catcher.calls:
+        h = h.float()
+        if "position_embeddings" in kw and kw.get("position_ids") is not None:
+            kw = {**kw, "position_embeddings": base.rotary_emb(h, kw["position_ids"])}
+        states.append((h, kw))
+    return states
