@@ -319,6 +319,22 @@ def write_text(
     return path
 
 
+def replace_own_file(path: Path, text: str) -> None:
+    """Replace ``path``, a file of this tool's own already checked as such (a run log trimmed on
+    ``--resume``), with ``text``: written beside it and renamed into place, so a stop or a full disk
+    while writing leaves the old file whole."""
+    fd, name = tempfile.mkstemp(prefix=_temp_name(path, TMP_TAG), dir=path.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

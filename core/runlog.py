@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.output import replace_own_file
 from mha2gqa.core.records import UPTRAIN_LOG
 
 #: what a start record's ``settings`` (the run's identity, kept as a dict on purpose: every setting
@@ -133,15 +134,16 @@ LogRecord = RunStart | RunTrain | RunEval | RunResume | RunEnd
 _FINITE = {"train": ("loss",), "eval": ("nll", "ppl", "teacher_ppl", "ppl_ratio", "kl_mean")}
 _POSITIVE = {"ppl", "teacher_ppl", "ppl_ratio"}
 RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (RunStart, RunTrain, RunEval, RunResume, RunEnd)}
-#: JSON keys that are Python keywords
+#: JSON keys that are Python keywords, and back
 _RENAMED = {"from": "from_"}
+_JSON_KEYS = {v: k for k, v in _RENAMED.items()}
 
 
 def to_json(record: LogRecord) -> dict[str, Any]:
     """The JSON object of ``record``: ``type`` first, a train record's parts beside its loss."""
     data = dataclasses.asdict(record)
     parts = data.pop("parts", {})
-    data = {({v: k for k, v in _RENAMED.items()}).get(k, k): v for k, v in data.items()}
+    data = {_JSON_KEYS.get(k, k): v for k, v in data.items()}
     return {"type": record.TYPE, **data, **parts}
 
 
@@ -183,7 +185,7 @@ class RunLog:
             return
         if keep_until_step is not None and self.path.is_file():
             kept = [r for r in read_log(self.path) if getattr(r, "step", 0) <= keep_until_step]
-            self.path.write_text("".join(json.dumps(to_json(r)) + "\n" for r in kept), encoding="utf-8")
+            replace_own_file(self.path, "".join(json.dumps(to_json(r)) + "\n" for r in kept))
         else:
             self.path.unlink(missing_ok=True)
 

@@ -360,7 +360,7 @@ def test_training_stops_on_a_non_finite_loss(pair, tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "config.json").exists()
 
 
-def test_a_torn_last_log_line_is_skipped_with_a_warning(tmp_path):
+def test_a_torn_last_log_line_is_skipped_with_a_warning(tmp_path, monkeypatch):
     from mha2gqa.core.runlog import RunLog, RunTrain, read_log
 
     log = tmp_path / "uptrain_log.jsonl"
@@ -374,6 +374,16 @@ def test_a_torn_last_log_line_is_skipped_with_a_warning(tmp_path):
     with pytest.warns(UserWarning):
         RunLog(log, keep_until_step=1)  # a resume keeps what is whole up to its checkpoint
     assert read_log(log) == [RunTrain(s, 64 * s, 0.1 * s, 2.0, 1e-3, None, 100.0, parts={"ce": 2.0}) for s in (0, 1)]
+    whole = log.read_text()
+
+    def disk_full(*_):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:  # the resume's rewrite goes beside the log and is renamed into place
+        m.setattr("mha2gqa.core.output.os.replace", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            RunLog(log, keep_until_step=0)
+    assert log.read_text() == whole and [p.name for p in tmp_path.iterdir()] == [log.name]  # old log whole
     log.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
     with pytest.raises(Mha2GqaError, match=r"line 1\.type None is not one of start, train"):
         read_log(log)
