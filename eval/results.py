@@ -329,11 +329,9 @@ class Results:
 
     def to_dict(self) -> dict[str, Any]:
         """The results file's JSON object (what :meth:`from_dict` reads back to an equal value)."""
-        out = {f.name: typed.plain(getattr(self, f.name)) for f in fields(self) if f.name != "path"}
-        out = {k: v for k, v in out.items() if v is not None}
-        for name in ("quantization", "samples"):  # sections written only when they ran
-            if not out.get(name):
-                out.pop(name, None)
+        # a section that did not run (None, or empty) is left out, as the harness always wrote them
+        out = {f.name: typed.plain(getattr(self, f.name)) for f in fields(self) if not typed.unset(self, f)}
+        out.pop("path", None)
         out["protocols"] = {n: {k: v for k, v in p.items() if k != "name"} for n, p in out["protocols"].items()}
         return out
 
