@@ -81,9 +81,10 @@ def build_pair(args: dict, eager: bool = False):
 
 
 def ours(models, batch):
+    from mha2gqa.core.typed import plain
     from mha2gqa.eval.attention import attention_similarity
 
-    return attention_similarity(models[0], models[1], batch)["summary"]
+    return plain(attention_similarity(models[0], models[1], batch).summary)
 
 
 def eager(models, batch):

@@ -1,13 +1,15 @@
 """The layer engine calibration, per-layer allocation and the refit share: the model is built on
 ``meta`` (:func:`skeleton`), the embeddings run once to catch the first decoder layer's inputs
-(:func:`first_layer_inputs`), then each decoder layer in turn gets its weights from the shards
-(:func:`materialize`), runs every calibration window and is emptied again (:func:`release`).
+(:func:`first_layer_inputs`), then each decoder layer in turn (:func:`each_layer`) gets its weights
+from the shards (:func:`materialize`), runs every calibration window and is emptied again
+(:func:`release`).
 Memory: one layer plus the calibration activations, never the whole model."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +103,25 @@ def release(module: torch.nn.Module) -> None:
     for name, _ in module.named_parameters():
         set_module_tensor_to_device(module, name, "meta")
     trim()
+
+
+def each_layer(
+    model: torch.nn.Module, ckpt, device: torch.device, dtype: torch.dtype | None = torch.float32
+) -> Iterator[tuple[int, torch.nn.Module, str]]:
+    """Every decoder layer of ``model`` (a :func:`skeleton`) in order, as ``(index, module, prefix)``
+    with its weights loaded from ``ckpt`` on ``device`` (in ``dtype``; None: as stored) while the
+    caller holds it, and released when the caller moves on (or stops): the one loop calibration and
+    the refit walk the model by."""
+    from mha2gqa.core.capture import decoder_layers
+
+    layers, attr = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        prefix = f"{model.base_model_prefix}.{attr}.{i}."
+        materialize(layer, ckpt, prefix, device, dtype)
+        try:
+            yield i, layer, prefix
+        finally:
+            release(layer)
 
 
 def calibration_ids(model_dir: Path, data: str, tokens: int, seq_len: int, text_field: str = "text") -> torch.Tensor:

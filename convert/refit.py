@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.layers import calibration_ids, first_layer_inputs, materialize, release, skeleton
+from mha2gqa.convert.layers import calibration_ids, each_layer, first_layer_inputs, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window
@@ -438,7 +438,6 @@ def refit(
     """Refit every changed layer of the planned conversion ``tensors`` (see the module doc); returns
     the plan with each refitted layer's projections read from ``work`` (safetensors written there,
     one file per layer) and the :class:`Refit` record."""
-    from mha2gqa.core.capture import decoder_layers
     from mha2gqa.core.progress import bar as progress_bar
 
     s = c.settings
@@ -446,13 +445,10 @@ def refit(
     model = skeleton(c.ckpt)
     st = _streams(c, model, work)
     by_name = {t.name: t for t in tensors}
-    layers, attr = decoder_layers(model)
     records: list[RefitLayer] = []
     desc = f"refitting on {st.ids.numel():,} tokens"
-    with progress_bar(total=len(layers), unit="layer", desc=desc, disable=not s.progress) as bar:
-        for i, layer in enumerate(layers):
-            prefix = f"{model.base_model_prefix}.{attr}.{i}."
-            materialize(layer, c.ckpt, prefix, st.dev, dtype=torch.float32)
+    with progress_bar(total=c.dims.num_layers, unit="layer", desc=desc, disable=not s.progress) as bar:
+        for i, layer, prefix in each_layer(model, c.ckpt, st.dev, torch.float32):
             layer.requires_grad_(False)
 
             def source_layer(h, w, layer=layer):
@@ -475,7 +471,6 @@ def refit(
                         + f", {result.steps} steps, {seconds:.1f} s"
                     )
                 del result
-            release(layer)
             bar.update(1)
     fitted, held = split_windows(len(st.ids))
     record = Refit(

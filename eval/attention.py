@@ -32,6 +32,14 @@ from mha2gqa.core.capture import capturing, soft_capped, softcap_of
 from mha2gqa.core.conversion_record import Facts
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.metrics import cosine, row_stats
+from mha2gqa.eval.results import (
+    Attention,
+    AttentionLayer,
+    AttentionSummary,
+    HeadScore,
+    HeadSimilarity,
+    Similarity,
+)
 
 
 def _scores_mask(mask: torch.Tensor | None, rows: slice, t: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -83,30 +91,36 @@ class HeadSums:
         self.gram_orig = torch.zeros(self.heads, self.heads, dtype=torch.float64)
         self.gram_conv = torch.zeros(self.heads, self.heads, dtype=torch.float64)
 
-    def head_similarity(self) -> dict[str, dict[str, Any]]:
+    def head_similarity(self) -> HeadSimilarity:
         """Head diversity of both models: per model, the ``H x H`` cosine similarity of the heads'
         attention patterns (all rows of the causal triangle, as one vector per head), its mean off
         the diagonal, and the means within and across the converted model's KV groups."""
         per = self.heads // max(self.kv_heads, 1)
-        return {
-            "original": similarity_summary(self.gram_orig, per),
-            "converted": similarity_summary(self.gram_conv, per),
-        }
+        return HeadSimilarity(
+            original=Similarity(**similarity_summary(self.gram_orig, per)),
+            converted=Similarity(**similarity_summary(self.gram_conv, per)),
+        )
 
-    def result(self) -> list[dict[str, float]]:
+    def scores(self) -> list[str]:
+        """The per-head scores this layer has (the contribution error only where both models'
+        output projections were available)."""
+        names = ["kl", "js", "cosine", "entropy_original", "entropy_converted", "output_rel_error"]
+        return names + (["contribution_rel_error"] if self.contribution else [])
+
+    def result(self) -> list[HeadScore]:
         n = max(self.rows, 1)
         rel = (self.err_sq / self.ref_sq.clamp_min(1e-30)).sqrt()
         contrib = (self.contrib_err_sq / self.contrib_ref_sq.clamp_min(1e-30)).sqrt()
         return [
-            {
-                "kl": self.kl[h].item() / n,
-                "js": self.js[h].item() / n,
-                "cosine": self.cos[h].item() / n,
-                "entropy_original": self.ent_orig[h].item() / n,
-                "entropy_converted": self.ent_conv[h].item() / n,
-                "output_rel_error": rel[h].item(),
-                **({"contribution_rel_error": contrib[h].item()} if self.contribution else {}),
-            }
+            HeadScore(
+                kl=self.kl[h].item() / n,
+                js=self.js[h].item() / n,
+                cosine=self.cos[h].item() / n,
+                entropy_original=self.ent_orig[h].item() / n,
+                entropy_converted=self.ent_conv[h].item() / n,
+                output_rel_error=rel[h].item(),
+                contribution_rel_error=contrib[h].item() if self.contribution else None,
+            )
             for h in range(self.heads)
         ]
 
@@ -327,7 +341,7 @@ def compare_attention(
     store: LayerStore,
     chunk: int = 128,
     head_order: dict[int, list[int]] | None = None,
-) -> dict:
+) -> Attention:
     """Compare ``converted`` on ``batch`` ``[B, T]`` with the original's layers in ``store`` (put
     there by :func:`record_attention` on the same batch); see the module doc. ``head_order``: per
     layer, the source KV heads in the converted model's order when the conversion moved heads
@@ -359,28 +373,37 @@ def compare_attention(
         hidden_cos[layer] = cosine(ref.float(), hidden.float().to(ref.device)).mean().item()
 
     _run_layers(converted, batch, compare, done)
-    layers = []
-    for layer in sorted(sums):
-        s = sums[layer]
-        heads = s.result()
-        layers.append(
-            {
-                "layer": layer,
-                "hidden_cosine": hidden_cos.get(layer, math.nan),
-                "entropy_uniform": s.ent_uniform / max(s.rows, 1),
-                "heads": heads,
-                **{f"mean_{k}": sum(h[k] for h in heads) / len(heads) for k in heads[0]},
-                "head_similarity": s.head_similarity(),
-            }
-        )
-    summary = {f"mean_{k}": sum(x[f"mean_{k}"] for x in layers) / len(layers) for k in layers[0]["heads"][0]}
+    layers = [_layer_section(layer, sums[layer], hidden_cos.get(layer, math.nan)) for layer in sorted(sums)]
+    means = {
+        f"mean_{k}": sum(getattr(x, f"mean_{k}") for x in layers) / len(layers) for k in sums[layers[0].layer].scores()
+    }
+    similarity = {}
     for model in ("original", "converted"):
         for part in ("mean", "within_groups", "across_groups"):
-            values = [v for x in layers if (v := x["head_similarity"][model][part]) is not None]
-            summary[f"head_similarity_{model}_{part}"] = sum(values) / len(values) if values else None
-    summary["entropy_uniform"] = layers[0]["entropy_uniform"]
-    summary["mean_hidden_cosine"] = sum(x["hidden_cosine"] for x in layers) / len(layers)
-    return {"layers": layers, "summary": summary, "tokens": batch.numel(), "seq_len": batch.shape[1], "chunk": chunk}
+            found = [getattr(getattr(x.head_similarity, model), part) for x in layers if x.head_similarity]
+            values = [v for v in found if v is not None]
+            similarity[f"head_similarity_{model}_{part}"] = sum(values) / len(values) if values else None
+    summary = AttentionSummary(
+        **means,
+        **similarity,
+        entropy_uniform=layers[0].entropy_uniform,
+        mean_hidden_cosine=sum(x.hidden_cosine for x in layers) / len(layers),
+    )
+    return Attention(layers=layers, summary=summary, tokens=batch.numel(), seq_len=batch.shape[1], chunk=chunk)
+
+
+def _layer_section(layer: int, s: HeadSums, hidden_cosine: float) -> AttentionLayer:
+    """One layer's section: each head's scores, their means, and the heads' similarity."""
+    heads = s.result()
+    means = {f"mean_{k}": sum(getattr(h, k) for h in heads) / len(heads) for k in s.scores()}
+    return AttentionLayer(
+        layer=layer,
+        hidden_cosine=hidden_cosine,
+        entropy_uniform=s.ent_uniform / max(s.rows, 1),
+        heads=heads,
+        **means,
+        head_similarity=s.head_similarity(),
+    )
 
 
 def head_order_of(conversion: Facts | None) -> dict[int, list[int]] | None:
@@ -396,7 +419,7 @@ def attention_similarity(
     batch: torch.Tensor,
     chunk: int = 128,
     head_order: dict[int, list[int]] | None = None,
-) -> dict:
+) -> Attention:
     """Compare ``original`` and ``converted`` (both in memory) on ``batch`` ``[B, T]`` token ids:
     the original's layers are kept in memory until the converted model reaches them."""
     store = MemoryStore()

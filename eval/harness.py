@@ -4,9 +4,10 @@ Results follow a versioned schema (:mod:`mha2gqa.eval.results`): models (paths, 
 hashes, KV bytes, conversion records), tokenizer, data source and token counts, every protocol with
 its settings, output agreement, attention similarity, timings and tokens/s, library versions,
 device, git revision. Under ``accelerate launch`` the windows are split across processes, sums are
-reduced, and only the main process returns the results (the others None). The stages fill the
-file's sections as JSON objects; :meth:`Results.from_dict` reads them once, checked, into the typed
-value every reader uses and :meth:`Results.to_dict` writes.
+reduced, and only the main process returns the results (the others None). Each stage returns its
+section typed (:class:`Protocol`, :class:`Agreement`, :class:`Attention`, :class:`Sample`,
+:class:`Quantized`, ...); :func:`run` assembles them into :class:`Results`, checks the sections
+against each other, and :meth:`Results.to_dict` writes the file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from mha2gqa.core.checkpoint import read_config
 from mha2gqa.core.dims import config_value
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
+from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.models import (
     LoadedModel,
     load_model,
@@ -37,6 +39,7 @@ from mha2gqa.core.models import (
 )
 from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
 from mha2gqa.core.text import prefix_token
+from mha2gqa.eval.agreement import Agreement, RestMass
 from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.pair import calibration_overlap
@@ -47,8 +50,19 @@ from mha2gqa.eval.perplexity import (
     score_windows,
 )
 from mha2gqa.eval.prepare import Evaluation, prepare
-from mha2gqa.eval.results import Results
+from mha2gqa.eval.results import (
+    Attention,
+    DataInfo,
+    DeviceInfo,
+    Protocol,
+    Quantized,
+    ReferenceInfo,
+    Results,
+    Sample,
+    Score,
+)
 from mha2gqa.eval.settings import EvalSettings
+from mha2gqa.eval.tasks import TasksSection
 
 
 def _split_for_rank(windows: list[Window]) -> tuple[list[Window], Any]:
@@ -95,7 +109,8 @@ def scored_pass(
         agreement = agreement_stats(**per_token, top1_same=sum(a.top1_same for a in agreements))
         rest = [t for a in agreements for t in a.rest_mass]
         if rest:  # against a top-k reference: the mass its KLs do not resolve
-            agreement["reference_rest_mass"] = summarize(torch.cat(rest))
+            rest_mass = summarize(torch.cat(rest))
+            agreement.reference_rest_mass = RestMass(mean=rest_mass["mean"], max=rest_mass["max"])
     return ScoredPass(tuple(nll), tokens, len(windows), seconds, agreement)
 
 
@@ -105,25 +120,27 @@ def is_main_process() -> bool:
     return PartialState().is_main_process
 
 
-def _ppl_entry(nll_sum: float, tokens: int) -> dict[str, float]:
+def _score_of(nll_sum: float, tokens: int, **extra: float) -> Score:
     nll = nll_sum / tokens
-    return {"nll_sum": nll_sum, "tokens": tokens, "nll": nll, "ppl": math.exp(nll)}
+    return Score(nll_sum=nll_sum, tokens=tokens, nll=nll, ppl=math.exp(nll), **extra)
 
 
-def _protocol_result(
-    names: list[str], res: ScoredPass, settings: dict[str, Any], extra: list[dict] | None = None
-) -> dict:
-    entry: dict[str, Any] = {
-        "settings": settings,
-        "windows": res.windows,
-        "seconds": res.seconds,
-        "tokens_per_second": res.tokens * len(names) / max(res.seconds, 1e-9),
-    }
-    for i, name in enumerate(names):
-        entry[name] = {**_ppl_entry(res.nll_sum[i], res.tokens), **((extra or [{}] * len(names))[i])}
-    if len(names) == 2:
-        entry["ppl_ratio"] = entry[names[1]]["ppl"] / entry[names[0]]["ppl"]
-    return entry
+def _protocol(
+    name: str, names: list[str], res: ScoredPass, settings: dict[str, Any], extra: list[dict[str, float]] | None = None
+) -> Protocol:
+    """The protocol ``name``'s section from its scored pass (``extra``: per model, further scores)."""
+    scores = [_score_of(res.nll_sum[i], res.tokens, **(extra[i] if extra else {})) for i in range(len(names))]
+    converted = scores[1] if len(scores) == 2 else None
+    return Protocol(
+        name=name,
+        settings=settings,
+        original=scores[0],
+        converted=converted,
+        ppl_ratio=converted.ppl / scores[0].ppl if converted else None,
+        windows=res.windows,
+        seconds=res.seconds,
+        tokens_per_second=res.tokens * len(names) / max(res.seconds, 1e-9),
+    )
 
 
 def _score(run: Evaluation, models: list[torch.nn.Module], name: str, **kw: Any) -> ScoredPass:
@@ -150,7 +167,7 @@ class _Tasks:
             log(f"tasks {', '.join(ev.task_selection.names)} on the {name} model (lm-evaluation-harness)")
         self.scores[name] = score_tasks(ev.task_selection, model, ev.tokenizer, s.num_fewshot, s.limit, s.batch_size)
 
-    def section(self) -> dict[str, Any] | None:
+    def section(self) -> TasksSection | None:
         """The results' ``tasks`` section from both models' task scores (None without ``--tasks``)."""
         ev = self.evaluation
         if ev.task_selection is None:
@@ -160,22 +177,17 @@ class _Tasks:
         s = ev.settings
         settings = {"tasks": list(s.tasks), "num_fewshot": s.num_fewshot, "limit": s.limit,
                     "include_path": s.include_path, "batch_size": s.batch_size}  # fmt: skip
-        section = compare_tasks(ev.task_selection, settings, self.scores["original"], self.scores.get("converted"))
-        return section.to_dict()
+        return compare_tasks(ev.task_selection, settings, self.scores["original"], self.scores.get("converted"))
 
 
-def _protocols(run: Evaluation, scored: dict[str, ScoredPass], results: dict[str, Any]) -> None:
-    """Protocol entries (and a pair's output agreement) from each pass's scored sums."""
-    common = run.common
+def _protocols(run: Evaluation, scored: dict[str, ScoredPass]) -> dict[str, Protocol]:
+    """Each protocol's section from its pass's scored sums."""
+    common, out = run.common, {}
     if "disjoint" in run.settings.protocols:
-        results["protocols"]["disjoint"] = _protocol_result(
-            run.names, scored["disjoint"], {**common, "stream": run.stream}
-        )
-    if len(run.names) == 2 and scored["disjoint"].agreement is not None:
-        results["agreement"] = {**scored["disjoint"].agreement, "settings": {"protocol": "disjoint", **common}}
+        out["disjoint"] = _protocol("disjoint", run.names, scored["disjoint"], {**common, "stream": run.stream})
     if "stride" in run.settings.protocols:
         settings = {**common, "stride": run.stride, "stream": run.stream}
-        results["protocols"]["stride"] = _protocol_result(run.names, scored["stride"], settings)
+        out["stride"] = _protocol("stride", run.names, scored["stride"], settings)
     if "rolling" in run.settings.protocols:
         res, used = scored["rolling"], run.rolling_text
         words = sum(len(re.split(r"\s+", d)) for d in used)
@@ -200,7 +212,14 @@ def _protocols(run: Evaluation, scored: dict[str, ScoredPass], results: dict[str
             "context_len": 1,
             "convention": run.settings.rolling_convention,
         }
-        results["protocols"]["rolling"] = _protocol_result(run.names, res, settings, extra)
+        out["rolling"] = _protocol("rolling", run.names, res, settings, extra)
+    return out
+
+
+def _agreement(run: Evaluation, scored: dict[str, ScoredPass]) -> Agreement | None:
+    """A pair's output agreement, from the disjoint pass."""
+    found = scored["disjoint"].agreement if len(run.names) == 2 else None
+    return replace(found, settings={"protocol": "disjoint", **run.common}) if found is not None else None
 
 
 @torch.inference_mode()
@@ -220,10 +239,10 @@ def _generate(run: Evaluation, model: torch.nn.Module) -> list[str]:
     return out
 
 
-def _samples(run: Evaluation, original: list[str], converted: list[str]) -> list[dict[str, Any]]:
+def _samples(run: Evaluation, original: list[str], converted: list[str]) -> list[Sample]:
     """The sample generations of both models side by side."""
     return [
-        {"prompt": run.tokenizer.decode(p[0], skip_special_tokens=True), "original": o, "converted": c}
+        Sample(prompt=run.tokenizer.decode(p[0], skip_special_tokens=True), original=o, converted=c)
         for p, o, c in zip(run.prompts, original, converted, strict=True)
     ]
 
@@ -253,35 +272,45 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 @dataclass
 class _Scored:
-    """What the scoring leaves for the results: each model's description, and where the last ran."""
+    """What the scoring stages give the results, each section typed: the models' descriptions, the
+    protocols and a pair's agreement, attention similarity, samples, the reference cache entry used,
+    the quantized yardsticks, and where the last model ran."""
 
-    descriptions: list[dict[str, Any]]
-    device: torch.device
-    dtype: torch.dtype
+    models: list[ModelInfo]
+    protocols: dict[str, Protocol]
+    device: DeviceInfo
+    agreement: Agreement | None = None
+    attention: Attention | None = None
+    samples: list[Sample] = field(default_factory=list)
+    reference: ReferenceInfo | None = None
+    quantization: dict[str, Quantized] = field(default_factory=dict)
 
-    @classmethod
-    def of(cls, descriptions: list[dict[str, Any]], last: torch.nn.Module) -> _Scored:
-        p = next(last.parameters())
-        return cls(descriptions, p.device, p.dtype)
 
-
-def _together(run: Evaluation, tasks: _Tasks, results: dict[str, Any]) -> _Scored:
+def _together(run: Evaluation, tasks: _Tasks) -> _Scored:
     """One model, or a pair with both models in memory (``load_both``)."""
     loaded = [_load(run, i) for i in range(len(run.paths))]
     models = [m.model for m in loaded]
-    _protocols(run, {name: _score(run, models, name) for name in run.passes}, results)
+    scored = {name: _score(run, models, name) for name in run.passes}
     main = is_main_process()
+    attention = samples = None
     if len(models) == 2 and run.attention_batch is not None and main:
         order = head_order_of(loaded[1].conversion())
-        out, seconds = _timed(
+        attention, seconds = _timed(
             lambda: attention_similarity(*models, run.attention_batch, run.settings.attention_chunk, order)
         )
-        results["attention"] = {**out, "seconds": seconds}
+        attention.seconds = seconds
     if len(models) == 2 and run.prompts and main:
-        results["samples"] = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
+        samples = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
     for name, model in zip(run.names, models, strict=True):
         tasks.run(model, name)
-    return _Scored.of([m.describe().to_dict() for m in loaded], models[-1])
+    return _Scored(
+        models=[m.describe() for m in loaded],
+        protocols=_protocols(run, scored),
+        agreement=_agreement(run, scored),
+        device=_device_info(models[-1], run.settings.device_map),
+        attention=attention,
+        samples=samples or [],
+    )
 
 
 def _reference_key(run: Evaluation, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
@@ -342,9 +371,7 @@ def _reference_size(run: Evaluation, device: torch.device, dtype: torch.dtype) -
     return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention, run.settings.reference_top_k)
 
 
-def _one_at_a_time(
-    run: Evaluation, tasks: _Tasks, results: dict[str, Any], log: Callable[[str], None] | None
-) -> _Scored:
+def _one_at_a_time(run: Evaluation, tasks: _Tasks, log: Callable[[str], None] | None) -> _Scored:
     """A pair, one model in memory at a time: the original's scores come from (or go to) the
     reference cache, then the converted model is scored against them."""
     import tempfile
@@ -369,35 +396,41 @@ def _one_at_a_time(
         for name in run.passes:
             res = _score(run, [converted.model], name, replay=ref.replayer(name))
             scored[name] = res.plus_seconds(ref.seconds(name))
-        _protocols(run, scored, results)
+        attention = samples = None
         if run.attention_batch is not None and main:
             if log:
                 log("attention similarity, layer by layer, against the cached original")
             order = head_order_of(converted.conversion())
-            out, seconds = _timed(
+            attention, seconds = _timed(
                 lambda: compare_attention(converted.model, run.attention_batch, ref, s.attention_chunk, order)
             )
-            results["attention"] = {**out, "seconds": seconds + ref.seconds("attention")}
+            attention.seconds = seconds + ref.seconds("attention")
         if run.prompts and main:
             if log:
                 log(f"{len(run.prompts)} sample generation(s) of {run.new_tokens} tokens")
-            results["samples"] = _samples(run, ref.manifest["samples"], _generate(run, converted.model))
+            samples = _samples(run, ref.samples, _generate(run, converted.model))
         tasks.run(converted.model, "converted", log)
-        results["reference"] = {
-            "key": key,
-            "folder": None if temporary else str(ref.folder),
-            "bytes": ref.size(),
-            "form": f"top-{s.reference_top_k}" if s.reference_top_k else "exact",
-        }
-        scored_pair = _Scored.of([ref.manifest["model"], converted.describe().to_dict()], converted.model)
+        out = _Scored(
+            models=[ref.model, converted.describe()],
+            protocols=_protocols(run, scored),
+            agreement=_agreement(run, scored),
+            device=_device_info(converted.model, s.device_map),
+            attention=attention,
+            samples=samples or [],
+            reference=ReferenceInfo(
+                key=key,
+                folder=None if temporary else str(ref.folder),
+                bytes=ref.size(),
+                form=f"top-{s.reference_top_k}" if s.reference_top_k else "exact",
+            ),
+        )
         _free(converted)
         if run.task_selection is not None and "original" not in tasks.scores:  # its scores came from the cache
             original = _load(run, 0)
             tasks.run(original.model, "original", log)
             _free(original)
-        if s.compare_quantization:
-            results["quantization"] = {name: _quantized(run, ref, name, log) for name in s.compare_quantization}
-        return scored_pair
+        out.quantization = {name: _quantized(run, ref, name, log) for name in s.compare_quantization}
+        return out
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
@@ -443,14 +476,14 @@ def _reference(
             _, seconds = _timed(lambda: record_attention(original.model, run.attention_batch, ref))
             ref.add_seconds("attention", seconds)
         if run.prompts and main:
-            ref.manifest["samples"] = _generate(run, original.model)
+            ref.set_samples(_generate(run, original.model))
         tasks.run(original.model, "original", log)
-        ref.manifest["model"] = original.describe().to_dict()
+        ref.set_model(original.describe())
         _free(original)
     return ref
 
 
-def _quantized(run: Evaluation, ref: Any, name: str, log: Callable[[str], None] | None) -> dict[str, Any]:
+def _quantized(run: Evaluation, ref: Any, name: str, log: Callable[[str], None] | None) -> Quantized:
     """The original quantized with scheme ``name``, scored against its cached self: the perplexity
     ratio of every protocol asked for and the output agreement (the yardstick of the verdict)."""
     from mha2gqa.eval.quantization import SCHEMES, quantize_model
@@ -462,16 +495,18 @@ def _quantized(run: Evaluation, ref: Any, name: str, log: Callable[[str], None] 
     weights = quantize_model(model.model, scheme)
     scored = {p: _score(run, [model.model], p, replay=ref.replayer(p)) for p in run.passes}
     _free(model)
-    ratios = {p: _protocol_result(run.names, scored[p], {})["ppl_ratio"] for p in run.settings.protocols}
-    return {
-        "description": scheme.description,
-        "bits": scheme.bits,
-        "group": scheme.group,
-        "weights": weights,
-        "ppl_ratio": ratios,
-        "agreement": scored["disjoint"].agreement,
-        "seconds": sum(r.seconds for r in scored.values()),
-    }
+    protocols = _protocols(run, scored)
+    agreement = scored["disjoint"].agreement
+    assert agreement is not None  # a replayed pass is a pair's
+    return Quantized(
+        description=scheme.description,
+        bits=scheme.bits,
+        group=scheme.group,
+        weights=weights,
+        ppl_ratio={p: protocols[p].ppl_ratio for p in run.settings.protocols},
+        agreement=agreement,
+        seconds=sum(r.seconds for r in scored.values()),
+    )
 
 
 def evaluate(
@@ -500,50 +535,47 @@ def run(evaluation: Evaluation, log: Callable[[str], None] | None = None) -> Res
     overlap = calibration_overlap(ev.data, settings.data, ev.folders[1], settings.text_field) if pair else None
     if overlap is not None and overlap.flagged:
         sys.stderr.write(overlap.warning() + "\n")
-    results: dict[str, Any] = {
-        "schema": EVAL_SCHEMA,
-        "created": now(),
-        "settings": {
+    scored = _one_at_a_time(ev, tasks, log) if pair and not settings.load_both else _together(ev, tasks)
+    if not is_main_process():
+        return None
+    results = Results(
+        schema=EVAL_SCHEMA,
+        created=now(),
+        settings={
             **asdict(settings),
             "seq_len": ev.seq_len,
             "stride": ev.stride,
             "protocols": list(settings.protocols),
         },
-        "models": {},
-        "tokenizer": tokenizer_info(ev.tokenizer),
-        "data": {
-            **ev.data.describe(),
-            "stream_tokens": ev.ids.numel(),
-            **({"calibration_overlap": overlap.to_dict()} if overlap is not None else {}),
-        },
-        "protocols": {},
-    }
-    scored = (
-        _one_at_a_time(ev, tasks, results, log) if pair and not settings.load_both else _together(ev, tasks, results)
+        models=dict(zip(ev.names, scored.models, strict=True)),
+        tokenizer=tokenizer_info(ev.tokenizer),
+        data=DataInfo(**ev.data.describe(), stream_tokens=ev.ids.numel(), calibration_overlap=overlap),
+        protocols=scored.protocols,
+        agreement=scored.agreement,
+        attention=scored.attention,
+        samples=scored.samples,
+        quantization=scored.quantization,
+        reference=scored.reference,
+        tasks=tasks.section(),
+        device=scored.device,
+        versions=versions(),
+        git_revision=git_revision(),
+        seconds=time.perf_counter() - started,
     )
-    section = tasks.section()
-    if section is not None:
-        results["tasks"] = section
-    results["models"] = dict(zip(ev.names, scored.descriptions, strict=True))
-    results["device"] = _device_info(scored.device, scored.dtype, settings.device_map)
-    results["versions"] = versions()
-    results["git_revision"] = git_revision()
-    results["seconds"] = time.perf_counter() - started
-    return Results.from_dict(results) if is_main_process() else None
+    return results.checked()
 
 
-def _device_info(device: torch.device, dtype: torch.dtype, device_map: str | None) -> dict[str, Any]:
+def _device_info(model: torch.nn.Module, device_map: str | None) -> DeviceInfo:
+    """Where ``model`` ran: device type and name, dtype, processes (and a CPU's threads)."""
     from accelerate import PartialState
 
-    info: dict[str, Any] = {
-        "type": device.type,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device_map": device_map,
-        "processes": PartialState().num_processes,
-    }
-    if device.type == "cuda":
-        info["name"] = torch.cuda.get_device_name(device)
-    else:
-        info["name"] = platform.processor() or platform.machine()
-        info["threads"] = torch.get_num_threads()
-    return info
+    p = next(model.parameters())
+    cuda = p.device.type == "cuda"
+    return DeviceInfo(
+        type=p.device.type,
+        dtype=str(p.dtype).removeprefix("torch."),
+        device_map=device_map,
+        processes=PartialState().num_processes,
+        name=torch.cuda.get_device_name(p.device) if cuda else platform.processor() or platform.machine(),
+        threads=None if cuda else torch.get_num_threads(),
+    )

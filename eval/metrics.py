@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from mha2gqa.eval.agreement import Agreement, DeltaP, Stats
+
 
 def _plogp_terms(p: torch.Tensor, logp: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """``p * (logp - other)`` with ``0 * anything = 0`` where ``p == 0``."""
@@ -85,7 +87,7 @@ def _std_error(v: torch.Tensor) -> float:
 
 def agreement_stats(
     kl: torch.Tensor, kl_reverse: torch.Tensor, delta_p: torch.Tensor, nll: torch.Tensor, top1_same: int
-) -> dict[str, object]:
+) -> Agreement:
     """llama.cpp's KL-divergence report over per-token values of one pass (float64):
 
     KL(original || converted) and KL(converted || original) with mean +- error and percentiles; Δp,
@@ -102,14 +104,14 @@ def agreement_stats(
     top1 = top1_same / max(n, 1)
     centred = nll - nll.mean(0)
     corr = (centred[:, 0] * centred[:, 1]).sum() / (centred.pow(2).sum(0).prod().sqrt()).clamp_min(1e-300)
-    return {
-        "tokens": n,
-        "kl": summarize(kl),
-        "kl_reverse": summarize(kl_reverse),
-        "delta_p": {**summarize(dp), "rms": rms, "rms_error": _std_error(squares) / (2 * rms) if rms else 0.0},
-        "top1_agreement": top1,
-        "top1_error": math.sqrt(top1 * (1 - top1) / n) if n else 0.0,
-        "nll_delta": diff.mean().item(),
-        "nll_delta_error": _std_error(diff),
-        "nll_correlation": corr.item(),
-    }
+    return Agreement(
+        tokens=n,
+        kl=Stats(**summarize(kl)),
+        kl_reverse=Stats(**summarize(kl_reverse)),
+        delta_p=DeltaP(**summarize(dp), rms=rms, rms_error=_std_error(squares) / (2 * rms) if rms else 0.0),
+        top1_agreement=top1,
+        top1_error=math.sqrt(top1 * (1 - top1) / n) if n else 0.0,
+        nll_delta=diff.mean().item(),
+        nll_delta_error=_std_error(diff),
+        nll_correlation=corr.item(),
+    )

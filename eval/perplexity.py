@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.signals import check as check_signals
+from mha2gqa.eval.agreement import Agreement
 from mha2gqa.eval.metrics import kl_divergence
 
 IGNORE = -100
@@ -124,13 +124,13 @@ class ScoredPass:
     """One pass over windows with every process's sums reduced (what the protocols, the uptraining
     evaluations and the quantization yardstick read): ``nll_sum`` per model, the scored ``tokens``,
     the ``windows``, the slowest process's ``seconds`` and, for a pair, ``agreement`` (the results
-    file's ``agreement`` section: :func:`~mha2gqa.eval.metrics.agreement_stats`)."""
+    file's ``agreement`` section: :func:`~mha2gqa.eval.agreement.agreement_stats`)."""
 
     nll_sum: tuple[float, ...]
     tokens: int
     windows: int
     seconds: float
-    agreement: dict[str, Any] | None = None
+    agreement: Agreement | None = None
 
     def nll(self, model: int) -> float:
         """Mean negative log-likelihood per token of model ``model`` (0: the first given)."""

@@ -167,6 +167,22 @@ class Reference:
     def size(self) -> int:
         return sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file())
 
+    @property
+    def model(self) -> ModelInfo:
+        """The original's description, as it was scored (checked when the entry was found)."""
+        return typed.read(ModelInfo, self.manifest["model"], "model")
+
+    def set_model(self, model: ModelInfo) -> None:
+        self.manifest["model"] = model.to_dict()
+
+    @property
+    def samples(self) -> list[str]:
+        """The original's sample generations (checked when the entry was found)."""
+        return list(self.manifest.get("samples", []))
+
+    def set_samples(self, samples: list[str]) -> None:
+        self.manifest["samples"] = samples
+
 
 #: What a complete entry's manifest holds: key -> the JSON types it may have.
 _MANIFEST = {"schema": (str,), "key": (str,), "material": (dict,), "model": (dict,), "files": (dict,),

@@ -1,6 +1,7 @@
 """The results schema of ``mha2gqa eval`` (``mha2gqa.eval/1``), typed.
 
-The harness writes the JSON; everything that reads it (the terminal summary, gates, the report, job
+The harness builds :class:`Results` from its stages' typed sections and writes it with
+:meth:`Results.to_dict`; everything that reads a file (the terminal summary, gates, the report, job
 and demo tables) reads it through :meth:`Results.from_dict`, which checks the fields it needs and
 names a missing one. Files written before a field existed stay readable: such fields are optional
 here and derived where the numbers allow (e.g. a model's KV bytes per token from its dimensions).
@@ -12,12 +13,13 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import EVAL_SCHEMA
+from mha2gqa.eval.agreement import Agreement, DeltaP, RestMass, Stats
 from mha2gqa.eval.pair import Overlap
 from mha2gqa.eval.paired import mcnemar_exact
 from mha2gqa.eval.tasks import TasksSection
@@ -26,46 +28,6 @@ from mha2gqa.eval.verdict import Verdict, figures_of, judge
 
 class _Missing(Mha2GqaError):
     pass
-
-
-@dataclass(kw_only=True)
-class Stats:
-    """Percentiles of a per-token figure (KL, Δp); the llama.cpp-style report's extra statistics
-    (``std_error``, ``min``, the low percentiles) are present wherever ``kl_reverse`` is."""
-
-    mean: float
-    median: float
-    q90: float
-    q95: float
-    q99: float
-    q99_9: float
-    max: float
-    std_error: float | None = None
-    min: float | None = None
-    q0_1: float | None = None
-    q1: float | None = None
-    q5: float | None = None
-    q10: float | None = None
-    count: int | None = None
-
-    #: the statistics the llama.cpp-style report reads beside the headline ones
-    REPORT: ClassVar[tuple[str, ...]] = ("std_error", "min", "q0_1", "q1", "q5", "q10")
-
-
-@dataclass(kw_only=True)
-class DeltaP(Stats):
-    """Δp, the change in the correct token's probability, with its root mean square."""
-
-    rms: float | None = None
-    rms_error: float | None = None
-
-
-@dataclass
-class RestMass:
-    """Against a top-k reference cache: the probability mass outside the kept tokens."""
-
-    mean: float
-    max: float
 
 
 @dataclass
@@ -241,25 +203,6 @@ class Protocol:
 
 
 @dataclass
-class Agreement:
-    """Output agreement of the converted model with the original on the same scored tokens."""
-
-    tokens: int
-    kl: Stats
-    top1_agreement: float
-    nll_delta: float
-    settings: dict[str, Any] = field(default_factory=dict)
-    # llama.cpp's KL report (files written before it was recorded lack these)
-    kl_reverse: Stats | None = None
-    delta_p: DeltaP | None = None
-    top1_error: float | None = None
-    nll_delta_error: float | None = None
-    nll_correlation: float | None = None
-    # against a top-k reference cache: the probability mass outside the kept tokens (KLs are lower bounds)
-    reference_rest_mass: RestMass | None = None
-
-
-@dataclass
 class Quantized:
     """The original quantized (``--compare-quantization``) and scored against itself: the yardstick."""
 
@@ -326,6 +269,15 @@ class Results:
             raise Mha2GqaError(f"{where}: a field has the wrong type ({e})") from None
         out.path = path
         return out
+
+    def checked(self) -> Results:
+        """This value, its sections checked against each other (as :meth:`from_dict` checks a file's);
+        raises :class:`Mha2GqaError` naming the section."""
+        try:
+            _check_sections(self)
+        except _Missing as e:
+            raise Mha2GqaError(f"results: {e}") from None
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """The results file's JSON object (what :meth:`from_dict` reads back to an equal value)."""

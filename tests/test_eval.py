@@ -121,13 +121,13 @@ def test_capture_rebuilds_each_layers_attention_output_exactly(family):
 
 def test_identity_gives_zero_divergence(llama, tmp_path):
     batch = torch.randint(3, 90, (1, 48))
-    same = attention_similarity(llama, llama, batch, chunk=16)["summary"]
-    assert abs(same["mean_kl"]) < 1e-6 and abs(same["mean_js"]) < 1e-6 and same["mean_output_rel_error"] < 1e-6
-    assert math.isclose(same["mean_cosine"], 1, abs_tol=1e-6) and math.isclose(
-        same["mean_hidden_cosine"], 1, abs_tol=1e-6
+    same = attention_similarity(llama, llama, batch, chunk=16).summary
+    assert abs(same.mean_kl) < 1e-6 and abs(same.mean_js) < 1e-6 and same.mean_output_rel_error < 1e-6
+    assert math.isclose(same.mean_cosine, 1, abs_tol=1e-6) and math.isclose(
+        same.mean_hidden_cosine, 1, abs_tol=1e-6
     )
-    assert same["mean_entropy_original"] == same["mean_entropy_converted"] < same["entropy_uniform"]
-    assert math.isclose(same["entropy_uniform"], sum(math.log(i + 1) for i in range(48)) / 48, rel_tol=1e-9)
+    assert same.mean_entropy_original == same.mean_entropy_converted < same.entropy_uniform
+    assert math.isclose(same.entropy_uniform, sum(math.log(i + 1) for i in range(48)) / 48, rel_tol=1e-9)
 
 
 def write_text(path, n_words=3000, seed=0):
@@ -369,20 +369,20 @@ def test_head_diversity_matches_eager_and_sees_identical_heads_and_equalised_gro
     batch = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(5))
     att = attention_similarity(orig, conv, batch, chunk=16)
     for layer, ref_o, ref_c in zip(
-        att["layers"], _eager_head_similarity(orig, batch), _eager_head_similarity(conv, batch), strict=True
+        att.layers, _eager_head_similarity(orig, batch), _eager_head_similarity(conv, batch), strict=True
     ):
-        sim = layer["head_similarity"]
+        sim = layer.head_similarity
         torch.testing.assert_close(
-            torch.tensor(sim["original"]["matrix"], dtype=torch.float64), ref_o, atol=2e-6, rtol=0
+            torch.tensor(sim.original.matrix, dtype=torch.float64), ref_o, atol=2e-6, rtol=0
         )
         torch.testing.assert_close(
-            torch.tensor(sim["converted"]["matrix"], dtype=torch.float64), ref_c, atol=2e-6, rtol=0
+            torch.tensor(sim.converted.matrix, dtype=torch.float64), ref_c, atol=2e-6, rtol=0
         )
         within = (ref_c[0, 1] + ref_c[1, 0] + ref_c[2, 3] + ref_c[3, 2]) / 4  # groups {0, 1}, {2, 3}
-        assert sim["converted"]["within_groups"] == pytest.approx(within.item(), abs=2e-6)
+        assert sim.converted.within_groups == pytest.approx(within.item(), abs=2e-6)
         off = ref_o[~torch.eye(4, dtype=torch.bool)].mean()
-        assert sim["original"]["mean"] == pytest.approx(off.item(), abs=2e-6) and sim["original"]["mean"] < 0.99
-    assert att["summary"]["head_similarity_converted_within_groups"] is not None
+        assert sim.original.mean == pytest.approx(off.item(), abs=2e-6) and sim.original.mean < 0.99
+    assert att.summary.head_similarity_converted_within_groups is not None
 
     # Heads made identical (q, k, v of every head = head 0's): similarity 1 off the diagonal.
     same = random_model(tiny_config("llama", max_position_embeddings=128, attention_bias=False), seed=6)
@@ -391,8 +391,8 @@ def test_head_diversity_matches_eager_and_sees_identical_heads_and_equalised_gro
         for layer in same.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.weight[d:] = proj.weight[:d].repeat(3, 1)
-    s = attention_similarity(same, same, batch, chunk=16)["summary"]
-    assert s["head_similarity_original_mean"] == pytest.approx(1.0, abs=1e-6)
+    s = attention_similarity(same, same, batch, chunk=16).summary
+    assert s.head_similarity_original_mean == pytest.approx(1.0, abs=1e-6)
 
     # Groups equalised (q, k, v within each pair of heads) and converted to 2 KV heads: within 1.
     eq = random_model(tiny_config("llama", max_position_embeddings=128, attention_bias=False), seed=7)
@@ -403,9 +403,9 @@ def test_head_diversity_matches_eager_and_sees_identical_heads_and_equalised_gro
                     proj.weight[(j + 1) * d : (j + 2) * d] = proj.weight[j * d : (j + 1) * d]
     src = save(eq, tmp_path / "eq")
     g2 = AutoModelForCausalLM.from_pretrained(convert_checkpoint(src, tmp_path / "g2", 2, progress=False).output).eval()
-    s = attention_similarity(eq, g2, batch, chunk=16)["summary"]
-    assert s["head_similarity_converted_within_groups"] == pytest.approx(1.0, abs=1e-6)
-    assert s["head_similarity_converted_across_groups"] < 0.99 and s["mean_kl"] < 1e-6
+    s = attention_similarity(eq, g2, batch, chunk=16).summary
+    assert s.head_similarity_converted_within_groups == pytest.approx(1.0, abs=1e-6)
+    assert s.head_similarity_converted_across_groups < 0.99 and s.mean_kl < 1e-6
 
 
 def test_rolling_follows_lm_eval_conventions_checked_by_hand(trained_pair, tmp_path):

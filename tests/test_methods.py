@@ -340,10 +340,10 @@ def test_similarity_grouping_finds_heads_that_repeat_kv_order_would_not_pair(fam
 
     order = head_order_of(read_conversion_record(out).conversion)
     assert order == {0: [0, 2, 1, 3], 1: [0, 2, 1, 3]}
-    same = attention_similarity(load(src), load(out), IDS, chunk=8, head_order=order)["summary"]
-    assert same["mean_kl"] < 1e-6 and same["mean_contribution_rel_error"] < 1e-3
-    unaligned = attention_similarity(load(src), load(out), IDS, chunk=8)["summary"]
-    assert unaligned["mean_kl"] > 1e-3
+    same = attention_similarity(load(src), load(out), IDS, chunk=8, head_order=order).summary
+    assert same.mean_kl < 1e-6 and same.mean_contribution_rel_error < 1e-3
+    unaligned = attention_similarity(load(src), load(out), IDS, chunk=8).summary
+    assert unaligned.mean_kl > 1e-3
 
 
 def test_similarity_grouping_bad_input(calib_text, tmp_path):
@@ -558,7 +558,7 @@ def test_head_contribution_error_sees_through_the_basis_svd_absorbs(calib_text, 
     svd = convert_checkpoint(src, tmp_path / "svd", 2, **calibrated(calib_text)).output
     mean = convert_checkpoint(src, tmp_path / "mean", 2, "mean", progress=False).output
     batch = torch.randint(3, 300, (1, 48), generator=torch.Generator().manual_seed(0))
-    exact = attention_similarity(load(src), load(svd), batch, chunk=16)["summary"]
-    pooled = attention_similarity(load(src), load(mean), batch, chunk=16)["summary"]
-    assert exact["mean_contribution_rel_error"] < 1e-4 < exact["mean_output_rel_error"]
-    assert pooled["mean_contribution_rel_error"] > 1e-2
+    exact = attention_similarity(load(src), load(svd), batch, chunk=16).summary
+    pooled = attention_similarity(load(src), load(mean), batch, chunk=16).summary
+    assert exact.mean_contribution_rel_error < 1e-4 < exact.mean_output_rel_error
+    assert pooled.mean_contribution_rel_error > 1e-2

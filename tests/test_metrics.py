@@ -124,7 +124,7 @@ def test_agreement_statistics_equal_an_independent_float64_computation():
         ("nll_delta_error",): (nll_c - nll_o).std(ddof=1) / np.sqrt(n),
         ("nll_correlation",): np.corrcoef(nll_o, nll_c)[0, 1],
     }
-    assert got["tokens"] == n
+    assert got.tokens == n
     for key, value in expected.items():
-        actual = got[key[0]] if len(key) == 1 else got[key[0]][key[1]]
+        actual = getattr(got, key[0]) if len(key) == 1 else getattr(getattr(got, key[0]), key[1])
         assert abs(actual - value) < 1e-6, (key, actual, value)

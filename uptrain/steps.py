@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -96,17 +97,17 @@ def evaluate_heldout(
     finally:
         model.train()
     nll = res.nll(len(models) - 1)
-    scores = {"step": step, "tokens": tokens, "seq_len": seq_len, "nll": nll, "ppl": math.exp(nll)}
+    ppl = math.exp(nll)
+    scores = RunEval(step=step, tokens=tokens, seq_len=seq_len, nll=nll, ppl=ppl, eval_tokens=res.tokens)
     if teacher is None:
-        return RunEval(**scores, eval_tokens=res.tokens)
+        return scores
     teacher_ppl = math.exp(res.nll(0))
-    return RunEval(
-        **scores,
-        eval_tokens=res.tokens,
+    return replace(
+        scores,
         teacher_ppl=teacher_ppl,
-        ppl_ratio=scores["ppl"] / teacher_ppl,
-        kl_mean=res.agreement["kl"]["mean"],
-        top1_agreement=res.agreement["top1_agreement"],
+        ppl_ratio=ppl / teacher_ppl,
+        kl_mean=res.agreement.kl.mean,
+        top1_agreement=res.agreement.top1_agreement,
     )
 
 

@@ -15,10 +15,9 @@ from mha2gqa.convert.calibration.stats import CalibrationStats, LayerStats, accu
 from mha2gqa.convert.layers import (
     LayerRun,
     calibration_ids,
+    each_layer,
     first_layer_inputs,
     float32_on_call,
-    materialize,
-    release,
     skeleton,
 )
 from mha2gqa.convert.settings import calibration_window
@@ -64,7 +63,7 @@ def collect(
     value code that loses least as ``o_proj`` passes it on (without: the values' principal
     subspace, the better start for a refit)."""
     from mha2gqa.core.architecture import dims_of
-    from mha2gqa.core.capture import capturing, decoder_layers
+    from mha2gqa.core.capture import capturing
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.families import find_family
     from mha2gqa.core.models import resolve_device
@@ -83,12 +82,10 @@ def collect(
     stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
     split = grouping == "similarity" or per_layer is not None or on_layer is not None
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
-    layers, attr = decoder_layers(model)
-    prefix = f"{model.base_model_prefix}.{attr}."
     family = find_family(ckpt.config) if weigh_values else None
     o_proj = family.o_proj + ".weight" if family is not None else None  # {layer} to fill
-    desc = f"calibrating {len(layers)} layers on {windows.numel():,} tokens"
-    bar = progress_bar(total=len(layers) * len(states), unit="window", desc=desc, disable=not progress)
+    desc = f"calibrating {dims.num_layers} layers on {windows.numel():,} tokens"
+    bar = progress_bar(total=dims.num_layers * len(states), unit="window", desc=desc, disable=not progress)
     recording = [True]  # off while a cost runs a layer again with merged weights
 
     def record(layer, q, k, v, *_):
@@ -96,8 +93,7 @@ def collect(
             accumulate(full, layer, q, k, v)
 
     with capturing(model, record), bar:
-        for i, layer in enumerate(layers):
-            materialize(layer, ckpt, f"{prefix}{i}.", dev, dtype=None)  # as stored, run in float32
+        for i, layer, prefix in each_layer(model, ckpt, dev, dtype=None):  # as stored, run in float32
             inputs = [h for h, _ in states] if on_layer is not None else None
             _advance(layer, states, bar)
             if o_proj is not None and i in full.layers:  # how each value direction reaches the output
@@ -105,9 +101,8 @@ def collect(
             if on_layer is not None:  # before the weights go: a cost may run the layer again
                 recording[0] = False
                 with float32_on_call(layer):
-                    on_layer(i, full.layers[i], LayerRun(layer, inputs, states, f"{prefix}{i}."))
+                    on_layer(i, full.layers[i], LayerRun(layer, inputs, states, prefix))
                 recording[0] = True
-            release(layer)
             if full is not stats:  # choose this layer's groups, keep only their blocks
                 layer_full = full.layers.pop(i)
                 if not keep:
