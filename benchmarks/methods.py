@@ -18,7 +18,10 @@ of 3 and 1, each with ``svd`` and ``svd --refit``). Calibration: the first half 
 (``--calibration-tokens``, default the conversion's own default); scored on the last
 ``--eval-tokens`` tokens of the second half (disjoint windows of 512) and out of domain on the start
 of ``tinyshakespeare.txt``; each conversion runs as its own ``mha2gqa convert`` process, so its
-wall time and peak resident memory are its own.
+wall time and peak resident memory are its own. The ``+kd`` recipes then run ``mha2gqa uptrain``
+(``REAL_DISTILL``: a short distillation of the attention projections on the calibration text from
+the original's cached top-64 distribution) as a second process; their time and peak are both
+processes' together (the teacher pass included).
 
     python benchmarks/methods.py --real [--recipes svd svd+refit ...]
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -194,15 +198,30 @@ REAL_RECIPES: dict[str, list[str]] = {
     "aligned+refit": ["-g", "1", "--method", "aligned", "--refit"],
     "svd/per-layer auto (avg 2)": ["-g", "2", "--per-layer", "auto", "--method", "svd"],
     "svd/blind 3,1 mix (avg 2)": ["--num-kv-heads-per-layer", ",".join(["3,1"] * 15), "--method", "svd"],
+    "svd/per-layer auto, logits cost (avg 2)": ["-g", "2", "--per-layer", "auto", "--allocation-cost", "logits",
+                                                "--method", "svd"],
     "svd/per-layer auto (avg 2)+refit": ["-g", "2", "--per-layer", "auto", "--method", "svd", "--refit"],
     "svd/blind 3,1 mix (avg 2)+refit": ["--num-kv-heads-per-layer", ",".join(["3,1"] * 15), "--method", "svd",
                                         "--refit"],
+    "svd+refit 80x4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "80", "--refit-batch", "4"],
+    "svd+refit 80x4+kd 24x4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "80", "--refit-batch", "4"],
+    "svd+refit 40x4+kd 16x4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "40", "--refit-batch", "4"],
+    "svd+kd 24x4": ["-g", "1", "--method", "svd"],
+}  # fmt: skip
+
+#: recipe name -> ``mha2gqa uptrain`` options of the distillation pass that follows its conversion:
+#: the converted model's attention projections distilled from the original's top-64 next-token
+#: distribution on the calibration text (the teacher pass, into a fresh cache, counts in its time)
+REAL_DISTILL: dict[str, list[str]] = {
+    name: ["--objective", "kd", "--train", "attention", "--teacher-top-k", "64", "--seq-len", "512",
+           "--batch-size", "4", "--max-steps", steps, "--lr", "1e-4", "--min-lr-ratio", "1", "--save-every", "100000"]
+    for name, steps in (("svd+refit 80x4+kd 24x4", "24"), ("svd+refit 40x4+kd 16x4", "16"), ("svd+kd 24x4", "24"))
 }  # fmt: skip
 
 
-def _convert_process(src: Path, dst: Path, options: list[str]) -> tuple[float, float]:
-    """Run ``mha2gqa convert SRC DST OPTIONS`` as its own process: ``(seconds, peak resident MiB)``."""
-    argv = [sys.executable, "-c", "from mha2gqa.cli import main; main()", "convert", str(src), str(dst), *options]
+def _mha2gqa_process(*args: str) -> tuple[float, float]:
+    """Run ``mha2gqa ARGS`` as its own process: ``(seconds, peak resident MiB)``."""
+    argv = [sys.executable, "-c", "from mha2gqa.cli import main; main()", *args]
     t = time.perf_counter()
     with tempfile.TemporaryFile() as log:  # a file, not a pipe: a full pipe would stall the child
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
@@ -246,14 +265,17 @@ def real_model(args) -> None:
         for name in chosen:
             out = work / "out"
             options = [*REAL_RECIPES[name], "--overwrite"] + (calibration if name != "mean" else [])
-            seconds, peak = _convert_process(model, out, options)
-            scores = {}
-            for domain, settings in domains.items():
-                r = evaluate(str(model), str(out), settings).to_dict()
-                scores[domain] = (r["protocols"]["disjoint"], r["agreement"])
-            (d, agree), (o, _) = scores["wikitext"], scores["shakespeare"]
-            row = (name, d["original"]["ppl"], d["converted"]["ppl"], d["ppl_ratio"], agree["kl"]["mean"],
-                   agree["top1_agreement"], o["ppl_ratio"], seconds, peak)  # fmt: skip
+            seconds, peak = _mha2gqa_process("convert", str(model), str(out), *options)
+            if name in REAL_DISTILL:  # then the distillation pass, from the conversion into out-kd
+                kd = [*REAL_DISTILL[name], "--data", str(calib), "--teacher", str(model), "--overwrite", "-q",
+                      "--teacher-cache", str(work / "teacher"), "--output", str(work / "out-kd")]  # fmt: skip
+                more, peak_kd = _mha2gqa_process("uptrain", str(out), *kd)
+                shutil.rmtree(work / "teacher", ignore_errors=True)  # the next recipe pays its own teacher pass
+                seconds, peak, out = seconds + more, max(peak, peak_kd), work / "out-kd"
+            d, o = (evaluate(str(model), str(out), settings) for settings in domains.values())
+            p = d.protocols["disjoint"]
+            row = (name, p.original.ppl, p.converted.ppl, p.ppl_ratio, d.agreement.kl.mean,
+                   d.agreement.top1_agreement, o.protocols["disjoint"].ppl_ratio, seconds, peak)  # fmt: skip
             print("  ".join(map(str, row)), flush=True)
             rows.append(row)
     print(

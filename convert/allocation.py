@@ -15,6 +15,8 @@ residual did, twice.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from mha2gqa.convert.calibration.grouping import least_residual_groups, merge_residual
@@ -57,6 +59,32 @@ def output_costs(
     ``pydocs-mha-8h`` it did worse than uniform.) ``run``: the
     :class:`~mha2gqa.convert.layers.LayerRun` of the loaded layer. ``random``
     (fresh K/V, nothing kept) costs 1 at every ``G`` below the current count."""
+    out: dict[int, float] = {}
+    for g in candidates:
+        if g == dims.num_kv_heads:
+            out[g] = 0.0
+        elif method.fresh:
+            out[g] = 1.0
+        else:
+            with merged_at(g, run, layer, full, family, dims, method, similarity):
+                out[g] = _relative_output_error(run)
+    return out
+
+
+@contextlib.contextmanager
+def merged_at(
+    g: int,
+    run: Any,
+    layer: int,
+    full: LayerStats,
+    family: Family,
+    dims: AttentionDims,
+    method: Method,
+    similarity: bool,
+) -> Iterator[None]:
+    """While in the block, the loaded layer ``run.module`` computes with its q/k/v/o merged by
+    ``method`` at ``g`` KV heads (the groups the conversion would use); its own weights come back
+    after."""
     import torch
 
     from mha2gqa.convert.calibration.grouping import regroup
@@ -71,30 +99,92 @@ def output_costs(
     groups_before = attn.num_key_value_groups
     w = {r: m.weight.detach().float() for r, m in mods.items()}
     w |= {f"{r}_bias": mods[r].bias.detach().float() for r in "qkv" if mods[r].bias is not None}
-    out: dict[int, float] = {}
     try:
-        for g in candidates:
-            if g == n:
-                out[g] = 0.0
-                continue
-            if method.fresh:
-                out[g] = 1.0
-                continue
-            chosen = least_residual_groups(full, g) if similarity else contiguous_groups(n, g)
-            st = regroup(full, chosen, h)
-            ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
-            merged = method.merge_layer(ww, st, shape=HeadShape(h, n, g, d, dims.rotary))
-            for r, m in mods.items():
-                m.weight = torch.nn.Parameter(merged[r], requires_grad=False)
-                if f"{r}_bias" in merged:
-                    m.bias = torch.nn.Parameter(merged[f"{r}_bias"], requires_grad=False)
-            attn.num_key_value_groups = h // g
-            out[g] = _relative_output_error(run)
+        chosen = least_residual_groups(full, g) if similarity else contiguous_groups(n, g)
+        st = regroup(full, chosen, h)
+        ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
+        merged = method.merge_layer(ww, st, shape=HeadShape(h, n, g, d, dims.rotary))
+        for r, m in mods.items():
+            m.weight = torch.nn.Parameter(merged[r], requires_grad=False)
+            if f"{r}_bias" in merged:
+                m.bias = torch.nn.Parameter(merged[f"{r}_bias"], requires_grad=False)
+        attn.num_key_value_groups = h // g
+        yield
     finally:
         for r, m in mods.items():
             m.weight, m.bias = saved[r]
         attn.num_key_value_groups = groups_before
-    return out
+
+
+#: ``--allocation-cost logits``: calibration windows each layer's merged streams are followed on
+LOGITS_WINDOWS = 4
+
+
+class FinalKL:
+    """``--allocation-cost logits``: each layer's cost of ``G`` KV heads measured at the model's end.
+    The layer runs merged at ``G`` on the first ``windows`` calibration windows it read, and that
+    stream goes on through every later layer as the source has it (one stream per layer and count,
+    advanced while each later layer is loaded); at the end the model's head turns each stream into
+    next-token distributions, and the cost is the mean KL(original || merged) per token. Unlike the
+    layer-level costs it sees how a layer's error grows, or fades, through the layers after it.
+    Memory: one ``[T, hidden]`` float32 stream per window, layer and count below the source's; time:
+    the later layers run once more per stream, and the head once per stream and window."""
+
+    def __init__(self, windows: int) -> None:
+        self.windows = windows
+        self.streams: dict[tuple[int, int], list[Any]] = {}  # (layer, G) -> per window [1, T, hidden]
+        self.original: list[Any] = []  # the source's own stream after the last layer seen
+        self.as_tuple = False  # the family's decoder layers return tuples
+
+    def add(
+        self,
+        run: Any,
+        layer: int,
+        full: LayerStats,
+        family: Family,
+        dims: AttentionDims,
+        method: Method,
+        candidates: list[int],
+        similarity: bool,
+    ) -> None:
+        """Advance the earlier layers' streams through the loaded layer ``run`` (as the source has
+        it), then start this layer's: its inputs through it merged at each count in ``candidates``."""
+        import torch
+
+        kws = [kw for _, kw in run.outputs[: self.windows]]
+
+        def through(hidden: list[Any]) -> list[Any]:
+            out = []
+            for h, kw in zip(hidden, kws, strict=True):
+                y = run.module(h, **kw)
+                self.as_tuple = isinstance(y, tuple)
+                out.append(y[0] if self.as_tuple else y)
+            return out
+
+        with torch.no_grad():
+            for key, hidden in self.streams.items():
+                self.streams[key] = through(hidden)
+            for g in candidates:
+                if g != dims.num_kv_heads:
+                    with merged_at(g, run, layer, full, family, dims, method, similarity):
+                        self.streams[(layer, g)] = through(run.inputs[: self.windows])
+        self.original = [y for y, _ in run.outputs[: self.windows]]
+
+    def costs(self, logits: Any, num_layers: int, n: int) -> list[dict[int, float]]:
+        """``{G: cost}`` of every layer, once every layer has been added; ``logits``: the model's
+        head (:func:`~mha2gqa.convert.layers.model_head`)."""
+        import torch
+
+        reference = [torch.log_softmax(logits(h, self.as_tuple), -1) for h in self.original]
+        out = [{n: 0.0} for _ in range(num_layers)]
+        for (layer, g), hidden in self.streams.items():
+            kl = tokens = 0.0
+            for ref, h in zip(reference, hidden, strict=True):
+                got = torch.log_softmax(logits(h, self.as_tuple), -1)
+                kl += (ref.exp() * (ref - got)).sum().item()
+                tokens += ref.shape[0] * ref.shape[1]
+            out[layer][g] = max(kl / tokens, 0.0)
+        return [dict(sorted(c.items())) for c in out]
 
 
 def _relative_output_error(run: Any) -> float:

@@ -109,20 +109,25 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text
     and choose the counts (:mod:`~mha2gqa.convert.allocation`); returns the conversion
     with those counts and the allocation record."""
-    from mha2gqa.convert.allocation import allocate, layer_costs, output_costs
+    from mha2gqa.convert.allocation import LOGITS_WINDOWS, FinalKL, allocate, layer_costs, output_costs
 
     s, dims = source.settings, source.dims
     candidates = dims.valid_kv_heads()
     costs: dict[int, dict[int, float]] = {}
     similarity = s.grouping == "similarity"
+    final = FinalKL(LOGITS_WINDOWS) if s.allocation_cost == "logits" else None
 
     def measure(layer: int, full, run) -> None:
-        if s.allocation_cost == "output":
+        if final is not None:
+            final.add(run, layer, full, source.family, dims, source.method, candidates, similarity)
+        elif s.allocation_cost == "output":
             costs[layer] = output_costs(run, layer, full, source.family, dims, source.method, candidates, similarity)
         else:
             costs[layer] = layer_costs(full, candidates, similarity)
 
     _collect(source, None, on_layer=measure)
+    if final is not None:
+        costs = dict(enumerate(_final_costs(source, final)))
     ordered = [costs[i] for i in range(dims.num_layers)]
     budget = s.budget(dims.num_layers)
     chosen = allocate(ordered, budget)
@@ -137,6 +142,15 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
         costs={str(i): {str(g): v for g, v in c.items()} for i, c in enumerate(ordered)},
     )
     return source.with_targets(tuple(chosen)), record  # uniform when the best allocation is
+
+
+def _final_costs(c: Conversion, final: Any) -> list[dict[int, float]]:
+    """The ``logits`` costs of every layer from the streams ``final`` followed, through the model's head."""
+    from mha2gqa.convert.layers import model_head, skeleton
+    from mha2gqa.core.models import resolve_device
+
+    logits = model_head(skeleton(c.ckpt), c.ckpt, resolve_device(c.settings.device))
+    return final.costs(logits, c.dims.num_layers, c.dims.num_kv_heads)
 
 
 def _layer_groups(stats, targets: tuple[int, ...]) -> dict[str, list[list[int]]] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,3 +185,55 @@ def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple
             kw = {**kw, "position_embeddings": base.rotary_emb(h, kw["position_ids"])}
         states.append((h, kw))
     return states
+
+
+class _Emit(torch.nn.Module):
+    """Stands in for the decoder layers: gives the hidden states it was handed, whatever comes in."""
+
+    def __init__(self, hidden: torch.Tensor, as_tuple: bool, like: torch.nn.Module) -> None:
+        super().__init__()
+        self.hidden, self.as_tuple = hidden, as_tuple
+        if hasattr(like, "attention_type"):  # the mask a model picks per layer (sliding-window families)
+            self.attention_type = like.attention_type
+
+    def forward(self, *args, **kwargs):
+        return (self.hidden,) if self.as_tuple else self.hidden
+
+
+def model_head(model, ckpt, device) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+    """What turns the last decoder layer's output into logits: everything of ``model`` (a
+    :func:`skeleton`) outside its decoder layers loaded from ``ckpt`` (the output projection tied to
+    the embeddings where the config ties them), as a function of ``(hidden [1, T, hidden], as_tuple)``
+    -> logits ``[1, T, vocab]`` float32 (``as_tuple``: the family's decoder layers return tuples). The
+    model's own forward runs with its layers replaced, so its final norm, logit soft-capping and the
+    like apply as they do in the model. Memory: the embeddings and the output projection."""
+    from mha2gqa.core.capture import decoder_layers
+
+    base, prefix = model.base_model, f"{model.base_model_prefix}."
+    layers, attr = decoder_layers(model)
+    for name, child in base.named_children():
+        if name != attr:
+            materialize(child, ckpt, f"{prefix}{name}.", device, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    head_name = next(n for n, m in model.named_modules() if m is head)
+    if f"{head_name}.weight" in ckpt.tensors:
+        materialize(head, ckpt, f"{head_name}.", device, dtype=torch.float32)
+    elif getattr(model.config, "tie_word_embeddings", False):
+        head.weight = model.get_input_embeddings().weight
+    else:
+        raise SettingError(
+            "allocation_cost",
+            f"{{name}} logits needs the output projection, and {ckpt.folder} has no {head_name}.weight: "
+            "use --allocation-cost output",
+        )
+
+    @torch.no_grad()
+    def logits(hidden: torch.Tensor, as_tuple: bool) -> torch.Tensor:
+        setattr(base, attr, torch.nn.ModuleList([_Emit(hidden, as_tuple, layers[-1])]))
+        try:
+            ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+            return model(input_ids=ids, use_cache=False).logits.float()
+        finally:
+            setattr(base, attr, layers)
+
+    return logits

@@ -17,6 +17,7 @@ from mha2gqa.core.units import parse_size
 COST_MEASURES = {
     "output": "the layer's output error with only that layer merged, relative to its output",
     "residual": "mean merge residual of the layer's groups",
+    "logits": "the model's next-token KL with only that layer merged (its error carried through the later layers)",
 }
 _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
 
@@ -55,8 +56,10 @@ class ConvertSettings:
         "output",
         help="How --per-layer auto measures a layer's loss at each count: "
         "output (the layer run again with only it merged, its output error; the method's "
-        "own merge) or residual (the K/V energy a shared head cannot hold, from the "
-        "statistics alone).",
+        "own merge), logits (the same merge carried through the later layers to the model's "
+        "next-token distribution: its KL to the original's on 4 calibration windows; sees how "
+        "errors grow with depth, at the cost of running the later layers again) or residual "
+        "(the K/V energy a shared head cannot hold, from the statistics alone).",
         choices=tuple(COST_MEASURES),
     )
     kv_budget: float | None = setting(
@@ -155,6 +158,12 @@ class ConvertSettings:
             raise SettingError(
                 "grouping",
                 f"{{name}} {grouping.name} does not apply to --method {method.name} (fresh K/V ignore the grouping)",
+            )
+        if self.per_layer == "auto" and self.allocation_cost == "logits" and method.fresh:
+            raise SettingError(
+                "allocation_cost",
+                f"{{name}} logits follows each layer's merge to the model's end; --method {method.name} keeps "
+                "nothing to follow: use --allocation-cost output",
             )
         return self
 

@@ -224,6 +224,42 @@ def test_auto_allocation_finds_the_layers_that_can_share_and_keeps_the_logits(so
     assert alloc.uniform_cost["2"] > 0.01 and "per-layer allocation" in (out.output / "README.md").read_text()
     svd = convert_checkpoint(src, tmp_path / "svd", 2, "svd", per_layer="auto", **kw)  # budget: 2 per layer
     assert sum(svd.kv_heads_per_layer) <= 8
+    by_logits = convert_checkpoint(
+        src, tmp_path / "kl", None, per_layer="auto", kv_budget=3.75, allocation_cost="logits", **kw
+    )
+    assert by_logits.kv_heads_per_layer == list(HEADS)
+    alloc = by_logits.record.conversion.per_layer_allocation
+    assert alloc.cost < 1e-9 < alloc.costs["0"]["4"] and alloc.cost_measure.startswith("the model's next-token KL")
+
+
+def test_the_logits_cost_is_the_models_kl_with_that_layer_alone_converted(tmp_path):
+    """Differential: each layer's ``logits`` cost equals the mean KL(source || model) per token of a
+    model converted at that layer only (every other layer keeps its 8 heads), scored on the first
+    calibration windows, the ones the cost follows."""
+    import shutil
+
+    from mha2gqa.convert.allocation import LOGITS_WINDOWS
+    from mha2gqa.convert.layers import calibration_ids
+    from mha2gqa.demo import build_tokenizer
+
+    text = story_text(tmp_path / "c.txt")
+    src = save(random_model(llama8(max_position_embeddings=64), seed=5), tmp_path / "src")
+    build_tokenizer(text.read_text(), 300).save_pretrained(src)
+    kw = dict(calibration=str(text), calibration_tokens=256, calibration_seq_len=32, progress=False)
+    out = convert_checkpoint(src, tmp_path / "auto", 2, "svd", per_layer="auto", allocation_cost="logits", **kw)
+    costs = out.record.conversion.per_layer_allocation.costs
+    windows = calibration_ids(src, str(text), 256, 32)[:LOGITS_WINDOWS]
+    source = _ours(src)
+    for layer, g in ((0, 2), (2, 1), (3, 4)):
+        counts = ",".join(str(g if i == layer else 8) for i in range(4))
+        one = convert_checkpoint(src, tmp_path / "one", None, "svd", num_kv_heads_per_layer=counts, **kw)
+        converted = _ours(one.output)
+        ref = torch.log_softmax(logits(source, windows).double(), -1)
+        got = torch.log_softmax(logits(converted, windows).double(), -1)
+        kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+        assert costs[str(layer)][str(g)] == pytest.approx(kl, rel=1e-3, abs=1e-7), (layer, g)
+        shutil.rmtree(one.output)
+    assert all(costs[str(i)]["8"] == 0 and costs[str(i)]["1"] > costs[str(i)]["4"] for i in range(4))
 
 
 def test_auto_allocation_bad_input(source, tmp_path):
@@ -237,6 +273,8 @@ def test_auto_allocation_bad_input(source, tmp_path):
     assert "outside 1..8" in err(per_layer="auto", kv_budget=9, calibration=text)
     assert "chooses each layer's count" in err(per_layer="auto", num_kv_heads_per_layer="8,4,2,1")
     assert "add --per-layer auto" in err(g=2, kv_budget=1.5)
+    fresh = dict(per_layer="auto", g=2, calibration=text, method="random", allocation_cost="logits")
+    assert "keeps nothing to follow" in err(**fresh)
 
 
 def test_report_shows_the_per_layer_budget(tmp_path):
