@@ -6,8 +6,10 @@ its own q/k/v/o merged by the conversion's method at ``G``, and the cost is its 
 to its output. :func:`layer_costs` is the cheaper statistic (``--allocation-cost residual``): the
 mean over the layer's groups of
 :func:`~mha2gqa.convert.calibration.grouping.merge_residual`, the share of the group's key and value
-energy one shared head cannot hold. The groups are the ones the conversion will use (contiguous, or
-the similarity grouping's). Then the allocation with the least total cost whose KV heads sum to at
+energy one shared head cannot hold. :class:`FinalKL` (``--allocation-cost logits``) follows the
+same merge as the output cost through every later layer to the model's next-token distribution, so
+it sees how a layer's error grows with depth. The groups are the ones the conversion will use
+(contiguous, or the similarity grouping's). Then the allocation with the least total cost whose KV heads sum to at
 most the budget is found exactly, by dynamic programming over layers and heads spent. Measured on
 ``pydocs-mha-8h`` (``benchmarks/per_layer.py``), the output cost never lost to uniform GQA; the
 residual did, twice.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from mha2gqa.convert.calibration.grouping import least_residual_groups, merge_residual
@@ -40,16 +43,54 @@ def layer_costs(full: LayerStats, candidates: list[int], similarity: bool) -> di
     return out
 
 
-def output_costs(
-    run: Any,
-    layer: int,
-    full: LayerStats,
-    family: Family,
-    dims: AttentionDims,
-    method: Method,
-    candidates: list[int],
-    similarity: bool,
-) -> dict[int, float]:
+@dataclass(frozen=True)
+class Merger:
+    """How the conversion merges a layer's heads (family, dimensions, method, similarity grouping or
+    not): what the output-level costs replace a loaded layer's q/k/v/o with."""
+
+    family: Family
+    dims: AttentionDims
+    method: Method
+    similarity: bool
+
+    @contextlib.contextmanager
+    def merged_at(self, g: int, run: Any, layer: int, full: LayerStats) -> Iterator[None]:
+        """While in the block, the loaded layer ``run.module`` (layer ``layer``, its single-group
+        statistics ``full``) computes with its q/k/v/o merged at ``g`` KV heads, with the groups the
+        conversion would use; its own weights come back after."""
+        import torch
+
+        from mha2gqa.convert.calibration.grouping import regroup
+        from mha2gqa.convert.methods import HeadShape
+        from mha2gqa.convert.methods.layer import permute_heads
+
+        dims = self.dims
+        n, h, d = dims.num_kv_heads, dims.num_heads, dims.head_dim
+        names = {r: getattr(self.family, f"{r}_proj").format(layer=layer).removeprefix(run.prefix) for r in "qkvo"}
+        mods = {r: run.module.get_submodule(name) for r, name in names.items()}
+        attn = run.module.get_submodule(names["k"].rsplit(".", 1)[0])
+        saved = {r: (m.weight, m.bias) for r, m in mods.items()}
+        groups_before = attn.num_key_value_groups
+        w = {r: m.weight.detach().float() for r, m in mods.items()}
+        w |= {f"{r}_bias": mods[r].bias.detach().float() for r in "qkv" if mods[r].bias is not None}
+        try:
+            chosen = least_residual_groups(full, g) if self.similarity else contiguous_groups(n, g)
+            st = regroup(full, chosen, h)
+            ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
+            merged = self.method.merge_layer(ww, st, shape=HeadShape(h, n, g, d, dims.rotary))
+            for r, m in mods.items():
+                m.weight = torch.nn.Parameter(merged[r], requires_grad=False)
+                if f"{r}_bias" in merged:
+                    m.bias = torch.nn.Parameter(merged[f"{r}_bias"], requires_grad=False)
+            attn.num_key_value_groups = h // g
+            yield
+        finally:
+            for r, m in mods.items():
+                m.weight, m.bias = saved[r]
+            attn.num_key_value_groups = groups_before
+
+
+def output_costs(run: Any, layer: int, full: LayerStats, merger: Merger, candidates: list[int]) -> dict[int, float]:
     """``{G: cost}`` of one layer, measured on its output: the layer's q/k/v/o replaced by what
     ``method`` makes of them at ``G`` KV heads (the groups the conversion would use), run again on the
     calibration windows it read, and the squared error of its output relative to the original
@@ -61,59 +102,14 @@ def output_costs(
     (fresh K/V, nothing kept) costs 1 at every ``G`` below the current count."""
     out: dict[int, float] = {}
     for g in candidates:
-        if g == dims.num_kv_heads:
+        if g == merger.dims.num_kv_heads:
             out[g] = 0.0
-        elif method.fresh:
+        elif merger.method.fresh:
             out[g] = 1.0
         else:
-            with merged_at(g, run, layer, full, family, dims, method, similarity):
+            with merger.merged_at(g, run, layer, full):
                 out[g] = _relative_output_error(run)
     return out
-
-
-@contextlib.contextmanager
-def merged_at(
-    g: int,
-    run: Any,
-    layer: int,
-    full: LayerStats,
-    family: Family,
-    dims: AttentionDims,
-    method: Method,
-    similarity: bool,
-) -> Iterator[None]:
-    """While in the block, the loaded layer ``run.module`` computes with its q/k/v/o merged by
-    ``method`` at ``g`` KV heads (the groups the conversion would use); its own weights come back
-    after."""
-    import torch
-
-    from mha2gqa.convert.calibration.grouping import regroup
-    from mha2gqa.convert.methods import HeadShape
-    from mha2gqa.convert.methods.layer import permute_heads
-
-    n, h, d = dims.num_kv_heads, dims.num_heads, dims.head_dim
-    names = {r: getattr(family, f"{r}_proj").format(layer=layer).removeprefix(run.prefix) for r in "qkvo"}
-    mods = {r: run.module.get_submodule(name) for r, name in names.items()}
-    attn = run.module.get_submodule(names["k"].rsplit(".", 1)[0])
-    saved = {r: (m.weight, m.bias) for r, m in mods.items()}
-    groups_before = attn.num_key_value_groups
-    w = {r: m.weight.detach().float() for r, m in mods.items()}
-    w |= {f"{r}_bias": mods[r].bias.detach().float() for r in "qkv" if mods[r].bias is not None}
-    try:
-        chosen = least_residual_groups(full, g) if similarity else contiguous_groups(n, g)
-        st = regroup(full, chosen, h)
-        ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
-        merged = method.merge_layer(ww, st, shape=HeadShape(h, n, g, d, dims.rotary))
-        for r, m in mods.items():
-            m.weight = torch.nn.Parameter(merged[r], requires_grad=False)
-            if f"{r}_bias" in merged:
-                m.bias = torch.nn.Parameter(merged[f"{r}_bias"], requires_grad=False)
-        attn.num_key_value_groups = h // g
-        yield
-    finally:
-        for r, m in mods.items():
-            m.weight, m.bias = saved[r]
-        attn.num_key_value_groups = groups_before
 
 
 #: ``--allocation-cost logits``: calibration windows each layer's merged streams are followed on
@@ -136,17 +132,7 @@ class FinalKL:
         self.original: list[Any] = []  # the source's own stream after the last layer seen
         self.as_tuple = False  # the family's decoder layers return tuples
 
-    def add(
-        self,
-        run: Any,
-        layer: int,
-        full: LayerStats,
-        family: Family,
-        dims: AttentionDims,
-        method: Method,
-        candidates: list[int],
-        similarity: bool,
-    ) -> None:
+    def add(self, run: Any, layer: int, full: LayerStats, merger: Merger, candidates: list[int]) -> None:
         """Advance the earlier layers' streams through the loaded layer ``run`` (as the source has
         it), then start this layer's: its inputs through it merged at each count in ``candidates``."""
         import torch
@@ -165,8 +151,8 @@ class FinalKL:
             for key, hidden in self.streams.items():
                 self.streams[key] = through(hidden)
             for g in candidates:
-                if g != dims.num_kv_heads:
-                    with merged_at(g, run, layer, full, family, dims, method, similarity):
+                if g != merger.dims.num_kv_heads:
+                    with merger.merged_at(g, run, layer, full):
                         self.streams[(layer, g)] = through(run.inputs[: self.windows])
         self.original = [y for y, _ in run.outputs[: self.windows]]
 

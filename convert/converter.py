@@ -109,19 +109,20 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text
     and choose the counts (:mod:`~mha2gqa.convert.allocation`); returns the conversion
     with those counts and the allocation record."""
-    from mha2gqa.convert.allocation import LOGITS_WINDOWS, FinalKL, allocate, layer_costs, output_costs
+    from mha2gqa.convert.allocation import LOGITS_WINDOWS, FinalKL, Merger, allocate, layer_costs, output_costs
 
     s, dims = source.settings, source.dims
     candidates = dims.valid_kv_heads()
     costs: dict[int, dict[int, float]] = {}
     similarity = s.grouping == "similarity"
+    merger = Merger(source.family, dims, source.method, similarity)
     final = FinalKL(LOGITS_WINDOWS) if s.allocation_cost == "logits" else None
 
     def measure(layer: int, full, run) -> None:
         if final is not None:
-            final.add(run, layer, full, source.family, dims, source.method, candidates, similarity)
+            final.add(run, layer, full, merger, candidates)
         elif s.allocation_cost == "output":
-            costs[layer] = output_costs(run, layer, full, source.family, dims, source.method, candidates, similarity)
+            costs[layer] = output_costs(run, layer, full, merger, candidates)
         else:
             costs[layer] = layer_costs(full, candidates, similarity)
 
