@@ -25,7 +25,7 @@ BUDGETS = ((4.0, 4), (2.0, 2), (1.5, 1))  # (KV heads per layer on average, the 
 
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
-    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
     from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.settings import EvalSettings
 
@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--eval-tokens", type=int, default=32768)
     p.add_argument("--calibration-tokens", type=int, default=32768)
     p.add_argument("--methods", nargs="*", default=["svd", "mean"])
+    p.add_argument("--allocation-cost", choices=tuple(COST_MEASURES), default=None, help="[default: convert's]")
     args = p.parse_args()
     folder = args.fixtures / "pydocs-mha-8h"
     if not folder.is_dir():
@@ -59,16 +60,23 @@ def main() -> None:
                 plain = ConvertSettings(num_kv_heads=uniform_g, method=method).reads_calibration
                 uniform_kw = kw if plain else {k: v for k, v in kw.items() if not k.startswith("calibration")}
                 uniform = convert_checkpoint(folder, work / f"{method}-u{uniform_g}", uniform_g, method, **uniform_kw)
+                cost = {"allocation_cost": args.allocation_cost} if args.allocation_cost else {}
                 auto = convert_checkpoint(
-                    folder, work / f"{method}-a{average}", None, method, per_layer="auto", kv_budget=average, **kw
+                    folder,
+                    work / f"{method}-a{average}",
+                    None,
+                    method,
+                    per_layer="auto",
+                    kv_budget=average,
+                    **kw,
+                    **cost,
                 )
                 for label, out in (("uniform", uniform), ("auto", auto)):
                     r = evaluate(
                         str(folder),
                         str(out.output),
                         EvalSettings(**{**settings.__dict__, "reference_cache": str(cache)}),
-                    ).to_dict()
-                    d, a = r["protocols"]["disjoint"], r["agreement"]
+                    )
                     heads = out.kv_heads_per_layer
                     row = (
                         method,
@@ -76,15 +84,16 @@ def main() -> None:
                         label,
                         ",".join(map(str, heads)),
                         out.facts.kv_cache_bytes_per_token_after,
-                        d["ppl_ratio"],
-                        a["kl"]["mean"],
-                        a["top1_agreement"],
+                        r.protocols["disjoint"].ppl_ratio,
+                        r.agreement.kl.mean,
+                        r.agreement.top1_agreement,
                     )
                     rows.append(row)
                     print("  ".join(map(str, row)), flush=True)
     print(
         f"\npydocs-mha-8h, disjoint perplexity on held-out text ({args.eval_tokens:,} tokens); calibration "
-        f"{args.calibration_tokens:,} tokens of separate text\n"
+        f"{args.calibration_tokens:,} tokens of separate text; allocation cost "
+        f"{args.allocation_cost or ConvertSettings().allocation_cost}\n"
     )
     print(
         "| method | budget (KV heads/layer) | allocation | KV heads per layer | KV B/token | PPL ratio | "

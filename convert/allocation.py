@@ -151,18 +151,19 @@ class FinalKL:
             for key, hidden in self.streams.items():
                 self.streams[key] = through(hidden)
             for g in candidates:
-                if g != merger.dims.num_kv_heads:
+                if g != merger.dims.num_kv_heads and not merger.method.fresh:
                     with merger.merged_at(g, run, layer, full):
                         self.streams[(layer, g)] = through(run.inputs[: self.windows])
         self.original = [y for y, _ in run.outputs[: self.windows]]
 
-    def costs(self, logits: Any, num_layers: int, n: int) -> list[dict[int, float]]:
+    def costs(self, logits: Any, num_layers: int, n: int, candidates: list[int]) -> list[dict[int, float]]:
         """``{G: cost}`` of every layer, once every layer has been added; ``logits``: the model's
-        head (:func:`~mha2gqa.convert.layers.model_head`)."""
+        head (:func:`~mha2gqa.convert.layers.model_head`). ``random`` (fresh K/V, nothing kept to
+        follow) costs 1 at every count below ``n``, as with the output cost."""
         import torch
 
         reference = [torch.log_softmax(logits(h, self.as_tuple), -1) for h in self.original]
-        out = [{n: 0.0} for _ in range(num_layers)]
+        out = [{n: 0.0} | {g: 1.0 for g in candidates if g != n} for _ in range(num_layers)]  # 1: fresh K/V
         for (layer, g), hidden in self.streams.items():
             kl = tokens = 0.0
             for ref, h in zip(reference, hidden, strict=True):

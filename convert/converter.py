@@ -151,7 +151,7 @@ def _final_costs(c: Conversion, final: Any) -> list[dict[int, float]]:
     from mha2gqa.core.models import resolve_device
 
     logits = model_head(skeleton(c.ckpt), c.ckpt, resolve_device(c.settings.device))
-    return final.costs(logits, c.dims.num_layers, c.dims.num_kv_heads)
+    return final.costs(logits, c.dims.num_layers, c.dims.num_kv_heads, c.dims.valid_kv_heads())
 
 
 def _layer_groups(stats, targets: tuple[int, ...]) -> dict[str, list[list[int]]] | None:

@@ -53,13 +53,13 @@ class ConvertSettings:
         choices=("auto",),
     )
     allocation_cost: str = setting(
-        "output",
+        "logits",
         help="How --per-layer auto measures a layer's loss at each count: "
-        "output (the layer run again with only it merged, its output error; the method's "
-        "own merge), logits (the same merge carried through the later layers to the model's "
-        "next-token distribution: its KL to the original's on 4 calibration windows; sees how "
-        "errors grow with depth, at the cost of running the later layers again) or residual "
-        "(the K/V energy a shared head cannot hold, from the statistics alone).",
+        "logits (the layer run again with only it merged, by the method's own merge, and that "
+        "error carried through the later layers to the model's next-token distribution: its KL to "
+        "the original's on 4 calibration windows; sees how errors grow with depth), output (the "
+        "same merge's error at the layer's own output) or residual (the K/V energy a shared head "
+        "cannot hold, from the statistics alone).",
         choices=tuple(COST_MEASURES),
     )
     kv_budget: float | None = setting(
@@ -158,12 +158,6 @@ class ConvertSettings:
             raise SettingError(
                 "grouping",
                 f"{{name}} {grouping.name} does not apply to --method {method.name} (fresh K/V ignore the grouping)",
-            )
-        if self.per_layer == "auto" and self.allocation_cost == "logits" and method.fresh:
-            raise SettingError(
-                "allocation_cost",
-                f"{{name}} logits follows each layer's merge to the model's end; --method {method.name} keeps "
-                "nothing to follow: use --allocation-cost output",
             )
         return self
 

@@ -224,12 +224,13 @@ def test_auto_allocation_finds_the_layers_that_can_share_and_keeps_the_logits(so
     assert alloc.uniform_cost["2"] > 0.01 and "per-layer allocation" in (out.output / "README.md").read_text()
     svd = convert_checkpoint(src, tmp_path / "svd", 2, "svd", per_layer="auto", **kw)  # budget: 2 per layer
     assert sum(svd.kv_heads_per_layer) <= 8
-    by_logits = convert_checkpoint(
-        src, tmp_path / "kl", None, per_layer="auto", kv_budget=3.75, allocation_cost="logits", **kw
+    assert alloc.cost_measure.startswith("the model's next-token KL")  # the default cost
+    by_output = convert_checkpoint(
+        src, tmp_path / "out", None, per_layer="auto", kv_budget=3.75, allocation_cost="output", **kw
     )
-    assert by_logits.kv_heads_per_layer == list(HEADS)
-    alloc = by_logits.record.conversion.per_layer_allocation
-    assert alloc.cost < 1e-9 < alloc.costs["0"]["4"] and alloc.cost_measure.startswith("the model's next-token KL")
+    assert by_output.kv_heads_per_layer == list(HEADS)
+    alloc = by_output.record.conversion.per_layer_allocation
+    assert alloc.cost < 1e-9 < alloc.costs["0"]["4"] and alloc.cost_measure.startswith("the layer's output error")
 
 
 def test_the_logits_cost_is_the_models_kl_with_that_layer_alone_converted(tmp_path):
@@ -273,8 +274,6 @@ def test_auto_allocation_bad_input(source, tmp_path):
     assert "outside 1..8" in err(per_layer="auto", kv_budget=9, calibration=text)
     assert "chooses each layer's count" in err(per_layer="auto", num_kv_heads_per_layer="8,4,2,1")
     assert "add --per-layer auto" in err(g=2, kv_budget=1.5)
-    fresh = dict(per_layer="auto", g=2, calibration=text, method="random", allocation_cost="logits")
-    assert "keeps nothing to follow" in err(**fresh)
 
 
 def test_report_shows_the_per_layer_budget(tmp_path):
