@@ -237,6 +237,7 @@ def _mha2gqa_process(*args: str) -> tuple[float, float]:
 
 def real_model(args) -> None:
     """The SmolLM2-135M table (module doc)."""
+    from mha2gqa.core.conversion_record import read_conversion_record
     from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.settings import EvalSettings
 
@@ -272,6 +273,9 @@ def real_model(args) -> None:
                 more, peak_kd = _mha2gqa_process("uptrain", str(out), *kd)
                 shutil.rmtree(work / "teacher", ignore_errors=True)  # the next recipe pays its own teacher pass
                 seconds, peak, out = seconds + more, max(peak, peak_kd), work / "out-kd"
+            facts = read_conversion_record(out).conversion
+            if facts.num_kv_heads_per_layer:
+                print(f"{name}: KV heads per layer {','.join(map(str, facts.num_kv_heads_per_layer))}", flush=True)
             d, o = (evaluate(str(model), str(out), settings) for settings in domains.values())
             p = d.protocols["disjoint"]
             row = (name, p.original.ppl, p.converted.ppl, p.ppl_ratio, d.agreement.kl.mean,
