@@ -123,9 +123,7 @@ def test_identity_gives_zero_divergence(llama, tmp_path):
     batch = torch.randint(3, 90, (1, 48))
     same = attention_similarity(llama, llama, batch, chunk=16).summary
     assert abs(same.mean_kl) < 1e-6 and abs(same.mean_js) < 1e-6 and same.mean_output_rel_error < 1e-6
-    assert math.isclose(same.mean_cosine, 1, abs_tol=1e-6) and math.isclose(
-        same.mean_hidden_cosine, 1, abs_tol=1e-6
-    )
+    assert math.isclose(same.mean_cosine, 1, abs_tol=1e-6) and math.isclose(same.mean_hidden_cosine, 1, abs_tol=1e-6)
     assert same.mean_entropy_original == same.mean_entropy_converted < same.entropy_uniform
     assert math.isclose(same.entropy_uniform, sum(math.log(i + 1) for i in range(48)) / 48, rel_tol=1e-9)
 
@@ -372,12 +370,8 @@ def test_head_diversity_matches_eager_and_sees_identical_heads_and_equalised_gro
         att.layers, _eager_head_similarity(orig, batch), _eager_head_similarity(conv, batch), strict=True
     ):
         sim = layer.head_similarity
-        torch.testing.assert_close(
-            torch.tensor(sim.original.matrix, dtype=torch.float64), ref_o, atol=2e-6, rtol=0
-        )
-        torch.testing.assert_close(
-            torch.tensor(sim.converted.matrix, dtype=torch.float64), ref_c, atol=2e-6, rtol=0
-        )
+        torch.testing.assert_close(torch.tensor(sim.original.matrix, dtype=torch.float64), ref_o, atol=2e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor(sim.converted.matrix, dtype=torch.float64), ref_c, atol=2e-6, rtol=0)
         within = (ref_c[0, 1] + ref_c[1, 0] + ref_c[2, 3] + ref_c[3, 2]) / 4  # groups {0, 1}, {2, 3}
         assert sim.converted.within_groups == pytest.approx(within.item(), abs=2e-6)
         off = ref_o[~torch.eye(4, dtype=torch.bool)].mean()
