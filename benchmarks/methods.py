@@ -207,6 +207,8 @@ REAL_RECIPES: dict[str, list[str]] = {
     "svd+refit 80x4+kd 24x4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "80", "--refit-batch", "4"],
     "svd+refit 40x4+kd 16x4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "40", "--refit-batch", "4"],
     "svd+kd 24x4": ["-g", "1", "--method", "svd"],
+    "svd+refit 40x4+kd 16x4 lr 3e-4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "40",
+                                       "--refit-batch", "4"],
 }  # fmt: skip
 
 #: recipe name -> ``mha2gqa uptrain`` options of the distillation pass that follows its conversion:
@@ -214,8 +216,9 @@ REAL_RECIPES: dict[str, list[str]] = {
 #: distribution on the calibration text (the teacher pass, into a fresh cache, counts in its time)
 REAL_DISTILL: dict[str, list[str]] = {
     name: ["--objective", "kd", "--train", "attention", "--teacher-top-k", "64", "--seq-len", "512",
-           "--batch-size", "4", "--max-steps", steps, "--lr", "1e-4", "--min-lr-ratio", "1", "--save-every", "100000"]
-    for name, steps in (("svd+refit 80x4+kd 24x4", "24"), ("svd+refit 40x4+kd 16x4", "16"), ("svd+kd 24x4", "24"))
+           "--batch-size", "4", "--max-steps", steps, "--lr", lr, "--min-lr-ratio", "1", "--save-every", "100000"]
+    for name, steps, lr in (("svd+refit 80x4+kd 24x4", "24", "1e-4"), ("svd+refit 40x4+kd 16x4", "16", "1e-4"),
+                            ("svd+kd 24x4", "24", "1e-4"), ("svd+refit 40x4+kd 16x4 lr 3e-4", "16", "3e-4"))
 }  # fmt: skip
 
 
