@@ -162,8 +162,10 @@ class FinalKL:
         follow) costs 1 at every count below ``n``, as with the output cost."""
         import torch
 
-        reference = [torch.log_softmax(logits(h, self.as_tuple), -1) for h in self.original]
         out = [{n: 0.0} | {g: 1.0 for g in candidates if g != n} for _ in range(num_layers)]  # 1: fresh K/V
+        if not self.streams:  # nothing merged to follow (fresh K/V)
+            return out
+        reference = [torch.log_softmax(logits(h, self.as_tuple), -1) for h in self.original]
         for (layer, g), hidden in self.streams.items():
             kl = tokens = 0.0
             for ref, h in zip(reference, hidden, strict=True):

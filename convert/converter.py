@@ -150,7 +150,7 @@ def _final_costs(c: Conversion, final: Any) -> list[dict[int, float]]:
     from mha2gqa.convert.layers import model_head, skeleton
     from mha2gqa.core.models import resolve_device
 
-    logits = model_head(skeleton(c.ckpt), c.ckpt, resolve_device(c.settings.device))
+    logits = model_head(skeleton(c.ckpt), c.ckpt, resolve_device(c.settings.device)) if final.streams else None
     return final.costs(logits, c.dims.num_layers, c.dims.num_kv_heads, c.dims.valid_kv_heads())
 
 

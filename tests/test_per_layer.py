@@ -261,6 +261,8 @@ def test_the_logits_cost_is_the_models_kl_with_that_layer_alone_converted(tmp_pa
         assert costs[str(layer)][str(g)] == pytest.approx(kl, rel=1e-3, abs=1e-7), (layer, g)
         shutil.rmtree(one.output)
     assert all(costs[str(i)]["8"] == 0 and costs[str(i)]["1"] > costs[str(i)]["4"] for i in range(4))
+    fresh = convert_checkpoint(src, tmp_path / "random", 2, "random", per_layer="auto", **kw)  # nothing to follow
+    assert set(fresh.record.conversion.per_layer_allocation.costs["1"].values()) == {0.0, 1.0}
 
 
 def test_auto_allocation_bad_input(source, tmp_path):
