@@ -18,8 +18,10 @@
    - calibration seconds per layer (``svd`` with 512 calibration tokens on the device);
    - the refit's seconds per layer and per step at its defaults (200 steps of 8 windows at most) on a
      random model of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64; ``--tiny``: 2 layers),
-     9 -> 1 KV head with ``svd --refit`` on 16,384 calibration tokens, as issue 33's real-model runs.
-   ``--figures`` picks some of them (``tests,perplexity,attention,decode,calibration,refit``).
+     9 -> 1 KV head with ``svd --refit`` on 16,384 calibration tokens, as issue 33's real-model runs;
+   - what ``--per-layer auto`` (its default logits cost) adds to an ``svd`` conversion at 2 KV heads per
+     layer on average, on the same random model and tokens.
+   ``--figures`` picks some of them (``tests,perplexity,attention,decode,calibration,refit,allocation``).
 4. Writes ``gpu_suite.md`` (one table) and ``gpu_suite.json`` in ``--out``.
 """
 
@@ -87,7 +89,7 @@ TINY = {
     "refit": {"layers": 2, "hidden": 64, "heads": 8, "intermediate": 128, "vocab": 512, "tokens": 1024},
 }
 #: what the suite can measure, in the order it runs them (``--figures``)
-FIGURES = ("tests", "perplexity", "attention", "decode", "calibration", "refit")
+FIGURES = ("tests", "perplexity", "attention", "decode", "calibration", "refit", "allocation")
 
 
 def ensure_installed(wheels: Path | None) -> list[str]:
@@ -280,6 +282,8 @@ def speed_figures(size: dict, device_name: str, dtype_name: str, figures: set[st
             finally:
                 refit.CALL_TOKENS.update(default)
         out["refit"] = refit_figure(size["refit"], device_name)
+    if "allocation" in figures:
+        out["allocation"] = allocation_figure(size["refit"], device_name)
     return out
 
 
@@ -315,16 +319,12 @@ def calibration_figure(size: dict, device_name: str) -> dict:
     return {"seconds": seconds, "seconds_per_layer": seconds / size["layers"], "tokens": size["calibration_tokens"]}
 
 
-def refit_figure(shape: dict, device_name: str) -> dict:
-    """Seconds per layer and per step of ``svd --refit`` at its default steps and batch, H -> 1 KV head,
-    on a random Llama of ``shape`` (float32 on the device, as the refit runs)."""
-    import statistics
-    import tempfile
-
+def _smollm2_shaped(tmp: Path, shape: dict) -> tuple[Path, Path]:
+    """A random MHA Llama of ``shape`` (SmolLM2-135M's in the full suite) with a tokenizer, saved in
+    ``tmp``; returns its folder and a calibration text beside it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mha2gqa.convert import convert_checkpoint
     from mha2gqa.demo import build_tokenizer, cpython_text
 
     config = LlamaConfig(
@@ -339,13 +339,25 @@ def refit_figure(shape: dict, device_name: str) -> dict:
         eos_token_id=2,
         pad_token_id=0,
     )
+    src = tmp / "mha"
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(src)
+    train, _ = cpython_text(0.1)
+    build_tokenizer(train, min(shape["vocab"], 4096)).save_pretrained(src)
+    (tmp / "calibration.txt").write_text(train)
+    return src, tmp / "calibration.txt"
+
+
+def refit_figure(shape: dict, device_name: str) -> dict:
+    """Seconds per layer and per step of ``svd --refit`` at its default steps and batch, H -> 1 KV head,
+    on a random Llama of ``shape`` (float32 on the device, as the refit runs)."""
+    import statistics
+    import tempfile
+
+    from mha2gqa.convert import convert_checkpoint
+
     with tempfile.TemporaryDirectory(prefix="mha2gqa-gpu-suite-") as tmp:
-        src = Path(tmp) / "mha"
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(src)
-        train, _ = cpython_text(0.1)
-        build_tokenizer(train, min(shape["vocab"], 4096)).save_pretrained(src)
-        (Path(tmp) / "calibration.txt").write_text(train)
+        src, calibration = _smollm2_shaped(Path(tmp), shape)
         t = time.perf_counter()
         result = convert_checkpoint(
             src,
@@ -353,7 +365,7 @@ def refit_figure(shape: dict, device_name: str) -> dict:
             1,
             method="svd",
             device=device_name,
-            calibration=str(Path(tmp) / "calibration.txt"),
+            calibration=str(calibration),
             calibration_tokens=shape["tokens"],
             refit=True,
             progress=False,
@@ -376,6 +388,50 @@ def refit_figure(shape: dict, device_name: str) -> dict:
         f"  refit: {figure['seconds_per_layer']:.2f} s per layer, {figure['seconds_per_step'] * 1e3:.1f} ms per step "
         f"(median; {statistics.mean(figure['steps']):.0f} of {figure['max_steps']} steps on average), "
         f"{seconds:.0f} s for the conversion",
+        flush=True,
+    )
+    return figure
+
+
+def allocation_figure(shape: dict, device_name: str) -> dict:
+    """Seconds of ``svd --per-layer auto`` (the default logits cost) at 2 KV heads per layer on average
+    against the same ``svd`` at uniform counts, on a random Llama of ``shape``: the difference is what
+    the allocation costs (every layer merged at every count and carried through the later layers)."""
+    import tempfile
+
+    from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.convert.settings import ConvertSettings
+
+    with tempfile.TemporaryDirectory(prefix="mha2gqa-gpu-suite-") as tmp:
+        src, calibration = _smollm2_shaped(Path(tmp), shape)
+        common = {
+            "method": "svd",
+            "device": device_name,
+            "calibration": str(calibration),
+            "calibration_tokens": shape["tokens"],
+            "progress": False,
+        }
+        seconds = {}
+        # uniform first as a warm-up (the device's start-up), then the two timed runs
+        for name in ("warm-up", "auto", "uniform"):
+            options = {"per_layer": "auto", "kv_budget": 2.0} if name == "auto" else {}
+            t = time.perf_counter()
+            result = convert_checkpoint(src, Path(tmp) / name, None if options else 1, **common, **options)
+            seconds[name] = time.perf_counter() - t
+            if name == "auto":
+                allocation = result.facts.per_layer_allocation
+    figure = {
+        "shape": shape,
+        "uniform_seconds": seconds["uniform"],
+        "auto_seconds": seconds["auto"],
+        "allocation_seconds": seconds["auto"] - seconds["uniform"],
+        "chosen": allocation.chosen,
+        "cost": ConvertSettings.allocation_cost,
+        "cost_measure": allocation.cost_measure,
+    }
+    print(
+        f"  allocation: {figure['allocation_seconds']:.0f} s ({seconds['auto']:.0f} s per-layer auto against "
+        f"{seconds['uniform']:.0f} s uniform), chose {allocation.chosen}",
         flush=True,
     )
     return figure
@@ -438,6 +494,15 @@ def markdown(results: dict) -> str:
             f"{sh['tokens']:,} tokens, at most {r['max_steps']} steps x {r['batch']} windows{how} | "
             f"{r['seconds_per_layer']:.2f} s per layer, {r['seconds_per_step'] * 1e3:.1f} ms per step (medians; "
             f"{sum(r['steps']) / len(r['steps']):.0f} steps a layer on average); {r['seconds']:.0f} s in all |"
+        )
+    al = sp.get("allocation")
+    if al:
+        sh = al["shape"]
+        lines.append(
+            f"| `svd --per-layer auto` ({al['cost']} cost), {sh['heads']} KV heads -> 2 per layer on average, "
+            f"{sh['layers']} layers of hidden {sh['hidden']}, {sh['tokens']:,} tokens | "
+            f"{al['allocation_seconds']:.0f} s for the allocation ({al['auto_seconds']:.0f} s in all against "
+            f"{al['uniform_seconds']:.0f} s for uniform 1) |"
         )
     return "\n".join(lines) + "\n"
 

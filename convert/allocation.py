@@ -71,17 +71,19 @@ class Merger:
         attn = run.module.get_submodule(names["k"].rsplit(".", 1)[0])
         saved = {r: (m.weight, m.bias) for r, m in mods.items()}
         groups_before = attn.num_key_value_groups
-        w = {r: m.weight.detach().float() for r, m in mods.items()}
-        w |= {f"{r}_bias": mods[r].bias.detach().float() for r in "qkv" if mods[r].bias is not None}
+        # merged on the CPU, where the statistics are and the conversion merges (the layer may run on a GPU)
+        w = {r: m.weight.detach().float().cpu() for r, m in mods.items()}
+        w |= {f"{r}_bias": mods[r].bias.detach().float().cpu() for r in "qkv" if mods[r].bias is not None}
         try:
             chosen = least_residual_groups(full, g) if self.similarity else contiguous_groups(n, g)
             st = regroup(full, chosen, h)
             ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
             merged = self.method.merge_layer(ww, st, shape=HeadShape(h, n, g, d, dims.rotary))
             for r, m in mods.items():
-                m.weight = torch.nn.Parameter(merged[r], requires_grad=False)
+                like = {"device": m.weight.device, "dtype": m.weight.dtype}
+                m.weight = torch.nn.Parameter(merged[r].to(**like), requires_grad=False)
                 if f"{r}_bias" in merged:
-                    m.bias = torch.nn.Parameter(merged[f"{r}_bias"], requires_grad=False)
+                    m.bias = torch.nn.Parameter(merged[f"{r}_bias"].to(**like), requires_grad=False)
             attn.num_key_value_groups = h // g
             yield
         finally:

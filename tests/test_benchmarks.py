@@ -33,8 +33,11 @@ def test_gpu_suite_cpu_smoke_mode_writes_its_table_and_json(tmp_path):
     refit = speed["refit"]
     assert len(refit["steps"]) == refit["shape"]["layers"] and all(0 < n <= refit["max_steps"] for n in refit["steps"])
     assert 0 < refit["seconds_per_step"] < refit["seconds_per_layer"] <= refit["refit_seconds"] < refit["seconds"]
+    allocation = speed["allocation"]  # 2 KV heads per layer on average, from 1, 2, 4 or 8
+    assert len(allocation["chosen"]) == 2 and sum(allocation["chosen"]) <= 4 and allocation["cost"] == "logits"
     table = (tmp_path / "gpu_suite.md").read_text()
     assert "perplexity tok/s" in table and "decode, 1 KV heads, batch 4" in table and "`svd --refit` 8 -> 1" in table
+    assert "`svd --per-layer auto` (logits cost)" in table
 
 
 def test_gpu_suite_measures_only_the_figures_asked_for_and_refuses_unknown_ones(tmp_path):

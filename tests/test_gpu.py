@@ -108,6 +108,28 @@ def test_calibration_and_svd_on_cuda_equal_cpu(pair, tmp_path):
         assert err < 1e-4, name
 
 
+@pytest.mark.parametrize("cost", ["logits", "output"])
+def test_per_layer_allocation_on_cuda_equals_cpu(pair, tmp_path, cost):
+    """The output-level costs merge a layer that runs on the device with statistics kept on the CPU
+    (the first GPU run of ``--per-layer auto`` failed on mixed devices)."""
+    kw = dict(
+        method="svd",
+        per_layer="auto",
+        kv_budget=2.0,
+        allocation_cost=cost,
+        calibration=str(pair["text"]),
+        calibration_tokens=512,
+        calibration_seq_len=64,
+        progress=False,
+    )
+    cpu = convert_checkpoint(pair["src"], tmp_path / "cpu", None, device="cpu", **kw).facts.per_layer_allocation
+    gpu = convert_checkpoint(pair["src"], tmp_path / "gpu", None, device="cuda", **kw).facts.per_layer_allocation
+    assert gpu.chosen == cpu.chosen and gpu.costs.keys() == cpu.costs.keys()
+    for layer, costs in cpu.costs.items():
+        for g, c in costs.items():
+            assert _close(gpu.costs[layer][g], c, 1e-3) or abs(gpu.costs[layer][g] - c) < 1e-6, (layer, g)
+
+
 def test_uptraining_with_bf16_autocast_reaches_the_cpu_loss(pair, tmp_path):
     from mha2gqa.core.runlog import RunTrain, read_log
     from mha2gqa.uptrain import UptrainSettings, uptrain
