@@ -21,7 +21,9 @@ of ``tinyshakespeare.txt``; each conversion runs as its own ``mha2gqa convert`` 
 wall time and peak resident memory are its own. The ``+kd`` recipes then run ``mha2gqa uptrain``
 (``REAL_DISTILL``: a short distillation of the attention projections on the calibration text from
 the original's cached top-64 distribution) as a second process; their time and peak are both
-processes' together (the teacher pass included).
+processes' together (the teacher pass included), and the conversion alone is scored first (its own
+row, ``(before +kd)``). ``svd+refit+distill`` is the same two stages as one ``mha2gqa convert
+--refit --distill`` at its defaults: what the README recommends for a real model.
 
     python benchmarks/methods.py --real [--recipes svd svd+refit ...]
 """
@@ -209,6 +211,9 @@ REAL_RECIPES: dict[str, list[str]] = {
     "svd+kd 24x4": ["-g", "1", "--method", "svd"],
     "svd+refit 40x4+kd 16x4 lr 3e-4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "40",
                                        "--refit-batch", "4"],
+    "svd+refit 80x4+kd 16x4 lr 3e-4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "80",
+                                       "--refit-batch", "4"],
+    "svd+refit+distill": ["-g", "1", "--method", "svd", "--refit", "--distill"],  # one command, its defaults
 }  # fmt: skip
 
 #: recipe name -> ``mha2gqa uptrain`` options of the distillation pass that follows its conversion:
@@ -218,8 +223,25 @@ REAL_DISTILL: dict[str, list[str]] = {
     name: ["--objective", "kd", "--train", "attention", "--teacher-top-k", "64", "--seq-len", "512",
            "--batch-size", "4", "--max-steps", steps, "--lr", lr, "--min-lr-ratio", "1", "--save-every", "100000"]
     for name, steps, lr in (("svd+refit 80x4+kd 24x4", "24", "1e-4"), ("svd+refit 40x4+kd 16x4", "16", "1e-4"),
-                            ("svd+kd 24x4", "24", "1e-4"), ("svd+refit 40x4+kd 16x4 lr 3e-4", "16", "3e-4"))
+                            ("svd+kd 24x4", "24", "1e-4"), ("svd+refit 40x4+kd 16x4 lr 3e-4", "16", "3e-4"),
+                            ("svd+refit 80x4+kd 16x4 lr 3e-4", "16", "3e-4"))
 }  # fmt: skip
+
+
+def _real_row(name: str, model: Path, out: Path, domains: dict, seconds: float, peak: float) -> tuple:
+    """One recipe's row: the converted model ``out`` scored in and out of domain against ``model``."""
+    from mha2gqa.core.conversion_record import read_conversion_record
+    from mha2gqa.eval.harness import evaluate
+
+    facts = read_conversion_record(out).conversion
+    if facts.num_kv_heads_per_layer:
+        print(f"{name}: KV heads per layer {','.join(map(str, facts.num_kv_heads_per_layer))}", flush=True)
+    d, o = (evaluate(str(model), str(out), settings) for settings in domains.values())
+    p = d.protocols["disjoint"]
+    row = (name, p.original.ppl, p.converted.ppl, p.ppl_ratio, d.agreement.kl.mean,
+           d.agreement.top1_agreement, o.protocols["disjoint"].ppl_ratio, seconds, peak)  # fmt: skip
+    print("  ".join(map(str, row)), flush=True)
+    return row
 
 
 def _mha2gqa_process(*args: str) -> tuple[float, float]:
@@ -240,8 +262,6 @@ def _mha2gqa_process(*args: str) -> tuple[float, float]:
 
 def real_model(args) -> None:
     """The SmolLM2-135M table (module doc)."""
-    from mha2gqa.core.conversion_record import read_conversion_record
-    from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.settings import EvalSettings
 
     try:
@@ -270,21 +290,14 @@ def real_model(args) -> None:
             out = work / "out"
             options = [*REAL_RECIPES[name], "--overwrite"] + (calibration if name != "mean" else [])
             seconds, peak = _mha2gqa_process("convert", str(model), str(out), *options)
-            if name in REAL_DISTILL:  # then the distillation pass, from the conversion into out-kd
+            if name in REAL_DISTILL:  # the conversion alone first, then the distillation pass into out-kd
+                rows.append(_real_row(f"{name.split('+kd')[0]} (before +kd)", model, out, domains, seconds, peak))
                 kd = [*REAL_DISTILL[name], "--data", str(calib), "--teacher", str(model), "--overwrite", "-q",
                       "--teacher-cache", str(work / "teacher"), "--output", str(work / "out-kd")]  # fmt: skip
                 more, peak_kd = _mha2gqa_process("uptrain", str(out), *kd)
                 shutil.rmtree(work / "teacher", ignore_errors=True)  # the next recipe pays its own teacher pass
                 seconds, peak, out = seconds + more, max(peak, peak_kd), work / "out-kd"
-            facts = read_conversion_record(out).conversion
-            if facts.num_kv_heads_per_layer:
-                print(f"{name}: KV heads per layer {','.join(map(str, facts.num_kv_heads_per_layer))}", flush=True)
-            d, o = (evaluate(str(model), str(out), settings) for settings in domains.values())
-            p = d.protocols["disjoint"]
-            row = (name, p.original.ppl, p.converted.ppl, p.ppl_ratio, d.agreement.kl.mean,
-                   d.agreement.top1_agreement, o.protocols["disjoint"].ppl_ratio, seconds, peak)  # fmt: skip
-            print("  ".join(map(str, row)), flush=True)
-            rows.append(row)
+            rows.append(_real_row(name, model, out, domains, seconds, peak))
     print(
         f"\nSmolLM2-135M 3 -> 1 KV head (per-layer: 2 on average); calibrated on the first half of WikiText-2 test; "
         f"in domain: its last {args.eval_tokens:,} tokens, disjoint windows of 512; out of domain: the first "

@@ -128,7 +128,7 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
 
     _collect(source, None, on_layer=measure)
     if final is not None:
-        costs = dict(enumerate(_final_costs(source, final)))
+        costs = dict(enumerate(_final_costs(source, final, candidates)))
     ordered = [costs[i] for i in range(dims.num_layers)]
     budget = s.budget(dims.num_layers)
     chosen = allocate(ordered, budget)
@@ -145,13 +145,14 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     return source.with_targets(tuple(chosen)), record  # uniform when the best allocation is
 
 
-def _final_costs(c: Conversion, final: Any) -> list[dict[int, float]]:
-    """The ``logits`` costs of every layer from the streams ``final`` followed, through the model's head."""
+def _final_costs(c: Conversion, final: Any, candidates: list[int]) -> list[dict[int, float]]:
+    """The ``logits`` costs of every layer at each of ``candidates`` from the streams ``final``
+    followed, through the model's head."""
     from mha2gqa.convert.layers import model_head, skeleton
     from mha2gqa.core.models import resolve_device
 
     logits = model_head(skeleton(c.ckpt), c.ckpt, resolve_device(c.settings.device)) if final.streams else None
-    return final.costs(logits, c.dims.num_layers, c.dims.num_kv_heads, c.dims.valid_kv_heads())
+    return final.costs(logits, c.dims.num_layers, c.dims.num_kv_heads, candidates)
 
 
 def _layer_groups(stats, targets: tuple[int, ...]) -> dict[str, list[list[int]]] | None:

@@ -156,6 +156,19 @@ def skeleton(ckpt):
         return AutoModelForCausalLM.from_config(config).eval()
 
 
+def _load_outside_layers(model, ckpt, device, dtype: torch.dtype | None) -> list[torch.nn.Module]:
+    """Load every child of ``model``'s base model but its decoder layers (embeddings, final norm,
+    rotary tables) from ``ckpt`` onto ``device`` (``dtype`` None: as stored); returns them."""
+    from mha2gqa.core.capture import decoder_layers
+
+    base, prefix = model.base_model, f"{model.base_model_prefix}."
+    _, attr = decoder_layers(model)
+    others = [(n, c) for n, c in base.named_children() if n != attr]
+    for name, child in others:
+        materialize(child, ckpt, f"{prefix}{name}.", device, dtype=dtype)
+    return [c for _, c in others]
+
+
 def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
     """Run everything before the decoder layers once per window (embeddings as stored: a lookup
     loses nothing) and catch what the first layer receives, GPTQ-style; hidden states and RoPE
@@ -163,11 +176,8 @@ def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple
     from mha2gqa.core.capture import decoder_layers
 
     base = model.base_model
-    prefix = f"{model.base_model_prefix}."
     layers, attr = decoder_layers(model)
-    others = [(n, c) for n, c in base.named_children() if n != attr]
-    for name, child in others:
-        materialize(child, ckpt, f"{prefix}{name}.", device, dtype=None)
+    others = _load_outside_layers(model, ckpt, device, dtype=None)
     catcher = _Catch()
     setattr(base, attr, torch.nn.ModuleList([catcher]))
     try:
@@ -176,7 +186,7 @@ def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple
                 base(w[None], use_cache=False)
     finally:
         setattr(base, attr, layers)
-    for _, child in others:
+    for child in others:
         release(child)
     states = []
     for h, kw in catcher.calls:
@@ -209,11 +219,9 @@ def model_head(model, ckpt, device) -> Callable[[torch.Tensor, bool], torch.Tens
     like apply as they do in the model. Memory: the embeddings and the output projection."""
     from mha2gqa.core.capture import decoder_layers
 
-    base, prefix = model.base_model, f"{model.base_model_prefix}."
+    base = model.base_model
     layers, attr = decoder_layers(model)
-    for name, child in base.named_children():
-        if name != attr:
-            materialize(child, ckpt, f"{prefix}{name}.", device, dtype=torch.float32)
+    _load_outside_layers(model, ckpt, device, dtype=torch.float32)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
     if f"{head_name}.weight" in ckpt.tensors:

@@ -7,8 +7,9 @@ Streamed like calibration, through the layer engine (:mod:`mha2gqa.convert.layer
 ``meta``, the embeddings run once, then each layer is loaded once (float32), runs the original
 stream (its outputs are the targets), is fitted on the converted stream and runs it again with the
 fitted weights, and is emptied. Memory: one layer (plus Adam's two moments of the fitted
-projections) and two streams of hidden states ``[windows, seq, hidden]`` float32, which go to a
-memory-mapped file when they exceed ``--refit-memory``.
+projections) and two streams of hidden states ``[windows, seq, hidden]`` float32 (three with the
+attention target: the original's stream after attention), which go to memory-mapped files when they
+exceed ``--refit-memory``.
 
 The converted layer runs as the *source* layer class reading the new K/V heads each repeated over
 the source heads it replaced (a GQA layer with ``G`` groups is exactly the MHA layer whose K/V heads
@@ -18,7 +19,14 @@ attention, RoPE, biases and per-head norms run as transformers wrote them, and t
 shared K/V head is the sum over its group: tied parameters stay tied by construction. Per-head norms
 and everything outside the projections stay as the merge left them.
 
-The fit: Adam on the squared error of the layer's output, each hidden dimension louder than the
+What the fit reproduces (``--refit-target``): by default the residual stream after the attention
+block, ``x + attn(x)``, where the layer reads its input only through it (a pre-norm layer; checked on
+each layer by :func:`reads_after_attention`), so a step runs the layer only as far as its attention
+(a hook stops it there) and neither runs nor differentiates the MLP; matching that stream matches
+everything after it. Layers of other shapes (attention beside the MLP, normed after) are fitted on
+their output, as is every layer with ``layer``.
+
+The fit: Adam on the squared error of that target, each hidden dimension louder than the
 average counted relative to its own mean square in the original's output (:func:`dimension_scale`:
 a real model's few huge hidden dimensions would otherwise be nearly all of the error), over
 ``--refit-batch`` windows per step; one window in :data:`HELDOUT_EVERY` (at least one) is held out
@@ -30,6 +38,7 @@ error starts at zero (an exact conversion) is not touched.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -45,7 +54,7 @@ from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.convert.tensor_sources import attention_names
-from mha2gqa.core.conversion_record import LOUD_SCALED_ERROR, Refit, RefitLayer
+from mha2gqa.core.conversion_record import ATTENTION_TARGET, LAYER_TARGET, LOUD_SCALED_ERROR, Refit, RefitLayer
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
@@ -312,6 +321,57 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+class _Stop(Exception):
+    """Raised by the hook of :func:`after_attention` to skip the rest of the layer."""
+
+
+@contextlib.contextmanager
+def _hooked(module: torch.nn.Module, hook: Callable) -> Iterator[None]:
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def after_attention(call: Callable[[torch.Tensor], Any], attention: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x + a``: the layer's input plus what its attention block ``attention`` returns when ``call(x)``
+    runs the layer, which stops there (the rest of the layer is neither run nor differentiated)."""
+    seen: list[torch.Tensor] = []
+
+    def stop(module, args, out):
+        seen.append(_output(out))
+        raise _Stop
+
+    with _hooked(attention, stop), contextlib.suppress(_Stop):
+        call(x)
+    return x + seen[0]
+
+
+def reads_after_attention(call: Callable[[torch.Tensor], Any], attention: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether the layer ``call`` reads its input ``x`` ``[n, T, hidden]`` only through ``x + a`` (``a``:
+    its attention block's output), as a pre-norm layer ``h = x + attn(norm(x)); y = h + mlp(norm(h))``
+    does and a parallel (``x + attn(x) + mlp(x)``), sandwich-norm (``x + norm(attn(x))``) or scaled
+    (``x + m * attn(x)``) one does not: the layer run on ``x + d`` with its attention output replaced
+    by ``a - d`` must give the same output as on ``x``."""
+    seen: list[torch.Tensor] = []
+
+    def keep(module, args, out):
+        seen.append(_output(out))
+
+    with torch.no_grad():
+        with _hooked(attention, keep):
+            y = _output(call(x))
+        d = torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(x) * x.std()
+
+        def replace(module, args, out):
+            return (seen[0] - d, *out[1:]) if isinstance(out, tuple) else seen[0] - d
+
+        with _hooked(attention, replace):
+            moved = _output(call(x + d))
+    return bool((moved - y).norm() <= 1e-4 * y.norm())
+
+
 def _spilled(path: Path, name: str) -> torch.Tensor:
     from safetensors import safe_open
 
@@ -354,6 +414,8 @@ class _Streams:
     converted: HiddenStates  # the converted model's (the refitted layers before it)
     per_call: int  # windows per forward call
     dev: torch.device
+    spill: Path | None  # where a third stream (the targets after attention) goes beyond --refit-memory
+    targets: HiddenStates | None = None  # the original's residual stream after the current layer's attention
 
     @property
     def every(self) -> list[list[int]]:
@@ -368,7 +430,7 @@ def _streams(c: Conversion, model, work: Path) -> _Streams:
 
     s, dev = c.settings, resolve_device(c.settings.device)
     seq_len = calibration_window(s.calibration_seq_len, getattr(model.config, "max_position_embeddings", None))
-    ids = calibration_ids(c.ckpt.folder, s.calibration, s.refit_tokens or s.calibration_tokens, seq_len)
+    ids = calibration_ids(c.ckpt.folder, s.calibration, min(s.refit_tokens, s.calibration_tokens), seq_len)
     if len(ids) < 2:
         raise SettingError(
             "refit_tokens", f"{{name}}: {ids.numel()} tokens make one window of {seq_len}; --refit needs two or more"
@@ -379,18 +441,56 @@ def _streams(c: Conversion, model, work: Path) -> _Streams:
     kw = states[0][1]  # the same for every window: equal lengths, no padding
     del states
     work.mkdir(parents=True, exist_ok=True)
-    spill = 2 * first.numel() * 4 > parse_size(s.refit_memory)
+    streams = 3 if s.refit_target == "attention" else 2
+    spill = streams * first.numel() * 4 > parse_size(s.refit_memory)
     original = HiddenStates(first, work / "original.f32" if spill else None)
     converted = HiddenStates(first, work / "converted.f32" if spill else None)
-    return _Streams(ids, kw, original, converted, max(1, call_tokens(dev) // seq_len), dev)
+    return _Streams(
+        ids, kw, original, converted, max(1, call_tokens(dev) // seq_len), dev, work / "targets.f32" if spill else None
+    )
+
+
+def _attention_module(c: Conversion, by_name: Mapping[str, OutputTensor], i: int, prefix: str) -> str:
+    """Layer ``i``'s attention block, relative to the layer (the module holding its output projection)."""
+    o_proj = attention_names(by_name, c.family, i)["o"]
+    return o_proj[len(prefix) : -len(".weight")].rpartition(".")[0]
+
+
+def _advance_original(
+    source_layer: Callable[[torch.Tensor, list[int]], torch.Tensor], st: _Streams, attention: torch.nn.Module | None
+) -> None:
+    """Run the original stream through the source layer (``source_layer(states, windows)``); with
+    ``attention`` (its attention block), keep the residual stream after it, ``x + a``, in
+    ``st.targets`` on the way."""
+    if attention is None:
+        st.original.advance(st.every, source_layer, st.dev)
+        return
+    if st.targets is None:
+        st.targets = HiddenStates(st.original.data, st.spill)
+    seen: list[torch.Tensor] = []
+    with torch.no_grad(), _hooked(attention, lambda module, args, out: seen.append(_output(out))):
+        for w in st.every:
+            check_signals()
+            x = st.original[w].to(st.dev)
+            y = source_layer(x, w)
+            st.targets[w] = x + seen.pop()
+            st.original[w] = y
 
 
 def _refit_layer(
-    c: Conversion, layer, i: int, prefix: str, st: _Streams, by_name: dict[str, OutputTensor], work: Path
+    c: Conversion,
+    layer,
+    i: int,
+    prefix: str,
+    st: _Streams,
+    by_name: dict[str, OutputTensor],
+    work: Path,
+    attention: torch.nn.Module | None,
 ) -> FitResult:
     """Fit layer ``i``'s projections (its module ``layer``, materialized, the original stream already
     past it), write them to ``work`` and point ``by_name`` at them, and advance the converted stream
-    through the layer as written."""
+    through the layer as written. With ``attention`` (the layer's attention block) the fit reproduces
+    the original's residual stream after it (``st.targets``) and runs the layer only that far."""
     from accelerate.utils import set_module_tensor_to_device
     from safetensors.torch import save_file
 
@@ -407,19 +507,26 @@ def _refit_layer(
         params = weights.module_view(values, prefix) | norms
         return _output(torch.func.functional_call(layer, params, (h,), batched(st.kw, len(w))))
 
+    def fitted_part(values, w):
+        x = st.converted[w].to(dev)
+        if attention is None:
+            return converted_layer(values, x, w)
+        return after_attention(lambda h: converted_layer(values, h, w), attention, x)
+
+    target = st.original if attention is None else st.targets
     fitted, _ = split_windows(len(st.ids))
     result = fit_layer(
-        lambda values, w: converted_layer(values, st.converted[w].to(dev), w),
+        fitted_part,
         weights.values,
         [r for r in weights.values if r[0] in s.refit_roles()],
-        lambda w: st.original[w].to(dev),
+        lambda w: target[w].to(dev),
         len(st.ids),
         steps=s.refit_steps,
         lr=s.refit_lr,
         batch=s.refit_batch,
         seed=s.seed * 1_000_003 + i,
         per_call=st.per_call,
-        scale=dimension_scale(st.original, fitted, st.per_call).to(dev),
+        scale=dimension_scale(target, fitted, st.per_call).to(dev),
     )
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
     written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
@@ -446,6 +553,7 @@ def refit(
     st = _streams(c, model, work)
     by_name = {t.name: t for t in tensors}
     records: list[RefitLayer] = []
+    whole: list[int] = []  # layers fitted on their output although the target is attention's
     desc = f"refitting on {st.ids.numel():,} tokens"
     with progress_bar(total=c.dims.num_layers, unit="layer", desc=desc, disable=not s.progress) as bar:
         for i, layer, prefix in each_layer(model, c.ckpt, st.dev, torch.float32):
@@ -454,12 +562,21 @@ def refit(
             def source_layer(h, w, layer=layer):
                 return _output(layer(h, **batched(st.kw, len(w))))
 
-            st.original.advance(st.every, source_layer, st.dev)
-            if c.targets[i] == c.dims.num_kv_heads:  # unchanged: an exact copy, run as it is
+            changed = c.targets[i] != c.dims.num_kv_heads
+            attention = None
+            if changed and s.refit_target == "attention":
+                path = _attention_module(c, by_name, i, prefix)
+                attention = layer.get_submodule(path) if path else None
+                first = st.original[[0]].to(st.dev)
+                if attention is None or not reads_after_attention(partial(source_layer, w=[0]), attention, first):
+                    attention = None
+                    whole.append(i)
+            _advance_original(source_layer, st, attention)
+            if not changed:  # an exact copy, run as it is
                 st.converted.advance(st.every, source_layer, st.dev)
             else:
                 t0 = time.perf_counter()
-                result = _refit_layer(c, layer, i, prefix, st, by_name, work)  # one layer's tensors at a time
+                result = _refit_layer(c, layer, i, prefix, st, by_name, work, attention)  # one layer at a time
                 seconds = time.perf_counter() - t0
                 records.append(
                     RefitLayer(i, result.loss_before, result.loss_after, result.kept, result.steps, round(seconds, 3))
@@ -485,5 +602,16 @@ def refit(
         seed=s.seed,
         layers=records,
         error=LOUD_SCALED_ERROR,
+        target=_target(s.refit_target, whole, [r.layer for r in records]),
     )
     return [by_name[t.name] for t in tensors], record
+
+
+def _target(asked: str, whole: list[int], refitted: list[int]) -> str:
+    """:attr:`Refit.target`: ``whole``: the refitted layers that were fitted on their output although
+    ``asked`` was ``attention`` (they do not read their input only through the stream after it)."""
+    if asked == "layer" or (whole and len(whole) == len(refitted)):
+        return LAYER_TARGET
+    if not whole:
+        return ATTENTION_TARGET
+    return f"{ATTENTION_TARGET} ({LAYER_TARGET} in layers {', '.join(map(str, whole))})"

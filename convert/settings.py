@@ -85,24 +85,36 @@ class ConvertSettings:
     refit: bool = setting(
         False,
         help="After the merge, refit each changed layer's projections (--refit-params) so that, given the "
-        "converted model's own hidden states, it reproduces the original layer's output on the "
-        "--calibration text (hidden dimensions louder than average: their error relative to their size); "
-        "a layer keeps its merged weights when refitting does not lower its held-out error.",
+        "converted model's own hidden states, it reproduces the original layer's output (or the stream "
+        "after its attention: --refit-target) on the --calibration text (hidden dimensions louder than "
+        "average: their error relative to their size); a layer keeps its merged weights when refitting "
+        "does not lower its held-out error.",
     )
     refit_params: str = setting(
         "q,k,v,o", help="Projections --refit fits, comma-separated from q,k,v,o (biases included)."
     )
     refit_steps: int = setting(
-        200, help="Adam steps per layer of --refit (fewer when held-out error stops falling).", minimum=1
+        80, help="Adam steps per layer of --refit (fewer when held-out error stops falling).", minimum=1
+    )
+    refit_target: str = setting(
+        "attention",
+        help="What --refit reproduces: attention (the residual stream after the attention block, where the "
+        "layer reads its input only through it, checked on each layer: the rest of the layer is not run "
+        "while fitting; others fall back to the layer's output) or layer (the layer's output).",
+        choices=("attention", "layer"),
     )
     refit_lr: float = setting(3e-3, help="Adam learning rate of --refit.", above=0, maximum=1)
-    refit_batch: int = setting(8, help="Calibration windows per --refit step.", minimum=1)
-    refit_tokens: int | None = setting(
-        None, help="Tokens --refit fits on (the first N of --calibration) [default: --calibration-tokens].", minimum=1
+    refit_batch: int = setting(4, help="Calibration windows per --refit step.", minimum=1)
+    refit_tokens: int = setting(
+        16384,
+        help="Tokens --refit fits on (the first N of --calibration; fewer when the text or "
+        "--calibration-tokens has fewer).",
+        minimum=1,
     )
     refit_memory: str = setting(
         "4GB",
-        help="Hidden states --refit keeps in memory (two streams, float32); beyond this they go to a "
+        help="Hidden states --refit keeps in memory (two streams, three with --refit-target attention, "
+        "float32); beyond this they go to a "
         "memory-mapped file beside DST.",
     )
     device: str = setting("auto", help=f"Where calibration runs: {DEVICE_HELP}")

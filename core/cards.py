@@ -71,7 +71,7 @@ def refit_summary(refit: Refit) -> str:
     )
     return (
         f"every changed layer's {'/'.join(refit.params)} refitted on {refit.tokens:,} tokens of `{refit.data}` "
-        f"to reproduce the original layer's output ({refit.windows} windows fitted, {refit.heldout_windows} "
+        f"to reproduce the original's {refit.target} ({refit.windows} windows fitted, {refit.heldout_windows} "
         f"held out); held-out {refit.error} before → after: {layers}"
     )
 

@@ -61,6 +61,10 @@ class Allocation:
 ABSOLUTE_ERROR = "mean squared error"
 #: :attr:`Refit.error` now: squared error over max(the dimension's mean square, the average one)
 LOUD_SCALED_ERROR = "mean squared error, each hidden dimension louder than average relative to its size"
+#: :attr:`Refit.target` of records written before the target could be the residual stream after attention
+LAYER_TARGET = "layer output"
+#: :attr:`Refit.target` where the layer reads its input only through the stream after attention
+ATTENTION_TARGET = "residual stream after attention"
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class Refit:
     seed: int
     layers: list[RefitLayer]
     error: str = ABSOLUTE_ERROR
+    #: what the error is measured on: :data:`LAYER_TARGET` or :data:`ATTENTION_TARGET`
+    target: str = LAYER_TARGET
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from mha2gqa.cli_common import (
 )
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.settings import click_options
+from mha2gqa.distill import DistillSettings, split_options
 from mha2gqa.eval.gates import GATE_EXIT_CODE, GateSettings
 from mha2gqa.eval.settings import BenchSettings, EvalSettings
 from mha2gqa.jobs import DemoRequest
@@ -55,6 +57,7 @@ def main(debug: bool) -> None:
 @click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
 @click_options(ConvertSettings)
+@click_options(DistillSettings)
 @quiet_option
 @threads_option
 @user_errors
@@ -62,18 +65,31 @@ def convert(src: str, dst: Path, quiet: bool, **options: Any) -> None:
     """Convert the checkpoint SRC (local folder or hub id) into DST with fewer KV heads."""
     from mha2gqa.convert.prepare import prepare
 
-    conversion = prepare(src, dst, ConvertSettings(**options, progress=not quiet))  # before torch loads
+    options, distilling = split_options(options)
+    settings = ConvertSettings(**options, progress=not quiet)
+    distill = DistillSettings(**distilling).check(settings)
+    if distill.distill:
+        from mha2gqa.distill import convert_and_distill
+
+        converted, distilled = convert_and_distill(src, dst, settings, distill, log=_echo_unless(quiet))
+        click.echo(converted.summary())
+        click.echo(distilled.summary())
+        return
+    conversion = prepare(src, dst, settings)  # before torch loads
     from mha2gqa.convert.converter import run as run_conversion
 
     click.echo(run_conversion(conversion).summary())
+
+
+def _echo_unless(quiet: bool) -> Callable[[str], None]:
+    return (lambda m: None) if quiet else click.echo
 
 
 def _run_and_print(job, output_dir: Path | None, quiet: bool, overwrite: bool) -> None:
     from mha2gqa.eval.tables import sweep_table
     from mha2gqa.jobs import run_job
 
-    log = (lambda m: None) if quiet else click.echo
-    result = run_job(job, output_dir, log=log, progress=False, overwrite=overwrite)
+    result = run_job(job, output_dir, log=_echo_unless(quiet), progress=False, overwrite=overwrite)
     echo_all(sweep_table(result.rows).text())
     click.echo(f"results: {result.output_dir / 'results'}")
     if result.report:
@@ -187,7 +203,7 @@ def uptrain_cmd(converted: str, quiet: bool, **options: Any) -> None:
     from mha2gqa.eval.harness import is_main_process
     from mha2gqa.uptrain import uptrain as run_uptrain
 
-    result = run_uptrain(converted, settings, log=(lambda m: None) if quiet else click.echo)
+    result = run_uptrain(converted, settings, log=_echo_unless(quiet))
     if is_main_process():
         click.echo(result.summary())
 

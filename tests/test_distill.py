@@ -1,0 +1,103 @@
+"""``convert --distill``: the conversion and a short distillation published as one DST, with both
+records and nothing of the staging left; the distillation lowers the KL to the source on its text;
+bad combinations refused before any work; a failing distillation leaves DST as it was."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import llama_with_tokenizer, load, story_text
+
+from mha2gqa.cli import main
+from mha2gqa.convert.layers import calibration_ids
+from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    text = story_text(root / "calib.txt", 400)
+    return {"model": llama_with_tokenizer(root / "mha", text, max_positions=64), "text": text}
+
+
+def _convert(src, dst, *more: str, **invoke):
+    common = ["convert", str(src["model"]), str(dst), "-g", "1", "--method", "mean", "-q"]
+    calibration = ["--calibration", str(src["text"]), "--calibration-tokens", "2048", "--calibration-seq-len", "32"]
+    return CliRunner().invoke(main, [*common, *calibration, *more], **invoke)
+
+
+def _kl(src, folder) -> float:
+    """Mean KL(source || model) per token on the calibration text's windows."""
+    ids = calibration_ids(src["model"], str(src["text"]), 2048, 32)
+    with torch.no_grad():
+        p = torch.log_softmax(load(src["model"])(ids).logits, -1)
+        q = torch.log_softmax(load(folder)(ids).logits, -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_convert_distill_publishes_the_distilled_model_with_both_records(src, tmp_path):
+    plain = _convert(src, tmp_path / "plain", "--refit", "--refit-steps", "2")
+    assert plain.exit_code == 0, plain.output
+    done = _convert(src, tmp_path / "dst", "--refit", "--refit-steps", "2", "--distill", "--distill-steps", "8",
+                    "--distill-lr", "1e-2")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert "uptrain done: 8 steps" in done.output
+    dst = tmp_path / "dst"
+    names = {p.name for p in dst.iterdir()}
+    assert {"config.json", "model.safetensors", CONVERSION_RECORD, UPTRAIN_RECORD, "README.md"} <= names
+    assert not names & {"converted", "distilled", "teacher", "checkpoints", "uptrain_log.jsonl"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "plain"]  # no staging left beside it
+    record = json.loads((dst / UPTRAIN_RECORD).read_text())["uptrain"]
+    assert record["settings"]["output"] == str(dst) and record["settings"]["teacher_cache"] is None
+    assert str(tmp_path / ".") not in record["student"]  # names no staged folder
+    assert record["steps"] == 8 and record["settings"]["objective"] == "kd"
+    assert json.loads((dst / CONVERSION_RECORD).read_text())["conversion"]["num_kv_heads_after"] == 1
+    assert _kl(src, dst) < 0.9 * _kl(src, tmp_path / "plain")  # the distillation took off KL on its text
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--distill"], "--distill distils on the calibration text: give --calibration"),
+        (["--distill-steps", "4"], "--distill-steps sets up --distill"),
+        (["--distill", "--distill-lr", "0"], "--distill-lr"),
+    ],
+)
+def test_bad_distill_settings_are_refused_before_any_work(src, tmp_path, args, says):
+    base = ["convert", str(src["model"]), str(tmp_path / "dst"), "-g", "1"]
+    if args != ["--distill"]:
+        base += ["--calibration", str(src["text"])]
+    result = CliRunner().invoke(main, [*base, *args])
+    assert result.exit_code != 0 and says in result.output, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_failing_distillation_leaves_dst_as_it_was(src, tmp_path, monkeypatch):
+    import mha2gqa.uptrain
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("stopped in the distillation")
+
+    monkeypatch.setattr(mha2gqa.uptrain, "uptrain", fail)
+    with pytest.raises(RuntimeError, match="stopped in the distillation"):
+        _convert(src, tmp_path / "dst", "--distill", catch_exceptions=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_during_the_distillation_leaves_nothing_and_says_so(src, tmp_path, monkeypatch):
+    import signal
+
+    import mha2gqa.uptrain
+    from mha2gqa.core.signals import Terminated
+
+    def stopped(*args, **kwargs):
+        e = Terminated(signal.SIGTERM)
+        e.kept = "the checkpoints written so far stay in the run folder"  # what a plain uptrain would say
+        raise e
+
+    monkeypatch.setattr(mha2gqa.uptrain, "uptrain", stopped)
+    result = _convert(src, tmp_path / "dst", "--distill")
+    assert result.exit_code != 0 and "stopped by SIGTERM; nothing partial was left behind" in result.output
+    assert list(tmp_path.iterdir()) == []
