@@ -414,8 +414,7 @@ class _Streams:
     converted: HiddenStates  # the converted model's (the refitted layers before it)
     per_call: int  # windows per forward call
     dev: torch.device
-    spill: Path | None  # where a third stream (the targets after attention) goes beyond --refit-memory
-    targets: HiddenStates | None = None  # the original's residual stream after the current layer's attention
+    targets: HiddenStates | None  # --refit-target attention: the original's stream after the layer's attention
 
     @property
     def every(self) -> list[list[int]]:
@@ -441,13 +440,11 @@ def _streams(c: Conversion, model, work: Path) -> _Streams:
     kw = states[0][1]  # the same for every window: equal lengths, no padding
     del states
     work.mkdir(parents=True, exist_ok=True)
-    streams = 3 if s.refit_target == "attention" else 2
-    spill = streams * first.numel() * 4 > parse_size(s.refit_memory)
-    original = HiddenStates(first, work / "original.f32" if spill else None)
-    converted = HiddenStates(first, work / "converted.f32" if spill else None)
-    return _Streams(
-        ids, kw, original, converted, max(1, call_tokens(dev) // seq_len), dev, work / "targets.f32" if spill else None
-    )
+    names = ("original", "converted", "targets") if s.refit_target == "attention" else ("original", "converted")
+    spill = len(names) * first.numel() * 4 > parse_size(s.refit_memory)
+    streams = {name: HiddenStates(first, work / f"{name}.f32" if spill else None) for name in names}
+    per_call = max(1, call_tokens(dev) // seq_len)
+    return _Streams(ids, kw, streams["original"], streams["converted"], per_call, dev, streams.get("targets"))
 
 
 def _attention_module(c: Conversion, by_name: Mapping[str, OutputTensor], i: int, prefix: str) -> str:
@@ -465,16 +462,15 @@ def _advance_original(
     if attention is None:
         st.original.advance(st.every, source_layer, st.dev)
         return
-    if st.targets is None:
-        st.targets = HiddenStates(st.original.data, st.spill)
     seen: list[torch.Tensor] = []
-    with torch.no_grad(), _hooked(attention, lambda module, args, out: seen.append(_output(out))):
-        for w in st.every:
-            check_signals()
-            x = st.original[w].to(st.dev)
-            y = source_layer(x, w)
-            st.targets[w] = x + seen.pop()
-            st.original[w] = y
+
+    def step(x: torch.Tensor, w: list[int]) -> torch.Tensor:
+        y = source_layer(x, w)
+        st.targets[w] = x + seen.pop()
+        return y
+
+    with _hooked(attention, lambda module, args, out: seen.append(_output(out))):
+        st.original.advance(st.every, step, st.dev)
 
 
 def _refit_layer(

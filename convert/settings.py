@@ -9,7 +9,7 @@ from mha2gqa.convert.methods import GROUPINGS, METHODS, get_grouping, get_method
 from mha2gqa.core.devices import DEVICE_HELP, check_device_name
 from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.errors import SettingError
-from mha2gqa.core.settings import setting, validate
+from mha2gqa.core.settings import check_switched, setting, validate
 from mha2gqa.core.text import check_text_source
 from mha2gqa.core.units import parse_size
 
@@ -179,11 +179,8 @@ class ConvertSettings:
             parse_size(self.refit_memory)
         except Exception as e:
             raise SettingError("refit_memory", f"{{name}} {self.refit_memory}: {e}") from None
-        if not self.refit:
-            for name, field in type(self).__dataclass_fields__.items():
-                if name.startswith("refit_") and getattr(self, name) != field.default:
-                    raise SettingError(name, "{name} is a setting of --refit: add --refit")
-        elif not self.calibration:
+        check_switched(self, "refit")
+        if self.refit and not self.calibration:
             raise SettingError("calibration", "--refit fits each layer on calibration text: pass {name} DATA")
 
     @property

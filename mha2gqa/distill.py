@@ -23,7 +23,7 @@ from typing import Any
 
 from mha2gqa.convert.settings import ConvertSettings, calibration_window
 from mha2gqa.core.errors import SettingError
-from mha2gqa.core.settings import setting, validate
+from mha2gqa.core.settings import check_switched, setting, validate
 
 #: windows a distillation step reads
 BATCH = 4
@@ -50,11 +50,8 @@ class DistillSettings:
     def check(self, convert: ConvertSettings) -> DistillSettings:
         """Every value checked, and that the conversion gives the distillation its text."""
         validate(self)
-        if not self.distill:
-            for name in ("distill_steps", "distill_lr"):
-                if getattr(self, name) != getattr(DistillSettings, name):
-                    raise SettingError(name, "{name} sets up --distill: add --distill, or drop {name}")
-        elif convert.calibration is None:
+        check_switched(self, "distill")
+        if self.distill and convert.calibration is None:
             raise SettingError("distill", "{name} distils on the calibration text: give --calibration")
         return self
 

@@ -60,7 +60,7 @@ def test_convert_distill_publishes_the_distilled_model_with_both_records(src, tm
     ("args", "says"),
     [
         (["--distill"], "--distill distils on the calibration text: give --calibration"),
-        (["--distill-steps", "4"], "--distill-steps sets up --distill"),
+        (["--distill-steps", "4"], "--distill-steps is a setting of --distill: add --distill"),
         (["--distill", "--distill-lr", "0"], "--distill-lr"),
     ],
 )
