@@ -71,9 +71,9 @@ def refit_flops_per_layer(src: Path, seq_len: int = 512) -> float:
     """FLOPs of one layer's default refit (``convert``'s default steps and windows per step, without
     stopping early): forward + backward (3 x 2 x parameters per token, the attention scores
     3 x 4 x T x hidden per token) over ``steps x batch`` windows of ``seq_len``."""
-    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.convert.settings import ConvertSettings, refit_windows
 
-    steps, batch = ConvertSettings.refit_steps, ConvertSettings.refit_batch
+    steps, batch = ConvertSettings.refit_steps, refit_windows(ConvertSettings.refit_batch, seq_len)
     config = json.loads((src / "config.json").read_text())
     h, i = config["hidden_size"], config["intermediate_size"]
     params = 4 * h * h + 3 * h * i
@@ -82,7 +82,7 @@ def refit_flops_per_layer(src: Path, seq_len: int = 512) -> float:
 
 
 def main() -> None:
-    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.convert.settings import ConvertSettings, refit_windows
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("bench-7b"))
@@ -200,7 +200,8 @@ def main() -> None:
             flops = refit_flops_per_layer(src)
             against = (
                 f"{fit:.0f} s per layer for {m['refit_steps']} step(s) on this CPU; the default "
-                f"{ConvertSettings.refit_steps} steps x {ConvertSettings.refit_batch} windows x 512 tokens are "
+                f"{ConvertSettings.refit_steps} steps x {refit_windows(ConvertSettings.refit_batch, 512)} windows x "
+                f"512 tokens are "
                 f"{flops / 1e15:.2f} PFLOP a layer: ~{flops / 200e12:.0f} s a layer on a GPU at "
                 f"200 TFLOP/s (TF32), ~{flops / 30e12:.0f} s at 30 TFLOP/s (FP32); RSS target <= 2.5 GB (4 layers)"
             )

@@ -51,7 +51,7 @@ import torch
 from mha2gqa.convert.layers import calibration_ids, each_layer, first_layer_inputs, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
-from mha2gqa.convert.settings import calibration_window
+from mha2gqa.convert.settings import calibration_window, refit_windows
 from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.convert.tensor_sources import attention_names
 from mha2gqa.core.conversion_record import ATTENTION_TARGET, LAYER_TARGET, LOUD_SCALED_ERROR, Refit, RefitLayer
@@ -413,6 +413,7 @@ class _Streams:
     original: HiddenStates  # the original model's inputs to the current layer
     converted: HiddenStates  # the converted model's (the refitted layers before it)
     per_call: int  # windows per forward call
+    batch: int  # windows per fit step
     dev: torch.device
     targets: HiddenStates | None  # --refit-target attention: the original's stream after the layer's attention
 
@@ -444,7 +445,8 @@ def _streams(c: Conversion, model, work: Path) -> _Streams:
     spill = len(names) * first.numel() * 4 > parse_size(s.refit_memory)
     streams = {name: HiddenStates(first, work / f"{name}.f32" if spill else None) for name in names}
     per_call = max(1, call_tokens(dev) // seq_len)
-    return _Streams(ids, kw, streams["original"], streams["converted"], per_call, dev, streams.get("targets"))
+    batch = min(refit_windows(s.refit_batch, seq_len), len(split_windows(len(ids))[0]))  # at most every fitted one
+    return _Streams(ids, kw, streams["original"], streams["converted"], per_call, batch, dev, streams.get("targets"))
 
 
 def _attention_module(c: Conversion, by_name: Mapping[str, OutputTensor], i: int, prefix: str) -> str:
@@ -519,7 +521,7 @@ def _refit_layer(
         len(st.ids),
         steps=s.refit_steps,
         lr=s.refit_lr,
-        batch=s.refit_batch,
+        batch=st.batch,
         seed=s.seed * 1_000_003 + i,
         per_call=st.per_call,
         scale=dimension_scale(target, fitted, st.per_call).to(dev),
@@ -593,7 +595,7 @@ def refit(
         heldout_windows=len(held),
         steps=s.refit_steps,
         lr=s.refit_lr,
-        batch=s.refit_batch,
+        batch=st.batch,
         params=list(s.refit_roles()),
         seed=s.seed,
         layers=records,

@@ -24,11 +24,20 @@ _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
 
 #: The calibration window when none is given (cut to the model's positions).
 CALIBRATION_WINDOW = 512
+#: tokens a --refit step reads by default (whole windows, at least one): at a fixed cost more steps of
+#: fewer tokens fit better, down to about this many (docs/methods.md, "The fit")
+REFIT_STEP_TOKENS = 1024
 
 
 def calibration_window(given: int | None, positions: int | None) -> int:
     """``--calibration-seq-len``, else :data:`CALIBRATION_WINDOW`, cut to the model's ``positions``."""
     return min(given or CALIBRATION_WINDOW, positions or CALIBRATION_WINDOW)
+
+
+def refit_windows(given: int | None, window: int) -> int:
+    """Windows of ``window`` tokens a --refit step reads: ``--refit-batch``, else as many as make
+    :data:`REFIT_STEP_TOKENS` tokens (at least one)."""
+    return given or max(1, REFIT_STEP_TOKENS // window)
 
 
 @dataclass
@@ -94,7 +103,7 @@ class ConvertSettings:
         "q,k,v,o", help="Projections --refit fits, comma-separated from q,k,v,o (biases included)."
     )
     refit_steps: int = setting(
-        80, help="Adam steps per layer of --refit (fewer when held-out error stops falling).", minimum=1
+        120, help="Adam steps per layer of --refit (fewer when held-out error stops falling).", minimum=1
     )
     refit_target: str = setting(
         "attention",
@@ -104,7 +113,12 @@ class ConvertSettings:
         choices=("attention", "layer"),
     )
     refit_lr: float = setting(3e-3, help="Adam learning rate of --refit.", above=0, maximum=1)
-    refit_batch: int = setting(4, help="Calibration windows per --refit step.", minimum=1)
+    refit_batch: int | None = setting(
+        None,
+        help=f"Calibration windows per --refit step [default: {REFIT_STEP_TOKENS:,} tokens' worth, at least one: "
+        "2 windows of 512].",
+        minimum=1,
+    )
     refit_tokens: int = setting(
         16384,
         help="Tokens --refit fits on (the first N of --calibration; fewer when the text or "

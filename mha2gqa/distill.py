@@ -26,7 +26,7 @@ from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import check_switched, setting, validate
 
 #: windows a distillation step reads
-BATCH = 4
+BATCH = 2
 #: teacher log-probabilities kept per token (the rest as one remainder)
 TOP_K = 64
 #: where the two stages write inside the staged DST
@@ -44,7 +44,7 @@ class DistillSettings:
         "the whole model (held in memory) that takes off much of what the layer-wise fit leaves; DST "
         "is the distilled model.",
     )
-    distill_steps: int = setting(16, help=f"Steps of --distill ({BATCH} calibration windows each).", minimum=1)
+    distill_steps: int = setting(24, help=f"Steps of --distill ({BATCH} calibration windows each).", minimum=1)
     distill_lr: float = setting(3e-4, help="AdamW learning rate of --distill (constant).", above=0, maximum=1)
 
     def check(self, convert: ConvertSettings) -> DistillSettings:

@@ -22,7 +22,7 @@ from mha2gqa.convert.refit import (
     reads_after_attention,
     split_windows,
 )
-from mha2gqa.convert.settings import ConvertSettings
+from mha2gqa.convert.settings import REFIT_STEP_TOKENS, ConvertSettings, refit_windows
 from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.conversion_record import ATTENTION_TARGET, LAYER_TARGET
 from mha2gqa.core.families import families
@@ -206,7 +206,7 @@ def _reference(src, plain, calib_text, steps: int, seed: int = 0, target: str = 
             len(ids),
             steps=steps,
             lr=ConvertSettings.refit_lr,
-            batch=ConvertSettings.refit_batch,
+            batch=min(refit_windows(ConvertSettings.refit_batch, 32), len(split_windows(len(ids))[0])),
             seed=seed * 1_000_003 + i,
             per_call=per_call,
             scale=scale,
@@ -340,18 +340,25 @@ def test_a_family_whose_attention_calibration_cannot_read_refuses_refit(calib_te
 
 
 def test_the_default_refit_gets_most_of_the_gain_of_a_fit_five_times_longer(calib_text, tmp_path):
-    """The default refit (80 steps of 4 windows, fitted after attention) against the long fit (200
-    steps of 8), from the same merge: at most a fifth of the window passes, every layer's held-out
-    error lowered, and on the first layer (the same inputs for both) at least 70% of the long fit's
-    gain in log terms. (Not within 5% of it: see docs/methods.md.)"""
+    """The default refit (its steps of 1,024 tokens' worth of windows, fitted after attention) against
+    a long fit (600 steps of every fitted window), from the same merge, on windows of 64 (the tiny
+    model's positions): at most a fifth of the window passes, every layer's held-out error lowered,
+    and on the first layer (the same inputs for both) at least 70% of the long fit's gain in log
+    terms. (Not within 5% of it: see
+    docs/methods.md.)"""
     import math
 
     src = source("llama", calib_text, tmp_path / "src", seed=3)
-    short = convert_checkpoint(src, tmp_path / "short", 1, **refit(calib_text, refit_steps=ConvertSettings.refit_steps))
-    full = convert_checkpoint(src, tmp_path / "full", 1, **refit(calib_text, refit_steps=200, refit_batch=8))
+    sizes = {"calibration_tokens": 2048, "calibration_seq_len": 64}  # 32 windows, 28 fitted
+    batch = refit_windows(ConvertSettings.refit_batch, 64)
+    assert batch == REFIT_STEP_TOKENS // 64 < 28
+    default = refit(calib_text, refit_steps=ConvertSettings.refit_steps, **sizes)
+    short = convert_checkpoint(src, tmp_path / "short", 1, **default)
+    full = convert_checkpoint(src, tmp_path / "full", 1, **refit(calib_text, refit_steps=600, refit_batch=28, **sizes))
     a, b = short.facts.refit.layers, full.facts.refit.layers
+    assert (short.facts.refit.batch, full.facts.refit.batch) == (batch, 28)
     assert a[0].loss_before == b[0].loss_before  # the same merge, the same inputs
-    assert sum(r.steps for r in a) * ConvertSettings.refit_batch * 5 <= sum(r.steps for r in b) * 8
+    assert sum(r.steps for r in a) * batch * 5 <= sum(r.steps for r in b) * 28
     assert all(not r.kept and r.loss_after < 0.8 * r.loss_before for r in a), a
     gain = [math.log(r.loss_before / r.loss_after) for r in (a[0], b[0])]
     assert gain[0] >= 0.7 * gain[1], (a, b)
