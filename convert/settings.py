@@ -116,7 +116,7 @@ class ConvertSettings:
     refit_batch: int | None = setting(
         None,
         help=f"Calibration windows per --refit step [default: {REFIT_STEP_TOKENS:,} tokens' worth, at least one: "
-        "2 windows of 512].",
+        f"{refit_windows(None, CALIBRATION_WINDOW)} windows of {CALIBRATION_WINDOW}].",
         minimum=1,
     )
     refit_tokens: int = setting(
