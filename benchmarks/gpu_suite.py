@@ -272,11 +272,12 @@ def speed_figures(size: dict, device_name: str, dtype_name: str, figures: set[st
     if "calibration" in figures:
         out["calibration"] = calibration_figure(size, device_name)
     if "refit" in figures:
-        if device.type == "cuda":  # the baseline: one 512-token window a call, as on a CPU
+        if device.type == "cuda":  # the baseline: one calibration window a call
             from mha2gqa.convert import refit
+            from mha2gqa.convert.settings import CALIBRATION_WINDOW
 
             default = dict(refit.CALL_TOKENS)
-            refit.CALL_TOKENS["cuda"] = refit.CALL_TOKENS["cpu"]
+            refit.CALL_TOKENS["cuda"] = CALIBRATION_WINDOW
             try:
                 out["refit_one_window_a_call"] = refit_figure(size["refit"], device_name)
             finally:

@@ -33,7 +33,9 @@ a real model's few huge hidden dimensions would otherwise be nearly all of the e
 and checked :data:`CHECKS` times per layer; the best held-out weights are kept, the fit stops after
 :data:`PATIENCE` checks that took off less than :data:`MIN_GAIN` of it (not before half its steps),
 and a layer whose held-out error did not fall keeps its merged weights (bit for bit). A layer whose
-error starts at zero (an exact conversion) is not touched.
+error starts at zero (an exact conversion) is not touched. Fitted after attention, the output
+projection then gets its closed-form solution given the fitted q/k/v (:func:`solve_output`: the stream
+is linear in it), shrunk toward Adam's and kept only where it lowers the held-out error.
 """
 
 from __future__ import annotations
@@ -50,11 +52,19 @@ import torch
 
 from mha2gqa.convert.layers import calibration_ids, each_layer, first_layer_inputs, skeleton
 from mha2gqa.convert.methods import HeadShape
+from mha2gqa.convert.output_solve import RIDGES, NormalEquations
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.settings import calibration_window, refit_windows
 from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.convert.tensor_sources import attention_names
-from mha2gqa.core.conversion_record import ATTENTION_TARGET, LAYER_TARGET, LOUD_SCALED_ERROR, Refit, RefitLayer
+from mha2gqa.core.conversion_record import (
+    ATTENTION_TARGET,
+    LAYER_TARGET,
+    LOUD_SCALED_ERROR,
+    O_SOLVED,
+    Refit,
+    RefitLayer,
+)
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
@@ -69,10 +79,11 @@ CHECKS = 10
 PATIENCE = 3
 #: the share of the best held-out error a check must take off to count as progress
 MIN_GAIN = 0.005
-#: tokens per forward call of a layer (windows batched up to this), by device type: on a CPU one
-#: 512-token window a call keeps the activations small; on a GPU that size is bound by kernel launches,
-#: so a step's windows go in one call (SmolLM2-135M's shape on an H200: 8.8 ms a step, not 31.2)
-CALL_TOKENS = {"cpu": 512, "cuda": 8 * 512}
+#: tokens per forward call of a layer (windows batched up to this), by device type: on a CPU a default
+#: step (REFIT_STEP_TOKENS) in one call, its activations still small (pydocs-mha-8h: 0.91x the time of
+#: 512-token calls); on a GPU a call that size is bound by kernel launches, so eight
+#: windows go in one (SmolLM2-135M's shape on an H200: 8.8 ms a step, not 31.2)
+CALL_TOKENS = {"cpu": 1024, "cuda": 8 * 512}
 
 
 def call_tokens(device: torch.device) -> int:
@@ -169,6 +180,7 @@ class FitResult:
     loss_after: float
     kept: bool
     steps: int
+    ridge: float | None = None  # the closed-form o_proj's (:func:`solve_output`), None: not taken
 
 
 def chunks(indices: list[int], size: int) -> list[list[int]]:
@@ -205,14 +217,7 @@ def fit_layer(
     steps are done. Returns the best values, or ``start`` itself when no check lowered the held-out
     error (``kept``)."""
     fitted, held = split_windows(windows)
-
-    def heldout(values) -> float:
-        with torch.no_grad():
-            total = sum(
-                float(_scaled_squares(forward(values, c), targets(c), scale).sum()) for c in chunks(held, per_call)
-            )
-        return total / (len(held) * targets(held[:1]).numel())
-
+    heldout = partial(heldout_error, forward, targets=targets, windows=held, per_call=per_call, scale=scale)
     before = heldout(start)
     if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
         return FitResult(start, before, before, True, 0)
@@ -240,6 +245,71 @@ def fit_layer(
     if best_values is None:
         return FitResult(start, before, before, True, done)
     return FitResult(best_values, before, best, False, done)
+
+
+def heldout_error(
+    forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
+    values: dict[str, torch.Tensor],
+    *,
+    targets: Callable[[list[int]], torch.Tensor],
+    windows: list[int],
+    per_call: int,
+    scale: torch.Tensor | None,
+) -> float:
+    """The mean scaled squared error of ``forward(values, ...)`` against ``targets`` over ``windows``
+    (``per_call`` at a time), without gradients: what :func:`fit_layer` checks."""
+    with torch.no_grad():
+        total = sum(
+            float(_scaled_squares(forward(values, c), targets(c), scale).sum()) for c in chunks(windows, per_call)
+        )
+    return total / (len(windows) * targets(windows[:1]).numel())
+
+
+def solve_output(
+    result: FitResult,
+    forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
+    *,
+    targets: Callable[[list[int]], torch.Tensor],
+    windows: int,
+    per_call: int,
+    scale: torch.Tensor | None,
+    attention: torch.nn.Module,
+    o_proj: torch.nn.Module,
+) -> FitResult:
+    """``result`` with the output projection (roles ``o``, ``o_bias``) solved in closed form given its
+    other projections (:mod:`mha2gqa.convert.output_solve`), when ``forward`` (as in :func:`fit_layer`)
+    gives the residual stream right after ``attention``, whose output is ``o_proj``'s: one pass over the
+    fitted windows gathers the normal equations, each ridge of :data:`RIDGES` is solved and checked on
+    the held-out windows, and the best is taken if it lowers ``result``'s held-out error. A bias of
+    ``o_proj`` that ``result`` does not hold stays as it is."""
+    has_bias = "o_bias" in result.values
+    if result.loss_before == 0.0 or "o" not in result.values or (has_bias and o_proj.bias is None):
+        return result
+    fixed = o_proj.bias if o_proj.bias is not None and not has_bias else None  # a bias the refit does not fit
+    fitted, held = split_windows(windows)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    equations = NormalEquations(bias=has_bias)
+    with (
+        torch.no_grad(),
+        _hooked(o_proj, lambda module, args, out: seen.append((args[0], out))),
+        _hooked(attention, lambda module, args, out: seen.append(_output(out))),
+    ):
+        for c in chunks(fitted, per_call):
+            stream = forward(result.values, c)
+            (inputs, out), block = seen
+            seen.clear()
+            if not torch.equal(out, block):  # the block's output is not o_proj's: the stream is not linear in it
+                return result
+            wanted = targets(c) - stream + out  # stream - out: all the rest of x + o(A)
+            equations.add(inputs, wanted if fixed is None else wanted - fixed)
+    best = result
+    for ridge in RIDGES:
+        w, b = equations.solve(result.values["o"], result.values.get("o_bias"), ridge)
+        values = result.values | {"o": w} | ({"o_bias": b} if has_bias else {})
+        error = heldout_error(forward, values, targets=targets, windows=held, per_call=per_call, scale=scale)
+        if error < best.loss_after:
+            best = FitResult(values, result.loss_before, error, False, result.steps, ridge)
+    return best
 
 
 def _batches(windows: list[int], batch: int, seed: int) -> Iterator[list[int]]:
@@ -513,19 +583,25 @@ def _refit_layer(
 
     target = st.original if attention is None else st.targets
     fitted, _ = split_windows(len(st.ids))
+    targets, scale = (lambda w: target[w].to(dev)), dimension_scale(target, fitted, st.per_call).to(dev)
+    trainable = [r for r in weights.values if r[0] in s.refit_roles()]
     result = fit_layer(
         fitted_part,
         weights.values,
-        [r for r in weights.values if r[0] in s.refit_roles()],
-        lambda w: target[w].to(dev),
+        trainable,
+        targets,
         len(st.ids),
         steps=s.refit_steps,
         lr=s.refit_lr,
         batch=st.batch,
         seed=s.seed * 1_000_003 + i,
         per_call=st.per_call,
-        scale=dimension_scale(target, fitted, st.per_call).to(dev),
+        scale=scale,
     )
+    if attention is not None and "o" in trainable:
+        o_proj = layer.get_submodule(names["o"][len(prefix) : -len(".weight")])
+        kw = {"targets": targets, "windows": len(st.ids), "per_call": st.per_call, "scale": scale}
+        result = solve_output(result, fitted_part, attention=attention, o_proj=o_proj, **kw)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
     written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
     st.converted.advance(st.every, partial(converted_layer, written), dev)
@@ -577,13 +653,23 @@ def refit(
                 result = _refit_layer(c, layer, i, prefix, st, by_name, work, attention)  # one layer at a time
                 seconds = time.perf_counter() - t0
                 records.append(
-                    RefitLayer(i, result.loss_before, result.loss_after, result.kept, result.steps, round(seconds, 3))
+                    RefitLayer(
+                        i,
+                        result.loss_before,
+                        result.loss_after,
+                        result.kept,
+                        result.steps,
+                        round(seconds, 3),
+                        result.ridge,
+                    )
                 )
                 if log is not None:
                     log(
                         f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
                         + (" (kept the merged weights)" if result.kept else "")
-                        + f", {result.steps} steps, {seconds:.1f} s"
+                        + f", {result.steps} steps"
+                        + (f", {O_SOLVED} (ridge {result.ridge:g})" if result.ridge is not None else "")
+                        + f", {seconds:.1f} s"
                     )
                 del result
             bar.update(1)

@@ -8,7 +8,7 @@ import json
 
 import yaml
 
-from mha2gqa.core.conversion_record import ConversionRecord, Facts, Refit
+from mha2gqa.core.conversion_record import O_SOLVED, ConversionRecord, Facts, Refit
 from mha2gqa.core.records import CONVERSION_RECORD
 
 _PER_LAYER_NOTE = (
@@ -66,7 +66,9 @@ def changes(conv: Facts) -> str:
 def refit_summary(refit: Refit) -> str:
     """``--refit`` in words: what was fitted on what, and each layer's held-out error before -> after."""
     layers = "; ".join(
-        f"layer {r.layer}: {r.loss_before:.3g} → {r.loss_after:.3g}" + (" (kept the merge)" if r.kept else "")
+        f"layer {r.layer}: {r.loss_before:.3g} → {r.loss_after:.3g}"
+        + (" (kept the merge)" if r.kept else "")
+        + (f" ({O_SOLVED}, ridge {r.o_ridge:g})" if r.o_ridge is not None else "")
         for r in refit.layers
     )
     return (

@@ -65,6 +65,8 @@ LOUD_SCALED_ERROR = "mean squared error, each hidden dimension louder than avera
 LAYER_TARGET = "layer output"
 #: :attr:`Refit.target` where the layer reads its input only through the stream after attention
 ATTENTION_TARGET = "residual stream after attention"
+#: how a log or card says a layer's output projection was solved in closed form (:attr:`RefitLayer.o_ridge`)
+O_SOLVED = "o_proj solved in closed form"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class RefitLayer:
     kept: bool
     steps: int
     seconds: float
+    #: the ridge of the closed-form output projection that replaced the Adam fit's (None: not replaced)
+    o_ridge: float | None = None
 
 
 @dataclass(frozen=True)
