@@ -283,7 +283,9 @@ def solve_output(
     the held-out windows, and the best is taken if it lowers ``result``'s held-out error. A bias of
     ``o_proj`` that ``result`` does not hold stays as it is."""
     has_bias = "o_bias" in result.values
-    if result.loss_before == 0.0 or "o" not in result.values or (has_bias and o_proj.bias is None):
+    if result.loss_before == 0.0 or "o" not in result.values or type(o_proj) is not torch.nn.Linear:
+        return result  # exact, not fitted, or not a plain linear map (a transposed Conv1D, a quantized one)
+    if has_bias and o_proj.bias is None:
         return result
     fixed = o_proj.bias if o_proj.bias is not None and not has_bias else None  # a bias the refit does not fit
     fitted, held = split_windows(windows)
@@ -296,6 +298,8 @@ def solve_output(
     ):
         for c in chunks(fitted, per_call):
             stream = forward(result.values, c)
+            if len(seen) != 2:  # o_proj not called once per call of the block
+                return result
             (inputs, out), block = seen
             seen.clear()
             if not torch.equal(out, block):  # the block's output is not o_proj's: the stream is not linear in it

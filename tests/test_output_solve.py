@@ -52,6 +52,7 @@ class _Block(torch.nn.Module):
     def __init__(self, gain: float = 1.0) -> None:
         super().__init__()
         self.mix = torch.nn.Parameter(torch.randn(6, 5), requires_grad=False)
+        self.mix_module = torch.nn.Linear(6, 6)  # a linear module the block never calls
         self.o_proj = torch.nn.Linear(5, 6)
         self.gain = gain
 
@@ -92,9 +93,12 @@ def test_no_solve_where_the_block_output_is_not_the_projection_or_nothing_was_fi
     block, forward, fit, kw = _setup()
     exact = FitResult(fit.values, 0.0, 0.0, True, 0)
     assert solve_output(exact, forward, windows=16, attention=block, o_proj=block.o_proj, **kw) is exact
+    assert solve_output(fit, forward, windows=16, attention=block, o_proj=block.mix_module, **kw) is fit  # not run
     block.o_proj.bias = None
     with_bias = FitResult(fit.values, 1.0, 0.5, False, 10)  # a fitted bias the module lacks
     assert solve_output(with_bias, forward, windows=16, attention=block, o_proj=block.o_proj, **kw) is with_bias
+    conv = torch.nn.Conv1d(5, 6, 1)  # not a plain linear map of its last dimension
+    assert solve_output(fit, forward, windows=16, attention=block, o_proj=conv, **kw) is fit
 
 
 def test_a_bias_the_fit_does_not_hold_stays_as_it_is():
