@@ -6,8 +6,8 @@ fitted stream is ``x + o(A)``: with q/k/v fixed, the attention block's output ``
 ``o_proj``'s weight ``W`` ``[out, in]`` (and bias ``b``). So, given the Adam fit's q/k/v, the weight that
 best reproduces the target on the fitted windows is a least-squares solution, one regression per
 output dimension (the refit's per-dimension weights scale each regression as a whole, so they do not
-change its solution). Fitted windows are few next to ``in`` at real sizes and attention outputs are
-correlated, so the plain solution overfits: it is shrunk toward the Adam fit's weights ``W0``,
+change its solution). The fitted tokens come in a few dozen correlated windows, and on a real model
+the plain solution overfits them (docs/methods.md): it is shrunk toward the Adam fit's weights ``W0``,
 
     W^T = (AᵀA + λ m I)^(-1) (AᵀR + λ m W0^T),   m = the mean of AᵀA's diagonal,
 
