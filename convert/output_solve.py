@@ -1,17 +1,18 @@
 """The closed-form last step of a layer's refit: the output projection by ridge regression.
 
 With the refit's target the residual stream right after attention (``--refit-target attention``), the
-fitted stream is ``x + o(A)``: with q/k/v fixed, the attention block's output ``A`` ``[tokens, in]``
-(its heads' values, concatenated) does not depend on ``o_proj``, and the stream is linear in
-``o_proj``'s weight ``W`` ``[out, in]`` (and bias ``b``). So, given the Adam fit's q/k/v, the weight that
-best reproduces the target on the fitted windows is a least-squares solution, one regression per
-output dimension (the refit's per-dimension weights scale each regression as a whole, so they do not
-change its solution). The fitted tokens come in a few dozen correlated windows, and on a real model
-the plain solution overfits them (docs/methods.md): it is shrunk toward the Adam fit's weights ``W0``,
+fitted stream is ``x + o(A)``; a parallel layer fitted on its output gives ``x + o(A) + mlp(x)``. With
+q/k/v fixed, the input of ``o_proj``, ``A`` ``[tokens, in]`` (the heads' values, concatenated), does not
+depend on ``o_proj``, and either is linear in ``o_proj``'s weight ``W`` ``[out, in]`` (and bias
+``b``). So, given the Adam fit's q/k/v, the weight that best reproduces the target on the fitted windows
+is a least-squares solution, one regression per output dimension (the refit's per-dimension weights
+scale each regression as a whole, so they do not change its solution). The fitted tokens come in a few
+dozen correlated windows, and on a real model the plain solution overfits them (docs/methods.md): it is
+shrunk toward the Adam fit's weights ``W0``,
 
     W^T = (AᵀA + λ m I)^(-1) (AᵀR + λ m W0^T),   m = the mean of AᵀA's diagonal,
 
-(``R``: what ``o(A)`` should be, ``target - x``), with ``λ`` chosen on the held-out windows among
+(``R``: what ``o(A)`` should be, the target less the rest), with ``λ`` chosen on the held-out windows among
 :data:`RIDGES` by the caller. ``λ → ∞`` gives ``W0`` back; ``λ → 0``, the least-squares weight. A bias
 is one more input column of ones.
 """

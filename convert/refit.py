@@ -33,9 +33,10 @@ a real model's few huge hidden dimensions would otherwise be nearly all of the e
 and checked :data:`CHECKS` times per layer; the best held-out weights are kept, the fit stops after
 :data:`PATIENCE` checks that took off less than :data:`MIN_GAIN` of it (not before half its steps),
 and a layer whose held-out error did not fall keeps its merged weights (bit for bit). A layer whose
-error starts at zero (an exact conversion) is not touched. Fitted after attention, the output
-projection then gets its closed-form solution given the fitted q/k/v (:func:`solve_output`: the stream
-is linear in it), shrunk toward Adam's and kept only where it lowers the held-out error.
+error starts at zero (an exact conversion) is not touched. Where what the fit matches is linear in the
+output projection's output (the stream after attention; a parallel layer's output), that projection
+then gets its closed-form solution given the fitted q/k/v (:func:`solve_output`), shrunk toward Adam's
+and kept only where it lowers the held-out error.
 """
 
 from __future__ import annotations
@@ -273,15 +274,15 @@ def solve_output(
     windows: int,
     per_call: int,
     scale: torch.Tensor | None,
-    attention: torch.nn.Module,
     o_proj: torch.nn.Module,
 ) -> FitResult:
     """``result`` with the output projection (roles ``o``, ``o_bias``) solved in closed form given its
-    other projections (:mod:`mha2gqa.convert.output_solve`), when ``forward`` (as in :func:`fit_layer`)
-    gives the residual stream right after ``attention``, whose output is ``o_proj``'s: one pass over the
-    fitted windows gathers the normal equations, each ridge of :data:`RIDGES` is solved and checked on
-    the held-out windows, and the best is taken if it lowers ``result``'s held-out error. A bias of
-    ``o_proj`` that ``result`` does not hold stays as it is."""
+    other projections (:mod:`mha2gqa.convert.output_solve`), where what ``forward`` (as in
+    :func:`fit_layer`) gives is the rest plus ``o_proj``'s output, unscaled (the residual stream right
+    after attention; a parallel layer's output, ``x + attn(x) + mlp(x)``), checked on the first call by
+    :func:`_moves_with`: one pass over the fitted windows gathers the normal equations, each ridge of
+    :data:`RIDGES` is solved and checked on the held-out windows, and the best is taken if it lowers
+    ``result``'s held-out error. A bias of ``o_proj`` that ``result`` does not hold stays as it is."""
     has_bias = "o_bias" in result.values
     if result.loss_before == 0.0 or "o" not in result.values or type(o_proj) is not torch.nn.Linear:
         return result  # exact, not fitted, or not a plain linear map (a transposed Conv1D, a quantized one)
@@ -291,20 +292,17 @@ def solve_output(
     fitted, held = split_windows(windows)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     equations = NormalEquations(bias=has_bias)
-    with (
-        torch.no_grad(),
-        _hooked(o_proj, lambda module, args, out: seen.append((args[0], out))),
-        _hooked(attention, lambda module, args, out: seen.append(_output(out))),
-    ):
-        for c in chunks(fitted, per_call):
-            stream = forward(result.values, c)
-            if len(seen) != 2:  # o_proj not called once per call of the block
+    with torch.no_grad():
+        for n, c in enumerate(chunks(fitted, per_call)):
+            with _hooked(o_proj, lambda module, args, out: seen.append((args[0], out))):
+                stream = forward(result.values, c)
+            if len(seen) != 1:  # o_proj not called once per call
                 return result
-            (inputs, out), block = seen
+            ((inputs, out),) = seen
             seen.clear()
-            if not torch.equal(out, block):  # the block's output is not o_proj's: the stream is not linear in it
-                return result
-            wanted = targets(c) - stream + out  # stream - out: all the rest of x + o(A)
+            if n == 0 and not _moves_with(forward, result.values, c, o_proj, stream):
+                return result  # the output is not linear in o_proj's, with a unit slope
+            wanted = targets(c) - stream + out  # stream - out: all the rest
             equations.add(inputs, wanted if fixed is None else wanted - fixed)
     best = result
     for ridge in RIDGES:
@@ -314,6 +312,28 @@ def solve_output(
         if error < best.loss_after:
             best = FitResult(values, result.loss_before, error, False, result.steps, ridge)
     return best
+
+
+def _moves_with(
+    forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
+    values: dict[str, torch.Tensor],
+    windows: list[int],
+    o_proj: torch.nn.Module,
+    output: torch.Tensor,
+) -> bool:
+    """Whether ``forward(values, windows)`` (which gave ``output``) moves by exactly ``d`` when
+    ``o_proj``'s output moves by ``d`` (a random shift the size of ``output``): true of ``x + o(A)`` and
+    ``x + o(A) + mlp(x)``, not of a layer whose MLP reads ``o``'s output or that scales or norms it."""
+    shift: list[torch.Tensor] = []
+
+    def move(module, args, out):
+        d = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out) * output.std().clamp_min(1)
+        shift.append(d)
+        return out + d
+
+    with _hooked(o_proj, move):
+        moved = forward(values, windows)
+    return len(shift) == 1 and bool((moved - output - shift[0]).norm() <= 1e-4 * shift[0].norm())
 
 
 def _batches(windows: list[int], batch: int, seed: int) -> Iterator[list[int]]:
@@ -602,10 +622,10 @@ def _refit_layer(
         per_call=st.per_call,
         scale=scale,
     )
-    if attention is not None and "o" in trainable:
+    if "o" in trainable:
         o_proj = layer.get_submodule(names["o"][len(prefix) : -len(".weight")])
         kw = {"targets": targets, "windows": len(st.ids), "per_call": st.per_call, "scale": scale}
-        result = solve_output(result, fitted_part, attention=attention, o_proj=o_proj, **kw)
+        result = solve_output(result, fitted_part, o_proj=o_proj, **kw)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
     written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
     st.converted.advance(st.every, partial(converted_layer, written), dev)

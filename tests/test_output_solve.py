@@ -61,16 +61,23 @@ class _Block(torch.nn.Module):
         return out if self.gain == 1.0 else out * self.gain
 
 
-def _setup(gain: float = 1.0):
+def _setup(gain: float = 1.0, layer: str = "after attention"):
+    """A block, a forward (``layer``: the stream after it, ``x + o(A)``; a parallel layer's output,
+    ``x + o(A) + mlp(x)``; a sequential one's, ``h + mlp(h)`` with ``h = x + o(A)``), a fit of ``o``
+    short of the best, and the keywords of :func:`solve_output`."""
     torch.manual_seed(1)
     block = _Block(gain).requires_grad_(False)
-    x = torch.randn(16, 8, 6)
+    x, mlp = torch.randn(16, 8, 6), torch.randn(6, 6)
     w_true, b_true = torch.randn(6, 5), torch.randn(6)
     targets = x + torch.tanh(x @ block.mix) @ w_true.T + b_true + 0.01 * torch.randn(16, 8, 6)
+    targets = targets + torch.tanh(x @ mlp) if layer == "parallel" else targets
 
     def forward(values, w):
         params = {"o_proj.weight": values["o"], "o_proj.bias": values["o_bias"]}
-        return x[w] + torch.func.functional_call(block, params, (x[w],))
+        h = x[w] + torch.func.functional_call(block, params, (x[w],))
+        if layer == "parallel":
+            return h + torch.tanh(x[w] @ mlp)
+        return h + torch.tanh(h @ mlp) if layer == "sequential" else h
 
     start = {"o": w_true + 0.3 * torch.randn(6, 5), "o_bias": b_true + 0.3, "q": torch.ones(2)}
     kw = {"targets": lambda w: targets[w], "per_call": 3, "scale": torch.linspace(0.5, 2, 6)}
@@ -78,27 +85,32 @@ def _setup(gain: float = 1.0):
     return block, forward, FitResult(start, 2 * after, after, False, 10), kw
 
 
-def test_the_solved_projection_lowers_the_heldout_error():
-    block, forward, fit, kw = _setup()
-    solved = solve_output(fit, forward, windows=16, attention=block, o_proj=block.o_proj, **kw)
+@pytest.mark.parametrize("layer", ["after attention", "parallel"])
+def test_the_solved_projection_lowers_the_heldout_error(layer):
+    """Where the output is the rest plus ``o_proj``'s (the stream after attention; a parallel layer's
+    output, its MLP reading the layer's input)."""
+    block, forward, fit, kw = _setup(layer=layer)
+    solved = solve_output(fit, forward, windows=16, o_proj=block.o_proj, **kw)
     assert solved.ridge in RIDGES and not solved.kept and solved.steps == fit.steps
     assert solved.loss_after < fit.loss_after / 10  # the outputs are within noise of a linear map
     assert solved.loss_after == heldout_error(forward, solved.values, windows=split_windows(16)[1], **kw)
     assert solved.values["q"] is fit.values["q"]  # only the output projection moves
 
 
-def test_no_solve_where_the_block_output_is_not_the_projection_or_nothing_was_fitted():
-    block, forward, fit, kw = _setup(gain=2.0)
-    assert solve_output(fit, forward, windows=16, attention=block, o_proj=block.o_proj, **kw) is fit
+def test_no_solve_where_the_output_is_not_the_rest_plus_the_projections_or_nothing_was_fitted():
+    block, forward, fit, kw = _setup(gain=2.0)  # the block scales o_proj's output
+    assert solve_output(fit, forward, windows=16, o_proj=block.o_proj, **kw) is fit
+    block, forward, fit, kw = _setup(layer="sequential")  # an MLP reads it
+    assert solve_output(fit, forward, windows=16, o_proj=block.o_proj, **kw) is fit
     block, forward, fit, kw = _setup()
     exact = FitResult(fit.values, 0.0, 0.0, True, 0)
-    assert solve_output(exact, forward, windows=16, attention=block, o_proj=block.o_proj, **kw) is exact
-    assert solve_output(fit, forward, windows=16, attention=block, o_proj=block.mix_module, **kw) is fit  # not run
+    assert solve_output(exact, forward, windows=16, o_proj=block.o_proj, **kw) is exact
+    assert solve_output(fit, forward, windows=16, o_proj=block.mix_module, **kw) is fit  # not run
     block.o_proj.bias = None
     with_bias = FitResult(fit.values, 1.0, 0.5, False, 10)  # a fitted bias the module lacks
-    assert solve_output(with_bias, forward, windows=16, attention=block, o_proj=block.o_proj, **kw) is with_bias
+    assert solve_output(with_bias, forward, windows=16, o_proj=block.o_proj, **kw) is with_bias
     conv = torch.nn.Conv1d(5, 6, 1)  # not a plain linear map of its last dimension
-    assert solve_output(fit, forward, windows=16, attention=block, o_proj=conv, **kw) is fit
+    assert solve_output(fit, forward, windows=16, o_proj=conv, **kw) is fit
 
 
 def test_a_bias_the_fit_does_not_hold_stays_as_it_is():
@@ -112,5 +124,5 @@ def test_a_bias_the_fit_does_not_hold_stays_as_it_is():
 
     start = heldout_error(without_bias, fit.values, windows=split_windows(16)[1], **kw)
     fit = FitResult(fit.values, 2 * start, start, False, 10)
-    solved = solve_output(fit, without_bias, windows=16, attention=block, o_proj=block.o_proj, **kw)
+    solved = solve_output(fit, without_bias, windows=16, o_proj=block.o_proj, **kw)
     assert solved.ridge in RIDGES and "o_bias" not in solved.values and solved.loss_after < start / 2
