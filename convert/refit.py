@@ -327,13 +327,24 @@ def _moves_with(
     shift: list[torch.Tensor] = []
 
     def move(module, args, out):
-        d = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out) * output.std().clamp_min(1)
+        d = _random_shift(out, output.std().clamp_min(1))
         shift.append(d)
         return out + d
 
     with _hooked(o_proj, move):
         moved = forward(values, windows)
-    return len(shift) == 1 and bool((moved - output - shift[0]).norm() <= 1e-4 * shift[0].norm())
+    return len(shift) == 1 and _unmoved(moved - output - shift[0], shift[0])
+
+
+def _random_shift(like: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """A fixed random tensor shaped, typed and placed as ``like``, entries of standard deviation ``size``:
+    the probe of :func:`reads_after_attention` and :func:`_moves_with`."""
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(0)).to(like) * size
+
+
+def _unmoved(difference: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether ``difference`` is rounding next to ``reference`` (a norm within 1e-4 of its norm)."""
+    return bool(difference.norm() <= 1e-4 * reference.norm())
 
 
 def _batches(windows: list[int], batch: int, seed: int) -> Iterator[list[int]]:
@@ -456,14 +467,14 @@ def reads_after_attention(call: Callable[[torch.Tensor], Any], attention: torch.
     with torch.no_grad():
         with _hooked(attention, keep):
             y = _output(call(x))
-        d = torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(x) * x.std()
+        d = _random_shift(x, x.std())
 
         def replace(module, args, out):
             return (seen[0] - d, *out[1:]) if isinstance(out, tuple) else seen[0] - d
 
         with _hooked(attention, replace):
             moved = _output(call(x + d))
-    return bool((moved - y).norm() <= 1e-4 * y.norm())
+    return _unmoved(moved - y, y)
 
 
 def _spilled(path: Path, name: str) -> torch.Tensor:
