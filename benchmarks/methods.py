@@ -17,7 +17,9 @@ per-layer counts at an average of 2 KV heads (``--per-layer auto`` against a bli
 of 3 and 1, each with ``svd`` and ``svd --refit``). Calibration: the first half of WikiText-2 test
 (``--calibration-tokens``, default the conversion's own default); scored on the last
 ``--eval-tokens`` tokens of the second half (disjoint windows of 512) and out of domain on the start
-of ``tinyshakespeare.txt``; each conversion runs as its own ``mha2gqa convert`` process, so its
+of ``tinyshakespeare.txt`` (``--rescaled``: the same on SmolLM2 written differently, every layer's
+``o_proj`` x 1/4 and ``v_proj`` x 4: the same function, so it must convert to the same quality); each
+conversion runs as its own ``mha2gqa convert`` process, so its
 wall time and peak resident memory are its own. The ``+kd`` recipes then run ``mha2gqa uptrain``
 (``REAL_DISTILL``: a short distillation of the attention projections on the calibration text from
 the original's cached top-64 distribution) as a second process; their time and peak are both
@@ -121,6 +123,9 @@ def main() -> None:
     p.add_argument("--refit-steps", type=int, default=None, help="[default: convert's]")
     p.add_argument("--ood", type=Path, default=None, help="out-of-domain text [default: wikitext2_test.txt]")
     p.add_argument("--real", action="store_true", help="the real-model recipes (see the module doc) instead")
+    p.add_argument("--rescaled", action="store_true",
+                   help="with --real: SmolLM2 written differently, the same function (every layer's o_proj x 1/4, "
+                        "v_proj x 4: exact in bf16); its conversion must reach the same quality")  # fmt: skip
     p.add_argument("--recipes", nargs="*", default=None, help="with --real: only these (names as in REAL_RECIPES)")
     p.add_argument("--ood-tokens", type=int, default=8192, help="with --real: tokens scored out of domain")
     args = p.parse_args()
@@ -234,6 +239,8 @@ def _real_row(name: str, model: Path, out: Path, domains: dict, seconds: float, 
     from mha2gqa.eval.harness import evaluate
 
     facts = read_conversion_record(out).conversion
+    for stage in facts.guard.stages if facts.guard else ():  # each stage's held-out KL, kept or undone
+        print(f"{name}: guard: {stage.line()}", flush=True)
     if facts.num_kv_heads_per_layer:
         print(f"{name}: KV heads per layer {','.join(map(str, facts.num_kv_heads_per_layer))}", flush=True)
     d, o = (evaluate(str(model), str(out), settings) for settings in domains.values())
@@ -260,6 +267,23 @@ def _mha2gqa_process(*args: str) -> tuple[float, float]:
     return seconds, usage.ru_maxrss / 1024  # KiB on Linux
 
 
+def rescaled(model: Path, out: Path, o: float = 0.25, v: float = 4.0) -> Path:
+    """A copy of ``model`` in ``out`` computing the same function, written differently: every layer's
+    ``o_proj`` times ``o`` and ``v_proj`` times ``v`` (``o * v == 1``; powers of two are exact)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    assert o * v == 1.0
+    shutil.copytree(model, out)
+    tensors = load_file(model / "model.safetensors")
+    for name, t in tensors.items():
+        scale = o if ".o_proj." in name else v if ".v_proj." in name else None
+        if scale is not None:
+            tensors[name] = (t.to(torch.float32) * scale).to(t.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def real_model(args) -> None:
     """The SmolLM2-135M table (module doc)."""
     from mha2gqa.eval.settings import EvalSettings
@@ -275,6 +299,8 @@ def real_model(args) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.rescaled:
+            model = rescaled(model, work / "rescaled")
         calib, held = wikitext_split(args.fixtures, work)
         held = tail_text(held, model, args.eval_tokens, work / "wikitext_heldout_tail.txt")
         ood = str(args.fixtures / "text" / "tinyshakespeare.txt")
@@ -299,7 +325,8 @@ def real_model(args) -> None:
                 seconds, peak, out = seconds + more, max(peak, peak_kd), work / "out-kd"
             rows.append(_real_row(name, model, out, domains, seconds, peak))
     print(
-        f"\nSmolLM2-135M 3 -> 1 KV head (per-layer: 2 on average); calibrated on the first half of WikiText-2 test; "
+        f"\nSmolLM2-135M{' rescaled (o x 1/4, v x 4)' if args.rescaled else ''} 3 -> 1 KV head (per-layer: 2 on "
+        f"average); calibrated on the first half of WikiText-2 test; "
         f"in domain: its last {args.eval_tokens:,} tokens, disjoint windows of 512; out of domain: the first "
         f"{args.ood_tokens:,} tokens of tinyshakespeare.txt\n"
     )

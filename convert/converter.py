@@ -24,7 +24,16 @@ from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
 from mha2gqa.convert.tensor_sources import rewritten, tensor_sources
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
-from mha2gqa.core.conversion_record import Allocation, Calibration, ConversionRecord, Facts, Output, Refit, Source
+from mha2gqa.core.conversion_record import (
+    Allocation,
+    Calibration,
+    ConversionRecord,
+    Facts,
+    Output,
+    Refit,
+    Source,
+    StageGuard,
+)
 from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError
@@ -42,6 +51,8 @@ class ConversionResult:
     output: Path
     record: ConversionRecord = field(repr=False)
     seconds: float = 0.0
+    #: the stage guard, for a stage after the conversion (``convert --distill``); None when off
+    guard: Any = field(default=None, repr=False, compare=False)
 
     @property
     def facts(self) -> Facts:
@@ -62,12 +73,16 @@ class ConversionResult:
             if f.num_kv_heads_per_layer
             else (str(f.num_kv_heads_after))
         )
+        guard = f.guard
+        lines = "".join(f"\n  guard: {stage.line()}" for stage in guard.stages) if guard else ""
+        if guard and not guard.stages:
+            lines = f"\n  guard: {guard.where}"
         return (
             f"{self.record.family}: KV heads {f.num_kv_heads_before} -> {after} "
             f"({f.num_heads} query heads, {f.num_layers} layers, {f.recipe}); "
             f"KV cache {f.kv_cache_bytes_per_token_before:,} -> {f.kv_cache_bytes_per_token_after:,} "
             f"bytes/token ({f.kv_cache_dtype}); wrote {out.total_size / 2**20:,.1f} MiB in "
-            f"{len(out.files)} shard(s) to {self.output} in {self.seconds:.1f} s"
+            f"{len(out.files)} shard(s) to {self.output} in {self.seconds:.1f} s" + lines
         )
 
 
@@ -199,6 +214,7 @@ def _record(
     tensors: list[OutputTensor],
     refitted: Refit | None,
     serving_form: str | None,
+    guard: StageGuard | None = None,
 ) -> ConversionRecord:
     """The conversion record (``mha2gqa_conversion.json``): settings, shapes, what changed, KV bytes."""
     s, dims, targets, method = source.settings, source.dims, source.targets, source.method
@@ -233,6 +249,7 @@ def _record(
         per_layer_allocation=allocation,
         serving_form=serving_form,
         refit=refitted,
+        guard=guard,
     )
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")}
     return ConversionRecord(
@@ -305,7 +322,8 @@ class _Checks:
 def _write(
     source: Conversion,
     tensors: list[OutputTensor],
-    make_record: Callable[[list[OutputTensor], Refit | None, str | None], ConversionRecord],
+    make_record: Callable[..., ConversionRecord],
+    guard: Any = None,
 ) -> ConversionRecord:
     """Refit (``--refit``) and write the converted checkpoint into a staged folder beside its
     destination, then rename it into place; returns the record as written (with its output files).
@@ -315,13 +333,18 @@ def _write(
     new_config, modeling, serving_form = _output_config(source)
     staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
-        refitted = None
+        refitted, log = None, _log if s.progress else None
+        merged = tensors
         if s.refit and source.changes:
             from mha2gqa.convert.refit import refit
 
             checks.wait()  # the checks import transformers in their thread: never two importers at once
-            tensors, refitted = refit(source, tensors, tmp / _REFIT_WORK, log=_log if s.progress else None)
-        record = make_record(tensors, refitted, serving_form)
+            tensors, refitted = refit(source, tensors, tmp / _REFIT_WORK, log=log)
+        guarded = None
+        if guard is not None:
+            checks.wait()
+            tensors, guarded = guard.conversion(source, merged, (tensors, refitted) if refitted else None, log)
+        record = make_record(tensors, refitted, serving_form, guarded)
         written = write_checkpoint(
             tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync, after_each=checks.poll
         )
@@ -345,20 +368,26 @@ def _log(line: str) -> None:
     tqdm.write(line, file=sys.stderr)
 
 
-def run(conversion: Conversion) -> ConversionResult:
+def run(conversion: Conversion, guard_data: str | None = None) -> ConversionResult:
     """Carry out a conversion made by :func:`~mha2gqa.convert.prepare.prepare`: per-layer allocation and
     calibration when the method needs them, where every output tensor comes from, the refit (``--refit``),
     then the staged write. Streams tensor by tensor (and layer by layer): peak memory is about one
-    layer, whatever the model size; nothing is left at the destination when it fails."""
+    layer, whatever the model size; nothing is left at the destination when it fails. The stage guard
+    (:mod:`~mha2gqa.convert.guard`, ``--guard``) scores the merge and the refit on held-out windows of
+    the calibration text (``guard_data`` where the conversion itself reads none, e.g. before ``--distill``)
+    and publishes only what made the model better."""
+    from mha2gqa.convert.guard import open_guard
+
     start = time.perf_counter()
+    conversion, guard = open_guard(conversion, guard_data or conversion.settings.calibration)
     allocation = None
     if conversion.settings.per_layer == "auto":
         conversion, allocation = _allocate(conversion)
     stats, calibration = _calibrate(conversion)
     c = conversion
     tensors = tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
-    record = _write(c, tensors, partial(_record, c, stats, calibration, allocation))
-    return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start)
+    record = _write(c, tensors, partial(_record, c, stats, calibration, allocation), guard)
+    return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start, guard)
 
 
 def convert_checkpoint(

@@ -13,7 +13,8 @@ exceed ``--refit-memory``.
 
 The converted layer runs as the *source* layer class reading the new K/V heads each repeated over
 the source heads it replaced (a GQA layer with ``G`` groups is exactly the MHA layer whose K/V heads
-are equal within each group): separate K/V projections are swapped for :class:`RepeatedHeads`,
+are equal within each group, :mod:`~mha2gqa.convert.layer_view`): separate K/V projections are swapped for
+:class:`~mha2gqa.convert.layer_view.RepeatedHeads`,
 which repeat their outputs; a fused projection gets repeated weights. So every family's own
 attention, RoPE, biases and per-head norms run as transformers wrote them, and the gradient of a
 shared K/V head is the sum over its group: tied parameters stay tied by construction. Per-head norms
@@ -26,7 +27,8 @@ each layer by :func:`reads_after_attention`), so a step runs the layer only as f
 everything after it. Layers of other shapes (attention beside the MLP, normed after) are fitted on
 their output, as is every layer with ``layer``.
 
-The fit: Adam on the squared error of that target, each hidden dimension louder than the
+The fit: Adam on the squared error of that target (each projection's step sized to its own RMS,
+so that a rescaled model is fitted the same way: :func:`relative_steps`), each hidden dimension louder than the
 average counted relative to its own mean square in the original's output (:func:`dimension_scale`:
 a real model's few huge hidden dimensions would otherwise be nearly all of the error), over
 ``--refit-batch`` windows per step; one window in :data:`HELDOUT_EVERY` (at least one) is held out
@@ -51,6 +53,7 @@ from typing import Any
 
 import torch
 
+from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
 from mha2gqa.convert.layers import calibration_ids, each_layer, first_layer_inputs, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.output_solve import RIDGES, NormalEquations
@@ -70,6 +73,7 @@ from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import map_large_allocations
 from mha2gqa.core.signals import check as check_signals
+from mha2gqa.core.steps import step_size
 from mha2gqa.core.units import parse_size
 
 #: one calibration window in this many is held out (at least one)
@@ -90,88 +94,6 @@ CALL_TOKENS = {"cpu": 1024, "cuda": 8 * 512}
 def call_tokens(device: torch.device) -> int:
     """Tokens per forward call of a layer on ``device`` (:data:`CALL_TOKENS`; a CPU's for others)."""
     return CALL_TOKENS.get(device.type, CALL_TOKENS["cpu"])
-
-
-_SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
-
-
-def _repeat(x: torch.Tensor, shape: HeadShape) -> torch.Tensor:
-    """``[groups * d, ...]`` -> ``[num_kv_heads * d, ...]``: each KV head repeated over its group."""
-    d = shape.head_dim
-    return x.reshape(shape.groups, d, *x.shape[1:]).repeat_interleave(shape.share, 0).reshape(-1, *x.shape[1:])
-
-
-class RepeatedHeads(torch.nn.Module):
-    """A K or V projection with ``shape.groups`` heads whose output is each head repeated over its
-    group: what the source layer's attention reads from a GQA projection, at the cost of the
-    activations (``[B, T, num_kv_heads * d]``) rather than of a repeated weight."""
-
-    def __init__(self, linear: torch.nn.Linear, shape: HeadShape) -> None:
-        super().__init__()
-        self.shape = shape
-        rows = shape.groups * shape.head_dim
-        self.weight = torch.nn.Parameter(torch.empty(rows, linear.in_features, device="meta"), requires_grad=False)
-        has_bias = linear.bias is not None
-        self.bias = torch.nn.Parameter(torch.empty(rows, device="meta"), requires_grad=False) if has_bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x, self.weight, self.bias)
-        heads = y.unflatten(-1, (self.shape.groups, self.shape.head_dim))
-        return heads.repeat_interleave(self.shape.share, -2).flatten(-2)
-
-
-class LayerWeights:
-    """The projections of one converted layer by role (``q``, ``k``, ``v``, ``o`` and biases; a fused
-    ``qkv`` split into its parts), float32, in the output's (GQA) shapes; :meth:`module_view` gives the
-    source-shaped module's parameters, after :meth:`adapt` has fitted the module to read them."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], names: Mapping[str, str], family, shape: HeadShape) -> None:
-        self.names, self.family, self.shape = dict(names), family, shape
-        values = {role: tensors[name].float() for role, name in names.items()}
-        for suffix in ("", "_bias"):
-            if "qkv" + suffix in values:
-                parts = family.split_qkv(values.pop("qkv" + suffix), shape.num_heads, shape.groups, shape.head_dim)
-                values |= {r + suffix: p for r, p in zip("qkv", parts, strict=True)}
-        self.values = values
-        self.repeated_outputs = False
-
-    def adapt(self, layer: torch.nn.Module, prefix: str) -> None:
-        """Give ``layer`` (the source layer class, weights loaded) K/V projections of the new head
-        count that repeat their outputs (:class:`RepeatedHeads`), where they are separate linear
-        modules; a fused projection keeps its module and gets repeated weights instead."""
-        paths = [self.names[r][len(prefix) : -len(".weight")] for r in ("k", "v") if r in self.names]
-        modules = [layer.get_submodule(p) for p in paths]
-        if self.family.fused or len(paths) != 2 or not all(type(m) is torch.nn.Linear for m in modules):
-            return
-        for path, module in zip(paths, modules, strict=True):
-            parent, _, attr = path.rpartition(".")
-            setattr(layer.get_submodule(parent) if parent else layer, attr, RepeatedHeads(module, self.shape))
-        self.repeated_outputs = True
-
-    def module_view(self, values: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-        """Module-relative parameter name (under ``prefix``) -> tensor, for the adapted layer."""
-        shape, out = self.shape, {}
-        full = {
-            role: _repeat(t, shape) if role in _SHAPED and not self.repeated_outputs else t
-            for role, t in values.items()
-        }
-        for suffix in ("", "_bias"):
-            if "qkv" + suffix in self.names:
-                q, k, v = (full[r + suffix] for r in "qkv")
-                out["qkv" + suffix] = self.family.join_qkv(q, k, v, shape.num_heads, shape.num_kv_heads, shape.head_dim)
-        for role, t in full.items():
-            if role in self.names:
-                out[role] = t
-        return {self.names[role][len(prefix) :]: t for role, t in out.items()}
-
-    def outputs(self, values: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
-        """Tensor name -> the tensor to write (output shapes, stored dtypes)."""
-        shape, out = self.shape, dict(values)
-        for suffix in ("", "_bias"):
-            if "qkv" + suffix in self.names:
-                parts = [out.pop(r + suffix) for r in "qkv"]
-                out["qkv" + suffix] = self.family.join_qkv(*parts, shape.num_heads, shape.groups, shape.head_dim)
-        return {self.names[r]: t.detach().to(dtypes[self.names[r]]).contiguous() for r, t in out.items()}
 
 
 @dataclass(frozen=True)
@@ -211,7 +133,8 @@ def fit_layer(
 ) -> FitResult:
     """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
     outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on the mean squared
-    error, each hidden dimension's squares times ``scale`` ``[hidden]`` (None: ones), over ``batch``
+    error (each tensor's learning rate ``lr`` times its RMS: :func:`relative_steps`), each hidden
+    dimension's squares times ``scale`` ``[hidden]`` (None: ones), over ``batch``
     windows a step (``per_call`` windows per forward), early stopped on the held-out windows
     (:func:`split_windows`): a check that does not lower the best held-out error by
     :data:`MIN_GAIN` of it counts towards :data:`PATIENCE`, and the fit stops there once half its
@@ -223,7 +146,7 @@ def fit_layer(
     if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
         return FitResult(start, before, before, True, 0)
     values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
-    optimizer = torch.optim.Adam([values[r] for r in trainable], lr=lr, foreach=False)  # no temporaries
+    optimizer = torch.optim.Adam(relative_steps(values, trainable, lr), foreach=False)  # no temporaries
     every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
     best, best_values, stale, done = before, None, 0, 0
     for step, chosen in zip(range(steps), batches, strict=False):
@@ -246,6 +169,16 @@ def fit_layer(
     if best_values is None:
         return FitResult(start, before, before, True, done)
     return FitResult(best_values, before, best, False, done)
+
+
+def relative_steps(values: Mapping[str, torch.Tensor], trainable: list[str], lr: float) -> list[dict[str, Any]]:
+    """Adam's parameter groups with each projection's learning rate ``lr`` times its own size
+    (:func:`~mha2gqa.core.steps.step_size`: its RMS; a bias's, the larger of its own and its
+    weight's), so that the fit of a rescaled model is the fit rescaled (:mod:`mha2gqa.core.steps`)."""
+    return [
+        {"params": [values[role]], "lr": lr * step_size(values[role], values.get(role.removesuffix("_bias")))}
+        for role in trainable
+    ]
 
 
 def heldout_error(
@@ -484,29 +417,9 @@ def _spilled(path: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def _converted(tensors: Mapping[str, OutputTensor], name: str, ckpt) -> torch.Tensor:
-    """One planned output tensor's value (computed, or the source's when copied)."""
-    rule = tensors[name]
-    return rule.source() if callable(rule.source) else ckpt.load(name)
-
-
 def _norm_overrides(c: Conversion, tensors: Mapping[str, OutputTensor], layer: int, shape: HeadShape, prefix: str):
-    """The converted per-head key norm of ``layer`` in the source module's shape (``rows``: each
-    head's block repeated; ``indexed``: source head ``h`` reads new head ``h // share``)."""
-    norm = c.family.k_norm
-    if norm is None or norm.layout == "shared":
-        return {}
-    if norm.layout == "rows":
-        name = norm.name.format(layer=layer)
-        if name not in tensors:
-            return {}
-        return {name[len(prefix) :]: _repeat(_converted(tensors, name, c.ckpt).float(), shape)}
-    out = {}
-    for h in range(shape.num_kv_heads):
-        name = norm.name.format(layer=layer, head=h // shape.share)
-        if name in tensors:
-            out[norm.name.format(layer=layer, head=h)[len(prefix) :]] = _converted(tensors, name, c.ckpt).float()
-    return out
+    """The converted per-head key norm of ``layer`` in the source module's shape (:func:`norm_overrides`)."""
+    return norm_overrides(c.family, planned(tensors, c.ckpt), tensors, layer, shape, prefix)
 
 
 @dataclass
@@ -600,7 +513,7 @@ def _refit_layer(
     s, dims, dev = c.settings, c.dims, st.dev
     shape = HeadShape.of(dims, c.targets[i])
     names = attention_names(by_name, c.family, i)
-    weights = LayerWeights({n: _converted(by_name, n, c.ckpt).to(dev) for n in names.values()}, names, c.family, shape)
+    weights = LayerWeights({n: planned(by_name, c.ckpt)(n).to(dev) for n in names.values()}, names, c.family, shape)
     norms = {k: v.to(dev) for k, v in _norm_overrides(c, by_name, i, shape, prefix).items()}
     for name in [*weights.module_view(weights.values, prefix), *norms]:  # replaced on every call: free them
         set_module_tensor_to_device(layer, name, "meta")

@@ -22,6 +22,14 @@ COST_MEASURES = {
 _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
 
 
+#: --refit's Adam learning rate, relative to each projection's RMS (SmolLM2-135M's projections, RMS 0.05-0.4,
+#: median ~0.2, took an absolute 3e-3 well: docs/methods.md, "Steps sized to the model")
+REFIT_LR = 0.015
+#: what the stage guard does with a stage that makes the model worse (``--guard``; mha2gqa.convert.guard)
+GUARD_MODES = ("undo", "fail", "off")
+#: held-out calibration windows the stage guard scores on (of the calibration window each)
+GUARD_WINDOWS = 4
+
 #: The calibration window when none is given (cut to the model's positions).
 CALIBRATION_WINDOW = 512
 #: tokens a --refit step reads by default (whole windows, at least one): at a fixed cost more steps of
@@ -112,7 +120,13 @@ class ConvertSettings:
         "while fitting; others fall back to the layer's output) or layer (the layer's output).",
         choices=("attention", "layer"),
     )
-    refit_lr: float = setting(3e-3, help="Adam learning rate of --refit.", above=0, maximum=1)
+    refit_lr: float = setting(
+        REFIT_LR,
+        help="Adam learning rate of --refit, relative to each projection's RMS (a step moves each weight by "
+        "about this share of the projection's typical size, whatever the model's scale).",
+        above=0,
+        maximum=1,
+    )
     refit_batch: int | None = setting(
         None,
         help=f"Calibration windows per --refit step [default: {REFIT_STEP_TOKENS:,} tokens' worth, at least one: "
@@ -130,6 +144,15 @@ class ConvertSettings:
         help="Hidden states --refit keeps in memory (two streams, three with --refit-target attention, "
         "float32); beyond this they go to a "
         "memory-mapped file beside DST.",
+    )
+    guard: str = setting(
+        "undo",
+        help=f"The model-level stage guard: after the merge, the refit (prefix by prefix of layers) and "
+        f"--distill, the model's next-token KL to the original on {GUARD_WINDOWS} windows of the calibration "
+        "text that no stage reads; undo: a stage that does not lower it is not published (nor the refit of "
+        "layers after the best prefix); fail: stop with an error when a stage as run made the model worse; "
+        "off: not measured.",
+        choices=GUARD_MODES,
     )
     device: str = setting("auto", help=f"Where calibration runs: {DEVICE_HELP}")
     seed: int = setting(0, help="Seed of --method random and of --refit's window order.", minimum=0, maximum=2**63 - 1)

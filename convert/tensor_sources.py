@@ -38,8 +38,9 @@ def attention_names(tensors: Container[str], family: Family, layer: int) -> dict
 
 
 class LayerMerge:
-    """Computes one layer's merged q/k/v/o once (a ``layer`` method, or any method under similarity
-    grouping), hands the tensors out one by one and forgets them as they are written."""
+    """Computes one layer's merged q/k/v/o (a ``layer`` method, or any method under similarity
+    grouping), hands the tensors out one by one and forgets them as they are written; a tensor asked
+    for again (the stage guard reads the merge before the writer does) is computed again."""
 
     def __init__(
         self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int, stats: Any, method: Method
@@ -53,7 +54,7 @@ class LayerMerge:
         return attention_names(self.ckpt.tensors, self.family, self.layer)
 
     def get(self, name: str) -> torch.Tensor:
-        if self.ready is None:
+        if self.ready is None or name not in self.ready:  # first asked, or again (the stage guard, then the writer)
             self.ready = self._compute()
         return self.ready.pop(name)
 

@@ -8,7 +8,7 @@ import json
 
 import yaml
 
-from mha2gqa.core.conversion_record import O_SOLVED, ConversionRecord, Facts, Refit
+from mha2gqa.core.conversion_record import O_SOLVED, ConversionRecord, Facts, Refit, StageGuard
 from mha2gqa.core.records import CONVERSION_RECORD
 
 _PER_LAYER_NOTE = (
@@ -61,6 +61,14 @@ def changes(conv: Facts) -> str:
         f"Converted with {how}. {scope} projections changed ({listed}), and `num_key_value_heads` in "
         "`config.json`; every other tensor is a byte-for-byte copy of the source."
     )
+
+
+def guard_summary(guard: StageGuard) -> str:
+    """The stage guard in words: where it measured, and each stage kept or undone with its figures."""
+    if not guard.stages:
+        return guard.where
+    stages = "; ".join(stage.line() for stage in guard.stages)
+    return f"next-token KL to the original and top-1 agreement on {guard.where}, after each stage: {stages}"
 
 
 def refit_summary(refit: Refit) -> str:
@@ -134,6 +142,8 @@ def model_card(record: ConversionRecord) -> str:
         rows.insert(4, ("calibration", f"`{calibration.data}` ({calibration.tokens:,} tokens)"))
     if conv.refit:
         rows.append(("refit", refit_summary(conv.refit)))
+    if conv.guard:
+        rows.append(("stage guard", guard_summary(conv.guard)))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     quality = (
         "Training-free conversions lose quality (mean pooling on RoPE decoders especially); "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,68 @@ class Refit:
 
 
 @dataclass(frozen=True)
+class GuardScore:
+    """A model's next-token agreement with the original on the guard's held-out windows."""
+
+    kl: float | None  # mean per-token KL(original || model), nats; None: not finite (the model overflowed)
+    top1: float  # share of tokens whose most likely next token is the original's
+
+    @property
+    def loss(self) -> float:
+        """The KL, infinite where it was not finite: what the guard compares."""
+        return math.inf if self.kl is None else self.kl
+
+    def __str__(self) -> str:
+        return f"KL {'inf' if self.kl is None else f'{self.kl:.4g}'}, top-1 {self.top1:.1%}"
+
+
+#: :attr:`GuardStage.outcome`: the stage's weights are published
+KEPT = "kept"
+#: :attr:`GuardStage.outcome`: the stage made the model worse, so the model before it is published
+UNDONE = "undone"
+#: :attr:`GuardStage.outcome`: a first part of the stage is published (the refit's best prefix of layers)
+KEPT_IN_PART = "kept in part"
+#: :attr:`GuardStage.outcome`: nothing to compare with (the merge: the original is MHA)
+MEASURED = "measured"
+
+
+@dataclass(frozen=True)
+class GuardStage:
+    """One stage as the guard saw it: the model before it, after it as it ran, and what is published."""
+
+    stage: str  # merge, refit, distill
+    outcome: str  # KEPT, UNDONE, KEPT_IN_PART or MEASURED
+    after: GuardScore  # the stage as it ran (all of it)
+    published: GuardScore  # what the output holds after the guard's decision
+    before: GuardScore | None = None  # the model the stage started from
+    detail: str = ""  # e.g. which layers' refit is published
+
+    def line(self) -> str:
+        """``refit: undone - held-out KL 0.41 -> 0.97, top-1 ...`` (terminal, card, report)."""
+        if self.before is None:
+            return f"{self.stage}: {self.outcome} - held-out {self.after}"
+        text = f"{self.stage}: {self.outcome} - held-out {self.before} -> {self.after}"
+        if self.outcome == KEPT_IN_PART:
+            text += f"; published {self.published}"
+        return text + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass(frozen=True)
+class StageGuard:
+    """The model-level guard of a conversion (:mod:`mha2gqa.convert.guard`): where it measured,
+    what it does with a stage that hurts (``mode``), and each stage's figures and outcome."""
+
+    mode: str  # undo, fail
+    windows: int
+    tokens: int
+    where: str  # which tokens of the calibration text, or why nothing was measured
+    stages: list[GuardStage] = field(default_factory=list)
+
+    def stage(self, name: str) -> GuardStage | None:
+        return next((s for s in self.stages if s.stage == name), None)
+
+
+@dataclass(frozen=True)
 class Facts:
     """What the conversion did: method, grouping, shapes before and after, KV bytes."""
 
@@ -134,6 +197,7 @@ class Facts:
     per_layer_allocation: Allocation | None = None
     serving_form: str | None = None
     refit: Refit | None = None
+    guard: StageGuard | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -148,7 +212,8 @@ class Facts:
         """The conversion named in full, the one name every table, report, card and summary shows:
         the method, ``/similarity`` grouping, ``/per-layer(...)`` counts (``auto``: allocated from
         calibration; more than :data:`RECIPE_LAYERS` layers: their average), ``+refit``; e.g.
-        ``svd+refit``, ``svd/per-layer(4,1,2)+refit``, ``svd/per-layer(auto, avg 2)``."""
+        ``svd+refit``, ``svd/per-layer(4,1,2)+refit``, ``svd/per-layer(auto, avg 2)``; ``+refit(undone)``
+        where the stage guard undid it, ``+refit(in part)`` where it kept the first layers' refit."""
         name = self.method + ("" if self.grouping == "contiguous" else f"/{self.grouping}")
         counts = self.num_kv_heads_per_layer
         if counts:
@@ -156,7 +221,16 @@ class Facts:
                 ",".join(map(str, counts)) if len(counts) <= RECIPE_LAYERS else f"avg {sum(counts) / len(counts):.3g}"
             )
             name += f"/per-layer({'auto, ' if self.per_layer_allocation else ''}{shown})"
-        return name + ("+refit" if self.refit is not None else "")
+        return name + self._stage_name("refit", self.refit is not None)
+
+    def _stage_name(self, stage: str, ran: bool) -> str:
+        """``+refit``, ``+refit(undone)`` or ``+refit(in part)``: a stage that ran, as the guard published it."""
+        if not ran:
+            return ""
+        seen = self.guard.stage(stage) if self.guard else None
+        if seen is None or seen.outcome == KEPT:
+            return f"+{stage}"
+        return f"+{stage}({'undone' if seen.outcome == UNDONE else 'in part'})"
 
     @property
     def kv_heads_after(self) -> str:

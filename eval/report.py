@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from mha2gqa.core.cards import guard_summary
 from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import check_destination, write_text
@@ -334,6 +335,11 @@ class _Page:
         self.md += [f"## {r.title}", "", f"_{_meta(r)}_", ""]
         if worst(r):
             self.html.append(f'<p class="meta">{html.escape(worst(r))}</p>')
+        guard = r.converted.conversion.guard if r.converted and r.converted.conversion else None
+        if guard is not None:  # what the conversion's stage guard kept and undid
+            line = f"Stage guard: {guard_summary(guard)}"
+            self.html.append(f'<p class="meta">{html.escape(line)}</p>')
+            self.md += [f"_{line}_", ""]
         for name, table in tables(r).items():
             self.table(name, f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-{i}", table)
         for name, png in figures(r, scales).items():

@@ -27,6 +27,9 @@ from mha2gqa.core.settings import check_switched, setting, validate
 
 #: windows a distillation step reads
 BATCH = 2
+#: --distill's learning rate, relative to each parameter's RMS (SmolLM2-135M's attention projections, RMS
+#: 0.05-0.4, took an absolute 3e-4 well; docs/methods.md, "Steps sized to the model")
+DISTILL_LR = 1.5e-3
 #: teacher log-probabilities kept per token (the rest as one remainder)
 TOP_K = 64
 #: where the two stages write inside the staged DST
@@ -45,7 +48,13 @@ class DistillSettings:
         "is the distilled model.",
     )
     distill_steps: int = setting(24, help=f"Steps of --distill ({BATCH} calibration windows each).", minimum=1)
-    distill_lr: float = setting(3e-4, help="AdamW learning rate of --distill (constant).", above=0, maximum=1)
+    distill_lr: float = setting(
+        DISTILL_LR,
+        help="AdamW learning rate of --distill (constant), relative to each parameter's RMS (a step moves each "
+        "weight by about this share of its typical size, whatever the model's scale).",
+        above=0,
+        maximum=1,
+    )
 
     def check(self, convert: ConvertSettings) -> DistillSettings:
         """Every value checked, and that the conversion gives the distillation its text."""
@@ -55,12 +64,16 @@ class DistillSettings:
             raise SettingError("distill", "{name} distils on the calibration text: give --calibration")
         return self
 
-    def uptrain_settings(self, convert: ConvertSettings, teacher: str, output: Path, positions: int | None):
-        """The ``mha2gqa uptrain`` settings of the distillation stage."""
+    def uptrain_settings(
+        self, convert: ConvertSettings, teacher: str, output: Path, positions: int | None, tokens: int | None = None
+    ):
+        """The ``mha2gqa uptrain`` settings of the distillation stage (``tokens``: the first tokens of
+        the calibration text it may read, the stage guard's windows after them; None: all)."""
         from mha2gqa.uptrain.settings import UptrainSettings
 
         return UptrainSettings(
             data=str(convert.calibration),
+            data_tokens=tokens,
             output=str(output),
             objective="kd",
             teacher=teacher,
@@ -71,6 +84,7 @@ class DistillSettings:
             batch_size=BATCH,
             max_steps=self.distill_steps,
             lr=self.distill_lr,
+            lr_relative=True,
             min_lr_ratio=1.0,
             save_every=self.distill_steps + 1,  # no checkpoints: the run is short, and staged
             seed=convert.seed,
@@ -98,40 +112,54 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
     conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None)  # the text is ours
     first = prepare(src, dst, conversion)  # every check of the settings, the source and DST, before any work
     with staged_output(Path(dst), s.overwrite, inputs_of(first.ckpt, s), remove_stale=s.remove_stale) as stage:
-        converted = run(dataclasses.replace(first, dst=stage / CONVERTED))
+        converted = run(dataclasses.replace(first, dst=stage / CONVERTED), guard_data=s.calibration)
+        guard = converted.guard
+        held = guard.before_windows if guard is not None and guard.ids is not None else None
         try:
-            distilled = _distil(converted.output, first, s, d, stage / DISTILLED, log)
+            distilled = _distil(converted.output, first, s, d, stage / DISTILLED, log, held)
         except Terminated as e:  # the staged run goes with the stage: nothing to --resume
             e.kept = None
             raise
-        _publish(stage, Path(dst), src)
-    return dataclasses.replace(converted, output=Path(dst)), dataclasses.replace(distilled, output=Path(dst))
+        kept = guard is None or guard.distillation(guard.published, stage / DISTILLED, first, log)
+        record = converted.record
+        if guard is not None:
+            facts = dataclasses.replace(record.conversion, guard=guard.record())
+            record = dataclasses.replace(record, conversion=facts)
+        _publish(stage, Path(dst), src, record, kept)
+    converted = dataclasses.replace(converted, output=Path(dst), record=record)
+    return converted, dataclasses.replace(distilled, output=Path(dst))
 
 
-def _distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, out: Path, log):
+def _distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, out: Path, log, tokens: int | None):
     from mha2gqa.uptrain import uptrain
 
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
     positions = conversion.ckpt.config.get("max_position_embeddings")
-    return uptrain(str(student), d.uptrain_settings(s, teacher, out, positions), log=log)
+    return uptrain(str(student), d.uptrain_settings(s, teacher, out, positions, tokens), log=log)
 
 
-def _publish(stage: Path, dst: Path, src: str) -> None:
-    """The distilled model's files into ``stage`` itself (its uptraining record naming the model it
-    started from as DST's conversion, not the staged folder), the stages' folders removed."""
-    from mha2gqa.core.conversion_record import read_conversion_record
-    from mha2gqa.core.records import UPTRAIN_LOG
+def _publish(stage: Path, dst: Path, src: str, conversion, distilled: bool) -> None:
+    """The published model's files into ``stage`` itself, the stages' folders removed: the distilled
+    model (its uptraining record naming the model it started from as DST's conversion, not the
+    staged folder), or, where the stage guard undid the distillation, the converted model; either
+    with ``conversion`` (the conversion record, the guard's verdict on every stage in it)."""
+    from mha2gqa.core.cards import model_card
+    from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG
     from mha2gqa.uptrain.checkpoints import CHECKPOINTS
     from mha2gqa.uptrain.record import UptrainRecord
 
-    distilled = stage / DISTILLED
-    record = UptrainRecord.read(distilled)
-    staged = {"output": str(dst), "teacher_cache": None}  # the staged paths are gone once published
-    record = dataclasses.replace(
-        record, student=f"{src} converted (this model before --distill)", settings={**record.settings, **staged}
-    )
-    files = record.files(read_conversion_record(distilled), distilled)
-    for path in sorted(distilled.iterdir()):
+    if distilled:
+        folder = stage / DISTILLED
+        record = UptrainRecord.read(folder)
+        staged = {"output": str(dst), "teacher_cache": None}  # the staged paths are gone once published
+        record = dataclasses.replace(
+            record, student=f"{src} converted (this model before --distill)", settings={**record.settings, **staged}
+        )
+        files = record.files(conversion, folder)
+    else:
+        folder = stage / CONVERTED
+        files = {CONVERSION_RECORD: conversion.to_json(), "README.md": model_card(conversion)}
+    for path in sorted(folder.iterdir()):
         if path.name not in (CHECKPOINTS, UPTRAIN_LOG, *files):
             path.rename(stage / path.name)
     for name, text in files.items():

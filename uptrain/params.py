@@ -104,16 +104,25 @@ def _zero_rows(grad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def param_groups(trainable: Trainable, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices only (not on norms, biases, or masked fused tensors)."""
+def param_groups(trainable: Trainable, weight_decay: float, lr: float, relative: bool = False) -> list[dict]:
+    """AdamW groups: decay on matrices only (not on norms, biases, or masked fused tensors); with
+    ``relative`` one group a parameter, its learning rate ``lr`` times its size at the start
+    (:func:`~mha2gqa.core.steps.step_size`)."""
+    from mha2gqa.core.steps import step_size
+
+    by_name = dict(zip(trainable.names, trainable.params, strict=True))
     decay, no_decay = [], []
-    for name, p in zip(trainable.names, trainable.params, strict=True):
-        (decay if p.ndim >= 2 and name not in trainable.masked_rows else no_decay).append(p)
-    return [
-        g
-        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-        if g["params"]
-    ]
+    for name, p in by_name.items():
+        (decay if p.ndim >= 2 and name not in trainable.masked_rows else no_decay).append(name)
+    groups = []
+    for names, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        if not relative:
+            groups.append({"params": [by_name[n] for n in names], "weight_decay": wd, "lr": lr})
+            continue
+        for n in names:
+            weight = by_name.get(n.removesuffix(".bias") + ".weight") if n.endswith(".bias") else None
+            groups.append({"params": [by_name[n]], "weight_decay": wd, "lr": lr * step_size(by_name[n], weight)})
+    return [g for g in groups if g["params"]]
 
 
 def lora_targets(family: Family | None, dims: AttentionDims, which: str) -> list[str] | str:

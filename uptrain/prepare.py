@@ -74,10 +74,11 @@ def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining
     teacher_folder = _teacher_folder(s, tokenizer, student)
     root = Path(s.data_cache) if s.data_cache else cache_root() / "tokens"
     store = token_store(root, tokenizer, student_folder, s.data, s.text_field, s.doc_split, log)
-    num_windows = store.num_windows(seq_len)
+    available = min(store.total, s.data_tokens or store.total)
+    num_windows = max((available - 1) // seq_len, 0)  # windows overlap by one token: none reads past `available`
     if num_windows < 1:
         raise Mha2GqaError(
-            f"--data {s.data}: {store.total} tokens, too little text for one training window of {seq_len} tokens; "
+            f"--data {s.data}: {available} tokens, too little text for one training window of {seq_len} tokens; "
             "give more text or a smaller --seq-len"
         )
     total = _total_steps(s, seq_len, num_windows)

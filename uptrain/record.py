@@ -98,7 +98,11 @@ class UptrainRecord:
             ("objective", s["objective"] + teacher),
             ("trained", f"{s['train']} ({self.trainable_parameters:,} parameters)"),
             ("steps", f"{self.steps:,} × batch {s['batch_size']} × {s['seq_len']} tokens = {self.tokens:,} tokens"),
-            ("optimizer", f"AdamW lr {s['lr']:g}, warm-up {self.warmup_steps}, cosine to {s['min_lr_ratio']:g}× lr"),
+            (
+                "optimizer",
+                f"AdamW lr {s['lr']:g}{' × each parameter’s RMS' if s.get('lr_relative') else ''}, "
+                f"warm-up {self.warmup_steps}, cosine to {s['min_lr_ratio']:g}× lr",
+            ),
             ("data", f"`{s['data']}`"),
         ]
         if ev := self.last_eval:

@@ -26,6 +26,12 @@ class UptrainSettings:
         help="Training text (same sources as eval --data); packed into --seq-len windows.", identity=True
     )
     output: str = setting(help="Run folder: final model, checkpoints/, log.", job=False)
+    data_tokens: int | None = setting(
+        None,
+        help="Train on the first N tokens of --data only (the rest held out) [default: all of it].",
+        minimum=1,
+        identity=True,
+    )
     objective: str = setting(
         "ce",
         help="ce: next-token cross-entropy; kd: KL to --teacher's next-token distribution; mix: both.",
@@ -60,6 +66,13 @@ class UptrainSettings:
         None, help=f"Window length [default: min({UPTRAIN_WINDOW}, the model's positions)].", minimum=2, identity=True
     )
     lr: float = setting(1e-4, help="Peak AdamW learning rate.", above=0, identity=True)
+    lr_relative: bool = setting(
+        False,
+        help="--lr is relative: each parameter's learning rate is --lr times its RMS at the start (a bias's: "
+        "the larger of its own and its weight's), so that a step is the same share of every weight on any "
+        "model, whatever its scale.",
+        identity=True,
+    )
     min_lr_ratio: float = setting(0.1, help="Cosine decay ends at lr x this.", minimum=0, maximum=1, identity=True)
     warmup_steps: int = setting(0, help="Linear warm-up steps.", minimum=0, identity=True)
     weight_decay: float = setting(0.0, help="AdamW weight decay (matrices only).", minimum=0, identity=True)

@@ -219,7 +219,8 @@ def optimizing(acc, model, trainable, s: UptrainSettings, total: int):
     from mha2gqa.uptrain.checkpoints import skip_model_weights
     from mha2gqa.uptrain.params import param_groups
 
-    optimizer = torch.optim.AdamW(param_groups(trainable, s.weight_decay), lr=s.lr, betas=(0.9, s.adam_beta2))
+    groups = param_groups(trainable, s.weight_decay, s.lr, s.lr_relative)
+    optimizer = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, s.adam_beta2))
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, s.warmup_steps, total, min_lr_rate=s.min_lr_ratio
     )

@@ -1,0 +1,316 @@
+"""The stage guard: every stage of a conversion (the refit, layer prefix by layer prefix, and the
+distillation after it) must make the *model* better, measured where the user will feel it: the
+converted model's next-token distribution against the original's (mean per-token KL and top-1
+agreement) on :data:`GUARD_WINDOWS` windows of the calibration text that no stage reads (the
+tokens right after the ones the stages read, or the text's last windows, the stages then reading
+less). A stage whose held-out KL is not lower than the stage before it is undone: its weights are
+not published, and the record, card and terminal say so (``--guard fail`` stops instead).
+
+Why at the model level: a layer-wise fit can lower every layer's own error while the model gets
+worse (a real Qwen2-shaped model: each layer's held-out error fell, the model's perplexity rose
+2.6x; docs/methods.md), and constants tuned on one model can wreck another. The guard is the
+safety net under every recipe on a model the tool has never seen.
+
+Streamed like the rest of the conversion: the original model is walked layer by layer
+(:func:`~mha2gqa.convert.layers.each_layer`), each candidate runs every layer through the source
+module with its own tensors (:mod:`~mha2gqa.convert.layer_view`), and candidates that agree on a
+prefix of layers share its computation (one stream per distinct prefix). Memory: one layer, the
+model's head, and ``[T, hidden]`` float32 per window and live stream."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mha2gqa.convert.layer_view import LayerWeights, Loader, norm_overrides, planned
+from mha2gqa.convert.methods import HeadShape
+from mha2gqa.convert.settings import GUARD_WINDOWS
+from mha2gqa.convert.shard_writer import OutputTensor
+from mha2gqa.convert.tensor_sources import attention_names
+from mha2gqa.core.conversion_record import (
+    KEPT,
+    KEPT_IN_PART,
+    MEASURED,
+    UNDONE,
+    GuardScore,
+    GuardStage,
+    Refit,
+    StageGuard,
+)
+from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.signals import check as check_signals
+
+#: refit prefixes scored (the refitted layers in this many runs; each prefix ends one)
+PREFIX_CHECKS = 4
+
+
+@dataclass(frozen=True)
+class Weights:
+    """One set of converted tensors a candidate model reads: ``load(name)`` gives a tensor of the
+    output's (GQA) shapes for every name in ``names``; the layer's other tensors are the source's."""
+
+    name: str
+    load: Loader = field(compare=False, hash=False, repr=False)
+    names: Container[str] = field(compare=False, hash=False, repr=False)
+
+
+#: a candidate model: each decoder layer's :class:`Weights` (None: the layer as the source has it)
+Plan = Sequence[Weights | None]
+
+
+def guard_windows(folder: Path, data: str, seq_len: int) -> tuple[torch.Tensor | None, int, str]:
+    """``(ids [GUARD_WINDOWS, seq_len] or None, the tokens before them, where they are)``: the last
+    windows of the calibration text ``data`` (tokenized as the stages tokenize it), which no stage may
+    read: the stages read at most the tokens before them. None (and why) when the text cannot spare
+    them and leave the stages one window."""
+    from mha2gqa.core.models import load_tokenizer
+    from mha2gqa.core.text import load_text, token_stream
+
+    need = GUARD_WINDOWS * seq_len
+    ids = token_stream(load_tokenizer(folder), load_text(data, setting="calibration"))
+    if ids.numel() < need + seq_len:
+        why = f"not measured: the calibration text has {ids.numel():,} tokens, fewer than {need + seq_len:,}"
+        return None, ids.numel(), why
+    rest = ids.numel() - need
+    where = f"the calibration text's last {need:,} tokens ({GUARD_WINDOWS} windows of {seq_len})"
+    return ids[rest:].reshape(GUARD_WINDOWS, seq_len), rest, where
+
+
+class Guard:
+    """Scores candidate models (:data:`Plan`) against the original on the guard windows ``ids``
+    ``[W, T]``, streamed layer by layer from ``ckpt`` (see the module doc)."""
+
+    def __init__(self, ckpt, family, dims: AttentionDims, targets: Sequence[int], ids: torch.Tensor, device) -> None:
+        from mha2gqa.convert.layers import first_layer_inputs, skeleton
+
+        self.ckpt, self.family, self.dims, self.targets, self.device = ckpt, family, dims, tuple(targets), device
+        self.model = skeleton(ckpt)
+        self.ids = ids
+        with torch.no_grad():
+            self.first = first_layer_inputs(self.model, ckpt, ids.to(device), device)
+        self.reference: list[torch.Tensor] | None = None  # the original's last hidden states
+        self.as_tuple = False
+        self._head = None
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.numel()
+
+    def score(self, plans: Mapping[str, Plan]) -> dict[str, GuardScore]:
+        """Each plan's held-out KL and top-1 agreement against the original, in one walk over the
+        layers (plans that agree on their first layers share those layers' computation)."""
+        from mha2gqa.convert.layers import each_layer
+
+        n = self.dims.num_layers
+        keys = {name: tuple(w.name if w else None for w in plan) for name, plan in plans.items()}
+        if self.reference is None:
+            keys[""] = (None,) * n  # the original, once
+        streams: dict[tuple, list[torch.Tensor]] = {(): [h for h, _ in self.first]}
+        kws = [kw for _, kw in self.first]
+        by_name = {w.name: w for plan in plans.values() for w in plan if w}
+        with torch.no_grad():
+            for i, layer, prefix in each_layer(self.model, self.ckpt, self.device, torch.float32):
+                views: dict[str | None, dict[str, torch.Tensor]] = {None: {}}
+                nxt: dict[tuple, list[torch.Tensor]] = {}
+                for key in keys.values():
+                    here = key[: i + 1]
+                    if here in nxt:
+                        continue
+                    if here[-1] not in views:
+                        views[here[-1]] = self._view(by_name[here[-1]], layer, i, prefix)
+                    view = views[here[-1]]
+                    nxt[here] = [self._run(layer, view, h, kw) for h, kw in zip(streams[key[:i]], kws, strict=True)]
+                streams = nxt
+        if self.reference is None:
+            self.reference = streams[keys.pop("")]
+        return {name: self._figures(streams[key]) for name, key in keys.items()}
+
+    def _view(self, weights: Weights, layer: torch.nn.Module, i: int, prefix: str) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s parameters (module-relative names) from ``weights``, in the source module's
+        shapes: q/k/v/o by role (K/V heads repeated over their groups), per-head key norms, and
+        any other tensor of the layer ``weights`` holds in the source's shape."""
+        shape = HeadShape.of(self.dims, self.targets[i])
+        roles = attention_names(weights.names, self.family, i)
+        lw = LayerWeights({n: weights.load(n).to(self.device) for n in roles.values()}, roles, self.family, shape)
+        params = lw.module_view(lw.values, prefix)
+        norms = norm_overrides(self.family, weights.load, weights.names, i, shape, prefix)
+        params |= {k: v.to(self.device) for k, v in norms.items()}
+        for local, p in layer.named_parameters():
+            full = prefix + local
+            if local not in params and full in weights.names and full not in roles.values():
+                t = weights.load(full)
+                if tuple(t.shape) == tuple(p.shape):
+                    params[local] = t.to(self.device, torch.float32)
+        return params
+
+    def _run(self, layer: torch.nn.Module, params: dict[str, torch.Tensor], h: torch.Tensor, kw: dict) -> torch.Tensor:
+        check_signals()
+        out = torch.func.functional_call(layer, params, (h,), kw) if params else layer(h, **kw)
+        self.as_tuple = isinstance(out, tuple)
+        return out[0] if self.as_tuple else out
+
+    def _figures(self, hidden: list[torch.Tensor]) -> GuardScore:
+        """Mean per-token KL(original || candidate) and top-1 agreement over the guard windows."""
+        from mha2gqa.convert.layers import model_head, skeleton
+
+        if self._head is None:
+            self._head = model_head(skeleton(self.ckpt), self.ckpt, self.device)
+        kl = same = 0.0
+        for ref_h, h in zip(self.reference, hidden, strict=True):
+            ref = torch.log_softmax(self._head(ref_h, self.as_tuple), -1)
+            got = torch.log_softmax(self._head(h, self.as_tuple), -1)
+            kl += float((ref.exp() * (ref - got)).sum())
+            same += float((ref.argmax(-1) == got.argmax(-1)).sum())
+        tokens = sum(h.shape[0] * h.shape[1] for h in hidden)
+        kl = kl / tokens
+        if not math.isfinite(kl):
+            kl = math.inf  # a candidate that overflowed is as bad as it gets, never a NaN that compares false
+        return GuardScore(max(kl, 0.0), same / tokens)
+
+
+def _computed(tensors: Sequence[OutputTensor]) -> tuple[dict[str, OutputTensor], set[str]]:
+    """A planned conversion's tensors by name, and the names of those it computes (the rest are copies)."""
+    by_name = {t.name: t for t in tensors}
+    return by_name, {t.name for t in tensors if callable(t.source)}
+
+
+def prefix_cuts(layers: Sequence[int], checks: int = PREFIX_CHECKS) -> list[int]:
+    """The last layer of each refit prefix scored: ``layers`` (the refitted ones, in order) cut into
+    ``checks`` runs as even as can be; the last cut is the whole refit."""
+    n = len(layers)
+    return sorted({layers[math.ceil(k * n / checks) - 1] for k in range(1, checks + 1)}) if n else []
+
+
+@dataclass
+class GuardRun:
+    """The guard of one conversion (and its distillation): the held-out windows, found before any
+    stage reads the text, the :class:`Guard` (built once the KV heads of each layer are known) and the
+    stages seen so far."""
+
+    mode: str
+    ids: torch.Tensor | None
+    before_windows: int  # tokens of the calibration text before the guard windows
+    where: str
+    guard: Guard | None = None
+    stages: list[GuardStage] = field(default_factory=list)
+
+    def record(self) -> StageGuard:
+        ids = self.ids
+        windows, tokens = (0, 0) if ids is None else (ids.shape[0], ids.numel())
+        return StageGuard(self.mode, windows, tokens, self.where, list(self.stages))
+
+    def conversion(self, c, merged: list[OutputTensor], refitted: tuple[list[OutputTensor], Refit] | None, log):
+        """Score the merge and the refit (each prefix of :func:`prefix_cuts`) in one walk; returns the
+        tensors to publish (the refit up to its best prefix, or the merge) and the guard's record."""
+        if self.ids is None:
+            return refitted[0] if refitted else merged, self.record()
+        if self.guard is None:
+            from mha2gqa.core.models import resolve_device
+
+            dev = resolve_device(c.settings.device)
+            self.guard = Guard(c.ckpt, c.family, c.dims, c.targets, self.ids, dev)
+        n, changed = c.dims.num_layers, [t != c.dims.num_kv_heads for t in c.targets]
+        merged_by_name, merged_names = _computed(merged)
+        merge = Weights("merge", planned(merged_by_name, c.ckpt), merged_names)
+        plans = {"merge": [merge if changed[i] else None for i in range(n)]}
+        cuts: list[int] = []
+        if refitted:
+            tensors, rec = refitted
+            refit_by_name, refit_names = _computed(tensors)
+            refit = Weights("refit", planned(refit_by_name, c.ckpt), refit_names)
+            fitted = [r.layer for r in rec.layers if not r.kept]
+            cuts = prefix_cuts(fitted)
+            for cut in cuts:
+                plans[cut] = [refit if i in fitted and i <= cut else plans["merge"][i] for i in range(n)]
+        scores = self.guard.score(plans)
+        self.stages.append(GuardStage("merge", MEASURED, scores["merge"], scores["merge"]))
+        self._say(log, self.stages[-1])
+        if not refitted:
+            return merged, self.record()
+        stage, published = self._refit_stage(scores, cuts, fitted)
+        self.stages.append(stage)
+        self._say(log, stage)
+        if stage.outcome == UNDONE:
+            return merged, self.record()
+        undone = {i for i in fitted if i > published}
+        names = {n for i in undone for n in attention_names(refit_by_name, c.family, i).values()}
+        return [merged_by_name[t.name] if t.name in names else t for t in tensors], self.record()
+
+    def _refit_stage(self, scores: dict, cuts: list[int], fitted: list[int]) -> tuple[GuardStage, int]:
+        """The refit's :class:`GuardStage` and the last layer whose refit is published."""
+        before = scores["merge"]
+        if not cuts:  # every layer kept its merge: the refit changed nothing
+            return GuardStage("refit", KEPT, before, before, before, "no layer's refit lowered its error"), -1
+        whole = scores[cuts[-1]]
+        if self.mode == "fail":
+            if whole.loss >= before.loss:
+                self._fail(GuardStage("refit", UNDONE, whole, before, before))
+            return GuardStage("refit", KEPT, whole, whole, before), cuts[-1]
+        best = min(cuts, key=lambda cut: (scores[cut].loss, cut))
+        if scores[best].loss >= before.loss:
+            return GuardStage("refit", UNDONE, whole, before, before), -1
+        if best == cuts[-1]:
+            return GuardStage("refit", KEPT, whole, whole, before), best
+        n = sum(1 for i in fitted if i <= best)
+        detail = f"published in layers up to {best}: {n} of {len(fitted)} refitted layers"
+        return GuardStage("refit", KEPT_IN_PART, whole, scores[best], before, detail), best
+
+    def distillation(self, before: GuardScore | None, folder: Path, c, log) -> bool:
+        """Score the distilled model in ``folder`` against the model it started from (``before``);
+        whether it is published (False: undone)."""
+        from mha2gqa.core.checkpoint import open_checkpoint
+
+        if self.guard is None or before is None:
+            return True
+        ckpt = open_checkpoint(str(folder))
+        weights = Weights("distill", ckpt.load, set(ckpt.tensors))
+        after = self.guard.score({"distill": [weights] * c.dims.num_layers})["distill"]
+        kept = after.loss < before.loss
+        stage = GuardStage("distill", KEPT if kept else UNDONE, after, after if kept else before, before)
+        if not kept and self.mode == "fail":
+            self._fail(stage)
+        self.stages.append(stage)
+        self._say(log, stage)
+        return kept
+
+    @property
+    def published(self) -> GuardScore | None:
+        """What the output holds now, as the guard measured it (None: not measured)."""
+        return self.stages[-1].published if self.stages else None
+
+    @staticmethod
+    def _say(log, stage: GuardStage) -> None:
+        if log is not None:
+            log(f"guard: {stage.line()}")
+
+    @staticmethod
+    def _fail(stage: GuardStage) -> None:
+        raise Mha2GqaError(
+            f"--guard fail: {stage.line()}: the {stage.stage} made the model worse on held-out calibration "
+            "windows; nothing written (--guard undo publishes the model before it)"
+        )
+
+
+def open_guard(c, data: str | None):
+    """``(conversion, GuardRun or None)``: the guard windows cut from the end of ``data`` (the
+    calibration text) and the conversion's stages held to the tokens before them (its
+    ``calibration_tokens`` lowered where they reached in); None when the guard is off, there is no
+    text, or nothing changes."""
+    import dataclasses
+
+    from mha2gqa.convert.settings import calibration_window
+
+    s = c.settings
+    if s.guard == "off" or not data or not c.changes:
+        return c, None
+    seq_len = calibration_window(s.calibration_seq_len, c.ckpt.config.get("max_position_embeddings"))
+    ids, before, where = guard_windows(c.ckpt.folder, data, seq_len)
+    run = GuardRun(s.guard, ids, before, where)
+    if ids is None or s.calibration_tokens <= before:
+        return c, run
+    return dataclasses.replace(c, settings=dataclasses.replace(s, calibration_tokens=before)), run

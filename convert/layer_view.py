@@ -1,0 +1,130 @@
+"""A converted (GQA) decoder layer seen through its source (MHA) module: a GQA layer with ``G`` KV
+heads computes exactly what the source layer computes with each new K/V head repeated over the
+source heads it replaced. So any planned or written conversion of a layer runs as the source
+layer class with these parameters (:func:`torch.func.functional_call`), for every family's own
+attention, RoPE, biases and per-head norms as transformers wrote them: what the refit fits and the
+stage guard (:mod:`mha2gqa.convert.guard`) scores."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Mapping
+
+import torch
+
+from mha2gqa.convert.methods import HeadShape
+from mha2gqa.convert.shard_writer import OutputTensor
+
+_SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
+
+#: a conversion's tensors by name: ``load(name)`` -> the output tensor (GQA shapes)
+Loader = Callable[[str], torch.Tensor]
+
+
+def repeat_heads(x: torch.Tensor, shape: HeadShape) -> torch.Tensor:
+    """``[groups * d, ...]`` -> ``[num_kv_heads * d, ...]``: each KV head repeated over its group."""
+    d = shape.head_dim
+    return x.reshape(shape.groups, d, *x.shape[1:]).repeat_interleave(shape.share, 0).reshape(-1, *x.shape[1:])
+
+
+class RepeatedHeads(torch.nn.Module):
+    """A K or V projection with ``shape.groups`` heads whose output is each head repeated over its
+    group: what the source layer's attention reads from a GQA projection, at the cost of the
+    activations (``[B, T, num_kv_heads * d]``) rather than of a repeated weight."""
+
+    def __init__(self, linear: torch.nn.Linear, shape: HeadShape) -> None:
+        super().__init__()
+        self.shape = shape
+        rows = shape.groups * shape.head_dim
+        self.weight = torch.nn.Parameter(torch.empty(rows, linear.in_features, device="meta"), requires_grad=False)
+        has_bias = linear.bias is not None
+        self.bias = torch.nn.Parameter(torch.empty(rows, device="meta"), requires_grad=False) if has_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        heads = y.unflatten(-1, (self.shape.groups, self.shape.head_dim))
+        return heads.repeat_interleave(self.shape.share, -2).flatten(-2)
+
+
+class LayerWeights:
+    """The projections of one converted layer by role (``q``, ``k``, ``v``, ``o`` and biases; a fused
+    ``qkv`` split into its parts), float32, in the output's (GQA) shapes; :meth:`module_view` gives the
+    source-shaped module's parameters, after :meth:`adapt` has fitted the module to read them."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], names: Mapping[str, str], family, shape: HeadShape) -> None:
+        self.names, self.family, self.shape = dict(names), family, shape
+        values = {role: tensors[name].float() for role, name in names.items()}
+        for suffix in ("", "_bias"):
+            if "qkv" + suffix in values:
+                parts = family.split_qkv(values.pop("qkv" + suffix), shape.num_heads, shape.groups, shape.head_dim)
+                values |= {r + suffix: p for r, p in zip("qkv", parts, strict=True)}
+        self.values = values
+        self.repeated_outputs = False
+
+    def adapt(self, layer: torch.nn.Module, prefix: str) -> None:
+        """Give ``layer`` (the source layer class, weights loaded) K/V projections of the new head
+        count that repeat their outputs (:class:`RepeatedHeads`), where they are separate linear
+        modules; a fused projection keeps its module and gets repeated weights instead."""
+        paths = [self.names[r][len(prefix) : -len(".weight")] for r in ("k", "v") if r in self.names]
+        modules = [layer.get_submodule(p) for p in paths]
+        if self.family.fused or len(paths) != 2 or not all(type(m) is torch.nn.Linear for m in modules):
+            return
+        for path, module in zip(paths, modules, strict=True):
+            parent, _, attr = path.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, attr, RepeatedHeads(module, self.shape))
+        self.repeated_outputs = True
+
+    def module_view(self, values: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        """Module-relative parameter name (under ``prefix``) -> tensor, for the adapted layer."""
+        shape, out = self.shape, {}
+        full = {
+            role: repeat_heads(t, shape) if role in _SHAPED and not self.repeated_outputs else t
+            for role, t in values.items()
+        }
+        for suffix in ("", "_bias"):
+            if "qkv" + suffix in self.names:
+                q, k, v = (full[r + suffix] for r in "qkv")
+                out["qkv" + suffix] = self.family.join_qkv(q, k, v, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        for role, t in full.items():
+            if role in self.names:
+                out[role] = t
+        return {self.names[role][len(prefix) :]: t for role, t in out.items()}
+
+    def outputs(self, values: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """Tensor name -> the tensor to write (output shapes, stored dtypes)."""
+        shape, out = self.shape, dict(values)
+        for suffix in ("", "_bias"):
+            if "qkv" + suffix in self.names:
+                parts = [out.pop(r + suffix) for r in "qkv"]
+                out["qkv" + suffix] = self.family.join_qkv(*parts, shape.num_heads, shape.groups, shape.head_dim)
+        return {self.names[r]: t.detach().to(dtypes[self.names[r]]).contiguous() for r, t in out.items()}
+
+
+def planned(tensors: Mapping[str, OutputTensor], ckpt) -> Loader:
+    """The loader of a planned conversion: each output tensor's value (computed, or the source's
+    when copied)."""
+
+    def load(name: str) -> torch.Tensor:
+        rule = tensors[name]
+        return rule.source() if callable(rule.source) else ckpt.load(name)
+
+    return load
+
+
+def norm_overrides(family, load: Loader, names: Container[str], layer: int, shape: HeadShape, prefix: str):
+    """The converted per-head key norm of ``layer`` (from ``load``, where its tensors are among
+    ``names``) in the source module's shape (``rows``: each head's block repeated; ``indexed``:
+    source head ``h`` reads new head ``h // share``), module-relative names under ``prefix``."""
+    norm = family.k_norm
+    if norm is None or norm.layout == "shared":
+        return {}
+    if norm.layout == "rows":
+        name = norm.name.format(layer=layer)
+        if name not in names:
+            return {}
+        return {name[len(prefix) :]: repeat_heads(load(name).float(), shape)}
+    out = {}
+    for h in range(shape.num_kv_heads):
+        name = norm.name.format(layer=layer, head=h // shape.share)
+        if name in names:
+            out[norm.name.format(layer=layer, head=h)[len(prefix) :]] = load(name).float()
+    return out

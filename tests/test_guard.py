@@ -1,0 +1,215 @@
+"""The stage guard: the figures it measures are what stock transformers computes on the written model;
+a stage forced to hurt (a refit on shuffled targets, a distillation at a learning rate that wrecks it)
+is undone, and the terminal, the record and the card say so; ``--guard fail`` stops instead; the
+stages never read the guard's windows; a model rescaled without changing its function converts to
+the same quality (steps sized to each projection)."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import llama_with_tokenizer, load, random_model, story_text, tiny_config
+from test_convert import equalise_groups, read_all
+from test_methods import with_tokenizer
+
+from mha2gqa.cli import main
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.convert.guard import prefix_cuts
+from mha2gqa.convert.settings import GUARD_WINDOWS
+from mha2gqa.core.conversion_record import KEPT, MEASURED, UNDONE
+from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
+
+
+def _source(family, calib_text, folder, seed=0, **config):
+    return with_tokenizer(random_model(tiny_config(family, vocab_size=300, **config), seed=seed), folder, calib_text)
+
+
+def _independent(src, out, text, seq_len: int) -> tuple[float, float]:
+    """``(KL, top-1)`` of ``out`` against ``src`` on the text's last GUARD_WINDOWS windows, both models
+    loaded whole with stock transformers: what the guard must have measured."""
+    from mha2gqa.core.models import load_tokenizer
+    from mha2gqa.core.text import load_text, token_stream
+
+    ids = token_stream(load_tokenizer(src), load_text(str(text)))[-GUARD_WINDOWS * seq_len :]
+    ids = ids.reshape(GUARD_WINDOWS, seq_len)
+    with torch.no_grad():
+        p = torch.log_softmax(load(src)(ids).logits.float(), -1)
+        q = torch.log_softmax(load(out)(ids).logits.float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean()), float((p.argmax(-1) == q.argmax(-1)).float().mean())
+
+
+def _shuffle_refit_targets(monkeypatch) -> None:
+    """Every layer's refit fitted (and checked) against another window's targets: a refit that lowers
+    its own error and makes the model worse."""
+    import mha2gqa.convert.refit as refit_module
+
+    fit, solve = refit_module.fit_layer, refit_module.solve_output
+
+    def other(targets, n):
+        return lambda w: targets([(j + n // 2) % n for j in w])
+
+    def fit_layer(forward, start, trainable, targets, windows, **kw):
+        return fit(forward, start, trainable, other(targets, windows), windows, **kw)
+
+    def solve_output(result, forward, *, targets, windows, **kw):
+        return solve(result, forward, targets=other(targets, windows), windows=windows, **kw)
+
+    monkeypatch.setattr(refit_module, "fit_layer", fit_layer)
+    monkeypatch.setattr(refit_module, "solve_output", solve_output)
+
+
+def test_prefix_cuts_split_the_refitted_layers_into_even_runs():
+    assert prefix_cuts(list(range(8))) == [1, 3, 5, 7]
+    assert prefix_cuts([0, 2, 3, 9, 10]) == [2, 3, 9, 10]  # ceil(5k/4): the 2nd, 3rd, 4th and 5th
+    assert prefix_cuts([4, 6]) == [4, 6] and prefix_cuts([5]) == [5] and prefix_cuts([]) == []
+    assert prefix_cuts(list(range(30)))[-1] == 29 and len(prefix_cuts(list(range(30)))) == 4
+
+
+@pytest.mark.parametrize(
+    ("family", "method", "extra"),
+    [
+        ("llama", "svd", {"refit": True, "refit_steps": 20}),
+        ("phi3", "svd", {}),  # fused qkv
+        ("phi", "svd", {"refit": True, "refit_steps": 20}),  # a parallel layer, partial rotary
+        ("qwen3", "mean", {"refit": True, "refit_steps": 20}),  # per-head q/k norms
+        ("gemma", "svd", {}),
+    ],
+)
+def test_the_guard_measures_what_stock_transformers_computes_on_the_written_model(
+    family, method, extra, calib_text, tmp_path
+):
+    src = _source(family, calib_text, tmp_path / "src")
+    out = convert_checkpoint(
+        src, tmp_path / "out", 2, method, calibration=str(calib_text), calibration_tokens=1024, progress=False, **extra
+    )
+    guard = out.facts.guard
+    assert guard.windows == GUARD_WINDOWS and guard.tokens == GUARD_WINDOWS * 64 and guard.mode == "undo"
+    assert guard.stages[0].stage == "merge" and guard.stages[0].outcome == MEASURED
+    assert [s.stage for s in guard.stages] == ["merge", "refit"] if extra else ["merge"]
+    kl, top1 = _independent(src, out.output, calib_text, 64)
+    published = guard.stages[-1].published
+    assert published.kl == pytest.approx(kl, rel=1e-3, abs=1e-5) and published.top1 == pytest.approx(top1, abs=2e-3)
+    assert published.kl > 0  # a real loss measured, not a copy of the original
+
+
+def test_a_refit_that_makes_the_model_worse_is_undone_and_every_output_says_so(calib_text, tmp_path, monkeypatch):
+    src = _source("llama", calib_text, tmp_path / "src", attention_bias=False)
+    _shuffle_refit_targets(monkeypatch)
+    args = ["convert", str(src), str(tmp_path / "out"), "-g", "1", "--method", "svd", "--calibration", str(calib_text),
+            "--calibration-tokens", "1024", "--refit", "--refit-steps", "30", "-q"]  # fmt: skip
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    assert "guard: refit: undone - held-out KL" in done.output, done.output
+    record = json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["conversion"]
+    merge, refit = record["guard"]["stages"]
+    assert refit["outcome"] == UNDONE and refit["after"]["kl"] > merge["after"]["kl"]
+    assert refit["published"] == merge["after"] and refit["before"] == merge["after"]
+    assert any(not layer["kept"] for layer in record["refit"]["layers"])  # the refit did run, and lowered its error
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "refit: undone - held-out KL" in card and "`svd+refit(undone)`" in card
+    kl, _ = _independent(src, tmp_path / "out", calib_text, 64)  # what is published is the merge
+    assert kl == pytest.approx(merge["after"]["kl"], rel=1e-3, abs=1e-5)
+    # --guard fail: the same run stops, one line, nothing written
+    failed = CliRunner().invoke(main, [*args[:2], str(tmp_path / "failed"), *args[3:], "--guard", "fail"])
+    assert failed.exit_code != 0 and "--guard fail: refit: undone - held-out KL" in failed.output
+    assert len(failed.output.strip().splitlines()) == 1, failed.output
+    assert not (tmp_path / "failed").exists() and not list(tmp_path.glob(".failed*"))
+
+
+def test_a_refit_that_helps_is_kept_and_guard_off_measures_nothing(calib_text, tmp_path):
+    src = _source("llama", calib_text, tmp_path / "src", attention_bias=False)
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "refit": True, "progress": False}
+    kept = convert_checkpoint(src, tmp_path / "kept", 1, "svd", **kw)
+    merge, refit = kept.facts.guard.stages
+    assert refit.outcome == KEPT and refit.published == refit.after and refit.after.loss < merge.after.loss
+    assert "guard: refit: kept - held-out KL" in kept.summary() and kept.facts.recipe == "svd+refit"
+    off = convert_checkpoint(src, tmp_path / "off", 1, "svd", guard="off", **kw)
+    assert off.facts.guard is None and "guard" not in off.summary()
+    a, b = read_all(kept.output), read_all(off.output)  # kept whole: the same tensors as without the guard
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_stages_never_read_the_guard_windows(tmp_path):
+    """A text too short for both: the stages read only the tokens before the guard's windows (the
+    record says how many); a long one: they read what they were asked for."""
+    from mha2gqa.core.models import load_tokenizer
+    from mha2gqa.core.text import load_text, token_stream
+
+    text = story_text(tmp_path / "short.txt", 60)
+    src = llama_with_tokenizer(tmp_path / "src", text, max_positions=32)
+    total = token_stream(load_tokenizer(src), load_text(str(text))).numel()
+    assert GUARD_WINDOWS * 32 + 32 <= total < 4096
+    out = convert_checkpoint(src, tmp_path / "out", 1, "svd", calibration=str(text), progress=False)
+    assert out.record.settings["calibration_tokens"] == total - GUARD_WINDOWS * 32
+    assert out.facts.calibration.tokens <= total - GUARD_WINDOWS * 32
+    tiny = story_text(tmp_path / "tiny.txt", 8)  # not enough for the windows and one more: not measured
+    none = convert_checkpoint(src, tmp_path / "none", 1, "svd", calibration=str(tiny), progress=False)
+    assert none.facts.guard.stages == [] and none.facts.guard.where.startswith("not measured")
+    assert "guard: not measured" in none.summary()
+
+
+def test_a_distillation_that_makes_the_model_worse_is_undone(tmp_path):
+    """From an exact conversion (K/V heads equal in each group: the merge loses nothing), a
+    distillation at a learning rate of 0.1 can only take the model away from SRC's: it is undone, and
+    DST holds the conversion, bit for bit."""
+    from mha2gqa.demo import build_tokenizer
+
+    text = story_text(tmp_path / "calib.txt", 400)
+    tok = build_tokenizer(text.read_text(), 300)
+    model = random_model(tiny_config("llama", vocab_size=len(tok), max_position_embeddings=64), seed=5)
+    equalise_groups(model, "llama", 1)
+    model.save_pretrained(tmp_path / "src")
+    tok.save_pretrained(tmp_path / "src")
+    src = tmp_path / "src"
+    common = ["convert", str(src), "-g", "1", "--method", "mean", "-q"]
+    plain = CliRunner().invoke(main, [*common[:2], str(tmp_path / "plain"), *common[2:]])
+    assert plain.exit_code == 0, plain.output
+    calibration = ["--calibration", str(text), "--calibration-tokens", "2048", "--calibration-seq-len", "32"]
+    distill = ["--distill", "--distill-steps", "8", "--distill-lr", "0.1"]
+    done = CliRunner().invoke(main, [*common[:2], str(tmp_path / "dst"), *common[2:], *calibration, *distill])
+    assert done.exit_code == 0, done.output
+    assert "guard: distill: undone - held-out KL" in done.output, done.output
+    dst = tmp_path / "dst"
+    assert (dst / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
+    assert not (dst / UPTRAIN_RECORD).exists()  # the model published is the conversion
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "dst", "plain", "src"]  # no staging
+    stages = json.loads((dst / CONVERSION_RECORD).read_text())["conversion"]["guard"]["stages"]
+    assert [(s["stage"], s["outcome"]) for s in stages] == [("merge", MEASURED), ("distill", UNDONE)]
+    assert stages[1]["published"] == stages[0]["after"] and stages[1]["after"]["kl"] > stages[0]["after"]["kl"]
+    assert "distill: undone - held-out KL" in (dst / "README.md").read_text()
+    failed = CliRunner().invoke(
+        main, [*common[:2], str(tmp_path / "failed"), *common[2:], *calibration, *distill, "--guard", "fail"]
+    )
+    assert failed.exit_code != 0 and "--guard fail: distill: undone" in failed.output, failed.output
+    assert not (tmp_path / "failed").exists()
+
+
+def _rescaled(model) -> None:
+    """The same function written differently, in every layer: v x 4 with o / 4; q x 2 with k / 2; the
+    input norm's weight x 2 with q, k and v / 2 (powers of two: exact)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn
+            layer.input_layernorm.weight.mul_(2)
+            for proj, scale in ((a.q_proj, 2 / 2), (a.k_proj, 1 / 4), (a.v_proj, 4 / 2)):
+                proj.weight.mul_(scale)
+            for proj, scale in ((a.q_proj, 2), (a.k_proj, 1 / 2), (a.v_proj, 4)):
+                if proj.bias is not None:
+                    proj.bias.mul_(scale)
+            a.o_proj.weight.mul_(1 / 4)
+
+
+def test_a_rescaled_model_converts_to_the_same_quality(calib_text, tmp_path):
+    model = random_model(tiny_config("llama", vocab_size=300), seed=2)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    _rescaled(model)
+    rescaled = with_tokenizer(model, tmp_path / "rescaled", calib_text)
+    ids = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(load(rescaled)(ids).logits, load(src)(ids).logits, atol=1e-4, rtol=1e-4)
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "refit": True, "progress": False}
+    a, b = (convert_checkpoint(m, tmp_path / f"{m.name}-out", 1, "svd", **kw).facts for m in (src, rescaled))
+    for x, y in zip(a.refit.layers, b.refit.layers, strict=True):  # each layer fitted alike
+        assert y.loss_after == pytest.approx(x.loss_after, rel=0.02), (a.refit.layers, b.refit.layers)
+    assert b.guard.stages[-1].published.kl == pytest.approx(a.guard.stages[-1].published.kl, rel=0.02)
