@@ -160,6 +160,25 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     return source.with_targets(tuple(chosen)), record  # uniform when the best allocation is
 
 
+def _guard_allocation(c: Conversion, planned: tuple[Any, Any, list[OutputTensor]], guard: Any):
+    """``--per-layer auto`` under the stage guard: the allocated counts' merge against uniform counts
+    within the same budget (the most KV heads every layer can keep), scored on the guard's windows;
+    ``(conversion, statistics, calibration record, tensors)`` of the allocation where it is better,
+    else of the uniform conversion (``planned``: the allocation's three)."""
+    dims = c.dims
+    fits = [g for g in dims.valid_kv_heads() if g * dims.num_layers <= c.settings.budget(dims.num_layers)]
+    if not fits or len(set(c.targets)) == 1:  # nothing uniform to compare with, or the allocation is uniform
+        return (c, *planned)
+    uniform = c.with_targets((max(fits),) * dims.num_layers)
+    stats, calibration = _calibrate(uniform)
+    tensors = tensor_sources(
+        uniform.ckpt, uniform.family, dims, uniform.targets, uniform.method, stats, c.settings.seed
+    )
+    if guard.allocation(c, planned[2], uniform, tensors, _log if c.settings.progress else None):
+        return (c, *planned)
+    return uniform, stats, calibration, tensors
+
+
 def _final_costs(c: Conversion, final: Any, candidates: list[int]) -> list[dict[int, float]]:
     """The ``logits`` costs of every layer at each of ``candidates`` from the streams ``final``
     followed, through the model's head."""
@@ -386,6 +405,8 @@ def run(conversion: Conversion, guard_data: str | None = None) -> ConversionResu
     stats, calibration = _calibrate(conversion)
     c = conversion
     tensors = tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
+    if guard is not None and allocation is not None:
+        c, stats, calibration, tensors = _guard_allocation(c, (stats, calibration, tensors), guard)
     record = _write(c, tensors, partial(_record, c, stats, calibration, allocation), guard)
     return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start, guard)
 

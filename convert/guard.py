@@ -20,6 +20,7 @@ model's head, and ``[T, hidden]`` float32 per window and live stream."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ class Weights:
     name: str
     load: Loader = field(compare=False, hash=False, repr=False)
     names: Container[str] = field(compare=False, hash=False, repr=False)
+    targets: tuple[int, ...] | None = None  # each layer's KV heads (None: the guard's conversion's)
 
 
 #: a candidate model: each decoder layer's :class:`Weights` (None: the layer as the source has it)
@@ -91,7 +93,7 @@ class Guard:
         self.ckpt, self.family, self.dims, self.targets, self.device = ckpt, family, dims, tuple(targets), device
         self.model = skeleton(ckpt)
         self.ids = ids
-        with torch.no_grad():
+        with torch.inference_mode():  # as calibration reads the source (a .bin's cached tensors are inference tensors)
             self.first = first_layer_inputs(self.model, ckpt, ids.to(device), device)
         self.reference: list[torch.Tensor] | None = None  # the original's last hidden states
         self.as_tuple = False
@@ -113,7 +115,7 @@ class Guard:
         streams: dict[tuple, list[torch.Tensor]] = {(): [h for h, _ in self.first]}
         kws = [kw for _, kw in self.first]
         by_name = {w.name: w for plan in plans.values() for w in plan if w}
-        with torch.no_grad():
+        with torch.inference_mode():
             for i, layer, prefix in each_layer(self.model, self.ckpt, self.device, torch.float32):
                 views: dict[str | None, dict[str, torch.Tensor]] = {None: {}}
                 nxt: dict[tuple, list[torch.Tensor]] = {}
@@ -134,7 +136,7 @@ class Guard:
         """Layer ``i``'s parameters (module-relative names) from ``weights``, in the source module's
         shapes: q/k/v/o by role (K/V heads repeated over their groups), per-head key norms, and
         any other tensor of the layer ``weights`` holds in the source's shape."""
-        shape = HeadShape.of(self.dims, self.targets[i])
+        shape = HeadShape.of(self.dims, (weights.targets or self.targets)[i])
         roles = attention_names(weights.names, self.family, i)
         lw = LayerWeights({n: weights.load(n).to(self.device) for n in roles.values()}, roles, self.family, shape)
         params = lw.module_view(lw.values, prefix)
@@ -159,9 +161,10 @@ class Guard:
         from mha2gqa.convert.layers import model_head, skeleton
 
         if self._head is None:
-            self._head = model_head(skeleton(self.ckpt), self.ckpt, self.device)
+            with torch.inference_mode():
+                self._head = model_head(skeleton(self.ckpt), self.ckpt, self.device)
         kl = same = 0.0
-        for ref_h, h in zip(self.reference, hidden, strict=True):
+        for ref_h, h in zip(self.reference, hidden, strict=True):  # the head runs under no_grad
             ref = torch.log_softmax(self._head(ref_h, self.as_tuple), -1)
             got = torch.log_softmax(self._head(h, self.as_tuple), -1)
             kl += float((ref.exp() * (ref - got)).sum())
@@ -204,25 +207,56 @@ class GuardRun:
         windows, tokens = (0, 0) if ids is None else (ids.shape[0], ids.numel())
         return StageGuard(self.mode, windows, tokens, self.where, list(self.stages))
 
-    def conversion(self, c, merged: list[OutputTensor], refitted: tuple[list[OutputTensor], Refit] | None, log):
-        """Score the merge and the refit (each prefix of :func:`prefix_cuts`) in one walk; returns the
-        tensors to publish (the refit up to its best prefix, or the merge) and the guard's record."""
-        if self.ids is None:
-            return refitted[0] if refitted else merged, self.record()
+    def _start(self, c) -> Guard:
         if self.guard is None:
             from mha2gqa.core.models import resolve_device
 
             dev = resolve_device(c.settings.device)
             self.guard = Guard(c.ckpt, c.family, c.dims, c.targets, self.ids, dev)
-        n, changed = c.dims.num_layers, [t != c.dims.num_kv_heads for t in c.targets]
-        merged_by_name, merged_names = _computed(merged)
-        merge = Weights("merge", planned(merged_by_name, c.ckpt), merged_names)
-        plans = {"merge": [merge if changed[i] else None for i in range(n)]}
+        return self.guard
+
+    @staticmethod
+    def _merged(c, tensors: list[OutputTensor], name: str) -> list[Weights | None]:
+        """The plan of the conversion ``c`` planned as ``tensors`` (its changed layers read them)."""
+        by_name, names = _computed(tensors)
+        weights = Weights(name, planned(by_name, c.ckpt), names, tuple(c.targets))
+        return [weights if t != c.dims.num_kv_heads else None for t in c.targets]
+
+    def allocation(self, c, tensors: list[OutputTensor], uniform, uniform_tensors: list[OutputTensor], log) -> bool:
+        """``--per-layer auto``: the merge at the allocated counts (``c``, ``tensors``) against the merge
+        at uniform counts within the same budget (``uniform``, ``uniform_tensors``); whether the
+        allocation stands (False: the uniform conversion is published)."""
+        if self.ids is None:
+            return True
+        plans = {
+            "allocated": self._merged(c, tensors, "allocated"),
+            "uniform": self._merged(uniform, uniform_tensors, "uniform"),
+        }
+        scores = self._start(c).score(plans)
+        mine, blind = scores["allocated"], scores["uniform"]
+        kept = mine.loss < blind.loss
+        detail = f"against {uniform.targets[0]} KV heads in every layer"
+        stage = GuardStage("allocation", KEPT if kept else UNDONE, mine, mine if kept else blind, blind, detail)
+        if not kept and self.mode == "fail":
+            self._fail(stage)
+        self.stages.append(stage)
+        self._say(log, stage)
+        return kept
+
+    def conversion(self, c, merged: list[OutputTensor], refitted: tuple[list[OutputTensor], Refit] | None, log):
+        """Score the merge and the refit (each prefix of :func:`prefix_cuts`) in one walk; returns the
+        tensors to publish (the refit up to its best prefix, or the merge) and the guard's record."""
+        if self.ids is None:
+            return refitted[0] if refitted else merged, self.record()
+        self._start(c)
+        n = c.dims.num_layers
+        plans = {"merge": self._merged(c, merged, "merge")}
+        merged_by_name = _computed(merged)[0]
         cuts: list[int] = []
         if refitted:
             tensors, rec = refitted
             refit_by_name, refit_names = _computed(tensors)
-            refit = Weights("refit", planned(refit_by_name, c.ckpt), refit_names)
+            refit = Weights("refit", planned(refit_by_name, c.ckpt), refit_names, tuple(c.targets))
             fitted = [r.layer for r in rec.layers if not r.kept]
             cuts = prefix_cuts(fitted)
             for cut in cuts:
@@ -260,16 +294,16 @@ class GuardRun:
         detail = f"published in layers up to {best}: {n} of {len(fitted)} refitted layers"
         return GuardStage("refit", KEPT_IN_PART, whole, scores[best], before, detail), best
 
-    def distillation(self, before: GuardScore | None, folder: Path, c, log) -> bool:
-        """Score the distilled model in ``folder`` against the model it started from (``before``);
-        whether it is published (False: undone)."""
+    def distillation(self, before: GuardScore | None, folder: Path, targets: Sequence[int], log) -> bool:
+        """Score the distilled model in ``folder`` (each layer's KV heads ``targets``) against the model
+        it started from (``before``); whether it is published (False: undone)."""
         from mha2gqa.core.checkpoint import open_checkpoint
 
         if self.guard is None or before is None:
             return True
         ckpt = open_checkpoint(str(folder))
-        weights = Weights("distill", ckpt.load, set(ckpt.tensors))
-        after = self.guard.score({"distill": [weights] * c.dims.num_layers})["distill"]
+        weights = Weights("distill", ckpt.load, set(ckpt.tensors), tuple(targets))
+        after = self.guard.score({"distill": [weights] * len(targets)})["distill"]
         kept = after.loss < before.loss
         stage = GuardStage("distill", KEPT if kept else UNDONE, after, after if kept else before, before)
         if not kept and self.mode == "fail":
@@ -313,4 +347,10 @@ def open_guard(c, data: str | None):
     run = GuardRun(s.guard, ids, before, where)
     if ids is None or s.calibration_tokens <= before:
         return c, run
-    return dataclasses.replace(c, settings=dataclasses.replace(s, calibration_tokens=before)), run
+    read = before // seq_len * seq_len  # whole windows
+    sys.stderr.write(
+        f"warning: --calibration {data}: the stage guard holds out its last {ids.numel():,} tokens, so the "
+        f"stages read the {read:,} before them ({read // seq_len} windows of {seq_len}) of the "
+        f"{s.calibration_tokens:,} asked for: give more text, or lower --calibration-tokens to silence this\n"
+    )
+    return dataclasses.replace(c, settings=dataclasses.replace(s, calibration_tokens=read)), run

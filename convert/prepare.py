@@ -112,7 +112,23 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
                 "calibration (--method mean, first, random or aligned; contiguous groups)",
             )
         s.check_calibration()
+        if s.refit:
+            _check_refit_windows(s, ckpt.config.get("max_position_embeddings"))
     return conversion
+
+
+def _check_refit_windows(s: ConvertSettings, positions: int | None) -> None:
+    """The refit reads at least two calibration windows (one held out), before any work."""
+    from mha2gqa.convert.settings import calibration_window
+
+    window = calibration_window(s.calibration_seq_len, positions)
+    if min(s.refit_tokens, s.calibration_tokens) < 2 * window:
+        name = "refit_tokens" if s.refit_tokens <= s.calibration_tokens else "calibration_tokens"
+        raise SettingError(
+            name,
+            f"{{name}} {getattr(s, name):,}: --refit needs two or more windows of {window} tokens "
+            f"({2 * window:,} tokens, one held out); raise {{name}} or lower --calibration-seq-len",
+        )
 
 
 def _check_per_layer_family(family: Family, setting: str) -> None:

@@ -70,7 +70,7 @@ from mha2gqa.core.conversion_record import (
     RefitLayer,
 )
 from mha2gqa.core.dtypes import BY_CODE
-from mha2gqa.core.errors import SettingError
+from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.memory import map_large_allocations
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.core.steps import step_size
@@ -317,8 +317,7 @@ class HiddenStates:
         if spill is None:
             self.data = first.clone()
         else:
-            with open(spill, "wb") as f:
-                f.truncate(first.numel() * 4)
+            _reserve(spill, first.numel() * 4)
             self.data = torch.from_file(str(spill), shared=True, size=first.numel(), dtype=torch.float32)
             self.data = self.data.view(first.shape)
             self.data.copy_(first)
@@ -338,6 +337,28 @@ class HiddenStates:
             for w in runs:
                 check_signals()
                 self[w] = step(self[w].to(dev), w)
+
+
+def _reserve(path: Path, size: int) -> None:
+    """Create ``path`` with ``size`` bytes of disk reserved up front: a memory-mapped file written
+    into where the disk is full kills the process (SIGBUS), with no message and nothing cleaned up."""
+    import errno
+    import os
+
+    from mha2gqa.core.errors import disk_full
+
+    with open(path, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as e:
+            if disk_full(e):
+                raise Mha2GqaError(
+                    f"disk full while writing {path}: --refit's hidden states need {size / 2**20:,.1f} MiB beside "
+                    "DST; free space there, or raise --refit-memory to keep them in memory"
+                ) from None
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            f.truncate(size)  # a filesystem that cannot reserve: a sparse file, as before
 
 
 def dimension_scale(states: HiddenStates, windows: list[int], per_call: int) -> torch.Tensor:

@@ -197,6 +197,8 @@ def _split_choices(ctx: Any, param: Any, values: tuple[str, ...], choices: tuple
     import click
 
     out = tuple(v.strip() for value in values for v in value.split(",") if v.strip())
+    if values and not out:  # `--tasks ''`: asked for, and names nothing
+        raise click.BadParameter("names nothing: give at least one value, or leave the option out", ctx, param)
     for v in out if choices else ():
         if v not in choices:
             raise click.BadParameter(f"{v!r} is not one of {', '.join(map(repr, choices))}", ctx, param)

@@ -141,7 +141,7 @@ def test_the_stages_never_read_the_guard_windows(tmp_path):
     total = token_stream(load_tokenizer(src), load_text(str(text))).numel()
     assert GUARD_WINDOWS * 32 + 32 <= total < 4096
     out = convert_checkpoint(src, tmp_path / "out", 1, "svd", calibration=str(text), progress=False)
-    assert out.record.settings["calibration_tokens"] == total - GUARD_WINDOWS * 32
+    assert out.record.settings["calibration_tokens"] == (total - GUARD_WINDOWS * 32) // 32 * 32  # whole windows
     assert out.facts.calibration.tokens <= total - GUARD_WINDOWS * 32
     tiny = story_text(tmp_path / "tiny.txt", 8)  # not enough for the windows and one more: not measured
     none = convert_checkpoint(src, tmp_path / "none", 1, "svd", calibration=str(tiny), progress=False)
@@ -213,3 +213,26 @@ def test_a_rescaled_model_converts_to_the_same_quality(calib_text, tmp_path):
     for x, y in zip(a.refit.layers, b.refit.layers, strict=True):  # each layer fitted alike
         assert y.loss_after == pytest.approx(x.loss_after, rel=0.02), (a.refit.layers, b.refit.layers)
     assert b.guard.stages[-1].published.kl == pytest.approx(a.guard.stages[-1].published.kl, rel=0.02)
+
+
+def test_a_per_layer_allocation_is_scored_against_uniform_counts_and_undone_when_worse(
+    calib_text, tmp_path, monkeypatch
+):
+    """``--per-layer auto`` is a stage too: its merge against the merge at uniform counts within the same
+    budget. An allocation forced to starve three of four layers (1, 1, 1, 4: 7 heads of the 8 that
+    uniform 2 spends) loses, and the uniform conversion is published and loads with stock transformers."""
+    src = _source("llama", calib_text, tmp_path / "src", num_hidden_layers=4)
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "per_layer": "auto", "progress": False}
+    chosen = convert_checkpoint(src, tmp_path / "chosen", 2, "svd", **kw)
+    stage = chosen.facts.guard.stage("allocation")
+    assert stage is not None and stage.detail == "against 2 KV heads in every layer"
+    assert stage.published.loss == min(stage.after.loss, stage.before.loss)
+    monkeypatch.setattr("mha2gqa.convert.allocation.allocate", lambda costs, budget: (1, 1, 1, 4))
+    starved = convert_checkpoint(src, tmp_path / "starved", 2, "svd", **kw)
+    stage = starved.facts.guard.stage("allocation")
+    assert stage.outcome == UNDONE and stage.after.loss > stage.before.loss and stage.published == stage.before
+    assert starved.facts.per_layer_allocation.chosen == [1, 1, 1, 4]  # what it chose, and undid
+    assert starved.facts.num_kv_heads_per_layer is None and starved.facts.num_kv_heads_after == 2
+    assert starved.facts.recipe == "svd/per-layer(auto, undone)" and "allocation: undone" in starved.summary()
+    kl, _ = _independent(src, starved.output, calib_text, 64)
+    assert kl == pytest.approx(stage.published.kl, rel=1e-3, abs=1e-5)

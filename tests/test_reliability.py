@@ -452,6 +452,39 @@ def test_every_writer_reports_a_full_disk_in_one_line(pair, tiny_disk, tmp_path)
     assert not [p for p in (tiny_disk / "run").rglob("*") if p.name.startswith(".")]
 
 
+def test_a_disk_that_fills_while_the_refit_spills_its_hidden_states_is_one_line(pair, tiny_disk):
+    """The refit's hidden states beyond --refit-memory go to memory-mapped files beside DST; written into
+    where the disk is full, such a file kills the process with SIGBUS. Reserved up front, a full disk is
+    one line, and nothing is left on it."""
+    mha, _, text = pair
+    result = run_cli(
+        "convert", mha, tiny_disk / "out", "-g", 1, "--method", "svd", "--calibration", text, "--refit",
+        "--refit-memory", "1KB", "--calibration-seq-len", 32, "--calibration-tokens", 1024, "-q",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "disk full while writing" in result.output and "--refit-memory" in result.output, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert list(tiny_disk.iterdir()) == []
+
+
+def test_a_disk_that_fills_in_the_distillations_teacher_pass_is_one_line(pair, tmp_path):
+    """``convert --distill``: the conversion fits, the teacher's cached log-probabilities do not."""
+    mha, conv, text = pair
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, (conv / "model.safetensors").stat().st_size * 3 + 256 * 1024)  # the teacher's cache: 1 MB
+    try:
+        args = ["convert", mha, disk / "out", "-g", 1, "--calibration", text, "--calibration-seq-len", 32,
+                "--calibration-tokens", 1024, "-q"]  # fmt: skip
+        assert run_cli(*args, "--method", "svd").exit_code == 0  # the conversion alone fits
+        shutil.rmtree(disk / "out")
+        result = run_cli(*args, "--distill", "--distill-steps", 64)
+        assert result.exit_code == 1, result.output
+        assert "disk full while writing DST" in result.output and "Traceback" not in result.output, result.output
+        assert list(disk.iterdir()) == []  # the staged conversion and the partial cache went with the stage
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 def test_nan_in_source_weights_is_reported_and_refused_on_request(src, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -248,6 +248,9 @@ def test_task_options_are_refused_before_work(tmp_path, monkeypatch):
     assert "--num-fewshot shapes the downstream tasks" in eval_error(*base, "--num-fewshot", 5)
     assert "--limit shapes the downstream tasks" in eval_error(*base, "--limit", 5)
     assert "--limit must be at least 1" in eval_error(*base, "--tasks", "x", "--limit", 0)
+    for empty in ("", " , "):  # asked for, and naming nothing: a usage error, as a bad choice is
+        result = CliRunner().invoke(main, ["eval", *map(str, base), "--tasks", empty])
+        assert result.exit_code == 2 and "'--tasks': names nothing" in result.output, result.output
     pair = (*base, "--converted", model)
     assert "--max-task-drop gates the downstream tasks: give --tasks" in eval_error(*pair, "--max-task-drop", 0.01)
     assert "--task-alpha must be less than 1" in eval_error(*pair, "--tasks", "x", "--task-alpha", 1)

@@ -174,7 +174,7 @@ def _building(tmp: Path, accelerator) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        full = _out_of_space(e, tmp)  # before the partial files are removed: they fill the disk
+        full = out_of_space(e, tmp)  # before the partial files are removed: they fill the disk
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         if full:  # torch, safetensors and accelerate report a full disk in their own words
@@ -188,7 +188,7 @@ _FULL_DISK = ("No space left on device", "file write failed", "os error 28", "io
 _NEARLY_FULL = 1 << 20
 
 
-def _out_of_space(e: BaseException, where: Path) -> bool:
+def out_of_space(e: BaseException, where: Path) -> bool:
     """``e``, raised while writing under ``where``, is a full disk: the OS said so, the writer's
     words say so, or the disk has (almost) no room left (a C++ stream says only "iostream error")."""
     if isinstance(e, OSError) and disk_full(e):

@@ -22,6 +22,7 @@ run ahead of a training run that reads the same entry: the trainer waits for a c
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -105,6 +106,12 @@ class TeacherCache:
         try:
             save_file(tensors, tmp, metadata={"sha256": _digest(tensors)})
             os.replace(tmp, self.folder / name)
+        except Exception as e:
+            from mha2gqa.uptrain.checkpoints import out_of_space
+
+            if out_of_space(e, self.folder):  # safetensors says it in its own words (SafetensorError)
+                raise OSError(errno.ENOSPC, "No space left on device", str(self.folder / name)) from None
+            raise
         finally:
             tmp.unlink(missing_ok=True)
 
