@@ -73,10 +73,14 @@ class ConversionResult:
             if f.num_kv_heads_per_layer
             else (str(f.num_kv_heads_after))
         )
-        guard = f.guard
-        lines = "".join(f"\n  guard: {stage.line()}" for stage in guard.stages) if guard else ""
-        if guard and not guard.stages:
-            lines = f"\n  guard: {guard.where}"
+        guard, allocation, lines = f.guard, f.per_layer_allocation, ""
+        if allocation:
+            chose = ",".join(map(str, allocation.chosen))
+            lines += (
+                f"\n  per-layer auto: chose {chose}, {sum(allocation.chosen)} of {allocation.budget_kv_heads} KV heads"
+            )
+        if guard:
+            lines += "".join(f"\n  guard: {stage.line()}" for stage in guard.stages) or f"\n  guard: {guard.where}"
         return (
             f"{self.record.family}: KV heads {f.num_kv_heads_before} -> {after} "
             f"({f.num_heads} query heads, {f.num_layers} layers, {f.recipe}); "
@@ -147,6 +151,12 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     ordered = [costs[i] for i in range(dims.num_layers)]
     budget = s.budget(dims.num_layers)
     chosen = allocate(ordered, budget)
+    if sum(chosen) < budget:  # no counts of the candidates per layer spend it all: say so, never silently
+        sys.stderr.write(
+            f"warning: --per-layer auto: no choice of {', '.join(map(str, sorted(candidates)))} KV heads per layer "
+            f"spends the budget of {budget} KV heads; the best spends {sum(chosen)} "
+            f"({','.join(map(str, chosen))})\n"
+        )
     uniform = {str(g): sum(c[g] for c in ordered) for g in candidates if g * dims.num_layers <= budget}
     record = Allocation(
         budget_kv_heads=budget,

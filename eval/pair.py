@@ -99,6 +99,26 @@ def compared_lines(documents: list[str]) -> set[str]:
     return {line.strip() for doc in documents for line in doc.splitlines() if len(line.strip()) >= MIN_LINE}
 
 
+def _training_text(folder: Path) -> str | None:
+    """The ``--data`` an uptraining run (or ``convert --distill``) of the model in ``folder`` trained on,
+    from its uptraining record (None: none, or it names no text)."""
+    import json
+
+    from mha2gqa.core.records import UPTRAIN_RECORD
+
+    path = Path(folder) / UPTRAIN_RECORD
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Mha2GqaError(f"{path}: not readable JSON ({e}); uptrain the model again") from None
+    run = data.get("uptrain") if isinstance(data, dict) else None
+    settings = run.get("settings") if isinstance(run, dict) else None
+    text = settings.get("data") if isinstance(settings, dict) else None
+    return text if isinstance(text, str) and text else None
+
+
 def calibration_overlap(data: TextData, source: str, converted_folder: Path, text_field: str) -> Overlap | None:
     """How much of the evaluation text ``data`` (read from ``source``) the conversion in
     ``converted_folder`` was calibrated or refitted on; None when it read no text (or the text is
@@ -112,6 +132,9 @@ def calibration_overlap(data: TextData, source: str, converted_folder: Path, tex
         texts[facts.refit.data] = "refit"
     if facts.calibration is not None and facts.calibration.data:
         texts.setdefault(facts.calibration.data, "calibration")
+    trained = _training_text(converted_folder)  # convert --distill, or an uptraining run: it read text too
+    if trained:
+        texts.setdefault(trained, "training")
     found: Overlap | None = None
     mine = compared_lines(data.documents)
     here = Path(source).expanduser()

@@ -236,3 +236,37 @@ def test_a_per_layer_allocation_is_scored_against_uniform_counts_and_undone_when
     assert starved.facts.recipe == "svd/per-layer(auto, undone)" and "allocation: undone" in starved.summary()
     kl, _ = _independent(src, starved.output, calib_text, 64)
     assert kl == pytest.approx(stage.published.kl, rel=1e-3, abs=1e-5)
+
+
+def test_a_distilled_model_evaluated_on_its_own_distillation_text_is_not_a_valid_verdict(tmp_path):
+    """``mean --distill`` reads the text only for the distillation (its conversion record names no
+    calibration): evaluated on that text, the verdict is NOT VALID all the same."""
+    text = story_text(tmp_path / "calib.txt", 400)
+    src = llama_with_tokenizer(tmp_path / "src", text, max_positions=64)
+    args = ["convert", str(src), str(tmp_path / "dst"), "-g", "2", "--method", "mean", "--calibration", str(text),
+            "--calibration-tokens", "2048", "--calibration-seq-len", "32", "--distill", "--distill-steps", "4",
+            "-q"]  # fmt: skip
+    assert CliRunner().invoke(main, args).exit_code == 0
+    evaluated = CliRunner().invoke(
+        main, ["eval", "--original", str(src), "--converted", str(tmp_path / "dst"), "--data", str(text),
+               "--seq-len", "32", "--max-tokens", "512", "--no-attention", "-q"],
+    )  # fmt: skip
+    assert evaluated.exit_code == 0, evaluated.output
+    verdict = [line for line in evaluated.output.splitlines() if line.startswith("verdict:")]
+    assert verdict and verdict[0].startswith("verdict: NOT VALID (evaluated on the conversion's training text)"), (
+        evaluated.output
+    )
+
+
+def test_a_budget_no_counts_can_spend_is_said_not_silently_halved(calib_text, tmp_path):
+    """7 KV heads (divisors 1 and 7) in 2 layers with --kv-budget 2 (4 heads in all): only 1,1 fits,
+    spending 2; the terminal warns and the summary says what was chosen against what was asked."""
+    model = random_model(tiny_config("llama", vocab_size=300, hidden_size=28, num_attention_heads=7,
+                                     num_key_value_heads=7), seed=0)  # fmt: skip
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    args = ["convert", str(src), str(tmp_path / "out"), "--per-layer", "auto", "--kv-budget", "2", "--method",
+            "svd", "--calibration", str(calib_text), "--calibration-tokens", "1024", "-q"]  # fmt: skip
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    assert "no choice of 1, 7 KV heads per layer spends the budget of 4 KV heads; the best spends 2" in done.output
+    assert "per-layer auto: chose 1,1, 2 of 4 KV heads" in done.output, done.output
