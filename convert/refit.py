@@ -80,6 +80,11 @@ from mha2gqa.core.units import parse_size
 HELDOUT_EVERY = 8
 #: held-out checks per layer (every ``steps / CHECKS`` steps)
 CHECKS = 10
+#: learning rates a layer's fit tries (times --refit-lr) for the steps of its first check, each from the
+#: merge on the same windows; the one with the least held-out error goes on. The relative step a model
+#: wants differs (SmolLM2-135M: about 0.015 of each projection's RMS; pydocs-mha-8h, whose projections
+#: are 6x smaller: about 0.09): docs/methods.md, "Steps sized to the model"
+PROBE = (1.0, 3.0, 9.0)
 #: checks without a lower held-out error (by at least MIN_GAIN of it) before a layer's fit stops
 PATIENCE = 3
 #: the share of the best held-out error a check must take off to count as progress
@@ -104,6 +109,7 @@ class FitResult:
     kept: bool
     steps: int
     ridge: float | None = None  # the closed-form o_proj's (:func:`solve_output`), None: not taken
+    lr: float | None = None  # the relative learning rate the fit went on with (of those probed)
 
 
 def chunks(indices: list[int], size: int) -> list[list[int]]:
@@ -130,6 +136,7 @@ def fit_layer(
     seed: int,
     per_call: int = 1,
     scale: torch.Tensor | None = None,
+    probe: tuple[float, ...] = PROBE,
 ) -> FitResult:
     """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
     outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on the mean squared
@@ -138,37 +145,51 @@ def fit_layer(
     windows a step (``per_call`` windows per forward), early stopped on the held-out windows
     (:func:`split_windows`): a check that does not lower the best held-out error by
     :data:`MIN_GAIN` of it counts towards :data:`PATIENCE`, and the fit stops there once half its
-    steps are done. Returns the best values, or ``start`` itself when no check lowered the held-out
-    error (``kept``)."""
+    steps are done. The first check's steps run once for each learning rate ``lr x`` a factor of
+    ``probe``, from ``start`` on the same windows, and the one with the least held-out error goes on.
+    Returns the best values, or ``start`` itself when no check lowered the held-out error (``kept``)."""
     fitted, held = split_windows(windows)
     heldout = partial(heldout_error, forward, targets=targets, windows=held, per_call=per_call, scale=scale)
     before = heldout(start)
     if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
         return FitResult(start, before, before, True, 0)
-    values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
-    optimizer = torch.optim.Adam(relative_steps(values, trainable, lr), foreach=False)  # no temporaries
     every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
-    best, best_values, stale, done = before, None, 0, 0
-    for step, chosen in zip(range(steps), batches, strict=False):
-        check_signals()
-        optimizer.zero_grad(set_to_none=True)
-        for c in chunks(chosen, per_call):  # a few windows' graph at a time
-            loss = torch.mean(_scaled_squares(forward(values, c), targets(c), scale)) * (len(c) / len(chosen))
-            loss.backward()
-        optimizer.step()
-        done = step + 1
-        if done % every and done != steps:
-            continue
-        now = heldout(values)
+    train = partial(_train_step, forward, targets=targets, scale=scale, per_call=per_call)
+    first = [next(batches) for _ in range(min(every, steps))]  # the first check's steps, for every rate tried
+    tried = []
+    for factor in probe:
+        values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
+        optimizer = torch.optim.Adam(relative_steps(values, trainable, lr * factor), foreach=False)  # no temporaries
+        for chosen in first:
+            train(values, optimizer, chosen)
+        tried.append((heldout(values), factor, values, optimizer))
+    now, factor, values, optimizer = min(tried, key=lambda t: t[0])
+    del tried
+    best, best_values, stale, done = before, None, 0, len(first)
+    while True:
         gained = now < best * (1 - MIN_GAIN)
         if now < best:
             best, best_values = now, {r: t.detach().clone() for r, t in values.items()}
         stale = 0 if gained else stale + 1
-        if stale >= PATIENCE and done >= steps // 2:  # Adam's first steps may overshoot: give it half
+        if done >= steps or (stale >= PATIENCE and done >= steps // 2):  # Adam may overshoot at first: half
             break
+        for chosen in [next(batches) for _ in range(min(every, steps - done))]:
+            train(values, optimizer, chosen)
+            done += 1
+        now = heldout(values)
     if best_values is None:
-        return FitResult(start, before, before, True, done)
-    return FitResult(best_values, before, best, False, done)
+        return FitResult(start, before, before, True, done, lr=lr * factor)
+    return FitResult(best_values, before, best, False, done, lr=lr * factor)
+
+
+def _train_step(forward, values, optimizer, chosen: list[int], *, targets, scale, per_call: int) -> None:
+    """One Adam step on the windows ``chosen`` (``per_call`` windows' graph at a time)."""
+    check_signals()
+    optimizer.zero_grad(set_to_none=True)
+    for c in chunks(chosen, per_call):
+        loss = torch.mean(_scaled_squares(forward(values, c), targets(c), scale)) * (len(c) / len(chosen))
+        loss.backward()
+    optimizer.step()
 
 
 def relative_steps(values: Mapping[str, torch.Tensor], trainable: list[str], lr: float) -> list[dict[str, Any]]:
@@ -243,7 +264,7 @@ def solve_output(
         values = result.values | {"o": w} | ({"o_bias": b} if has_bias else {})
         error = heldout_error(forward, values, targets=targets, windows=held, per_call=per_call, scale=scale)
         if error < best.loss_after:
-            best = FitResult(values, result.loss_before, error, False, result.steps, ridge)
+            best = FitResult(values, result.loss_before, error, False, result.steps, ridge, result.lr)
     return best
 
 
@@ -630,6 +651,7 @@ def refit(
                         result.steps,
                         round(seconds, 3),
                         result.ridge,
+                        result.lr,
                     )
                 )
                 if log is not None:
@@ -637,6 +659,7 @@ def refit(
                         f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
                         + (" (kept the merged weights)" if result.kept else "")
                         + f", {result.steps} steps"
+                        + (f" at lr {result.lr:g}" if result.lr is not None else "")
                         + (f", {O_SOLVED} (ridge {result.ridge:g})" if result.ridge is not None else "")
                         + f", {seconds:.1f} s"
                     )

@@ -84,6 +84,8 @@ class RefitLayer:
     seconds: float
     #: the ridge of the closed-form output projection that replaced the Adam fit's (None: not replaced)
     o_ridge: float | None = None
+    #: the learning rate (relative to each projection's RMS) the fit went on with, of those it probed
+    lr: float | None = None
 
 
 @dataclass(frozen=True)
