@@ -16,7 +16,7 @@ from typing import Any
 
 from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.records import CONVERSION_RECORD
+from mha2gqa.core.records import CONVERSION_RECORD, read_record_json
 
 CONVERSION_SCHEMA = "mha2gqa.conversion/1"
 
@@ -309,10 +309,5 @@ class ConversionRecord:
 def read_conversion_record(folder: Path) -> ConversionRecord | None:
     """The record of a converted model folder; None when it has none (not converted by mha2gqa)."""
     path = Path(folder) / CONVERSION_RECORD
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Mha2GqaError(f"{path}: not readable JSON ({e}); convert the model again") from None
-    return ConversionRecord.from_dict(data, str(path))
+    data = read_record_json(path, "convert the model again")
+    return None if data is None else ConversionRecord.from_dict(data, str(path))

@@ -7,6 +7,7 @@ import datetime as _dt
 import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 #: Written by ``convert`` into every converted model (and carried along by ``uptrain``).
 CONVERSION_RECORD = "mha2gqa_conversion.json"
@@ -67,3 +68,18 @@ def git_revision() -> str | None:
         return rev.stdout.strip() or None if rev.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def read_record_json(path: Path, again: str) -> Any | None:
+    """The JSON of the record file ``path`` (None where there is none); unreadable, one error naming it
+    and what to do (``again``: e.g. "convert the model again")."""
+    import json
+
+    from mha2gqa.core.errors import Mha2GqaError
+
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Mha2GqaError(f"{path}: not readable JSON ({e}); {again}") from None

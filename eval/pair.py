@@ -102,17 +102,9 @@ def compared_lines(documents: list[str]) -> set[str]:
 def _training_text(folder: Path) -> str | None:
     """The ``--data`` an uptraining run (or ``convert --distill``) of the model in ``folder`` trained on,
     from its uptraining record (None: none, or it names no text)."""
-    import json
+    from mha2gqa.core.records import UPTRAIN_RECORD, read_record_json
 
-    from mha2gqa.core.records import UPTRAIN_RECORD
-
-    path = Path(folder) / UPTRAIN_RECORD
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Mha2GqaError(f"{path}: not readable JSON ({e}); uptrain the model again") from None
+    data = read_record_json(Path(folder) / UPTRAIN_RECORD, "uptrain the model again")
     run = data.get("uptrain") if isinstance(data, dict) else None
     settings = run.get("settings") if isinstance(run, dict) else None
     text = settings.get("data") if isinstance(settings, dict) else None
