@@ -341,6 +341,16 @@ def _umask() -> int:
     return mask
 
 
+def as_created(folder: Path) -> None:
+    """Give every file directly in ``folder`` the mode a newly created file gets (``0o666`` less the
+    umask): writers that publish through a private temporary file (transformers' ``save_pretrained``
+    writes ``model.safetensors`` with mode 0600) leave files other users of a shared model cannot read."""
+    mode = 0o666 & ~_umask()
+    for path in Path(folder).iterdir():
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def write_json(
     path: Path, obj: Any, what: str = "--output", overwrite: bool = True, inputs: Inputs | None = None
 ) -> Path:

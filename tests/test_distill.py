@@ -3,6 +3,7 @@ records and nothing of the staging left; the distillation lowers the KL to the s
 bad combinations refused before any work; a failing distillation leaves DST as it was."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -54,6 +55,9 @@ def test_convert_distill_publishes_the_distilled_model_with_both_records(src, tm
     assert str(tmp_path / ".") not in record["student"]  # names no staged folder
     assert record["steps"] == 16 and record["settings"]["objective"] == "kd"
     assert json.loads((dst / CONVERSION_RECORD).read_text())["conversion"]["num_kv_heads_after"] == 1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in dst.iterdir() if p.is_file()} == {0o666 & ~umask}  # none private
     assert _kl(src, dst) < 0.9 * _kl(src, tmp_path / "plain")  # the distillation took off KL on its text
 
 

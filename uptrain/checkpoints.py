@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core.errors import Mha2GqaError, disk_full
-from mha2gqa.core.output import Inputs, check_destination, check_overlap, publish, staged_output
+from mha2gqa.core.output import Inputs, as_created, check_destination, check_overlap, publish, staged_output
 
 CHECKPOINTS = "checkpoints"
 STATE_NAME = "trainer_state.json"
@@ -123,6 +123,7 @@ def _save_model(
     finally:
         unwrapped.config.dtype = saved_dtype
     _write_files(folder, tokenizer, files)
+    as_created(folder)  # save_pretrained leaves model.safetensors private (0600), unlike every other output file
 
 
 def _write_files(folder: Path, tokenizer, files: dict[str, str]) -> None:
