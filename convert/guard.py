@@ -1,10 +1,10 @@
-"""The stage guard: every stage of a conversion (the refit, layer prefix by layer prefix, and the
-distillation after it) must make the *model* better, measured where the user will feel it: the
-converted model's next-token distribution against the original's (mean per-token KL and top-1
-agreement) on :data:`GUARD_WINDOWS` windows of the calibration text that no stage reads (the
-tokens right after the ones the stages read, or the text's last windows, the stages then reading
-less). A stage whose held-out KL is not lower than the stage before it is undone: its weights are
-not published, and the record, card and terminal say so (``--guard fail`` stops instead).
+"""The stage guard: every stage of a conversion (the per-layer allocation, the refit layer prefix by
+layer prefix, and the distillation after it) must make the *model* better, measured where the user
+will feel it: the converted model's next-token distribution against the original's (mean per-token
+KL and top-1 agreement) on the last :data:`GUARD_WINDOWS` windows of the calibration text, which no
+stage reads (the stages read the tokens before them). A stage whose held-out KL is not lower than
+the stage before it is undone: its weights are not published, and the record, card and terminal say
+so (``--guard fail`` stops instead).
 
 Why at the model level: a layer-wise fit can lower every layer's own error while the model gets
 worse (a real Qwen2-shaped model: each layer's held-out error fell, the model's perplexity rose
@@ -58,7 +58,7 @@ class Weights:
     name: str
     load: Loader = field(compare=False, hash=False, repr=False)
     names: Container[str] = field(compare=False, hash=False, repr=False)
-    targets: tuple[int, ...] | None = None  # each layer's KV heads (None: the guard's conversion's)
+    targets: tuple[int, ...] = field(compare=False, hash=False)  # each layer's KV heads
 
 
 #: a candidate model: each decoder layer's :class:`Weights` (None: the layer as the source has it)
@@ -87,10 +87,10 @@ class Guard:
     """Scores candidate models (:data:`Plan`) against the original on the guard windows ``ids``
     ``[W, T]``, streamed layer by layer from ``ckpt`` (see the module doc)."""
 
-    def __init__(self, ckpt, family, dims: AttentionDims, targets: Sequence[int], ids: torch.Tensor, device) -> None:
+    def __init__(self, ckpt, family, dims: AttentionDims, ids: torch.Tensor, device) -> None:
         from mha2gqa.convert.layers import first_layer_inputs, skeleton
 
-        self.ckpt, self.family, self.dims, self.targets, self.device = ckpt, family, dims, tuple(targets), device
+        self.ckpt, self.family, self.dims, self.device = ckpt, family, dims, device
         self.model = skeleton(ckpt)
         self.ids = ids
         with torch.inference_mode():  # as calibration reads the source (a .bin's cached tensors are inference tensors)
@@ -98,10 +98,6 @@ class Guard:
         self.reference: list[torch.Tensor] | None = None  # the original's last hidden states
         self.as_tuple = False
         self._head = None
-
-    @property
-    def tokens(self) -> int:
-        return self.ids.numel()
 
     def score(self, plans: Mapping[str, Plan]) -> dict[str, GuardScore]:
         """Each plan's held-out KL and top-1 agreement against the original, in one walk over the
@@ -136,7 +132,7 @@ class Guard:
         """Layer ``i``'s parameters (module-relative names) from ``weights``, in the source module's
         shapes: q/k/v/o by role (K/V heads repeated over their groups), per-head key norms, and
         any other tensor of the layer ``weights`` holds in the source's shape."""
-        shape = HeadShape.of(self.dims, (weights.targets or self.targets)[i])
+        shape = HeadShape.of(self.dims, weights.targets[i])
         roles = attention_names(weights.names, self.family, i)
         lw = LayerWeights({n: weights.load(n).to(self.device) for n in roles.values()}, roles, self.family, shape)
         params = lw.module_view(lw.values, prefix)
@@ -212,7 +208,7 @@ class GuardRun:
             from mha2gqa.core.models import resolve_device
 
             dev = resolve_device(c.settings.device)
-            self.guard = Guard(c.ckpt, c.family, c.dims, c.targets, self.ids, dev)
+            self.guard = Guard(c.ckpt, c.family, c.dims, self.ids, dev)
         return self.guard
 
     @staticmethod
@@ -294,11 +290,12 @@ class GuardRun:
         detail = f"published in layers up to {best}: {n} of {len(fitted)} refitted layers"
         return GuardStage("refit", KEPT_IN_PART, whole, scores[best], before, detail), best
 
-    def distillation(self, before: GuardScore | None, folder: Path, targets: Sequence[int], log) -> bool:
+    def distillation(self, folder: Path, targets: Sequence[int], log) -> bool:
         """Score the distilled model in ``folder`` (each layer's KV heads ``targets``) against the model
-        it started from (``before``); whether it is published (False: undone)."""
+        it started from (what the stages before published); whether it is published (False: undone)."""
         from mha2gqa.core.checkpoint import open_checkpoint
 
+        before = self.published
         if self.guard is None or before is None:
             return True
         ckpt = open_checkpoint(str(folder))

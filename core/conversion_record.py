@@ -223,7 +223,7 @@ class Facts:
                 ",".join(map(str, counts)) if len(counts) <= RECIPE_LAYERS else f"avg {sum(counts) / len(counts):.3g}"
             )
             name += f"/per-layer({'auto, ' if self.per_layer_allocation else ''}{shown})"
-        elif self.guard and self.guard.stage("allocation") and self.guard.stage("allocation").outcome == UNDONE:
+        elif (allocated := self.guard.stage("allocation") if self.guard else None) and allocated.outcome == UNDONE:
             name += "/per-layer(auto, undone)"  # allocated, then undone by the stage guard: uniform counts
         return name + self._stage_name("refit", self.refit is not None)
 

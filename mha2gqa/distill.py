@@ -120,9 +120,7 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
         except Terminated as e:  # the staged run goes with the stage: nothing to --resume
             e.kept = None
             raise
-        kept = guard is None or guard.distillation(
-            guard.published, stage / DISTILLED, converted.kv_heads_per_layer, log
-        )
+        kept = guard is None or guard.distillation(stage / DISTILLED, converted.kv_heads_per_layer, log)
         record = converted.record
         if guard is not None:
             facts = dataclasses.replace(record.conversion, guard=guard.record())

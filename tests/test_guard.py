@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from conftest import llama_with_tokenizer, load, random_model, story_text, tiny_config
 from test_convert import equalise_groups, read_all
 from test_methods import with_tokenizer
+from test_refit import source
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
@@ -19,10 +20,6 @@ from mha2gqa.convert.guard import prefix_cuts
 from mha2gqa.convert.settings import GUARD_WINDOWS
 from mha2gqa.core.conversion_record import KEPT, MEASURED, UNDONE
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
-
-
-def _source(family, calib_text, folder, seed=0, **config):
-    return with_tokenizer(random_model(tiny_config(family, vocab_size=300, **config), seed=seed), folder, calib_text)
 
 
 def _independent(src, out, text, seq_len: int) -> tuple[float, float]:
@@ -79,7 +76,7 @@ def test_prefix_cuts_split_the_refitted_layers_into_even_runs():
 def test_the_guard_measures_what_stock_transformers_computes_on_the_written_model(
     family, method, extra, calib_text, tmp_path
 ):
-    src = _source(family, calib_text, tmp_path / "src")
+    src = source(family, calib_text, tmp_path / "src")
     out = convert_checkpoint(
         src, tmp_path / "out", 2, method, calibration=str(calib_text), calibration_tokens=1024, progress=False, **extra
     )
@@ -94,7 +91,7 @@ def test_the_guard_measures_what_stock_transformers_computes_on_the_written_mode
 
 
 def test_a_refit_that_makes_the_model_worse_is_undone_and_every_output_says_so(calib_text, tmp_path, monkeypatch):
-    src = _source("llama", calib_text, tmp_path / "src", attention_bias=False)
+    src = source("llama", calib_text, tmp_path / "src", attention_bias=False)
     _shuffle_refit_targets(monkeypatch)
     args = ["convert", str(src), str(tmp_path / "out"), "-g", "1", "--method", "svd", "--calibration", str(calib_text),
             "--calibration-tokens", "1024", "--refit", "--refit-steps", "30", "-q"]  # fmt: skip
@@ -118,7 +115,7 @@ def test_a_refit_that_makes_the_model_worse_is_undone_and_every_output_says_so(c
 
 
 def test_a_refit_that_helps_is_kept_and_guard_off_measures_nothing(calib_text, tmp_path):
-    src = _source("llama", calib_text, tmp_path / "src", attention_bias=False)
+    src = source("llama", calib_text, tmp_path / "src", attention_bias=False)
     kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "refit": True, "progress": False}
     kept = convert_checkpoint(src, tmp_path / "kept", 1, "svd", **kw)
     merge, refit = kept.facts.guard.stages
@@ -221,7 +218,7 @@ def test_a_per_layer_allocation_is_scored_against_uniform_counts_and_undone_when
     """``--per-layer auto`` is a stage too: its merge against the merge at uniform counts within the same
     budget. An allocation forced to starve three of four layers (1, 1, 1, 4: 7 heads of the 8 that
     uniform 2 spends) loses, and the uniform conversion is published and loads with stock transformers."""
-    src = _source("llama", calib_text, tmp_path / "src", num_hidden_layers=4)
+    src = source("llama", calib_text, tmp_path / "src", num_hidden_layers=4)
     kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "per_layer": "auto", "progress": False}
     chosen = convert_checkpoint(src, tmp_path / "chosen", 2, "svd", **kw)
     stage = chosen.facts.guard.stage("allocation")
