@@ -165,11 +165,15 @@ class Guard:
             got = torch.log_softmax(self._head(h, self.as_tuple), -1)
             kl += float((ref.exp() * (ref - got)).sum())
             same += float((ref.argmax(-1) == got.argmax(-1)).sum())
-        tokens = sum(h.shape[0] * h.shape[1] for h in hidden)
-        kl = kl / tokens
-        if not math.isfinite(kl):
-            kl = math.inf  # a candidate that overflowed is as bad as it gets, never a NaN that compares false
-        return GuardScore(max(kl, 0.0), same / tokens)
+        return score_of(kl, same, sum(h.shape[0] * h.shape[1] for h in hidden))
+
+
+def score_of(kl: float, same: float, tokens: int) -> GuardScore:
+    """The :class:`GuardScore` of ``kl`` summed over ``tokens`` tokens, ``same`` of them with the
+    original's top token: a KL that is not finite (a candidate that overflowed) is recorded as None,
+    which compares as infinite (never a NaN that compares false, nor ``Infinity`` in a JSON record)."""
+    kl = kl / tokens
+    return GuardScore(max(kl, 0.0) if math.isfinite(kl) else None, same / tokens)
 
 
 def _computed(tensors: Sequence[OutputTensor]) -> tuple[dict[str, OutputTensor], set[str]]:

@@ -4,6 +4,7 @@ is undone, and the terminal, the record and the card say so; ``--guard fail`` st
 stages never read the guard's windows; a model rescaled without changing its function converts to
 the same quality (steps sized to each projection)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from test_refit import source
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.convert.guard import prefix_cuts
+from mha2gqa.convert.guard import prefix_cuts, score_of
 from mha2gqa.convert.settings import GUARD_WINDOWS
 from mha2gqa.core.conversion_record import KEPT, MEASURED, UNDONE
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
@@ -54,6 +55,23 @@ def _shuffle_refit_targets(monkeypatch) -> None:
 
     monkeypatch.setattr(refit_module, "fit_layer", fit_layer)
     monkeypatch.setattr(refit_module, "solve_output", solve_output)
+
+
+def test_a_candidate_that_overflowed_scores_worst_and_is_recorded_as_json():
+    import math
+
+    from mha2gqa.core.conversion_record import GuardStage, StageGuard
+
+    assert score_of(2.0, 3.0, 4) == score_of(2.0, 3.0, 4) and score_of(2.0, 3.0, 4).kl == 0.5
+    assert score_of(-1e-9, 4.0, 4).kl == 0.0  # rounding below zero
+    for bad in (math.inf, math.nan):
+        worst = score_of(bad, 0.0, 4)
+        assert worst.kl is None and worst.loss == math.inf and worst.loss > score_of(1e9, 0.0, 4).loss
+        assert "KL inf" in str(worst)
+        record = StageGuard("undo", 4, 256, "here", [GuardStage("merge", MEASURED, worst, worst)])
+        assert "Infinity" not in json.dumps(dataclasses.asdict(record)) and "NaN" not in json.dumps(
+            dataclasses.asdict(record)
+        )
 
 
 def test_prefix_cuts_split_the_refitted_layers_into_even_runs():
