@@ -163,3 +163,28 @@ def test_bench_cache_bytes_equal_the_planners(pair):
         model = load_model(str(folder), torch.device("cuda"), torch.bfloat16).model
         out = bench_model(model, 16, 8, repeats=1, warmup=0, batch_size=2)
         assert out.kv_cache.measured_bytes == out.kv_cache.planned_bytes
+
+
+def test_the_guard_and_refit_on_cuda_measure_what_the_cpu_measures(pair, tmp_path):
+    """The stage guard streams its scoring on the conversion's device: its merge figures equal the
+    CPU's, and what it says of the published model is what stock transformers computes on the CPU."""
+    from test_guard import _independent
+
+    kw = dict(
+        method="svd",
+        refit=True,
+        refit_steps=20,
+        calibration=str(pair["text"]),
+        calibration_tokens=1024,
+        calibration_seq_len=64,
+        progress=False,
+    )
+    cpu = convert_checkpoint(pair["src"], tmp_path / "cpu", 1, device="cpu", **kw)
+    gpu = convert_checkpoint(pair["src"], tmp_path / "gpu", 1, device="cuda", **kw)
+    (cpu_merge, cpu_refit), (gpu_merge, gpu_refit) = cpu.facts.guard.stages, gpu.facts.guard.stages
+    assert (
+        _close(gpu_merge.after.kl, cpu_merge.after.kl, 1e-4) and abs(gpu_merge.after.top1 - cpu_merge.after.top1) < 2e-3
+    )
+    assert _close(gpu_refit.after.kl, cpu_refit.after.kl, 0.1)  # the refit batches its windows on a GPU
+    kl, top1 = _independent(pair["src"], gpu.output, pair["text"], 64)
+    assert _close(gpu_refit.published.kl, kl, 1e-3) and abs(gpu_refit.published.top1 - top1) < 2e-3
