@@ -45,9 +45,10 @@ def layer_costs(full: LayerStats, candidates: list[int], similarity: bool) -> di
 
 @dataclass(frozen=True)
 class Merger:
-    """How the conversion merges a layer's heads (family, dimensions, method, similarity grouping or
-    not): what the output-level costs replace a loaded layer's q/k/v/o with."""
+    """How the conversion merges a layer's heads (its checkpoint, family, dimensions, method,
+    similarity grouping or not): what the output-level costs replace a loaded layer's attention with."""
 
+    ckpt: Any
     family: Family
     dims: AttentionDims
     method: Method
@@ -56,40 +57,33 @@ class Merger:
     @contextlib.contextmanager
     def merged_at(self, g: int, run: Any, layer: int, full: LayerStats) -> Iterator[None]:
         """While in the block, the loaded layer ``run.module`` (layer ``layer``, its single-group
-        statistics ``full``) computes with its q/k/v/o merged at ``g`` KV heads, with the groups the
-        conversion would use; its own weights come back after."""
-        import torch
-
+        statistics ``full``) computes as the conversion would write it at ``g`` KV heads (the
+        conversion's own tensor rules, with the groups it would use: fused projections, biases and
+        per-head key norms included), seen through the source module
+        (:func:`~mha2gqa.convert.layer_view.source_view`); its own weights come back after."""
         from mha2gqa.convert.calibration.grouping import regroup
+        from mha2gqa.convert.layer_view import planned, source_view, swapped
         from mha2gqa.convert.methods import HeadShape
-        from mha2gqa.convert.methods.layer import permute_heads
+        from mha2gqa.convert.tensor_sources import tensor_sources
 
         dims = self.dims
-        n, h, d = dims.num_kv_heads, dims.num_heads, dims.head_dim
-        names = {r: getattr(self.family, f"{r}_proj").format(layer=layer).removeprefix(run.prefix) for r in "qkvo"}
-        mods = {r: run.module.get_submodule(name) for r, name in names.items()}
-        attn = run.module.get_submodule(names["k"].rsplit(".", 1)[0])
-        saved = {r: (m.weight, m.bias) for r, m in mods.items()}
-        groups_before = attn.num_key_value_groups
-        # merged on the CPU, where the statistics are and the conversion merges (the layer may run on a GPU)
-        w = {r: m.weight.detach().float().cpu() for r, m in mods.items()}
-        w |= {f"{r}_bias": mods[r].bias.detach().float().cpu() for r in "qkv" if mods[r].bias is not None}
-        try:
-            chosen = least_residual_groups(full, g) if self.similarity else contiguous_groups(n, g)
-            st = regroup(full, chosen, h)
-            ww = permute_heads(w, st.perm, h, d) if st.perm != sorted(st.perm) else w
-            merged = self.method.merge_layer(ww, st, shape=HeadShape(h, n, g, d, dims.rotary))
-            for r, m in mods.items():
-                like = {"device": m.weight.device, "dtype": m.weight.dtype}
-                m.weight = torch.nn.Parameter(merged[r].to(**like), requires_grad=False)
-                if f"{r}_bias" in merged:
-                    m.bias = torch.nn.Parameter(merged[f"{r}_bias"].to(**like), requires_grad=False)
-            attn.num_key_value_groups = h // g
+        n = dims.num_kv_heads
+        chosen = least_residual_groups(full, g) if self.similarity else contiguous_groups(n, g)
+        stats = _OneLayer({layer: regroup(full, chosen, dims.num_heads)})
+        targets = tuple(g if i == layer else n for i in range(dims.num_layers))
+        rules = {t.name: t for t in tensor_sources(self.ckpt, self.family, dims, targets, self.method, stats)}
+        shape = HeadShape.of(dims, g)
+        made = {name for name, rule in rules.items() if not rule.copy}  # the rest is the loaded layer's own
+        params = source_view(planned(rules, self.ckpt), made, self.family, shape, run.module, layer, run.prefix)
+        with swapped(run.module, params):
             yield
-        finally:
-            for r, m in mods.items():
-                m.weight, m.bias = saved[r]
-            attn.num_key_value_groups = groups_before
+
+
+@dataclass(frozen=True)
+class _OneLayer:
+    """Calibration statistics holding one layer's (what the conversion's tensor rules read)."""
+
+    layers: dict[int, LayerStats]
 
 
 def output_costs(run: Any, layer: int, full: LayerStats, merger: Merger, candidates: list[int]) -> dict[int, float]:

@@ -134,7 +134,7 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     candidates = dims.valid_kv_heads()
     costs: dict[int, dict[int, float]] = {}
     similarity = s.grouping == "similarity"
-    merger = Merger(source.family, dims, source.method, similarity)
+    merger = Merger(source.ckpt, source.family, dims, source.method, similarity)
     final = FinalKL(LOGITS_WINDOWS) if s.allocation_cost == "logits" else None
 
     def measure(layer: int, full, run) -> None:

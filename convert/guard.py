@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.convert.layer_view import LayerWeights, Loader, norm_overrides, planned
+from mha2gqa.convert.layer_view import Loader, planned, source_view
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.settings import GUARD_WINDOWS
 from mha2gqa.convert.shard_writer import OutputTensor
@@ -129,22 +129,10 @@ class Guard:
         return {name: self._figures(streams[key]) for name, key in keys.items()}
 
     def _view(self, weights: Weights, layer: torch.nn.Module, i: int, prefix: str) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s parameters (module-relative names) from ``weights``, in the source module's
-        shapes: q/k/v/o by role (K/V heads repeated over their groups), per-head key norms, and
-        any other tensor of the layer ``weights`` holds in the source's shape."""
-        shape = HeadShape.of(self.dims, weights.targets[i])
-        roles = attention_names(weights.names, self.family, i)
-        lw = LayerWeights({n: weights.load(n).to(self.device) for n in roles.values()}, roles, self.family, shape)
-        params = lw.module_view(lw.values, prefix)
-        norms = norm_overrides(self.family, weights.load, weights.names, i, shape, prefix)
-        params |= {k: v.to(self.device) for k, v in norms.items()}
-        for local, p in layer.named_parameters():
-            full = prefix + local
-            if local not in params and full in weights.names and full not in roles.values():
-                t = weights.load(full)
-                if tuple(t.shape) == tuple(p.shape):
-                    params[local] = t.to(self.device, torch.float32)
-        return params
+        """Layer ``i``'s parameters from ``weights`` in the source module's shapes (:func:`source_view`)."""
+        return source_view(
+            weights.load, weights.names, self.family, HeadShape.of(self.dims, weights.targets[i]), layer, i, prefix
+        )
 
     def _run(self, layer: torch.nn.Module, params: dict[str, torch.Tensor], h: torch.Tensor, kw: dict) -> torch.Tensor:
         check_signals()

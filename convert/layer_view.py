@@ -7,12 +7,14 @@ stage guard (:mod:`mha2gqa.convert.guard`) scores."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping
+import contextlib
+from collections.abc import Callable, Container, Iterator, Mapping
 
 import torch
 
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.shard_writer import OutputTensor
+from mha2gqa.convert.tensor_sources import attention_names
 
 _SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
 
@@ -128,3 +130,42 @@ def norm_overrides(family, load: Loader, names: Container[str], layer: int, shap
         if name in names:
             out[norm.name.format(layer=layer, head=h)[len(prefix) :]] = load(name).float()
     return out
+
+
+def source_view(
+    load: Loader, names: Container[str], family, shape: HeadShape, layer: torch.nn.Module, index: int, prefix: str
+) -> dict[str, torch.Tensor]:
+    """Layer ``index``'s converted parameters (from ``load``, whose tensors are ``names``) as the
+    source module ``layer`` (under ``prefix``) reads them, module-relative name -> float32 tensor on
+    the layer's device: q/k/v/o by role (a fused qkv joined; K/V heads repeated over their groups),
+    per-head key norms, and any other tensor of the layer ``names`` holds in the source's shape."""
+    device = next(layer.parameters()).device
+    roles = attention_names(names, family, index)
+    lw = LayerWeights({n: load(n).to(device) for n in roles.values()}, roles, family, shape)
+    params = lw.module_view(lw.values, prefix)
+    params |= {k: v.to(device) for k, v in norm_overrides(family, load, names, index, shape, prefix).items()}
+    for local, p in layer.named_parameters():
+        full = prefix + local
+        if local not in params and full in names and full not in roles.values():
+            t = load(full)
+            if tuple(t.shape) == tuple(p.shape):
+                params[local] = t.to(device, torch.float32)
+    return params
+
+
+@contextlib.contextmanager
+def swapped(layer: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """While in the block, ``layer``'s parameters named in ``params`` (module-relative) hold those
+    values (in each parameter's own device and dtype); its own come back after."""
+    saved = {}
+    try:
+        for name, value in params.items():
+            parent, _, attr = name.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            old = owner._parameters[attr]
+            saved[name] = (owner, attr, old)
+            owner._parameters[attr] = torch.nn.Parameter(value.to(old.device, old.dtype), requires_grad=False)
+        yield
+    finally:
+        for owner, attr, old in saved.values():
+            owner._parameters[attr] = old

@@ -36,28 +36,49 @@ class _Stop(Exception):
 
 
 class _Catch(torch.nn.Module):
-    """Stands in for the decoder layers: records the inputs of the first one, then stops."""
+    """Stands in for decoder layer ``index``: records what it is called with (every window's for
+    the first layer, the first window's keyword arguments for the others), passes the hidden states
+    on, and stops the model after the last layer. Carries the real layer's ``attention_type``, by
+    which some families pick its mask."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int, last: bool, like: torch.nn.Module) -> None:
         super().__init__()
+        self.index, self.last = index, last
         self.calls: list[tuple[torch.Tensor, dict]] = []
+        if hasattr(like, "attention_type"):
+            self.attention_type = like.attention_type
 
     def forward(self, hidden_states, *args, **kwargs):
         if any(a is not None for a in args):  # GPTBigCode passes encoder_hidden_states=None by position
             raise RuntimeError("decoder layers are expected to be called with keyword arguments")
-        self.calls.append((hidden_states, kwargs))
-        raise _Stop
+        if self.index == 0 or not self.calls:
+            self.calls.append((hidden_states, kwargs))
+        if self.last:
+            raise _Stop
+        return hidden_states
 
 
 def materialize(
-    module: torch.nn.Module, ckpt, prefix: str, device: torch.device, dtype: torch.dtype | None = torch.float32
+    module: torch.nn.Module,
+    ckpt,
+    prefix: str,
+    device: torch.device,
+    dtype: torch.dtype | None = torch.float32,
+    model: torch.nn.Module | None = None,
 ) -> None:
     """Give ``module``'s parameters (on ``meta``) their weights from the checkpoint on ``device``, in
-    ``dtype`` (None: as stored); its buffers (real, computed at construction) move along."""
+    ``dtype`` (None: as stored); its buffers (real, computed at construction) move along. Tensors the
+    checkpoint stores in another layout (per-expert MoE weights) are converted as transformers
+    loads them, through ``model``'s conversion mapping (:mod:`mha2gqa.core.stored_layout`)."""
     from accelerate.utils import set_module_tensor_to_device
 
-    for name, _ in module.named_parameters():
-        value = ckpt.load(prefix + name)
+    from mha2gqa.core.stored_layout import stored_tensors
+
+    names = [name for name, _ in module.named_parameters()]
+    other = {prefix + n for n in names if prefix + n not in ckpt.tensors}
+    converted = stored_tensors(model, ckpt, prefix, other) if other and model is not None else {}
+    for name in names:
+        value = converted[prefix + name] if prefix + name in converted else ckpt.load(prefix + name)
         value = value if dtype is None else value.to(dtype=dtype)
         set_module_tensor_to_device(module, name, device, value=value, dtype=value.dtype)  # else it casts back
     for name, _ in module.named_buffers():
@@ -117,7 +138,7 @@ def each_layer(
     layers, attr = decoder_layers(model)
     for i, layer in enumerate(layers):
         prefix = f"{model.base_model_prefix}.{attr}.{i}."
-        materialize(layer, ckpt, prefix, device, dtype)
+        materialize(layer, ckpt, prefix, device, dtype, model)
         try:
             yield i, layer, prefix
         finally:
@@ -165,21 +186,23 @@ def _load_outside_layers(model, ckpt, device, dtype: torch.dtype | None) -> list
     _, attr = decoder_layers(model)
     others = [(n, c) for n, c in base.named_children() if n != attr]
     for name, child in others:
-        materialize(child, ckpt, f"{prefix}{name}.", device, dtype=dtype)
+        materialize(child, ckpt, f"{prefix}{name}.", device, dtype=dtype, model=model)
     return [c for _, c in others]
 
 
 def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
     """Run everything before the decoder layers once per window (embeddings as stored: a lookup
     loses nothing) and catch what the first layer receives, GPTQ-style; hidden states and RoPE
-    tables in float32."""
+    tables in float32. What a later layer receives differently (the mask or rotary table of its
+    layer type: Gemma 2/3's sliding and full layers) is installed on that layer, so every layer of
+    ``model`` called with the first layer's arguments runs as in the model (:func:`_per_layer`)."""
     from mha2gqa.core.capture import decoder_layers
 
     base = model.base_model
     layers, attr = decoder_layers(model)
     others = _load_outside_layers(model, ckpt, device, dtype=None)
-    catcher = _Catch()
-    setattr(base, attr, torch.nn.ModuleList([catcher]))
+    catchers = [_Catch(i, i == len(layers) - 1, layer) for i, layer in enumerate(layers)]
+    setattr(base, attr, torch.nn.ModuleList(catchers))
     try:
         for w in windows:
             with contextlib.suppress(_Stop):
@@ -188,13 +211,47 @@ def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple
         setattr(base, attr, layers)
     for child in others:
         release(child)
-    states = []
-    for h, kw in catcher.calls:
-        h = h.float()
-        if "position_embeddings" in kw and kw.get("position_ids") is not None:
-            kw = {**kw, "position_embeddings": base.rotary_emb(h, kw["position_ids"])}
-        states.append((h, kw))
+    types = getattr(model.config, "layer_types", None) or [None] * len(layers)
+    states = [(h.float(), _float_rotary(base, h.float(), kw, types[0])) for h, kw in catchers[0].calls]
+    first = catchers[0].calls[0][1]
+    for i, (layer, catcher) in enumerate(zip(layers, catchers, strict=True)):
+        own = {k: v for k, v in catcher.calls[0][1].items() if v is not first.get(k)} if i else {}
+        if "position_embeddings" in own:
+            own = _float_rotary(base, states[0][0], {**first, **own}, types[i])
+            own = {k: v for k, v in own.items() if v is not first.get(k)}
+        _per_layer(layer, windows.shape[-1], own)
     return states
+
+
+def _float_rotary(base, h: torch.Tensor, kw: dict, layer_type: str | None) -> dict:
+    """``kw`` with its RoPE tables computed again in ``h``'s dtype (float32), as the model computed
+    them (for ``layer_type``, where the model's rotary embedding differs by layer type: Gemma 3)."""
+    import inspect
+
+    if "position_embeddings" not in kw or kw.get("position_ids") is None:
+        return kw
+    rotary = base.rotary_emb
+    by_type = layer_type is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    extra = (layer_type,) if by_type else ()
+    return {**kw, "position_embeddings": rotary(h, kw["position_ids"], *extra)}
+
+
+def _per_layer(layer: torch.nn.Module, length: int, own: dict) -> None:
+    """Make ``layer``, called with the first layer's keyword arguments for windows of ``length``
+    tokens, receive ``own`` in their place (its mask and RoPE tables where they differ from the
+    first layer's); a call with another length fails loudly rather than run with the wrong mask."""
+    table = layer.__dict__.setdefault("_mha2gqa_own_inputs", {})
+    table[length] = own
+    if "_mha2gqa_own_hook" in layer.__dict__ or not own:
+        return
+
+    def hook(module, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        if h.shape[-2] not in table:
+            raise RuntimeError(f"layer called on {h.shape[-2]} tokens, prepared for {sorted(table)}")
+        return args, {**kwargs, **table[h.shape[-2]]}
+
+    layer.__dict__["_mha2gqa_own_hook"] = layer.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 class _Emit(torch.nn.Module):

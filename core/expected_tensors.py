@@ -83,14 +83,12 @@ def _kv_heads_per_layer(config: dict[str, Any]) -> tuple[int, ...] | None:
 def _load_renames(model: Any) -> tuple[tuple[tuple[str, str], ...], bool]:
     """transformers' renamings of checkpoint keys for ``model`` (regex -> replacement), and whether it
     also converts tensors (merges, splits) on load; none with a transformers that has no such mapping."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
-    except ImportError:
-        return (), False
-    renames, converted = [], False
-    for transform in get_model_conversion_mapping(model):
-        if not isinstance(transform, WeightRenaming) or getattr(transform, "scope_prefix", None):
+    from mha2gqa.core.stored_layout import conversion_mapping
+
+    renamings, converters = conversion_mapping(model)
+    renames, converted = [], bool(converters)
+    for transform in renamings:
+        if getattr(transform, "scope_prefix", None):
             converted = True
             continue
         (target,) = transform.target_patterns

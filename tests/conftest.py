@@ -43,7 +43,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
             "final_logit_softcapping": 5.0,
         },
     ),
-    "gemma3": ("gemma3_text", {"head_dim": 8, "sliding_window": 8, "query_pre_attn_scalar": 8}),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 8,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 8,
+            "layer_types": ["sliding_attention", "full_attention"],  # its 5:1 pattern, in 2 layers
+        },
+    ),
     "granite": ("granite", {"attention_multiplier": 0.3, "residual_multiplier": 0.5, "embedding_multiplier": 2.0}),
     "helium": ("helium", {"head_dim": 8}),
     "ministral": ("ministral", {"head_dim": 8, "sliding_window": 8}),

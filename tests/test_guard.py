@@ -89,6 +89,10 @@ def test_prefix_cuts_split_the_refitted_layers_into_even_runs():
         ("phi", "svd", {"refit": True, "refit_steps": 20}),  # a parallel layer, partial rotary
         ("qwen3", "mean", {"refit": True, "refit_steps": 20}),  # per-head q/k norms
         ("gemma", "svd", {}),
+        ("gemma2", "svd", {"refit": True, "refit_steps": 20}),  # sliding and full layers: masks by layer type
+        ("gemma3", "mean", {"refit": True, "refit_steps": 20}),  # RoPE tables by layer type too
+        ("mixtral", "svd", {"refit": True, "refit_steps": 20}),  # experts stored one per expert, fused in memory
+        ("qwen2_moe", "svd", {}),
     ],
 )
 def test_the_guard_measures_what_stock_transformers_computes_on_the_written_model(

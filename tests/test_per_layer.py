@@ -265,6 +265,40 @@ def test_the_logits_cost_is_the_models_kl_with_that_layer_alone_converted(tmp_pa
     assert set(fresh.record.conversion.per_layer_allocation.costs["1"].values()) == {0.0, 1.0}
 
 
+@pytest.mark.parametrize(
+    ("family", "method"),
+    [("phi3", "svd"), ("stablelm", "mean"), ("olmo2", "mean"), ("gemma3", "mean"), ("mixtral", "svd")],
+)
+def test_each_familys_costs_are_the_models_kl_with_that_layer_alone_converted(family, method, calib_text, tmp_path):
+    """The output-level costs run a layer as the conversion writes it, for every layout: a fused qkv
+    (Phi-3), per-head key norms (StableLM's per head, OLMo-2's over the projection, Gemma 3's with
+    its per-layer-type RoPE), experts stored one per expert (Mixtral). Differential, as above."""
+    from test_refit import source
+
+    from mha2gqa.convert.allocation import LOGITS_WINDOWS
+    from mha2gqa.convert.layers import calibration_ids
+
+    src = source(family, calib_text, tmp_path / "src", seed=2)
+    kw = dict(
+        method=method, calibration=str(calib_text), calibration_tokens=512, calibration_seq_len=32, progress=False
+    )
+    out = convert_checkpoint(
+        src, tmp_path / "auto", None, per_layer="auto", kv_budget=2, allocation_cost="logits", **kw
+    )
+    costs = out.record.conversion.per_layer_allocation.costs
+    windows = calibration_ids(src, str(calib_text), 512, 32)[:LOGITS_WINDOWS]
+    ref = torch.log_softmax(logits(_ours(src), windows).double(), -1)
+    for layer, g in ((0, 1), (1, 2)):
+        counts = ",".join(str(g if i == layer else 4) for i in range(2))
+        plain = kw if method == "svd" else {"method": method, "progress": False}  # mean reads no text
+        one = convert_checkpoint(src, tmp_path / f"one{layer}", None, num_kv_heads_per_layer=counts, **plain)
+        got = torch.log_softmax(logits(_ours(one.output), windows).double(), -1)
+        kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+        assert kl > 1e-6 and costs[str(layer)][str(g)] == pytest.approx(kl, rel=1e-3, abs=1e-7), (layer, g)
+    by_output = convert_checkpoint(src, tmp_path / "output", None, per_layer="auto", kv_budget=2, **kw)
+    assert by_output.record.conversion.per_layer_allocation.costs["0"]["1"] > 0
+
+
 def test_auto_allocation_bad_input(source, tmp_path):
     def err(**kw) -> str:
         return _refusal(source, tmp_path / "x", **kw)

@@ -165,6 +165,6 @@ def incompatibility(method: Method, grouping: Grouping, family: Family) -> str |
     if (method.per_head_norms and not grouping.reorders) or (family.k_norm is None and family.q_norm is None):
         return None
     return (
-        f"--method {method.name} / --grouping {grouping.name} need keys linear in the input and heads that "
+        f"{{name}} {method.name} with {grouping.name} grouping needs keys linear in the input and heads that "
         f"can be reordered, but {family.family} normalises q/k per head; use --method mean or first, contiguous"
     )
