@@ -100,7 +100,7 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
     conversion = Conversion(ckpt, dst, s, family, dims, method, grouping)
     conversion = conversion.with_targets(targets) if targets else conversion
     if conversion.changes:
-        reason = incompatibility(method, grouping, family)
+        reason = incompatibility(method, grouping, family, ckpt.tensors)
         if reason:
             raise SettingError("method", reason)
         needs = "required" in (method.calibration, grouping.calibration) or s.per_layer == "auto" or s.refit
@@ -132,13 +132,15 @@ def _check_refit_windows(s: ConvertSettings, positions: int | None) -> None:
 
 
 def _check_per_layer_family(family: Family, setting: str) -> None:
-    if family.qkv_layout == "grouped" or family.flag_only or not family.attention_interface:
+    from mha2gqa.core.families import families
+
+    why = family.per_layer_refusal
+    if why:
+        able = ", ".join(name for name, f in families().items() if f.per_layer_refusal is None)
         raise SettingError(
             setting,
-            f"{{name}}: {family.architectures[0]} keeps K/V grouped per head inside one fused "
-            "projection whose layout its class sizes by one count for all layers; per-layer counts "
-            "support llama, mistral, qwen2, qwen3, gemma, phi, phi3, stablelm, olmo, olmo2, starcoder2 "
-            "(and gpt_neox, gptj through phi); use -g",
+            f"{{name}}: {family.architectures[0]} {why}; per-layer counts support {able} "
+            "(and the families re-targeted to them); use -g",
         )
 
 

@@ -119,6 +119,17 @@ class Family:
         """The config can say only "one KV head" or "one per query head" (GPTBigCode's multi_query)."""
         return self.kv_flag is not None and self.kv_key == ""
 
+    @property
+    def per_layer_refusal(self) -> str | None:
+        """Why this family's checkpoints cannot hold a KV-head count per layer (None: they can)."""
+        if self.flag_only:
+            return "holds one KV head or one per query head, as a flag of its config says, in every layer alike"
+        if self.qkv_layout == "grouped":
+            return "keeps K/V grouped per head inside one fused projection whose layout its class sizes by one count"
+        if not self.attention_interface:
+            return "does not run its attention through transformers' attention interface, which per-layer counts resize"
+        return None
+
     def standard(self, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` with the standard keys mha2gqa reads filled in from this family's spelling,
         ``num_key_value_heads`` included (Falcon's ``num_kv_heads``, GPTBigCode's ``multi_query``)."""

@@ -46,9 +46,12 @@ class Trainable:
         return total
 
 
-def _layer_names(family: Family, dims: AttentionDims, which: str) -> set[str]:
-    """Full parameter-name prefixes/names (``.weight``/``.bias`` open) of ``which`` in every layer."""
+def _layer_names(family: Family, dims: AttentionDims, which: str) -> tuple[set[str], set[str]]:
+    """Full parameter names of ``which`` in every layer: the projections' (``.weight`` and ``.bias``,
+    which a model may lack) and the per-head norms' (which a config of the family may leave out:
+    StableLM 2 1.6B has none)."""
     out: set[str] = set()
+    norm_names: set[str] = set()
     for layer in range(dims.num_layers):
         if which == "attention":
             modules = family.modules()
@@ -60,10 +63,10 @@ def _layer_names(family: Family, dims: AttentionDims, which: str) -> set[str]:
         for norm in norms:  # shared norms apply to that projection only, so they train with it
             heads = dims.num_kv_heads if norm is family.k_norm else dims.num_heads
             if norm.layout == "indexed":
-                out.update(norm.name.format(layer=layer, head=h) for h in range(heads))
+                norm_names.update(norm.name.format(layer=layer, head=h) for h in range(heads))
             else:
-                out.add(norm.name.format(layer=layer))
-    return out
+                norm_names.add(norm.name.format(layer=layer))
+    return out, norm_names
 
 
 def select_trainable(model: torch.nn.Module, family: Family | None, dims: AttentionDims, which: str) -> Trainable:
@@ -76,7 +79,8 @@ def select_trainable(model: torch.nn.Module, family: Family | None, dims: Attent
             f"--train kv: the student has {dims.num_heads} query heads and as many KV heads, so it is not "
             "GQA-shaped; convert it first (mha2gqa convert -g N) or use --train all/attention"
         )
-    wanted = None if which == "all" else _layer_names(family, dims, which)
+    projections, norms = (None, set()) if which == "all" else _layer_names(family, dims, which)
+    wanted = None if projections is None else projections | norms
     names, params = [], []
     for name, p in model.named_parameters():
         train = wanted is None or name in wanted
@@ -84,8 +88,8 @@ def select_trainable(model: torch.nn.Module, family: Family | None, dims: Attent
         if train:
             names.append(name)
             params.append(p)
-    if wanted is not None:
-        missing = sorted(n for n in wanted if n.endswith(".weight") and n not in names)
+    if projections is not None:
+        missing = sorted(n for n in projections if n.endswith(".weight") and n not in names)
         if missing:
             raise Mha2GqaError(f"--train {which}: the model has no parameter {missing[0]} (family {family.family})")
     masked: dict[str, torch.Tensor] = {}

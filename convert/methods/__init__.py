@@ -8,6 +8,7 @@ Importing this package imports no torch: a method's merge imports its module whe
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -159,10 +160,17 @@ def get_grouping(name: str) -> Grouping:
     return GROUPINGS[name]
 
 
-def incompatibility(method: Method, grouping: Grouping, family: Family) -> str | None:
+def incompatibility(
+    method: Method, grouping: Grouping, family: Family, tensors: Container[str] | None = None
+) -> str | None:
     """Why ``method`` with ``grouping`` cannot convert ``family`` (None: it can). Layer merges and
-    regrouping need keys linear in the input and heads that can be reordered."""
-    if (method.per_head_norms and not grouping.reorders) or (family.k_norm is None and family.q_norm is None):
+    regrouping need keys linear in the input and heads that can be reordered. ``tensors``: the
+    checkpoint's names, where a config of the family may leave its per-head norms out (StableLM 2
+    1.6B has none; its 12B has them); None: the family's norms are taken as present."""
+    if method.per_head_norms and not grouping.reorders:
+        return None
+    norms = [n.name.format(layer=0, head=0) for n in (family.q_norm, family.k_norm) if n is not None]
+    if not norms or (tensors is not None and not any(n in tensors for n in norms)):
         return None
     return (
         f"{{name}} {method.name} with {grouping.name} grouping needs keys linear in the input and heads that "

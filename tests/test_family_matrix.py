@@ -1,0 +1,129 @@
+"""Every family × every conversion feature, in process on tiny random models (every weight, bias and
+norm random): each cell either converts to a model that stock transformers (or, for per-layer counts,
+mha2gqa's loader) loads with the asked KV heads in its config, its weights and its cache, whose logits
+are finite and which generates; or it is refused in one line (a :class:`Mha2GqaError`). A traceback
+is a failure. The variants are layouts real checkpoints use that the families' fixtures do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILY_CONFIGS, random_model, tiny_config
+from test_methods import with_tokenizer
+
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.core.errors import Mha2GqaError
+
+#: name -> (family, config overrides): the fixtures' families and real checkpoints' variants
+VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in sorted(FAMILY_CONFIGS)} | {
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "phi4-mini": ("phi3", {"partial_rotary_factor": 0.75}),  # partial rotary in a fused qkv
+    "stablelm-2-1.6b": ("stablelm", {"qk_layernorm": False}),  # no per-head norms
+}
+
+#: feature -> (KV heads: one count, or None for per-layer; convert_checkpoint keywords)
+FEATURES: dict[str, tuple[int | None, dict]] = {
+    "merge": (2, {}),
+    "similarity": (2, {"method": "mean", "grouping": "similarity"}),
+    "per-layer-auto": (None, {"per_layer": "auto", "kv_budget": 2, "allocation_cost": "logits"}),
+    "per-layer-counts": (None, {"num_kv_heads_per_layer": "2,1"}),
+    "refit": (1, {"refit": True, "refit_steps": 4}),
+    "refit+distill": (1, {"refit": True, "refit_steps": 4, "distill": True, "distill_steps": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, calib_text):
+    root = tmp_path_factory.mktemp("matrix")
+    made = {}
+
+    def source(variant: str):
+        if variant not in made:
+            family, overrides = VARIANTS[variant]
+            model = random_model(tiny_config(family, vocab_size=300, **overrides), seed=4)
+            made[variant] = with_tokenizer(model, root / variant, calib_text)
+        return made[variant]
+
+    return source
+
+
+def _settings(variant: str, feature: str, source, calib_text) -> tuple[int | None, dict]:
+    """The cell's count and keywords: ``svd`` where the checkpoint takes it, else ``mean`` (and a
+    count the family can hold); calibration text wherever the cell reads it."""
+    from safetensors import safe_open
+
+    from mha2gqa.convert.methods import get_grouping, get_method, incompatibility
+    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.core.families import families
+    from mha2gqa.distill import split_options
+
+    g, kw = FEATURES[feature]
+    family = families()[VARIANTS[variant][0]]
+    with safe_open(source / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    if "method" not in kw:
+        svd = incompatibility(get_method("svd"), get_grouping("contiguous"), family, names) is None
+        kw = {**kw, "method": "svd" if svd and family.attention_interface else "mean"}
+    if family.flag_only and g is not None:
+        g = 1  # GPTBigCode: one KV head or one per query head
+    calibration = {"calibration": str(calib_text), "calibration_tokens": 512, "calibration_seq_len": 32}
+    if ConvertSettings(num_kv_heads=g, **split_options(kw)[0]).reads_calibration or kw.get("distill"):
+        kw |= calibration
+    return g, kw
+
+
+#: families whose transformers class broadcasts K/V to every query head before its cache
+#: (docs/families.md, "Falcon's cache, measured"): their config and weights say G, their cache H
+BROADCAST_CACHE = {"falcon"}
+
+
+def _check(output, asked: int | None, counts: list[int], family: str) -> None:
+    """The written model loads, holds ``counts`` KV heads per layer, gives finite logits and generates."""
+    from mha2gqa.core.models import load_model
+
+    model = load_model(str(output), torch.device("cpu"), torch.float32).model
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    assert torch.isfinite(out.logits).all()
+    cache = out.past_key_values
+    heads = model.config.num_attention_heads
+    for layer, g in enumerate(counts):
+        keys = cache.layers[layer].keys
+        assert keys.shape[1] == (heads if family in BROADCAST_CACHE else g), (layer, keys.shape)
+    if asked is not None:
+        assert all(c == asked for c in counts)
+    new = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert new.shape[1] == 15
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_family_runs_every_feature_or_refuses_it_in_one_line(variant, feature, sources, calib_text, tmp_path):
+    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.distill import DistillSettings, convert_and_distill, split_options
+
+    g, kw = _settings(variant, feature, sources(variant), calib_text)
+    convert, distill = split_options(kw)
+    try:
+        s = ConvertSettings(num_kv_heads=g, progress=False, **convert)
+        d = DistillSettings(**distill).check(s)
+        if d.distill:
+            result, _ = convert_and_distill(str(sources(variant)), tmp_path / "out", s, d, log=lambda *_: None)
+        else:
+            result = convert_checkpoint(sources(variant), tmp_path / "out", g, progress=False, **convert)
+    except Mha2GqaError as e:
+        assert len(str(e).splitlines()) == 1 and str(e).strip(), str(e)
+        return
+    _check(tmp_path / "out", g, list(result.kv_heads_per_layer), VARIANTS[variant][0])
