@@ -84,3 +84,11 @@ def test_the_options_reference_is_generated_from_the_commands():
     from mha2gqa.options_doc import options_reference
 
     assert text("docs/options.md") == options_reference(), "run: python -m mha2gqa.options_doc > docs/options.md"
+
+
+def test_the_family_feature_table_is_generated_from_the_refusals():
+    from mha2gqa.families_doc import BEGIN, END, feature_table
+
+    page = text("docs/families.md")
+    block = page[page.index(BEGIN) : page.index(END) + len(END)] + "\n"
+    assert block == feature_table(), "run: python -m mha2gqa.families_doc and paste it into docs/families.md"
