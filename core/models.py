@@ -112,12 +112,22 @@ def load_model(
 
 
 def load_tokenizer(folder: Path):
+    """The tokenizer of the model folder ``folder``, refused in one line when the folder has none (a
+    checkpoint saved without its tokenizer) or transformers cannot build it."""
     from transformers import AutoTokenizer
 
+    from mha2gqa.core.checkpoint import TOKENIZER_FILES
+
+    if Path(folder).is_dir() and not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise Mha2GqaError(
+            f"{folder}: no tokenizer ({', '.join(TOKENIZER_FILES)} absent): this step reads text, so copy the "
+            "original model's tokenizer files into the folder (tokenizer.save_pretrained(folder))"
+        )
     try:
         return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        raise Mha2GqaError(f"{folder}: no usable tokenizer: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, TypeError) as e:
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300] or type(e).__name__
+        raise Mha2GqaError(f"{folder}: no usable tokenizer: {why}") from None
 
 
 def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:

@@ -417,6 +417,34 @@ def _check_sections(r: Results) -> None:
         raise _Missing("attention.layers is empty, or a layer has no heads")
     if r.tasks is not None:
         _check_tasks(r.tasks, r.converted is not None)
+    _check_headline(r)
+
+
+def _check_headline(r: Results) -> None:
+    """The figures a verdict and the report's tables read are numbers eval can have written: every
+    perplexity positive (infinite only where its mean NLL overflows ``exp``), every NLL and KL finite
+    and not negative, top-1 agreement a share; a NaN, an infinity or a sign a person typed is caught."""
+
+    def bad(where: str, value: float | None, low: float = 0.0, high: float = math.inf) -> None:
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            raise _Missing(f"{where} is {value}, which eval never writes (the file is damaged or edited)")
+
+    for name, p in r.protocols.items():
+        for which, score in (("original", p.original), ("converted", p.converted)):
+            if score is None:
+                continue
+            where = f"protocols.{name}.{which}"
+            bad(f"{where}.nll", score.nll)
+            bad(f"{where}.nll_sum", score.nll_sum)
+            if not (score.ppl > 0 and (math.isfinite(score.ppl) or score.nll > 700)):
+                raise _Missing(f"{where}.ppl is {score.ppl}, which eval never writes (the file is damaged or edited)")
+        if p.ppl_ratio is not None and not p.ppl_ratio > 0:
+            raise _Missing(f"protocols.{name}.ppl_ratio is {p.ppl_ratio}, which eval never writes")
+    a = r.agreement
+    if a is not None:
+        for stat in ("mean", "median", "q99"):
+            bad(f"agreement.kl.{stat}", getattr(a.kl, stat), low=-1e-6)
+        bad("agreement.top1_agreement", a.top1_agreement, high=1.0)
 
 
 def _check_tasks(section: TasksSection, pair: bool) -> None:

@@ -244,3 +244,19 @@ def test_quantized_checkpoint_is_refused(src, tmp_path):
 def test_unknown_method_is_a_usage_error(src, tmp_path):
     result = run_cli("convert", src, tmp_path / "out", "-g", 2, "--method", "magic")
     assert result.exit_code == 2 and "'magic' is not one of" in result.output
+
+
+def test_a_source_without_a_tokenizer_is_named_when_text_is_read(calib_text, tmp_path):
+    """A checkpoint saved without its tokenizer: the step that reads text says so, not that the text
+    is too short (issue 48)."""
+    from test_methods import with_tokenizer
+
+    src = with_tokenizer(random_model(tiny_config("llama", vocab_size=300)), tmp_path / "src", calib_text)
+    for name in src.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens")):
+            name.unlink()
+    result = run_cli("convert", src, tmp_path / "out", "-g", 1, "--method", "svd", "--calibration", calib_text)
+    assert_refused(
+        result, r"src: no tokenizer \(tokenizer.json, .* absent\): .* copy the original model's tokenizer", tmp_path
+    )
+    assert not (tmp_path / "out").exists()

@@ -522,3 +522,32 @@ def test_plan_and_inspect_of_a_well_known_hub_id_work_offline(monkeypatch):
     assert model_shape(known_config("google/gemma-7b")).dims.head_dim == 256
     unknown = CliRunner().invoke(main, ["plan", "someone/not-a-known-model"])
     assert unknown.exit_code == 1 and "cannot be fetched from the hub" in unknown.output
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "pattern"),
+    [
+        (("protocols", "disjoint", "converted", "ppl"), "NaN", r"protocols.disjoint.converted.ppl is nan"),
+        (("protocols", "disjoint", "original", "nll"), "-1.5", r"protocols.disjoint.original.nll is -1.5"),
+        (("agreement", "kl", "mean"), "Infinity", r"agreement.kl.mean is inf"),
+        (("agreement", "top1_agreement"), "1.7", r"agreement.top1_agreement is 1.7"),
+        (("protocols", "disjoint", "ppl_ratio"), "0", r"protocols.disjoint.ppl_ratio is 0"),
+    ],
+)
+def test_report_refuses_a_results_file_holding_numbers_eval_never_writes(field, value, pattern, tmp_path):
+    """A results file with a NaN perplexity, an infinite KL or a sign edited in: ``report`` (and a
+    gate) refuse it in one line naming the file and the field, instead of a page showing "nan"."""
+    import re
+
+    written = json.loads((Path(__file__).parent / "data" / "results_written_before.json").read_text())
+    node = written
+    for key in field[:-1]:
+        node = node[key]
+    node[field[-1]] = "@@"
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps(written).replace('"@@"', value))
+    result = CliRunner().invoke(main, ["report", str(damaged), "--html", str(tmp_path / "r.html")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"Error: {damaged}: ") and re.search(pattern, line), line
+    assert "eval never writes" in line and not (tmp_path / "r.html").exists()
