@@ -265,3 +265,21 @@ def test_a_tampered_teacher_cache_manifest_is_refused(tmp_path):
         with pytest.raises(Mha2GqaError, match="not a teacher cache of this entry") as e:
             TeacherCache.open(cache.folder, cache.folder.name)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("field", "value"), [("values", float("nan")), ("values", 0.5), ("rest", float("nan"))])
+def test_a_teacher_chunk_holding_no_log_probabilities_is_refused_naming_it(field, value, tmp_path):
+    """A chunk whose checksum matches (recomputed by whoever edited it) but which holds a NaN or a
+    positive log-probability: the line names the chunk and the cache, not the learning rate."""
+    from mha2gqa.uptrain.teacher_cache import CachedTeacher, TeacherCache
+
+    settings = {"top_k": 2, "vocab_size": 10, "seq_len": 3, "batch_size": 2, "chunk_steps": 2, "temperature": 1.0}
+    cache = TeacherCache.create(tmp_path, {"material": 1}, settings)
+    part = {"values": -torch.ones(2, 2, 3, 2), "indices": torch.zeros(2, 2, 3, 2, dtype=torch.int32),
+            "rest": -torch.ones(2, 2, 3)}  # fmt: skip
+    part[field].view(-1)[3] = value
+    cache.write_part(0, 0, 1, part)
+    pattern = r"teacher cache .*chunk-000000-steps-2-part-0-of-1\.safetensors: it holds values that are not log-prob"
+    with pytest.raises(Mha2GqaError, match=pattern) as e:
+        CachedTeacher(cache, 2, lambda: False).targets(0, slice(0, 2))
+    assert "--lr" not in str(e.value) and "\n" not in str(e.value)

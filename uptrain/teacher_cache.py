@@ -168,6 +168,9 @@ class TeacherCache:
                 raise self._bad(path.name, "its tensors do not have the shapes and types of this entry")
             if i.numel() and (int(i.min()) < 0 or int(i.max()) >= s["vocab_size"]):
                 raise self._bad(path.name, "it holds token indices outside the vocabulary")
+            if not (torch.isfinite(v).all() and (v <= 0).all() and not r.isnan().any() and (r <= 0).all()):
+                # log-probabilities: finite and at most 0 (the rest -inf only where K is the vocabulary)
+                raise self._bad(path.name, "it holds values that are not log-probabilities (NaN, infinite or positive)")
             for k in FIELDS:
                 pieces[k].append(tensors[k])
         out = {k: torch.cat(v, 1) for k, v in pieces.items()}
