@@ -283,3 +283,29 @@ def test_a_teacher_chunk_holding_no_log_probabilities_is_refused_naming_it(field
     with pytest.raises(Mha2GqaError, match=pattern) as e:
         CachedTeacher(cache, 2, lambda: False).targets(0, slice(0, 2))
     assert "--lr" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_token_store_whose_ids_exceed_the_models_vocabulary_is_refused(run, tmp_path):
+    """A store whose checksums match but whose ids are beyond the model's vocabulary (forged, or
+    written for another tokenizer): one line naming the shard, never an IndexError in the embedding."""
+    import hashlib
+    import json
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run["parent"])
+    store = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), shard_tokens=1000)
+    shard = store.folder / store.shards[0][0]
+    ids = np.fromfile(shard, dtype=store.dtype)
+    ids[5] = 60000
+    ids.tofile(shard)
+    manifest = json.loads((store.folder / "manifest.json").read_text())
+    manifest["shards"][0][2] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (store.folder / "manifest.json").write_text(json.dumps(manifest))
+    again = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), vocab_size=len(tok))
+    with pytest.raises(Mha2GqaError, match=r"tokens-00000\.bin: it holds token id 60000, outside the model's vocab"):
+        again.windows(torch.tensor([0]), 16)
+    out = CliRunner().invoke(main, _argv(run, tmp_path / "w", "--data-cache", str(tmp_path / "c")))
+    assert out.exit_code == 1 and "outside the model's vocabulary" in out.output and "Traceback" not in out.output
+    assert len(out.output.strip().splitlines()) == 1, out.output

@@ -73,7 +73,8 @@ def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining
     tokenizer = load_tokenizer(student_folder)
     teacher_folder = _teacher_folder(s, tokenizer, student)
     root = Path(s.data_cache) if s.data_cache else cache_root() / "tokens"
-    store = token_store(root, tokenizer, student_folder, s.data, s.text_field, s.doc_split, log)
+    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else len(tokenizer)
+    store = token_store(root, tokenizer, student_folder, s.data, s.text_field, s.doc_split, log, vocab_size=vocab)
     available = min(store.total, s.data_tokens or store.total)
     num_windows = max((available - 1) // seq_len, 0)  # windows overlap by one token: none reads past `available`
     if num_windows < 1:

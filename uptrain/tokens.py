@@ -108,6 +108,7 @@ class TokenStore:
     folder: Path
     dtype: np.dtype
     shards: list[tuple[str, int, str]]  # (file name, tokens, sha256)
+    vocab_size: int | None = None  # the model's: every id must be below it (checked with each shard)
     _starts: list[int] = field(default_factory=list)
     _maps: dict[int, np.memmap] = field(default_factory=dict)
 
@@ -133,7 +134,14 @@ class TokenStore:
                     f"token cache {path}: its checksum does not match the manifest (damaged or changed); remove "
                     f"{self.folder} and run again to rebuild it"
                 )
-            self._maps[i] = np.memmap(path, dtype=self.dtype, mode="r", shape=(n,))
+            ids = np.memmap(path, dtype=self.dtype, mode="r", shape=(n,))
+            if self.vocab_size is not None and int(ids.max()) >= self.vocab_size:
+                raise Mha2GqaError(
+                    f"token cache {path}: it holds token id {int(ids.max())}, outside the model's vocabulary of "
+                    f"{self.vocab_size} (written for another tokenizer, or edited); remove {self.folder} and run "
+                    "again to rebuild it"
+                )
+            self._maps[i] = ids
         return self._maps[i]
 
     def tokens(self, start: int, count: int) -> np.ndarray:
@@ -155,8 +163,9 @@ class TokenStore:
         return torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, seq_len + 1, dtype=torch.long)
 
     @classmethod
-    def open(cls, folder: Path) -> TokenStore:
-        """A published store, its manifest and shard sizes checked (one error naming it otherwise)."""
+    def open(cls, folder: Path, vocab_size: int | None = None) -> TokenStore:
+        """A published store, its manifest and shard sizes checked (one error naming it otherwise);
+        with ``vocab_size``, each shard's ids are checked against it when the shard is first read."""
         path = folder / MANIFEST
 
         def bad(why: str) -> Mha2GqaError:
@@ -183,7 +192,7 @@ class TokenStore:
             file = folder / name
             if not file.is_file() or file.stat().st_size != n * dtype.itemsize:
                 raise bad(f"{name} is missing or not {n * dtype.itemsize:,} bytes (truncated?)")
-        return cls(folder, dtype, [tuple(s) for s in shards])
+        return cls(folder, dtype, [tuple(s) for s in shards], vocab_size)
 
 
 def build(folder: Path, chunks: Iterable[list[int]], vocab_size: int, material: dict[str, Any],
@@ -236,16 +245,19 @@ def token_store(
     doc_split: str = "file",
     log: Callable[[str], None] | None = None,
     shard_tokens: int = SHARD_TOKENS,
+    vocab_size: int | None = None,
 ) -> TokenStore:
     """The store of ``source`` under ``root``: opened when it exists, else built once (runs sharing
-    the cache wait for the first builder)."""
+    the cache wait for the first builder); ``vocab_size``: the model's, which every id must be below."""
     material = tokens_key_material(tokenizer_folder, source, text_field, doc_split)
     key = entry_name(material)
     folder = root / key
     with locked(root, key, f"token cache {root}", f"waiting for another run tokenizing {source} into {folder}", log):
         if folder.exists():  # published whole, or not ours: opening checks which
-            return TokenStore.open(folder)
+            return TokenStore.open(folder, vocab_size)
         if log:
             log(f"tokenizing {source} into {folder} (once; later runs reuse it)")
         chunks = token_chunks(tokenizer, text_pieces(source, text_field, doc_split))
-        return build(folder, chunks, len(tokenizer), material, shard_tokens)
+        built = build(folder, chunks, len(tokenizer), material, shard_tokens)
+        built.vocab_size = vocab_size
+        return built
