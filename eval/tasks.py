@@ -114,7 +114,31 @@ def select_tasks(tasks: tuple[str, ...], include_path: str | None) -> TaskSelect
             "list them with `lm_eval ls tasks`, or give --include-path with its YAML",
         )
     names = list(dict.fromkeys(n for t in tasks for n in manager.match_tasks([t])))
+    _check_task_data(manager, names)
     return TaskSelection(names, manager)
+
+
+def _check_task_data(manager: Any, names: list[str]) -> None:
+    """Load each task (its documents from the datasets cache, or the hub) before any model is scored:
+    a task whose data cannot be had (offline and not cached, a dataset that is gone) is refused in
+    one line naming it, instead of failing after the original has been scored."""
+    load = getattr(manager, "load", None)
+    for name in names:
+        try:
+            with _quiet():
+                if load is not None:
+                    load([name])
+                else:  # an older harness
+                    from lm_eval.tasks import get_task_dict
+
+                    get_task_dict([name], manager)
+        except (OSError, ValueError, ImportError) as e:  # ConnectionError is an OSError
+            why = " ".join(str(e).split())[:200] or type(e).__name__
+            raise SettingError(
+                "tasks",
+                f"{{name}}: the data of task {name!r} cannot be loaded ({why}); offline it must already be in the "
+                "datasets cache (run once with network), or give --include-path with a task on local files",
+            ) from None
 
 
 @dataclass

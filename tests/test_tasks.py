@@ -262,6 +262,9 @@ def test_task_options_are_refused_before_work(tmp_path, monkeypatch):
         (folder / "t.yaml").write_text(TASK_YAML.format(name="mine", data=tmp_path / "d.jsonl"))
         error = eval_error(*base, "--tasks", "mine,nosuchtask_xyz", "--include-path", folder)
         assert "knows no task 'nosuchtask_xyz'" in error
+        # its data is not there (offline and not cached, or a local file gone): refused before any model is scored
+        error = eval_error(*base, "--tasks", "mine", "--include-path", folder)
+        assert "--tasks: the data of task 'mine' cannot be loaded" in error and "datasets cache" in error, error
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # not installed
     assert "pip install 'mha2gqa[tasks]'" in eval_error(*base, "--tasks", "hellaswag")
 
