@@ -550,7 +550,6 @@ def _refit_layer(
     through the layer as written. With ``attention`` (the layer's attention block) the fit reproduces
     the original's residual stream after it (``st.targets``) and runs the layer only that far."""
     from accelerate.utils import set_module_tensor_to_device
-    from safetensors.torch import save_file
 
     s, dims, dev = c.settings, c.dims, st.dev
     shape = HeadShape.of(dims, c.targets[i])
@@ -575,18 +574,9 @@ def _refit_layer(
     fitted, _ = split_windows(len(st.ids))
     targets, scale = (lambda w: target[w].to(dev)), dimension_scale(target, fitted, st.per_call).to(dev)
     trainable = [r for r in weights.values if r[0] in s.refit_roles()]
+    fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
     result = fit_layer(
-        fitted_part,
-        weights.values,
-        trainable,
-        targets,
-        len(st.ids),
-        steps=s.refit_steps,
-        lr=s.refit_lr,
-        batch=st.batch,
-        seed=s.seed * 1_000_003 + i,
-        per_call=st.per_call,
-        scale=scale,
+        fitted_part, weights.values, trainable, targets, len(st.ids), per_call=st.per_call, scale=scale, **fit_kw
     )
     if "o" in trainable:
         o_proj = layer.get_submodule(names["o"][len(prefix) : -len(".weight")])
@@ -595,12 +585,18 @@ def _refit_layer(
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
     written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
     st.converted.advance(st.every, partial(converted_layer, written), dev)
-    path = work / f"layer-{i}.safetensors"
+    _spill_layer(out, work / f"layer-{i}.safetensors", by_name)
+    return result
+
+
+def _spill_layer(out: dict[str, torch.Tensor], path: Path, by_name: dict[str, OutputTensor]) -> None:
+    """Write a refitted layer's tensors to ``path`` and point its rules in ``by_name`` at them."""
+    from safetensors.torch import save_file
+
     save_file({n: t.cpu() for n, t in out.items()}, str(path))
     for n in out:
         rule = by_name[n]
         by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
-    return result
 
 
 def refit(
@@ -641,28 +637,7 @@ def refit(
             else:
                 t0 = time.perf_counter()
                 result = _refit_layer(c, layer, i, prefix, st, by_name, work, attention)  # one layer at a time
-                seconds = time.perf_counter() - t0
-                records.append(
-                    RefitLayer(
-                        i,
-                        result.loss_before,
-                        result.loss_after,
-                        result.kept,
-                        result.steps,
-                        round(seconds, 3),
-                        result.ridge,
-                        result.lr,
-                    )
-                )
-                if log is not None:
-                    log(
-                        f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
-                        + (" (kept the merged weights)" if result.kept else "")
-                        + f", {result.steps} steps"
-                        + (f" at lr {result.lr:g}" if result.lr is not None else "")
-                        + (f", {O_SOLVED} (ridge {result.ridge:g})" if result.ridge is not None else "")
-                        + f", {seconds:.1f} s"
-                    )
+                records.append(_layer_record(i, result, time.perf_counter() - t0, log))
                 del result
             bar.update(1)
     fitted, held = split_windows(len(st.ids))
@@ -681,6 +656,22 @@ def refit(
         target=_target(s.refit_target, whole, [r.layer for r in records]),
     )
     return [by_name[t.name] for t in tensors], record
+
+
+def _layer_record(i: int, result, seconds: float, log: Callable[[str], None] | None) -> RefitLayer:
+    """Layer ``i``'s refit as recorded (and logged)."""
+    if log is not None:
+        log(
+            f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
+            + (" (kept the merged weights)" if result.kept else "")
+            + f", {result.steps} steps"
+            + (f" at lr {result.lr:g}" if result.lr is not None else "")
+            + (f", {O_SOLVED} (ridge {result.ridge:g})" if result.ridge is not None else "")
+            + f", {seconds:.1f} s"
+        )
+    return RefitLayer(
+        i, result.loss_before, result.loss_after, result.kept, result.steps, round(seconds, 3), result.ridge, result.lr
+    )
 
 
 def _target(asked: str, whole: list[int], refitted: list[int]) -> str:

@@ -99,6 +99,16 @@ def _head_sharing(conv: Facts) -> str:
     )
 
 
+def _allocation_summary(allocation) -> str:
+    """The model card's line for a ``--per-layer auto`` allocation."""
+    uniform = ", ".join(f"G = {g}: {c:.4f}" for g, c in allocation.uniform_cost.items())
+    how = f"{allocation.budget_kv_heads} KV heads in all ({allocation.average_kv_heads:g} per layer), chosen"
+    return (
+        f"{how} from calibration: cost {allocation.cost:.4f} ({allocation.cost_measure}); uniform "
+        f"{uniform or 'not within the budget'}"
+    )
+
+
 def model_card(record: ConversionRecord) -> str:
     """A Hugging Face model card describing the conversion in ``record``."""
     src, conv = record.source, record.conversion
@@ -126,17 +136,8 @@ def model_card(record: ConversionRecord) -> str:
         ("head sharing", _head_sharing(conv)),
         ("mha2gqa", record.mha2gqa_version),
     ]
-    allocation = conv.per_layer_allocation
-    if allocation:
-        uniform = ", ".join(f"G = {g}: {c:.4f}" for g, c in allocation.uniform_cost.items())
-        how = f"{allocation.budget_kv_heads} KV heads in all ({allocation.average_kv_heads:g} per layer), chosen"
-        rows.append(
-            (
-                "per-layer allocation",
-                f"{how} from calibration: cost {allocation.cost:.4f} ({allocation.cost_measure}); uniform "
-                f"{uniform or 'not within the budget'}",
-            )
-        )
+    if conv.per_layer_allocation:
+        rows.append(("per-layer allocation", _allocation_summary(conv.per_layer_allocation)))
     calibration = conv.calibration
     if calibration and calibration.data:
         rows.insert(4, ("calibration", f"`{calibration.data}` ({calibration.tokens:,} tokens)"))

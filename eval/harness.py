@@ -371,12 +371,32 @@ def _reference_size(run: Evaluation, device: torch.device, dtype: torch.dtype) -
     return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention, run.settings.reference_top_k)
 
 
+def _against_reference(run: Evaluation, converted, ref, log: Callable[[str], None] | None) -> tuple[Any, Any]:
+    """The converted model's attention similarity and samples against the cached original (each
+    where the run asked for it, else None)."""
+    from mha2gqa.eval.attention import compare_attention
+
+    attention = samples = None
+    if run.attention_batch is not None:
+        if log:
+            log("attention similarity, layer by layer, against the cached original")
+        order = head_order_of(converted.conversion())
+        attention, seconds = _timed(
+            lambda: compare_attention(converted.model, run.attention_batch, ref, run.settings.attention_chunk, order)
+        )
+        attention.seconds = seconds + ref.seconds("attention")
+    if run.prompts:
+        if log:
+            log(f"{len(run.prompts)} sample generation(s) of {run.new_tokens} tokens")
+        samples = _samples(run, ref.samples, _generate(run, converted.model))
+    return attention, samples
+
+
 def _one_at_a_time(run: Evaluation, tasks: _Tasks, log: Callable[[str], None] | None) -> _Scored:
     """A pair, one model in memory at a time: the original's scores come from (or go to) the
     reference cache, then the converted model is scored against them."""
     import tempfile
 
-    from mha2gqa.eval.attention import compare_attention
     from mha2gqa.eval.reference import locked
 
     s = run.settings
@@ -396,19 +416,7 @@ def _one_at_a_time(run: Evaluation, tasks: _Tasks, log: Callable[[str], None] | 
         for name in run.passes:
             res = _score(run, [converted.model], name, replay=ref.replayer(name))
             scored[name] = res.plus_seconds(ref.seconds(name))
-        attention = samples = None
-        if run.attention_batch is not None and main:
-            if log:
-                log("attention similarity, layer by layer, against the cached original")
-            order = head_order_of(converted.conversion())
-            attention, seconds = _timed(
-                lambda: compare_attention(converted.model, run.attention_batch, ref, s.attention_chunk, order)
-            )
-            attention.seconds = seconds + ref.seconds("attention")
-        if run.prompts and main:
-            if log:
-                log(f"{len(run.prompts)} sample generation(s) of {run.new_tokens} tokens")
-            samples = _samples(run, ref.samples, _generate(run, converted.model))
+        attention, samples = _against_reference(run, converted, ref, log) if main else (None, None)
         tasks.run(converted.model, "converted", log)
         out = _Scored(
             models=[ref.model, converted.describe()],

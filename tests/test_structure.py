@@ -57,6 +57,31 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+#: the house rule: no function of the library longer than this many lines (its docstring counted)
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name (N lines)`` of every function of the library longer than ``limit`` lines."""
+    found = []
+    for package in LIBRARY:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > limit:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def test_no_function_is_longer_than_the_house_rule(tmp_path):
+    assert long_functions() == []
+    long = tmp_path / "core" / "x.py"  # the check can fail
+    long.parent.mkdir()
+    long.write_text("def f():\n" + "    x = 1\n" * 70)
+    assert long_functions(tmp_path) == ["core/x.py:1 f (71 lines)"]
+
+
 def test_core_imports_in_one_direction():
     """dims <- families <- retarget <- architecture: no module of core/ reaches itself again."""
     assert circles(core_graph()) == []

@@ -51,15 +51,9 @@ class Uptraining:
     run: dict[str, Any]  # the settings as resolved (recorded, and compared on resume)
 
 
-def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining:
-    """Resolve and check the sizes, the tokenizers and the text of a run (raises :class:`Mha2GqaError`)."""
-    from mha2gqa.core.checkpoint import read_config, resolve_folder
-    from mha2gqa.core.models import load_tokenizer
-
-    student_folder, _, _ = resolve_folder(student)
-    config = read_config(student_folder)
-    family = _trained_family(config, s.train)
-    max_pos = config.get("max_position_embeddings")
+def _sizes(s: UptrainSettings, max_pos: int | None, processes: int) -> tuple[int, int, int]:
+    """``(seq_len, eval_seq_len, windows per process and step)``, checked against the model's
+    positions and the batch's split over ``--grad-accum`` and the processes."""
     seq_len = s.window(max_pos)
     eval_seq_len = s.eval_seq_len or seq_len
     for flag, n in (("--seq-len", seq_len), ("--eval-seq-len", eval_seq_len)):
@@ -70,6 +64,19 @@ def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining
         raise SettingError(
             "batch_size", f"{{name}} {s.batch_size} must be a multiple of --grad-accum x processes = {per_step}"
         )
+    return seq_len, eval_seq_len, per_step
+
+
+def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining:
+    """Resolve and check the sizes, the tokenizers and the text of a run (raises :class:`Mha2GqaError`)."""
+    from mha2gqa.core.checkpoint import read_config, resolve_folder
+    from mha2gqa.core.models import load_tokenizer
+
+    student_folder, _, _ = resolve_folder(student)
+    config = read_config(student_folder)
+    family = _trained_family(config, s.train)
+    max_pos = config.get("max_position_embeddings")
+    seq_len, eval_seq_len, per_step = _sizes(s, max_pos, processes)
     tokenizer = load_tokenizer(student_folder)
     teacher_folder = _teacher_folder(s, tokenizer, student)
     root = Path(s.data_cache) if s.data_cache else cache_root() / "tokens"

@@ -42,43 +42,21 @@ def collect(
     on_layer=None,
     weigh_values: bool = True,
 ) -> CalibrationStats:
-    """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads from the first
-    ``tokens`` tokens of ``data`` (disjoint windows of ``seq_len``), streaming the model (a folder,
-    or an opened checkpoint such as a re-targeted one) layer by layer from its shards: the model is
-    built on ``meta``; the embeddings run once (the inputs of the first decoder layer are caught),
-    then each decoder layer in turn gets its weights, processes every window and is emptied again.
-    Memory: one layer plus the calibration activations (``tokens x hidden``, float32), never the
-    whole model.
-
-    With ``grouping="similarity"`` each layer's statistics are first gathered over all source KV
-    heads, which then form the equal groups that lose least in the merge
-    (:func:`~mha2gqa.convert.calibration.grouping.least_residual_groups`), recorded as ``perm`` on
-    the layer's statistics. ``groups`` may give each layer its own count (a per-layer conversion):
-    the statistics are then gathered over all source heads too and cut into that layer's groups.
-    With ``compact`` (the default) each finished layer keeps only what the merges read
-    (:meth:`LayerStats.compact`). ``on_layer(layer, full, run)`` sees each layer's statistics over
-    all source heads as one group, and the layer itself with its inputs and outputs
-    (:class:`LayerRun`), before they are cut (with ``groups=None``, nothing is kept). With
-    ``weigh_values`` each layer's output-projection Gram is recorded too, so that ``svd`` chooses the
-    value code that loses least as ``o_proj`` passes it on (without: the values' principal
-    subspace, the better start for a refit)."""
-    from mha2gqa.core.architecture import dims_of
+    """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads (one count, one per layer,
+    or None: nothing kept) from the first ``tokens`` tokens of ``data`` in windows of ``seq_len``,
+    streaming the model layer by layer (:mod:`~mha2gqa.convert.layers`; memory: one layer plus the
+    activations). Per-layer counts and ``grouping="similarity"`` gather each layer over all source
+    heads first, then cut it into its groups (similarity: the least-residual groups, recorded as
+    ``perm``); ``compact`` keeps only what the merges read. ``on_layer(layer, full, run)`` sees each
+    layer's all-heads statistics and the loaded layer (:class:`LayerRun`) before they are cut.
+    ``weigh_values`` records each layer's output-projection Gram, so that ``svd`` picks the value
+    code that loses least through ``o_proj`` (without: the values' principal subspace)."""
     from mha2gqa.core.capture import capturing
-    from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.families import find_family
-    from mha2gqa.core.models import resolve_device
     from mha2gqa.core.progress import bar as progress_bar
 
-    dev = resolve_device(device)
-    ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
-    model_dir = ckpt.folder
-    model = skeleton(ckpt)
-    dims = dims_of(model.config)
-    seq_len = calibration_window(seq_len, getattr(model.config, "max_position_embeddings", None))
-    windows = calibration_ids(model_dir, data, tokens, seq_len, text_field).to(dev)
-    states = first_layer_inputs(model, ckpt, windows, dev)
+    ckpt, model, dims, windows, states, dev = _start(source, device, allow_pickle, data, tokens, seq_len, text_field)
     per_layer = groups if isinstance(groups, tuple) else None
-    keep = groups is not None
     stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
     split = grouping == "similarity" or per_layer is not None or on_layer is not None
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
@@ -103,16 +81,37 @@ def collect(
                 with float32_on_call(layer):
                     on_layer(i, full.layers[i], LayerRun(layer, inputs, states, prefix))
                 recording[0] = True
-            if full is not stats:  # choose this layer's groups, keep only their blocks
-                layer_full = full.layers.pop(i)
-                if not keep:
-                    continue
-                g = per_layer[i] if per_layer else groups
-                stats.layers[i] = _grouped(layer_full, g, grouping, dims)
-            if compact:
-                stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
+            _keep(i, full, stats, per_layer[i] if per_layer else groups, grouping, dims, compact)
     stats.tokens = windows.numel()
     return stats
+
+
+def _keep(i: int, full, stats, g: int | None, grouping: str, dims, compact: bool) -> None:
+    """Layer ``i`` gathered: where it was gathered over all source heads (``full``), cut into its
+    ``g`` groups (None: drop it); keep only the blocks the merges read (``compact``)."""
+    if full is not stats:
+        layer_full = full.layers.pop(i)
+        if g is None:
+            return
+        stats.layers[i] = _grouped(layer_full, g, grouping, dims)
+    if compact:
+        stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
+
+
+def _start(source, device: str, allow_pickle: bool, data: str, tokens: int, seq_len: int | None, text_field: str):
+    """The checkpoint, its model on ``meta``, its dimensions, the calibration windows ``[n, T]`` and
+    what the first decoder layer receives for each, and the device."""
+    from mha2gqa.core.architecture import dims_of
+    from mha2gqa.core.checkpoint import open_checkpoint
+    from mha2gqa.core.models import resolve_device
+
+    dev = resolve_device(device)
+    ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
+    model = skeleton(ckpt)
+    dims = dims_of(model.config)
+    seq_len = calibration_window(seq_len, getattr(model.config, "max_position_embeddings", None))
+    windows = calibration_ids(ckpt.folder, data, tokens, seq_len, text_field).to(dev)
+    return ckpt, model, dims, windows, first_layer_inputs(model, ckpt, windows, dev), dev
 
 
 def _advance(layer: torch.nn.Module, states: list[tuple[torch.Tensor, dict]], bar) -> None:
