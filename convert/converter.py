@@ -41,6 +41,7 @@ from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
 from mha2gqa.core.families import Family
 from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
+from mha2gqa.core.recipe_file import recipe_name, write_recipe
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
 
 
@@ -388,6 +389,7 @@ def _write(
         record = dataclasses.replace(record, output=Output(written.files, written.total_size))
         (tmp / CONVERSION_RECORD).write_text(record.to_json(), encoding="utf-8")
         (tmp / "README.md").write_text(model_card(record), encoding="utf-8")
+        write_recipe(tmp, recipe_name(s.method, s.refit, False), {"convert": s.recipe()})
     return record
 
 

@@ -48,6 +48,16 @@ def refit_windows(given: int | None, window: int) -> int:
     return given or max(1, REFIT_STEP_TOKENS // window)
 
 
+#: the settings that shape a conversion's output, which its recipe file holds (:mod:`~mha2gqa.core.recipe_file`);
+#: the others are the machine's and the run's (device, progress, overwrite...)
+RECIPE_FIELDS = (
+    *("num_kv_heads", "num_kv_heads_per_layer", "per_layer", "allocation_cost", "kv_budget", "method", "grouping"),
+    *("calibration", "calibration_tokens", "calibration_seq_len"),
+    *("refit", "refit_params", "refit_steps", "refit_target", "refit_lr", "refit_batch", "refit_tokens"),
+    *("guard", "seed", "max_shard_size"),
+)
+
+
 @dataclass
 class ConvertSettings:
     """How a checkpoint is converted (``convert_checkpoint(src, dst, **fields)``)."""
@@ -225,6 +235,16 @@ class ConvertSettings:
         """The method, grouping, per-layer allocation or refit reads calibration text."""
         method, grouping = get_method(self.method), get_grouping(self.grouping)
         return method.calibration != "none" or grouping.calibration != "none" or self.per_layer == "auto" or self.refit
+
+    def recipe(self) -> dict:
+        """The settings that shape the output (:data:`RECIPE_FIELDS`), a local calibration file as an
+        absolute path (so the recipe runs from any folder)."""
+        from pathlib import Path
+
+        out = {name: getattr(self, name) for name in RECIPE_FIELDS}
+        if self.calibration and Path(self.calibration).exists():
+            out["calibration"] = str(Path(self.calibration).resolve())
+        return out
 
     def refit_roles(self) -> tuple[str, ...]:
         """``--refit-params`` as roles in q, k, v, o order."""

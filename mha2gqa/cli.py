@@ -53,9 +53,42 @@ def main(debug: bool) -> None:
         os.environ[DEBUG_ENV] = "1"
 
 
+def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """``--recipe FILE``: the file's settings become the command's defaults (options given on the
+    command line still win), checked as the options are."""
+    if value is None:
+        return
+    from dataclasses import fields
+
+    from mha2gqa.convert.settings import RECIPE_FIELDS
+    from mha2gqa.core.errors import Mha2GqaError
+    from mha2gqa.core.recipe_file import read_recipe
+
+    try:
+        sections = read_recipe(Path(value))
+    except Mha2GqaError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
+    known = {"convert": set(RECIPE_FIELDS), "distill": {f.name for f in fields(DistillSettings)}}
+    for name, section in sections.items():
+        unknown = sorted(set(section) - known[name])
+        if unknown:
+            raise click.BadParameter(f"{value}: {name}.{unknown[0]} is not a setting a recipe holds", ctx, param)
+    values = {k: v for section in sections.values() for k, v in section.items() if v is not None}
+    ctx.default_map = {**(ctx.default_map or {}), **values}
+
+
 @main.command()
 @click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
+@click.option(
+    "--recipe",
+    type=click.Path(dir_okay=False),
+    callback=_recipe_defaults,
+    is_eager=True,
+    expose_value=False,
+    help="Run the recipe a conversion wrote beside its model (mha2gqa_recipe.yaml): its settings, "
+    "with any option given here in their place.",
+)
 @click_options(ConvertSettings)
 @click_options(DistillSettings)
 @quiet_option

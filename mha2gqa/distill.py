@@ -106,6 +106,7 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
     from mha2gqa.convert.converter import run
     from mha2gqa.convert.prepare import inputs_of, prepare
     from mha2gqa.core.output import staged_output
+    from mha2gqa.core.recipe_file import recipe_name, write_recipe
     from mha2gqa.core.signals import Terminated
 
     d = d.check(s)
@@ -126,6 +127,9 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
             facts = dataclasses.replace(record.conversion, guard=guard.record())
             record = dataclasses.replace(record, conversion=facts)
         _publish(stage, Path(dst), src, record, kept)
+        write_recipe(
+            stage, recipe_name(s.method, s.refit, True), {"convert": s.recipe(), "distill": dataclasses.asdict(d)}
+        )
     converted = dataclasses.replace(converted, output=Path(dst), record=record)
     return converted, dataclasses.replace(distilled, output=Path(dst))
 

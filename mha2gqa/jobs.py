@@ -47,10 +47,11 @@ from mha2gqa.uptrain.settings import UptrainSettings
 if TYPE_CHECKING:
     from mha2gqa.eval.tables import SweepRow
 
-#: A job's recipe refits after the merge when it ends so (``svd+refit``: ``--method svd --refit``).
-REFIT = "+refit"
-#: What a job's ``methods`` may list: every method, alone or refitted.
-RECIPES = (*METHODS, *(m + REFIT for m in METHODS))
+#: A job's recipe refits after the merge when it says so (``svd+refit``: ``--method svd --refit``), and
+#: distils the result when it ends so (``svd+refit+distill``: ``... --refit --distill``).
+REFIT, DISTILL = "+refit", "+distill"
+#: What a job's ``methods`` may list: every method, alone, refitted, distilled or both.
+RECIPES = tuple(m + r + d for r in ("", REFIT) for d in ("", DISTILL) for m in METHODS)
 #: The recipe the README recommends (its "Which method to use"; shipped jobs of real models use it).
 RECOMMENDED = "svd" + REFIT
 
@@ -63,8 +64,9 @@ class Job:
     source: str
     demo: DemoSettings
     num_kv_heads: tuple[int | tuple[int, ...], ...]  # a count for every layer, or each layer's own
-    methods: tuple[str, ...]  # recipes: a method, or a method + REFIT
+    methods: tuple[str, ...]  # recipes: a method, then REFIT and DISTILL where the recipe has them
     convert: dict[str, Any] = field(default_factory=dict)  # further ConvertSettings fields
+    distill: dict[str, Any] = field(default_factory=dict)  # DistillSettings fields (steps, lr) of +distill recipes
     eval: EvalSettings | None = None
     uptrain: dict[str, Any] = field(default_factory=dict)  # UptrainSettings fields ({}: no uptraining)
     gates: GateSettings = field(default_factory=GateSettings)
@@ -75,16 +77,27 @@ class Job:
         self, num_kv_heads: int | tuple[int, ...], recipe: str, calibration: str | None = None
     ) -> ConvertSettings:
         """The settings of one conversion of the sweep (checked): ``recipe`` is a method, refitted
-        when it ends in :data:`REFIT`; the sweep's calibration text goes to the recipes that read it."""
+        where it has :data:`REFIT`; the sweep's calibration text goes to the recipes that read it
+        (a distilled one distils on it)."""
         options = {**self.convert, **({"calibration": calibration} if calibration else {})}
-        if recipe.endswith(REFIT):
-            options["refit"] = True
+        method, refit, distill = parse_recipe(recipe)
         heads = heads_settings(num_kv_heads)
-        method = recipe.removesuffix(REFIT)
-        settings = ConvertSettings(**heads, method=method, overwrite=True, progress=False, **options)
-        if not settings.reads_calibration:
+        settings = ConvertSettings(**heads, method=method, refit=refit, overwrite=True, progress=False, **options)
+        if not settings.reads_calibration and not distill:
             settings = dataclasses.replace(settings, calibration=None)
         return settings.check()
+
+    def distill_settings(self, recipe: str, convert: ConvertSettings):
+        """The distillation of a ``+distill`` recipe (the ``distill_*`` keys of the job's ``convert``
+        section), checked against its conversion; None for a recipe without it."""
+        from mha2gqa.distill import DistillSettings
+
+        return DistillSettings(distill=True, **self.distill).check(convert) if parse_recipe(recipe)[2] else None
+
+
+def parse_recipe(recipe: str) -> tuple[str, bool, bool]:
+    """``(method, refit, distill)`` of a recipe name (``svd+refit+distill``)."""
+    return recipe.split("+", 1)[0], REFIT in recipe, recipe.endswith(DISTILL)
 
 
 def shipped_jobs() -> dict[str, Path]:
@@ -183,9 +196,13 @@ def _parse(path: Path, data: Any) -> Job:
     if "source" not in data or not isinstance(data["source"], str):
         raise SettingError("source", "'{name}' is required (a folder, a hub id, or demo)")
     demo = from_mapping(DemoSettings, _section(data, "demo"), "demo")
+    from mha2gqa.distill import DistillSettings, split_options
+
     heads, methods, conv = _sweep(_section(data, "convert"))
-    fixed = {**heads_settings(heads[0]), "method": methods[0].removesuffix(REFIT), "overwrite": True, "progress": False}
+    conv, distill = split_options(conv)
+    fixed = {**heads_settings(heads[0]), "method": parse_recipe(methods[0])[0], "overwrite": True, "progress": False}
     from_mapping(ConvertSettings, _checkable(conv), "convert", fixed=fixed)  # keys and types
+    from_mapping(DistillSettings, distill, "convert", fixed={"distill": True})
     ev = _section(data, "eval")
     if "data" not in ev:
         raise SettingError("eval.data", "{name} is required")
@@ -215,6 +232,7 @@ def _parse(path: Path, data: Any) -> Job:
         num_kv_heads=heads,
         methods=methods,
         convert=conv,
+        distill=distill,
         eval=evaluation,
         uptrain=up,
         gates=gates,
@@ -235,6 +253,7 @@ def _check_sweep(job: Job) -> None:
             try:
                 settings = job.convert_settings(g, method, calibration)
                 settings.check_calibration()
+                job.distill_settings(method, settings)
             except SettingError as e:
                 raise SettingError(e.setting, e.render(f"convert.{e.setting}")) from None
         readers += [method] if settings.calibration else []
@@ -256,7 +275,8 @@ class DemoRequest:
     )
     methods: tuple[str, ...] | None = setting(
         None,
-        help="Recipes (repeatable): a method, or a method then +refit (svd+refit) [default: the job's].",
+        help="Recipes (repeatable): a method, then +refit and +distill where wanted (svd+refit, "
+        "svd+refit+distill) [default: the job's].",
         flag="--method",
         choices=RECIPES,
     )
@@ -406,8 +426,6 @@ def _quiet_bars(quiet: bool):
 def _run_job(
     job: Job, output_dir: Path | None, log: Callable[[str], None], progress: bool, overwrite: bool
 ) -> RunResult:
-    from mha2gqa.convert.converter import run as run_conversion
-    from mha2gqa.convert.prepare import prepare
     from mha2gqa.eval.report import load_results, load_runs, render
 
     log = _NotesOnce(log)  # a sweep repeats the same notes for every conversion: each is said once
@@ -429,8 +447,7 @@ def _run_job(
         for g in job.num_kv_heads:
             tag = f"{method}-g{heads_tag(g)}"
             model_dir = out / "models" / tag
-            how = dataclasses.replace(job.convert_settings(g, method, calibration), progress=progress)
-            conv = run_conversion(prepare(source, model_dir, how))
+            conv = _convert_stage(job, source, model_dir, g, method, calibration, progress, log)
             log(f"converted {tag}: {conv.summary()}")
             stages = [(tag, method, model_dir)]
             if up:
@@ -450,6 +467,22 @@ def _run_job(
         pages = render(load_results(paths), out / "report.html", out / "report.md", load_runs(runs), log=log)
         report = pages["html"]
     return RunResult(out, paths, report, rows, passed)
+
+
+def _convert_stage(job: Job, source: str, dst: Path, g, recipe: str, calibration: str | None, progress: bool, log):
+    """One conversion of the sweep, distilled where the recipe says so: the code ``mha2gqa convert``
+    runs (:func:`~mha2gqa.distill.convert_and_distill`), so a job and the command line make the same model."""
+    from mha2gqa.convert.converter import run as run_conversion
+    from mha2gqa.convert.prepare import prepare
+
+    how = dataclasses.replace(job.convert_settings(g, recipe, calibration), progress=progress)
+    distill = job.distill_settings(recipe, how)
+    if distill is None:
+        return run_conversion(prepare(source, dst, how))
+    from mha2gqa.distill import convert_and_distill
+
+    converted, _ = convert_and_distill(source, dst, how, distill, log=lambda m: log(m, "  "))
+    return converted
 
 
 def _uptrain_stage(

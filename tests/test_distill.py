@@ -106,3 +106,46 @@ def test_a_stop_during_the_distillation_leaves_nothing_and_says_so(src, tmp_path
     result = _convert(src, tmp_path / "dst", "--distill")
     assert result.exit_code != 0 and "stopped by SIGTERM; nothing partial was left behind" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path):
+    """``convert --refit --distill`` writes its recipe beside the model; ``convert --recipe`` and a job
+    file whose recipe is ``svd+refit+distill`` with the same settings make the same bytes (issue 47).
+    A command-line option still wins over the file's."""
+    import yaml
+
+    from mha2gqa.core.recipe_file import RECIPE_FILE
+
+    steps = ["--refit", "--refit-steps", "6", "--distill", "--distill-steps", "3"]
+    first = _convert(src, tmp_path / "first", "--method", "svd", *steps)
+    assert first.exit_code == 0, first.output
+    recipe = tmp_path / "first" / RECIPE_FILE
+    written = yaml.safe_load(recipe.read_text())
+    assert written["recipe"] == "svd+refit+distill" and written["convert"]["calibration"] == str(src["text"].resolve())
+    assert written["distill"] == {"distill": True, "distill_steps": 3, "distill_lr": 1.5e-3}
+    again = CliRunner().invoke(main, ["convert", str(src["model"]), str(tmp_path / "again"), "--recipe", str(recipe)])
+    assert again.exit_code == 0, again.output
+    model = (tmp_path / "first" / "model.safetensors").read_bytes()
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == model
+    assert (tmp_path / "again" / RECIPE_FILE).read_text() == recipe.read_text()
+    job = tmp_path / "job.yaml"
+    convert = {**{k: v for k, v in written["convert"].items() if v is not None}, "methods": ["svd+refit+distill"]}
+    convert = {k: v for k, v in convert.items() if k not in ("method", "refit")} | {"distill_steps": 3}
+    evaluation = {"data": str(src["text"]), "seq_len": 32, "max_tokens": 256, "attention": False, "samples": 0}
+    spec = {"source": str(src["model"]), "convert": convert, "report": False, "eval": evaluation}
+    job.write_text(yaml.safe_dump(spec))
+    ran = CliRunner().invoke(main, ["run", str(job), "--output-dir", str(tmp_path / "run")])
+    assert ran.exit_code in (0, 3), ran.output  # (its gates, if any, are not the point)
+    made = tmp_path / "run" / "models" / "svd+refit+distill-g1" / "model.safetensors"
+    assert made.read_bytes() == model
+    changed = CliRunner().invoke(
+        main, ["convert", str(src["model"]), str(tmp_path / "c"), "--recipe", str(recipe), "--distill-steps", "1"]
+    )
+    assert (
+        changed.exit_code == 0
+        and yaml.safe_load((tmp_path / "c" / RECIPE_FILE).read_text())["distill"]["distill_steps"] == 1
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("convert: {method: svd, refit_memroy: 1GB}\n")
+    refused = CliRunner().invoke(main, ["convert", str(src["model"]), str(tmp_path / "d"), "--recipe", str(bad)])
+    assert refused.exit_code == 2 and "convert.refit_memroy is not a setting a recipe holds" in refused.output
