@@ -22,37 +22,37 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mha2gqa.convert.calibration.grouping import least_residual_groups, merge_residual
+from mha2gqa.convert.calibration.grouping import merge_residual
 from mha2gqa.convert.calibration.stats import LayerStats
-from mha2gqa.convert.methods import Method
-from mha2gqa.core.dims import AttentionDims, contiguous_groups
+from mha2gqa.convert.methods import Grouping, Method
+from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.families import Family
 
 
-def layer_costs(full: LayerStats, candidates: list[int], similarity: bool) -> dict[int, float]:
-    """``{G: cost}`` of one layer from its single-group statistics (over all source KV heads)."""
+def layer_costs(full: LayerStats, candidates: list[int], grouping: Grouping) -> dict[int, float]:
+    """``{G: cost}`` of one layer from its single-group statistics (over all source KV heads), in the
+    groups ``grouping`` chooses."""
     n = full.k_plane_gram.shape[-1]
     out = {}
     for g in candidates:
         if g == n:
             out[g] = 0.0
             continue
-        groups = least_residual_groups(full, g) if similarity else contiguous_groups(n, g)
-        out[g] = sum(merge_residual(full, grp) for grp in groups) / g
+        out[g] = sum(merge_residual(full, grp) for grp in grouping.choose(full, g)) / g
     return out
 
 
 @dataclass(frozen=True)
 class Merger:
-    """How the conversion merges a layer's heads (its checkpoint, family, dimensions, method,
-    similarity grouping or not): what the output-level costs replace a loaded layer's attention with."""
+    """How the conversion merges a layer's heads (its checkpoint, family, dimensions, method and
+    grouping): what the output-level costs replace a loaded layer's attention with."""
 
     ckpt: Any
     family: Family
     dims: AttentionDims
     method: Method
-    similarity: bool
+    grouping: Grouping
 
     @contextlib.contextmanager
     def merged_at(self, g: int, run: Any, layer: int, full: LayerStats) -> Iterator[None]:
@@ -68,8 +68,7 @@ class Merger:
 
         dims = self.dims
         n = dims.num_kv_heads
-        chosen = least_residual_groups(full, g) if self.similarity else contiguous_groups(n, g)
-        stats = _OneLayer({layer: regroup(full, chosen, dims.num_heads)})
+        stats = _OneLayer({layer: regroup(full, self.grouping.choose(full, g), dims.num_heads)})
         targets = tuple(g if i == layer else n for i in range(dims.num_layers))
         rules = {t.name: t for t in tensor_sources(self.ckpt, self.family, dims, targets, self.method, stats)}
         shape = HeadShape.of(dims, g)

@@ -104,7 +104,7 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
         s.calibration_tokens,
         s.calibration_seq_len,
         s.device,
-        grouping=s.grouping,
+        grouping=source.grouping,
         allow_pickle=s.allow_pickle,
         progress=s.progress,
         on_layer=on_layer,
@@ -134,8 +134,7 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     s, dims = source.settings, source.dims
     candidates = dims.valid_kv_heads()
     costs: dict[int, dict[int, float]] = {}
-    similarity = s.grouping == "similarity"
-    merger = Merger(source.ckpt, source.family, dims, source.method, similarity)
+    merger = Merger(source.ckpt, source.family, dims, source.method, source.grouping)
     final = FinalKL(LOGITS_WINDOWS) if s.allocation_cost == "logits" else None
 
     def measure(layer: int, full, run) -> None:
@@ -144,7 +143,7 @@ def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
         elif s.allocation_cost == "output":
             costs[layer] = output_costs(run, layer, full, merger, candidates)
         else:
-            costs[layer] = layer_costs(full, candidates, similarity)
+            costs[layer] = layer_costs(full, candidates, source.grouping)
 
     _collect(source, None, on_layer=measure)
     if final is not None:

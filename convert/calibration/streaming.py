@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.convert.calibration.grouping import least_residual_groups, regroup
+from mha2gqa.convert.calibration.grouping import regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, LayerStats, accumulate, output_gram
 from mha2gqa.convert.layers import (
     LayerRun,
@@ -20,9 +20,9 @@ from mha2gqa.convert.layers import (
     float32_on_call,
     skeleton,
 )
+from mha2gqa.convert.methods import Grouping, get_grouping
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
-from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.signals import check as check_signals
 
 
@@ -35,7 +35,7 @@ def collect(
     seq_len: int | None = None,
     device: str = "auto",
     text_field: str = "text",
-    grouping: str = "contiguous",
+    grouping: Grouping | str = "contiguous",
     allow_pickle: bool = False,
     compact: bool = True,
     progress: bool = False,
@@ -56,9 +56,10 @@ def collect(
     from mha2gqa.core.progress import bar as progress_bar
 
     ckpt, model, dims, windows, states, dev = _start(source, device, allow_pickle, data, tokens, seq_len, text_field)
+    grouping = get_grouping(grouping) if isinstance(grouping, str) else grouping
     per_layer = groups if isinstance(groups, tuple) else None
     stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
-    split = grouping == "similarity" or per_layer is not None or on_layer is not None
+    split = grouping.reorders or per_layer is not None or on_layer is not None
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
     family = find_family(ckpt.config) if weigh_values else None
     o_proj = family.o_proj + ".weight" if family is not None else None  # {layer} to fill
@@ -86,7 +87,7 @@ def collect(
     return stats
 
 
-def _keep(i: int, full, stats, g: int | None, grouping: str, dims, compact: bool) -> None:
+def _keep(i: int, full, stats, g: int | None, grouping: Grouping, dims, compact: bool) -> None:
     """Layer ``i`` gathered: where it was gathered over all source heads (``full``), cut into its
     ``g`` groups (None: drop it); keep only the blocks the merges read (``compact``)."""
     if full is not stats:
@@ -131,11 +132,6 @@ def _output_gram(ckpt: Checkpoint, name: str, dims) -> torch.Tensor | None:
     return output_gram(ckpt.load(name), dims.num_heads, dims.head_dim) if name in ckpt.tensors else None
 
 
-def _grouped(full: LayerStats, groups: int, grouping: str, dims) -> LayerStats:
-    """One layer's statistics over all source KV heads cut into ``groups`` groups: the ones that lose
-    least in the merge (``similarity``) or consecutive heads."""
-    if grouping == "similarity":
-        chosen = least_residual_groups(full, groups)
-    else:
-        chosen = contiguous_groups(dims.num_kv_heads, groups)
-    return regroup(full, chosen, dims.num_heads)
+def _grouped(full: LayerStats, groups: int, grouping: Grouping, dims) -> LayerStats:
+    """One layer's statistics over all source KV heads cut into the ``groups`` groups ``grouping`` chooses."""
+    return regroup(full, grouping.choose(full, groups), dims.num_heads)
