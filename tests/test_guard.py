@@ -289,3 +289,18 @@ def test_a_budget_no_counts_can_spend_is_said_not_silently_halved(calib_text, tm
     assert done.exit_code == 0, done.output
     assert "no choice of 1, 7 KV heads per layer spends the budget of 4 KV heads; the best spends 2" in done.output
     assert "per-layer auto: chose 1,1, 2 of 4 KV heads" in done.output, done.output
+
+
+def test_layers_of_two_kinds_in_one_family_are_measured_as_the_model_runs_them(calib_text, tmp_path):
+    """Qwen2 with sliding-window attention in its first layer and full attention after it
+    (``use_sliding_window``, ``max_window_layers``): each layer gets its own mask in the layer engine,
+    so the guard's figures equal what stock transformers computes on the written model."""
+    src = source("qwen2", calib_text, tmp_path / "src", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    from transformers import AutoConfig
+
+    assert len(set(AutoConfig.from_pretrained(src).layer_types)) == 2  # the fixture has both kinds
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "refit": True, "refit_steps": 20}
+    out = convert_checkpoint(src, tmp_path / "out", 2, "svd", progress=False, **kw)
+    kl, top1 = _independent(src, out.output, calib_text, 64)
+    published = out.facts.guard.stages[-1].published
+    assert published.kl == pytest.approx(kl, rel=1e-3, abs=1e-5) and published.top1 == pytest.approx(top1, abs=2e-3)
