@@ -24,7 +24,8 @@ from typing import Any
 
 from mha2gqa.convert.calibration.grouping import merge_residual
 from mha2gqa.convert.calibration.stats import LayerStats
-from mha2gqa.convert.methods import Grouping, Method
+from mha2gqa.convert.groupings import Grouping
+from mha2gqa.convert.methods import Method
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.families import Family

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.convert.methods import Grouping, Method, get_grouping, get_method, incompatibility
+from mha2gqa.convert.groupings import Grouping, get_grouping
+from mha2gqa.convert.methods import Method, get_method, incompatibility
 from mha2gqa.convert.retarget_view import RetargetedCheckpoint, retargeted
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.architecture import resolve

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha2gqa.convert.methods import GROUPINGS, METHODS, get_grouping, get_method
+from mha2gqa.convert.groupings import GROUPINGS, get_grouping
+from mha2gqa.convert.methods import METHODS, get_method
 from mha2gqa.core.devices import DEVICE_HELP, check_device_name
 from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.errors import SettingError

@@ -11,7 +11,7 @@ from conftest import load, logits, random_model, tiny_config
 from test_convert import IDS, equalise_groups, read_all
 from test_methods import calibrated, with_tokenizer
 
-import mha2gqa.convert.refit as refit_module
+import mha2gqa.convert.refit.layerwise as layerwise
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.convert.layers import calibration_ids
@@ -459,9 +459,9 @@ def test_the_default_refit_is_within_5_percent_of_the_reference_adam_refit(
     fast = convert_checkpoint(
         src, tmp_path / "fast", 1, **refit(calib_text, refit_steps=ConvertSettings.refit_steps, **sizes)
     )
-    monkeypatch.setattr("mha2gqa.convert.refit.solve_output", lambda result, *args, **kw: result)
-    fit = refit_module.fit_layer  # the reference as it was: Adam alone at --refit-lr, no rates probed
-    monkeypatch.setattr(refit_module, "fit_layer", lambda *args, **kw: fit(*args, **kw, probe=(1.0,)))
+    monkeypatch.setattr(layerwise, "solve_output", lambda result, *args, **kw: result)
+    fit = layerwise.fit_layer  # the reference as it was: Adam alone at --refit-lr, no rates probed
+    monkeypatch.setattr(layerwise, "fit_layer", lambda *args, **kw: fit(*args, **kw, probe=(1.0,)))
     reference = convert_checkpoint(
         src, tmp_path / "ref", 1, **refit(calib_text, refit_steps=200, refit_batch=8, **sizes)
     )

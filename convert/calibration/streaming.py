@@ -12,6 +12,7 @@ import torch
 
 from mha2gqa.convert.calibration.grouping import regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, LayerStats, accumulate, output_gram
+from mha2gqa.convert.groupings import Grouping, get_grouping
 from mha2gqa.convert.layers import (
     LayerRun,
     calibration_ids,
@@ -20,7 +21,6 @@ from mha2gqa.convert.layers import (
     float32_on_call,
     skeleton,
 )
-from mha2gqa.convert.methods import Grouping, get_grouping
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.signals import check as check_signals

@@ -1,0 +1,244 @@
+"""The refit's generic fitter: Adam on a layer's projections against its targets, held-out checks,
+the learning-rate probe and early stop (:func:`fit_layer`), and the output projection's closed-form
+solve (:func:`solve_output`). Knows nothing of models: a ``forward(values, windows)`` and targets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from mha2gqa.convert.output_solve import RIDGES, NormalEquations
+from mha2gqa.convert.refit.stops import hooked, random_shift, unmoved
+from mha2gqa.core.signals import check as check_signals
+from mha2gqa.core.steps import step_size
+
+#: one calibration window in this many is held out (at least one)
+HELDOUT_EVERY = 8
+
+
+#: held-out checks per layer (every ``steps / CHECKS`` steps)
+CHECKS = 10
+
+
+#: learning rates a layer's fit tries (times --refit-lr) for the steps of its first check, each from the
+#: merge on the same windows; the one with the least held-out error goes on. The relative step a model
+#: wants differs (SmolLM2-135M: about 0.015 of each projection's RMS; pydocs-mha-8h, whose projections
+#: are 6x smaller: about 0.09): docs/methods.md, "Steps sized to the model"
+PROBE = (1.0, 3.0, 9.0)
+
+
+#: checks without a lower held-out error (by at least MIN_GAIN of it) before a layer's fit stops
+PATIENCE = 3
+
+
+#: the share of the best held-out error a check must take off to count as progress
+MIN_GAIN = 0.005
+
+
+@dataclass(frozen=True)
+class FitResult:
+    values: dict[str, torch.Tensor]
+    loss_before: float
+    loss_after: float
+    kept: bool
+    steps: int
+    ridge: float | None = None  # the closed-form o_proj's (:func:`solve_output`), None: not taken
+    lr: float | None = None  # the relative learning rate the fit went on with (of those probed)
+
+
+def chunks(indices: list[int], size: int) -> list[list[int]]:
+    """``indices`` in consecutive runs of ``size`` (the last may be shorter)."""
+    return [indices[j : j + size] for j in range(0, len(indices), size)]
+
+
+def split_windows(n: int) -> tuple[list[int], list[int]]:
+    """``(fitted, held out)`` window indices: the last one in :data:`HELDOUT_EVERY` (at least one)."""
+    held = max(1, n // HELDOUT_EVERY)
+    return list(range(n - held)), list(range(n - held, n))
+
+
+def fit_layer(
+    forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
+    start: dict[str, torch.Tensor],
+    trainable: list[str],
+    targets: Callable[[list[int]], torch.Tensor],
+    windows: int,
+    *,
+    steps: int,
+    lr: float,
+    batch: int,
+    seed: int,
+    per_call: int = 1,
+    scale: torch.Tensor | None = None,
+    probe: tuple[float, ...] = PROBE,
+) -> FitResult:
+    """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
+    outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on the mean squared
+    error (each tensor's learning rate ``lr`` times its RMS: :func:`relative_steps`), each hidden
+    dimension's squares times ``scale`` ``[hidden]`` (None: ones), over ``batch``
+    windows a step (``per_call`` windows per forward), early stopped on the held-out windows
+    (:func:`split_windows`): a check that does not lower the best held-out error by
+    :data:`MIN_GAIN` of it counts towards :data:`PATIENCE`, and the fit stops there once half its
+    steps are done. The first check's steps run once for each learning rate ``lr x`` a factor of
+    ``probe``, from ``start`` on the same windows, and the one with the least held-out error goes on.
+    Returns the best values, or ``start`` itself when no check lowered the held-out error (``kept``)."""
+    fitted, held = split_windows(windows)
+    heldout = partial(heldout_error, forward, targets=targets, windows=held, per_call=per_call, scale=scale)
+    before = heldout(start)
+    if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
+        return FitResult(start, before, before, True, 0)
+    every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
+    train = partial(_train_step, forward, targets=targets, scale=scale, per_call=per_call)
+    first = [next(batches) for _ in range(min(every, steps))]  # the first check's steps, for every rate tried
+    tried = []
+    for factor in probe:
+        values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
+        optimizer = torch.optim.Adam(relative_steps(values, trainable, lr * factor), foreach=False)  # no temporaries
+        for chosen in first:
+            train(values, optimizer, chosen)
+        tried.append((heldout(values), factor, values, optimizer))
+    now, factor, values, optimizer = min(tried, key=lambda t: t[0])
+    del tried
+    best, best_values, stale, done = before, None, 0, len(first)
+    while True:
+        gained = now < best * (1 - MIN_GAIN)
+        if now < best:
+            best, best_values = now, {r: t.detach().clone() for r, t in values.items()}
+        stale = 0 if gained else stale + 1
+        if done >= steps or (stale >= PATIENCE and done >= steps // 2):  # Adam may overshoot at first: half
+            break
+        for chosen in [next(batches) for _ in range(min(every, steps - done))]:
+            train(values, optimizer, chosen)
+            done += 1
+        now = heldout(values)
+    if best_values is None:
+        return FitResult(start, before, before, True, done, lr=lr * factor)
+    return FitResult(best_values, before, best, False, done, lr=lr * factor)
+
+
+def _train_step(forward, values, optimizer, chosen: list[int], *, targets, scale, per_call: int) -> None:
+    """One Adam step on the windows ``chosen`` (``per_call`` windows' graph at a time)."""
+    check_signals()
+    optimizer.zero_grad(set_to_none=True)
+    for c in chunks(chosen, per_call):
+        loss = torch.mean(_scaled_squares(forward(values, c), targets(c), scale)) * (len(c) / len(chosen))
+        loss.backward()
+    optimizer.step()
+
+
+def relative_steps(values: Mapping[str, torch.Tensor], trainable: list[str], lr: float) -> list[dict[str, Any]]:
+    """Adam's parameter groups with each projection's learning rate ``lr`` times its own size
+    (:func:`~mha2gqa.core.steps.step_size`: its RMS; a bias's, the larger of its own and its
+    weight's), so that the fit of a rescaled model is the fit rescaled (:mod:`mha2gqa.core.steps`)."""
+    return [
+        {"params": [values[role]], "lr": lr * step_size(values[role], values.get(role.removesuffix("_bias")))}
+        for role in trainable
+    ]
+
+
+def heldout_error(
+    forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
+    values: dict[str, torch.Tensor],
+    *,
+    targets: Callable[[list[int]], torch.Tensor],
+    windows: list[int],
+    per_call: int,
+    scale: torch.Tensor | None,
+) -> float:
+    """The mean scaled squared error of ``forward(values, ...)`` against ``targets`` over ``windows``
+    (``per_call`` at a time), without gradients: what :func:`fit_layer` checks."""
+    with torch.no_grad():
+        total = sum(
+            float(_scaled_squares(forward(values, c), targets(c), scale).sum()) for c in chunks(windows, per_call)
+        )
+    return total / (len(windows) * targets(windows[:1]).numel())
+
+
+def solve_output(
+    result: FitResult,
+    forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
+    *,
+    targets: Callable[[list[int]], torch.Tensor],
+    windows: int,
+    per_call: int,
+    scale: torch.Tensor | None,
+    o_proj: torch.nn.Module,
+) -> FitResult:
+    """``result`` with the output projection (roles ``o``, ``o_bias``) solved in closed form given its
+    other projections (:mod:`mha2gqa.convert.output_solve`), where what ``forward`` (as in
+    :func:`fit_layer`) gives is the rest plus ``o_proj``'s output, unscaled (the residual stream right
+    after attention; a parallel layer's output, ``x + attn(x) + mlp(x)``), checked on the first call by
+    :func:`_moves_with`: one pass over the fitted windows gathers the normal equations, each ridge of
+    :data:`RIDGES` is solved and checked on the held-out windows, and the best is taken if it lowers
+    ``result``'s held-out error. A bias of ``o_proj`` that ``result`` does not hold stays as it is."""
+    has_bias = "o_bias" in result.values
+    if result.loss_before == 0.0 or "o" not in result.values or type(o_proj) is not torch.nn.Linear:
+        return result  # exact, not fitted, or not a plain linear map (a transposed Conv1D, a quantized one)
+    if has_bias and o_proj.bias is None:
+        return result
+    fixed = o_proj.bias if o_proj.bias is not None and not has_bias else None  # a bias the refit does not fit
+    fitted, held = split_windows(windows)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    equations = NormalEquations(bias=has_bias)
+    with torch.no_grad():
+        for n, c in enumerate(chunks(fitted, per_call)):
+            with hooked(o_proj, lambda module, args, out: seen.append((args[0], out))):
+                stream = forward(result.values, c)
+            if len(seen) != 1:  # o_proj not called once per call
+                return result
+            ((inputs, out),) = seen
+            seen.clear()
+            if n == 0 and not _moves_with(forward, result.values, c, o_proj, stream):
+                return result  # the output is not linear in o_proj's, with a unit slope
+            wanted = targets(c) - stream + out  # stream - out: all the rest
+            equations.add(inputs, wanted if fixed is None else wanted - fixed)
+    best = result
+    for ridge in RIDGES:
+        w, b = equations.solve(result.values["o"], result.values.get("o_bias"), ridge)
+        values = result.values | {"o": w} | ({"o_bias": b} if has_bias else {})
+        error = heldout_error(forward, values, targets=targets, windows=held, per_call=per_call, scale=scale)
+        if error < best.loss_after:
+            best = FitResult(values, result.loss_before, error, False, result.steps, ridge, result.lr)
+    return best
+
+
+def _moves_with(
+    forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
+    values: dict[str, torch.Tensor],
+    windows: list[int],
+    o_proj: torch.nn.Module,
+    output: torch.Tensor,
+) -> bool:
+    """Whether ``forward(values, windows)`` (which gave ``output``) moves by exactly ``d`` when
+    ``o_proj``'s output moves by ``d`` (a random shift the size of ``output``): true of ``x + o(A)`` and
+    ``x + o(A) + mlp(x)``, not of a layer whose MLP reads ``o``'s output or that scales or norms it."""
+    shift: list[torch.Tensor] = []
+
+    def move(module, args, out):
+        d = random_shift(out, output.std().clamp_min(1))
+        shift.append(d)
+        return out + d
+
+    with hooked(o_proj, move):
+        moved = forward(values, windows)
+    return len(shift) == 1 and unmoved(moved - output - shift[0], shift[0])
+
+
+def _batches(windows: list[int], batch: int, seed: int) -> Iterator[list[int]]:
+    """``batch`` of ``windows`` at a time, endlessly: each pass a new order drawn from ``seed``."""
+    generator, order = torch.Generator().manual_seed(seed), []
+    while True:
+        if not order:
+            order = torch.randperm(len(windows), generator=generator).tolist()
+        yield [windows[j] for j in order[:batch]]
+        order = order[batch:]
+
+
+def _scaled_squares(out: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``(out - target)²``, each hidden dimension times ``scale`` ``[hidden]`` (None: ones)."""
+    squares = (out - target) ** 2
+    return squares if scale is None else squares * scale

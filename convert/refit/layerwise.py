@@ -1,0 +1,218 @@
+"""The refit itself (:func:`refit`): each changed layer, in order, fitted on the streams and written
+beside the output; see the package doc."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
+from mha2gqa.convert.layers import each_layer, skeleton
+from mha2gqa.convert.methods import HeadShape
+from mha2gqa.convert.prepare import Conversion
+from mha2gqa.convert.refit.fit import FitResult, fit_layer, solve_output, split_windows
+from mha2gqa.convert.refit.stops import after_attention, hooked, layer_output, reads_after_attention
+from mha2gqa.convert.refit.streams import Streams, batched, dimension_scale, open_streams
+from mha2gqa.convert.shard_writer import OutputTensor
+from mha2gqa.convert.tensor_sources import attention_names
+from mha2gqa.core.conversion_record import (
+    ATTENTION_TARGET,
+    LAYER_TARGET,
+    LOUD_SCALED_ERROR,
+    O_SOLVED,
+    Refit,
+    RefitLayer,
+)
+from mha2gqa.core.dtypes import BY_CODE
+from mha2gqa.core.memory import map_large_allocations
+
+
+def _spilled(path: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _norm_overrides(c: Conversion, tensors: Mapping[str, OutputTensor], layer: int, shape: HeadShape, prefix: str):
+    """The converted per-head key norm of ``layer`` in the source module's shape (:func:`norm_overrides`)."""
+    return norm_overrides(c.family, planned(tensors, c.ckpt), tensors, layer, shape, prefix)
+
+
+def _attention_module(c: Conversion, by_name: Mapping[str, OutputTensor], i: int, prefix: str) -> str:
+    """Layer ``i``'s attention block, relative to the layer (the module holding its output projection)."""
+    o_proj = attention_names(by_name, c.family, i)["o"]
+    return o_proj[len(prefix) : -len(".weight")].rpartition(".")[0]
+
+
+def _advance_original(
+    source_layer: Callable[[torch.Tensor, list[int]], torch.Tensor], st: Streams, attention: torch.nn.Module | None
+) -> None:
+    """Run the original stream through the source layer (``source_layer(states, windows)``); with
+    ``attention`` (its attention block), keep the residual stream after it, ``x + a``, in
+    ``st.targets`` on the way."""
+    if attention is None:
+        st.original.advance(st.every, source_layer, st.dev)
+        return
+    seen: list[torch.Tensor] = []
+
+    def step(x: torch.Tensor, w: list[int]) -> torch.Tensor:
+        y = source_layer(x, w)
+        st.targets[w] = x + seen.pop()
+        return y
+
+    with hooked(attention, lambda module, args, out: seen.append(layer_output(out))):
+        st.original.advance(st.every, step, st.dev)
+
+
+def _refit_layer(
+    c: Conversion,
+    layer,
+    i: int,
+    prefix: str,
+    st: Streams,
+    by_name: dict[str, OutputTensor],
+    work: Path,
+    attention: torch.nn.Module | None,
+) -> FitResult:
+    """Fit layer ``i``'s projections (its module ``layer``, materialized, the original stream already
+    past it), write them to ``work`` and point ``by_name`` at them, and advance the converted stream
+    through the layer as written. With ``attention`` (the layer's attention block) the fit reproduces
+    the original's residual stream after it (``st.targets``) and runs the layer only that far."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    s, dims, dev = c.settings, c.dims, st.dev
+    shape = HeadShape.of(dims, c.targets[i])
+    names = attention_names(by_name, c.family, i)
+    weights = LayerWeights({n: planned(by_name, c.ckpt)(n).to(dev) for n in names.values()}, names, c.family, shape)
+    norms = {k: v.to(dev) for k, v in _norm_overrides(c, by_name, i, shape, prefix).items()}
+    for name in [*weights.module_view(weights.values, prefix), *norms]:  # replaced on every call: free them
+        set_module_tensor_to_device(layer, name, "meta")
+    weights.adapt(layer, prefix)
+
+    def converted_layer(values, h, w):
+        params = weights.module_view(values, prefix) | norms
+        return layer_output(torch.func.functional_call(layer, params, (h,), batched(st.kw, len(w))))
+
+    def fitted_part(values, w):
+        x = st.converted[w].to(dev)
+        if attention is None:
+            return converted_layer(values, x, w)
+        return after_attention(lambda h: converted_layer(values, h, w), attention, x)
+
+    target = st.original if attention is None else st.targets
+    fitted, _ = split_windows(len(st.ids))
+    targets, scale = (lambda w: target[w].to(dev)), dimension_scale(target, fitted, st.per_call).to(dev)
+    trainable = [r for r in weights.values if r[0] in s.refit_roles()]
+    fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
+    result = fit_layer(
+        fitted_part, weights.values, trainable, targets, len(st.ids), per_call=st.per_call, scale=scale, **fit_kw
+    )
+    if "o" in trainable:
+        o_proj = layer.get_submodule(names["o"][len(prefix) : -len(".weight")])
+        kw = {"targets": targets, "windows": len(st.ids), "per_call": st.per_call, "scale": scale}
+        result = solve_output(result, fitted_part, o_proj=o_proj, **kw)
+    out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
+    written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
+    st.converted.advance(st.every, partial(converted_layer, written), dev)
+    _spill_layer(out, work / f"layer-{i}.safetensors", by_name)
+    return result
+
+
+def _spill_layer(out: dict[str, torch.Tensor], path: Path, by_name: dict[str, OutputTensor]) -> None:
+    """Write a refitted layer's tensors to ``path`` and point its rules in ``by_name`` at them."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.cpu() for n, t in out.items()}, str(path))
+    for n in out:
+        rule = by_name[n]
+        by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
+
+
+def refit(
+    c: Conversion, tensors: list[OutputTensor], work: Path, log: Callable[[str], None] | None = None
+) -> tuple[list[OutputTensor], Refit]:
+    """Refit every changed layer of the planned conversion ``tensors`` (see the module doc); returns
+    the plan with each refitted layer's projections read from ``work`` (safetensors written there,
+    one file per layer) and the :class:`Refit` record."""
+    from mha2gqa.core.progress import bar as progress_bar
+
+    s = c.settings
+    map_large_allocations()
+    model = skeleton(c.ckpt)
+    st = open_streams(c, model, work)
+    by_name = {t.name: t for t in tensors}
+    records: list[RefitLayer] = []
+    whole: list[int] = []  # layers fitted on their output although the target is attention's
+    desc = f"refitting on {st.ids.numel():,} tokens"
+    with progress_bar(total=c.dims.num_layers, unit="layer", desc=desc, disable=not s.progress) as bar:
+        for i, layer, prefix in each_layer(model, c.ckpt, st.dev, torch.float32):
+            layer.requires_grad_(False)
+
+            def source_layer(h, w, layer=layer):
+                return layer_output(layer(h, **batched(st.kw, len(w))))
+
+            changed = c.targets[i] != c.dims.num_kv_heads
+            attention = None
+            if changed and s.refit_target == "attention":
+                path = _attention_module(c, by_name, i, prefix)
+                attention = layer.get_submodule(path) if path else None
+                first = st.original[[0]].to(st.dev)
+                if attention is None or not reads_after_attention(partial(source_layer, w=[0]), attention, first):
+                    attention = None
+                    whole.append(i)
+            _advance_original(source_layer, st, attention)
+            if not changed:  # an exact copy, run as it is
+                st.converted.advance(st.every, source_layer, st.dev)
+            else:
+                t0 = time.perf_counter()
+                result = _refit_layer(c, layer, i, prefix, st, by_name, work, attention)  # one layer at a time
+                records.append(_layer_record(i, result, time.perf_counter() - t0, log))
+                del result
+            bar.update(1)
+    fitted, held = split_windows(len(st.ids))
+    record = Refit(
+        data=s.calibration,
+        tokens=st.ids.numel(),
+        windows=len(fitted),
+        heldout_windows=len(held),
+        steps=s.refit_steps,
+        lr=s.refit_lr,
+        batch=st.batch,
+        params=list(s.refit_roles()),
+        seed=s.seed,
+        layers=records,
+        error=LOUD_SCALED_ERROR,
+        target=_target(s.refit_target, whole, [r.layer for r in records]),
+    )
+    return [by_name[t.name] for t in tensors], record
+
+
+def _layer_record(i: int, result, seconds: float, log: Callable[[str], None] | None) -> RefitLayer:
+    """Layer ``i``'s refit as recorded (and logged)."""
+    if log is not None:
+        log(
+            f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
+            + (" (kept the merged weights)" if result.kept else "")
+            + f", {result.steps} steps"
+            + (f" at lr {result.lr:g}" if result.lr is not None else "")
+            + (f", {O_SOLVED} (ridge {result.ridge:g})" if result.ridge is not None else "")
+            + f", {seconds:.1f} s"
+        )
+    return RefitLayer(
+        i, result.loss_before, result.loss_after, result.kept, result.steps, round(seconds, 3), result.ridge, result.lr
+    )
+
+
+def _target(asked: str, whole: list[int], refitted: list[int]) -> str:
+    """:attr:`Refit.target`: ``whole``: the refitted layers that were fitted on their output although
+    ``asked`` was ``attention`` (they do not read their input only through the stream after it)."""
+    if asked == "layer" or (whole and len(whole) == len(refitted)):
+        return LAYER_TARGET
+    if not whole:
+        return ATTENTION_TARGET
+    return f"{ATTENTION_TARGET} ({LAYER_TARGET} in layers {', '.join(map(str, whole))})"

@@ -1,0 +1,156 @@
+"""The refit's streams of hidden states (the original's, the converted model's, the attention
+targets), in memory or spilled to memory-mapped files reserved up front, and how many windows a
+call runs on each device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mha2gqa.convert.layers import calibration_ids, first_layer_inputs
+from mha2gqa.convert.prepare import Conversion
+from mha2gqa.convert.refit.fit import chunks, split_windows
+from mha2gqa.convert.settings import calibration_window, refit_windows
+from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.signals import check as check_signals
+from mha2gqa.core.units import parse_size
+
+#: tokens per forward call of a layer (windows batched up to this), by device type: on a CPU a default
+#: step (REFIT_STEP_TOKENS) in one call, its activations still small (pydocs-mha-8h: 0.91x the time of
+#: 512-token calls); on a GPU a call that size is bound by kernel launches, so eight
+#: windows go in one (SmolLM2-135M's shape on an H200: 8.8 ms a step, not 31.2)
+CALL_TOKENS = {"cpu": 1024, "cuda": 8 * 512}
+
+
+def call_tokens(device: torch.device) -> int:
+    """Tokens per forward call of a layer on ``device`` (:data:`CALL_TOKENS`; a CPU's for others)."""
+    return CALL_TOKENS.get(device.type, CALL_TOKENS["cpu"])
+
+
+def batched(kwargs: dict[str, Any], n: int) -> dict[str, Any]:
+    """One window's layer keyword arguments for ``n`` windows at once: tensors with a batch dimension
+    of one (masks, positions, RoPE tables) expanded to ``n``; the rest as they are."""
+
+    def expand(x):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == 1:
+            return x.expand(n, *x.shape[1:])
+        if isinstance(x, tuple):
+            return tuple(expand(y) for y in x)
+        return x
+
+    return {k: expand(v) for k, v in kwargs.items()}
+
+
+class HiddenStates:
+    """``[windows, T, hidden]`` float32 hidden states, in memory or in a memory-mapped file."""
+
+    def __init__(self, first: torch.Tensor, spill: Path | None) -> None:
+        if spill is None:
+            self.data = first.clone()
+        else:
+            _reserve(spill, first.numel() * 4)
+            self.data = torch.from_file(str(spill), shared=True, size=first.numel(), dtype=torch.float32)
+            self.data = self.data.view(first.shape)
+            self.data.copy_(first)
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, windows: list[int]) -> torch.Tensor:
+        return self.data[windows]
+
+    def __setitem__(self, windows: list[int], value: torch.Tensor) -> None:
+        self.data[windows] = value.detach().to("cpu", torch.float32)
+
+    def advance(self, runs: list[list[int]], step: Callable[[torch.Tensor, list[int]], torch.Tensor], dev) -> None:
+        """Replace the states by ``step(states, windows)`` (one layer), ``runs`` of windows at a time."""
+        with torch.no_grad():
+            for w in runs:
+                check_signals()
+                self[w] = step(self[w].to(dev), w)
+
+
+def _reserve(path: Path, size: int) -> None:
+    """Create ``path`` with ``size`` bytes of disk reserved up front: a memory-mapped file written
+    into where the disk is full kills the process (SIGBUS), with no message and nothing cleaned up."""
+    import errno
+    import os
+
+    from mha2gqa.core.errors import disk_full
+
+    with open(path, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as e:
+            if disk_full(e):
+                raise Mha2GqaError(
+                    f"disk full while writing {path}: --refit's hidden states need {size / 2**20:,.1f} MiB beside "
+                    "DST; free space there, or raise --refit-memory to keep them in memory"
+                ) from None
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            f.truncate(size)  # a filesystem that cannot reserve: a sparse file, as before
+
+
+def dimension_scale(states: HiddenStates, windows: list[int], per_call: int) -> torch.Tensor:
+    """``[hidden]``: 1 / max(each hidden dimension's mean square in ``states`` over ``windows``, their
+    average). A few hidden dimensions of a real model are hundreds of times larger than the rest and
+    carry drift from every earlier layer that attention cannot undo: unscaled, they are nearly all
+    of the squared error. Scaled, each of them counts relative to its own size, and every other
+    dimension as plain squared error (over the average size, a constant): a model without such
+    dimensions is fitted as before."""
+    total = None
+    for run in chunks(windows, per_call):
+        part = states[run].double().pow(2).sum((0, 1))
+        total = part if total is None else total + part
+    mean_square = total / (len(windows) * states.data.shape[1])
+    return (1 / mean_square.clamp_min(float(mean_square.mean()))).float()
+
+
+@dataclass
+class Streams:
+    """The refit's calibration windows and its two streams of hidden states, layer by layer."""
+
+    ids: torch.Tensor  # [windows, seq_len] token ids
+    kw: dict[str, Any]  # a decoder layer's keyword arguments for one window (masks, positions, RoPE)
+    original: HiddenStates  # the original model's inputs to the current layer
+    converted: HiddenStates  # the converted model's (the refitted layers before it)
+    per_call: int  # windows per forward call
+    batch: int  # windows per fit step
+    dev: torch.device
+    targets: HiddenStates | None  # --refit-target attention: the original's stream after the layer's attention
+
+    @property
+    def every(self) -> list[list[int]]:
+        """All windows, ``per_call`` at a time."""
+        return chunks(list(range(len(self.ids))), self.per_call)
+
+
+def open_streams(c: Conversion, model, work: Path) -> Streams:
+    """The calibration windows (at least two) and the first layer's inputs in both streams (spilled
+    to ``work`` beyond ``--refit-memory``)."""
+    from mha2gqa.core.models import resolve_device
+
+    s, dev = c.settings, resolve_device(c.settings.device)
+    seq_len = calibration_window(s.calibration_seq_len, getattr(model.config, "max_position_embeddings", None))
+    ids = calibration_ids(c.ckpt.folder, s.calibration, min(s.refit_tokens, s.calibration_tokens), seq_len)
+    if len(ids) < 2:
+        raise SettingError(
+            "refit_tokens", f"{{name}}: {ids.numel()} tokens make one window of {seq_len}; --refit needs two or more"
+        )
+    with torch.no_grad():
+        states = first_layer_inputs(model, c.ckpt, ids.to(dev), dev)
+    first = torch.cat([h.cpu() for h, _ in states])
+    kw = states[0][1]  # the same for every window: equal lengths, no padding
+    del states
+    work.mkdir(parents=True, exist_ok=True)
+    names = ("original", "converted", "targets") if s.refit_target == "attention" else ("original", "converted")
+    spill = len(names) * first.numel() * 4 > parse_size(s.refit_memory)
+    streams = {name: HiddenStates(first, work / f"{name}.f32" if spill else None) for name in names}
+    per_call = max(1, call_tokens(dev) // seq_len)
+    batch = min(refit_windows(s.refit_batch, seq_len), len(split_windows(len(ids))[0]))  # at most every fitted one
+    return Streams(ids, kw, streams["original"], streams["converted"], per_call, batch, dev, streams.get("targets"))
