@@ -43,6 +43,7 @@ from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.recipe_file import recipe_name, write_recipe
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
+from mha2gqa.core.resume import ResumeFolder
 
 
 @dataclass(frozen=True)
@@ -360,6 +361,10 @@ def _write(
     shards are written, so a failure or a signal leaves nothing behind."""
     ckpt, s = source.ckpt, source.settings
     new_config, modeling, serving_form = _output_config(source)
+    resume = None
+    if s.refit and source.changes:  # each fitted layer kept beside DST until DST is published
+        fingerprint = s.fingerprint(getattr(ckpt, "files", []), ckpt.config)
+        resume = ResumeFolder.open(source.dst, fingerprint, s.resume, s.remove_stale)
     staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
     with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         refitted, log = None, _log if s.progress else None
@@ -368,7 +373,7 @@ def _write(
             from mha2gqa.convert.refit import refit
 
             checks.wait()  # the checks import transformers in their thread: never two importers at once
-            tensors, refitted = refit(source, tensors, tmp / _REFIT_WORK, log=log)
+            tensors, refitted = refit(source, tensors, tmp / _REFIT_WORK, log=log, resume=resume)
         guarded = None
         if guard is not None:
             checks.wait()
@@ -389,6 +394,8 @@ def _write(
         (tmp / CONVERSION_RECORD).write_text(record.to_json(), encoding="utf-8")
         (tmp / "README.md").write_text(model_card(record), encoding="utf-8")
         write_recipe(tmp, recipe_name(s.method, s.refit, False), {"convert": s.recipe()})
+    if resume is not None:
+        resume.finish()
     return record
 
 

@@ -21,6 +21,7 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.families import Family
 from mha2gqa.core.output import check_destination
+from mha2gqa.core.resume import ResumeFolder
 from mha2gqa.core.retarget import find_retarget
 
 
@@ -115,6 +116,9 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
         s.check_calibration()
         if s.refit:
             _check_refit_windows(s, ckpt.config.get("max_position_embeddings"))
+    if s.refit and conversion.changes:  # a stopped run's finished layers: continued, or never dropped unasked
+        fingerprint = s.fingerprint(getattr(ckpt, "files", []), ckpt.config)
+        ResumeFolder.check(dst, fingerprint, s.resume, s.remove_stale)
     return conversion
 
 

@@ -178,7 +178,15 @@ class ConvertSettings:
         "the method reads are always checked, with a warning).",
     )
     remove_stale: bool = setting(
-        False, help="Delete temporary outputs beside DST left by killed runs (reported otherwise)."
+        False,
+        help="Delete temporary outputs beside DST left by killed runs (reported otherwise), and a stopped "
+        "--refit run's finished layers (kept for --resume).",
+    )
+    resume: bool = setting(
+        False,
+        help="Continue a stopped --refit conversion into DST from the layers it finished (kept beside DST "
+        "until DST is published); the source, the calibration text and the recipe must be the same. The "
+        "output equals an uninterrupted run's.",
     )
     progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 
@@ -246,6 +254,28 @@ class ConvertSettings:
         if self.calibration and Path(self.calibration).exists():
             out["calibration"] = str(Path(self.calibration).resolve())
         return out
+
+    def fingerprint(self, files: list, config: dict) -> dict:
+        """What a resumed run must share with the stopped one: the source's weight files (names and
+        sizes) and config, the calibration text (a local file's sha256), the recipe and mha2gqa's version."""
+        import hashlib
+        import json
+        from pathlib import Path
+
+        from mha2gqa.core.cache import file_sha256
+        from mha2gqa.core.records import version
+
+        text = self.calibration
+        local = text is not None and Path(text).is_file()
+        return {
+            "source": {
+                "files": {Path(f).name: Path(f).stat().st_size for f in files},
+                "config sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+            },
+            "calibration text": {"sha256": file_sha256(Path(text))} if local else text,
+            "recipe": self.recipe(),
+            "mha2gqa version": version(),
+        }
 
     def refit_roles(self) -> tuple[str, ...]:
         """``--refit-params`` as roles in q, k, v, o order."""

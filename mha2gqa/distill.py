@@ -62,6 +62,8 @@ class DistillSettings:
         check_switched(self, "distill")
         if self.distill and convert.calibration is None:
             raise SettingError("distill", "{name} distils on the calibration text: give --calibration")
+        if self.distill and convert.resume:
+            raise SettingError("distill", "--resume continues a stopped conversion without {name}; not with it yet")
         return self
 
     def uptrain_settings(

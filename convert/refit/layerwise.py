@@ -3,6 +3,8 @@ beside the output; see the package doc."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -28,7 +30,9 @@ from mha2gqa.core.conversion_record import (
     RefitLayer,
 )
 from mha2gqa.core.dtypes import BY_CODE
+from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.memory import map_large_allocations
+from mha2gqa.core.resume import ResumeFolder
 
 
 def _spilled(path: Path, name: str) -> torch.Tensor:
@@ -69,6 +73,30 @@ def _advance_original(
         st.original.advance(st.every, step, st.dev)
 
 
+class _ConvertedLayer:
+    """Layer ``i`` as the conversion writes it, run through its source module ``layer``: its
+    projections by role from ``by_name`` (:class:`LayerWeights`, float32 on the device), the per-head
+    key norms, and :meth:`__call__` ``(values, h, windows)`` -> the layer's output with ``values``."""
+
+    def __init__(self, c: Conversion, layer, i: int, prefix: str, st: Streams, by_name: dict[str, OutputTensor]):
+        from accelerate.utils import set_module_tensor_to_device
+
+        self.layer, self.prefix, self.st = layer, prefix, st
+        self.shape = HeadShape.of(c.dims, c.targets[i])
+        self.names = attention_names(by_name, c.family, i)
+        load = planned(by_name, c.ckpt)
+        tensors = {n: load(n).to(st.dev) for n in self.names.values()}
+        self.weights = LayerWeights(tensors, self.names, c.family, self.shape)
+        self.norms = {k: v.to(st.dev) for k, v in _norm_overrides(c, by_name, i, self.shape, prefix).items()}
+        for name in [*self.weights.module_view(self.weights.values, prefix), *self.norms]:  # replaced on every call
+            set_module_tensor_to_device(layer, name, "meta")
+        self.weights.adapt(layer, prefix)
+
+    def __call__(self, values, h: torch.Tensor, w: list[int]) -> torch.Tensor:
+        params = self.weights.module_view(values, self.prefix) | self.norms
+        return layer_output(torch.func.functional_call(self.layer, params, (h,), batched(self.st.kw, len(w))))
+
+
 def _refit_layer(
     c: Conversion,
     layer,
@@ -83,26 +111,15 @@ def _refit_layer(
     past it), write them to ``work`` and point ``by_name`` at them, and advance the converted stream
     through the layer as written. With ``attention`` (the layer's attention block) the fit reproduces
     the original's residual stream after it (``st.targets``) and runs the layer only that far."""
-    from accelerate.utils import set_module_tensor_to_device
-
-    s, dims, dev = c.settings, c.dims, st.dev
-    shape = HeadShape.of(dims, c.targets[i])
-    names = attention_names(by_name, c.family, i)
-    weights = LayerWeights({n: planned(by_name, c.ckpt)(n).to(dev) for n in names.values()}, names, c.family, shape)
-    norms = {k: v.to(dev) for k, v in _norm_overrides(c, by_name, i, shape, prefix).items()}
-    for name in [*weights.module_view(weights.values, prefix), *norms]:  # replaced on every call: free them
-        set_module_tensor_to_device(layer, name, "meta")
-    weights.adapt(layer, prefix)
-
-    def converted_layer(values, h, w):
-        params = weights.module_view(values, prefix) | norms
-        return layer_output(torch.func.functional_call(layer, params, (h,), batched(st.kw, len(w))))
+    s, dev = c.settings, st.dev
+    converted = _ConvertedLayer(c, layer, i, prefix, st, by_name)
+    weights, names = converted.weights, converted.names
 
     def fitted_part(values, w):
         x = st.converted[w].to(dev)
         if attention is None:
-            return converted_layer(values, x, w)
-        return after_attention(lambda h: converted_layer(values, h, w), attention, x)
+            return converted(values, x, w)
+        return after_attention(lambda h: converted(values, h, w), attention, x)
 
     target = st.original if attention is None else st.targets
     fitted, _ = split_windows(len(st.ids))
@@ -117,28 +134,66 @@ def _refit_layer(
         kw = {"targets": targets, "windows": len(st.ids), "per_call": st.per_call, "scale": scale}
         result = solve_output(result, fitted_part, o_proj=o_proj, **kw)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
-    written = LayerWeights(out, names, c.family, shape).values  # as stored: what the next layer reads
-    st.converted.advance(st.every, partial(converted_layer, written), dev)
+    written = LayerWeights(out, names, c.family, converted.shape).values  # as stored: what the next layer reads
+    st.converted.advance(st.every, partial(converted, written), dev)
     _spill_layer(out, work / f"layer-{i}.safetensors", by_name)
     return result
 
 
+def _resumed_layer(
+    c: Conversion, layer, i: int, prefix: str, st: Streams, by_name: dict[str, OutputTensor], resume: ResumeFolder
+) -> RefitLayer:
+    """Layer ``i`` as a stopped run fitted it (``--resume``): its tensors read from the resume folder,
+    ``by_name`` pointed at them, the converted stream advanced through them exactly as the run that
+    fitted them advanced it; returns the layer's record as that run wrote it."""
+    from mha2gqa.core.typed import RecordError, read
+
+    try:
+        record = read(RefitLayer, resume.read_json(f"layer-{i}.json"), f"layer-{i}.json")
+    except RecordError as e:
+        raise Mha2GqaError(f"{resume.folder}: {e}; pass --remove-stale to start over") from None
+    path = resume.path(f"layer-{i}.safetensors")
+    names = attention_names(by_name, c.family, i)
+    try:
+        _point_at(path, names.values(), by_name)
+        converted = _ConvertedLayer(c, layer, i, prefix, st, by_name)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        why = f"not the layer a stopped run wrote ({e}); pass --remove-stale to start over"
+        raise Mha2GqaError(f"{path}: {why}") from None
+    st.converted.advance(st.every, partial(converted, converted.weights.values), st.dev)
+    return record
+
+
 def _spill_layer(out: dict[str, torch.Tensor], path: Path, by_name: dict[str, OutputTensor]) -> None:
-    """Write a refitted layer's tensors to ``path`` and point its rules in ``by_name`` at them."""
+    """Write a refitted layer's tensors to ``path`` (beside it, then renamed: whole or absent) and
+    point its rules in ``by_name`` at them."""
+    import os
+
     from safetensors.torch import save_file
 
-    save_file({n: t.cpu() for n, t in out.items()}, str(path))
-    for n in out:
+    partial_path = path.with_name(f".{path.name}.partial")
+    save_file({n: t.cpu() for n, t in out.items()}, str(partial_path))
+    os.replace(partial_path, path)
+    _point_at(path, out, by_name)
+
+
+def _point_at(path: Path, names, by_name: dict[str, OutputTensor]) -> None:
+    for n in names:
         rule = by_name[n]
         by_name[n] = OutputTensor(n, rule.dtype, rule.shape, partial(_spilled, path, n))
 
 
 def refit(
-    c: Conversion, tensors: list[OutputTensor], work: Path, log: Callable[[str], None] | None = None
+    c: Conversion,
+    tensors: list[OutputTensor],
+    work: Path,
+    log: Callable[[str], None] | None = None,
+    resume: ResumeFolder | None = None,
 ) -> tuple[list[OutputTensor], Refit]:
     """Refit every changed layer of the planned conversion ``tensors`` (see the module doc); returns
     the plan with each refitted layer's projections read from ``work`` (safetensors written there,
-    one file per layer) and the :class:`Refit` record."""
+    one file per layer) and the :class:`Refit` record. With ``resume`` each fitted layer is kept there
+    (tensors, then record), and a layer a stopped run already fitted is read back, not fitted again."""
     from mha2gqa.core.progress import bar as progress_bar
 
     s = c.settings
@@ -168,14 +223,24 @@ def refit(
             _advance_original(source_layer, st, attention)
             if not changed:  # an exact copy, run as it is
                 st.converted.advance(st.every, source_layer, st.dev)
+            elif resume is not None and resume.has(f"layer-{i}.json"):
+                records.append(_resumed_layer(c, layer, i, prefix, st, by_name, resume))
             else:
                 t0 = time.perf_counter()
-                result = _refit_layer(c, layer, i, prefix, st, by_name, work, attention)  # one layer at a time
+                kept = work if resume is None else resume.folder
+                result = _refit_layer(c, layer, i, prefix, st, by_name, kept, attention)  # one layer at a time
                 records.append(_layer_record(i, result, time.perf_counter() - t0, log))
+                if resume is not None:  # after its tensors: a record says the layer is whole
+                    resume.write_bytes(f"layer-{i}.json", json.dumps(dataclasses.asdict(records[-1])).encode())
                 del result
             bar.update(1)
+    return [by_name[t.name] for t in tensors], _refit_record(s, st, records, whole)
+
+
+def _refit_record(s, st: Streams, records: list[RefitLayer], whole: list[int]) -> Refit:
+    """The refit's record: its settings as run and each refitted layer's."""
     fitted, held = split_windows(len(st.ids))
-    record = Refit(
+    return Refit(
         data=s.calibration,
         tokens=st.ids.numel(),
         windows=len(fitted),
@@ -189,7 +254,6 @@ def refit(
         error=LOUD_SCALED_ERROR,
         target=_target(s.refit_target, whole, [r.layer for r in records]),
     )
-    return [by_name[t.name] for t in tensors], record
 
 
 def _layer_record(i: int, result, seconds: float, log: Callable[[str], None] | None) -> RefitLayer:

@@ -1,0 +1,132 @@
+"""What a stopped conversion keeps so that ``--resume`` continues it: a folder beside DST,
+``.DST.mha2gqa-resume/``, holding the run's fingerprint and each finished unit of work (a refitted
+layer's tensors and its record), each file written beside its final name and renamed into place.
+
+The staged output itself stays atomic (removed on any failure); this folder is what survives a
+kill, a pre-empted node or an out-of-memory stop. It is removed once DST is published. A run whose
+fingerprint (the source's files, the calibration text, the recipe, the mha2gqa version) differs
+from the stopped one's refuses to resume, in one line naming what changed; a run without
+``--resume`` refuses to start over while the folder holds finished work (``--remove-stale``
+deletes it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from mha2gqa.core.errors import Mha2GqaError
+
+RESUME_TAG = "mha2gqa-resume"
+FINGERPRINT = "fingerprint.json"
+
+
+def resume_folder(dst: Path) -> Path:
+    """Where the run converting into ``dst`` keeps its finished work."""
+    return dst.parent / f".{dst.name}.{RESUME_TAG}"
+
+
+class ResumeFolder:
+    """The finished work of one conversion (see the module doc)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    @classmethod
+    def check(cls, dst: Path, fingerprint: dict[str, Any], resume: bool, remove_stale: bool) -> None:
+        """Before any work: refuse a resume whose fingerprint differs, and a fresh run that would
+        drop a stopped run's finished work unasked (what :meth:`open` would refuse, without writing)."""
+        folder = resume_folder(Path(dst))
+        if not folder.exists():
+            return
+        if resume:
+            cls._check_same(folder, fingerprint)
+        elif not remove_stale and _work(folder):
+            raise _unasked(folder, dst)
+
+    @classmethod
+    def open(cls, dst: Path, fingerprint: dict[str, Any], resume: bool, remove_stale: bool) -> ResumeFolder:
+        """The folder for the run into ``dst``: the stopped run's, when ``resume`` and the
+        fingerprints agree; a fresh one otherwise (refusing to drop finished work unasked)."""
+        folder = resume_folder(Path(dst))
+        if folder.exists():
+            if resume:
+                cls._check_same(folder, fingerprint)
+                return cls(folder)
+            if not remove_stale and _work(folder):
+                raise _unasked(folder, dst)
+            shutil.rmtree(folder)
+        try:
+            folder.mkdir(parents=True)
+            _write_atomic(folder / FINGERPRINT, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
+        except OSError as e:
+            raise Mha2GqaError(f"cannot keep resumable work beside {dst} ({folder}): {e.strerror or e}") from None
+        return cls(folder)
+
+    @staticmethod
+    def _check_same(folder: Path, fingerprint: dict[str, Any]) -> None:
+        path = folder / FINGERPRINT
+        try:
+            held = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise Mha2GqaError(f"{path}: not readable ({e}); pass --remove-stale to start over") from None
+        if not isinstance(held, dict):
+            raise Mha2GqaError(f"{path}: not a fingerprint; pass --remove-stale to start over")
+        for key in sorted(set(held) | set(fingerprint)):
+            if held.get(key) != fingerprint.get(key):
+                raise Mha2GqaError(
+                    f"--resume: the {key} changed since the stopped run ({_short(held.get(key))} -> "
+                    f"{_short(fingerprint.get(key))}); run without --resume and with --remove-stale to start over"
+                )
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def has(self, name: str) -> bool:
+        return (self.folder / name).is_file()
+
+    def write_bytes(self, name: str, data: bytes) -> Path:
+        """Write ``name`` atomically (a unit of work is whole or absent); returns its path."""
+        path = self.folder / name
+        _write_atomic(path, data)
+        return path
+
+    def read_json(self, name: str) -> Any:
+        path = self.folder / name
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise Mha2GqaError(f"{path}: not readable ({e}); pass --remove-stale to start over") from None
+
+    def finish(self) -> None:
+        """The output is published: the finished work is no longer needed."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _work(folder: Path) -> list[str]:
+    """The finished work in ``folder`` (its files but the fingerprint and half-written ones)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != FINGERPRINT and not p.name.startswith("."))
+
+
+def _unasked(folder: Path, dst: Path) -> Mha2GqaError:
+    return Mha2GqaError(
+        f"{folder} holds {len(_work(folder))} file(s) of finished work of a stopped conversion into {dst}: pass "
+        "--resume to continue it, or --remove-stale to start over"
+    )
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,130 @@
+"""``convert --refit --resume`` (issue 50): a conversion stopped after some layers keeps them beside
+DST; resumed, its output equals an uninterrupted run's bit for bit (tensors and records but the
+timings); a changed source, text or recipe refuses in one line; finished work is never dropped
+unasked; nothing is left once DST is published."""
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+from conftest import random_model, story_text, tiny_config
+from test_methods import with_tokenizer
+
+import mha2gqa.convert.refit.layerwise as layerwise
+from mha2gqa.cli import main
+from mha2gqa.convert import convert_checkpoint
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.records import CONVERSION_RECORD
+from mha2gqa.core.resume import resume_folder
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    text = story_text(root / "calib.txt", 300)
+    src = with_tokenizer(
+        random_model(tiny_config("llama", vocab_size=300, num_hidden_layers=4), seed=7), root / "src", text
+    )
+    kw = {"calibration": str(text), "calibration_tokens": 1024, "refit": True, "refit_steps": 12, "progress": False}
+    whole = convert_checkpoint(src, root / "whole", 1, "svd", **kw)
+    return {"src": src, "text": text, "kw": kw, "whole": whole}
+
+
+def _stop_at(monkeypatch, layer: int) -> None:
+    """Stop the run as a kill would, after layer ``layer``'s tensors are written and before its record."""
+    record = layerwise._layer_record
+
+    def stopping(i, *args, **kw):
+        if i == layer:
+            raise RuntimeError("killed")
+        return record(i, *args, **kw)
+
+    monkeypatch.setattr(layerwise, "_layer_record", stopping)
+
+
+def _timeless(layers) -> list[dict]:
+    return [{k: v for k, v in dataclasses.asdict(r).items() if k != "seconds"} for r in layers]
+
+
+def test_a_stopped_refit_resumes_to_the_uninterrupted_output(setup, tmp_path, monkeypatch):
+    dst = tmp_path / "out"
+    with monkeypatch.context() as m:
+        _stop_at(m, 2)
+        with pytest.raises(RuntimeError, match="killed"):
+            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
+    kept = resume_folder(dst)
+    assert not dst.exists() and sorted(p.name for p in kept.iterdir() if p.suffix == ".json") == [
+        "fingerprint.json",
+        "layer-0.json",
+        "layer-1.json",
+    ]
+    fitted = []
+    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[2]) or _refit(*a, **k))
+    out = convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
+    assert fitted == [2, 3]  # layers 0 and 1 read back, not fitted again
+    whole = setup["whole"]
+    assert (dst / "model.safetensors").read_bytes() == (whole.output / "model.safetensors").read_bytes()
+    assert _timeless(out.facts.refit.layers) == _timeless(whole.facts.refit.layers)
+    assert out.facts.guard == whole.facts.guard
+    assert not kept.exists()  # published: the kept work goes
+    record = json.loads((dst / CONVERSION_RECORD).read_text())["conversion"]
+    assert [r["layer"] for r in record["refit"]["layers"]] == [0, 1, 2, 3]
+
+
+_refit = layerwise._refit_layer
+
+
+def test_a_changed_input_refuses_to_resume_and_finished_work_is_never_dropped_unasked(setup, tmp_path, monkeypatch):
+    dst = tmp_path / "out"
+    with monkeypatch.context() as m:
+        _stop_at(m, 1)
+        with pytest.raises(RuntimeError):
+            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
+    other = story_text(tmp_path / "other.txt", 310)
+    base = ["convert", str(setup["src"]), str(dst), "-g", "1", "--method", "svd", "--refit", "--refit-steps", "12"]
+    text = ["--calibration-tokens", "1024", "--calibration", str(setup["text"])]
+    changed = CliRunner().invoke(main, [*base[:-1], "13", *text, "--resume"])
+    assert changed.exit_code == 1 and "--resume: the recipe changed since the stopped run" in changed.output
+    moved = CliRunner().invoke(main, [*base, *text[:2], "--calibration", str(other), "--resume"])
+    assert moved.exit_code == 1 and "--resume: the calibration text changed" in moved.output, moved.output
+    fresh = CliRunner().invoke(main, [*base, *text])
+    assert fresh.exit_code == 1 and "finished work of a stopped conversion" in fresh.output
+    assert "--resume to continue it, or --remove-stale to start over" in fresh.output
+    assert len(fresh.output.strip().splitlines()) == 1 and resume_folder(dst).exists()
+    over = CliRunner().invoke(main, [*base, *text, "--remove-stale", "-q"])  # started over, from layer 0
+    assert over.exit_code == 0 and "layer-0" not in over.output, over.output
+    assert (dst / "model.safetensors").is_file() and not resume_folder(dst).exists()
+    with pytest.raises(Mha2GqaError, match="--resume continues a stopped conversion without"):
+        from mha2gqa.convert.settings import ConvertSettings
+        from mha2gqa.distill import DistillSettings
+
+        DistillSettings(distill=True).check(ConvertSettings(num_kv_heads=1, calibration="x", resume=True))
+
+
+def test_a_killed_process_resumes(setup, tmp_path):
+    """A real SIGKILL mid-refit (the process gets no chance to clean up), then --resume."""
+    dst = tmp_path / "out"
+    options = ["-g", "1", "--method", "svd", "--calibration", str(setup["text"]), "--calibration-tokens", "1024"]
+    options += ["--refit", "--refit-steps", "12", "-q"]
+    args = [sys.executable, "-m", "mha2gqa.cli", "convert", str(setup["src"]), str(dst), *options]
+    whole = tmp_path / "whole"  # the reference, made the same way (a process's thread count moves the last bit)
+    subprocess.run([*args[:5], str(whole), *options], check=True, capture_output=True)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = resume_folder(dst) / "layer-0.json"
+    deadline = time.monotonic() + 120
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.skip("the conversion finished before it could be killed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists() and first.exists()
+    done = subprocess.run([*args, "--resume", "--remove-stale"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (dst / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    assert not resume_folder(dst).exists() and not list(tmp_path.glob(".out.*"))
