@@ -4,13 +4,14 @@ folder that is renamed into place only when complete."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -366,7 +367,7 @@ def _write(
         fingerprint = s.fingerprint(getattr(ckpt, "files", []), ckpt.config)
         resume = ResumeFolder.open(source.dst, fingerprint, s.resume, s.remove_stale)
     staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
-    with _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
+    with _resumable(resume), _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         refitted, log = None, _log if s.progress else None
         merged = tensors
         if s.refit and source.changes:
@@ -394,9 +395,28 @@ def _write(
         (tmp / CONVERSION_RECORD).write_text(record.to_json(), encoding="utf-8")
         (tmp / "README.md").write_text(model_card(record), encoding="utf-8")
         write_recipe(tmp, recipe_name(s.method, s.refit, False), {"convert": s.recipe()})
-    if resume is not None:
-        resume.finish()
     return record
+
+
+@contextlib.contextmanager
+def _resumable(resume: ResumeFolder | None) -> Iterator[None]:
+    """Keep ``resume``'s finished work only where the run was interrupted (a signal, a kill, the
+    system's errors): it goes once the output is published, and where the run stopped on a decision
+    of its own (an error said in one line, ``--guard fail``), after which no resume would help."""
+    if resume is None:
+        yield
+        return
+    from mha2gqa.core.signals import Terminated
+
+    try:
+        yield
+    except Mha2GqaError:
+        resume.finish()
+        raise
+    except Terminated as e:
+        e.kept = f"the finished layers are kept in {resume.folder}: the same command with --resume continues"
+        raise
+    resume.finish()
 
 
 def _log(line: str) -> None:
