@@ -44,7 +44,7 @@ from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.recipe_file import recipe_name, write_recipe
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
-from mha2gqa.core.resume import ResumeFolder
+from mha2gqa.core.resume import ResumeDamaged, ResumeFolder
 
 
 @dataclass(frozen=True)
@@ -410,6 +410,8 @@ def _resumable(resume: ResumeFolder | None) -> Iterator[None]:
 
     try:
         yield
+    except ResumeDamaged:  # the user's to look at; --remove-stale starts over
+        raise
     except Mha2GqaError:
         resume.finish()
         raise

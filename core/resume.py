@@ -21,6 +21,13 @@ from typing import Any
 from mha2gqa.core.errors import Mha2GqaError
 
 RESUME_TAG = "mha2gqa-resume"
+
+
+class ResumeDamaged(Mha2GqaError):
+    """Kept work that cannot be used as it is (damaged, edited, or of another run): the folder stays
+    for the user to look at, and ``--remove-stale`` starts over."""
+
+
 FINGERPRINT = "fingerprint.json"
 
 
@@ -72,9 +79,9 @@ class ResumeFolder:
         try:
             held = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise Mha2GqaError(f"{path}: not readable ({e}); pass --remove-stale to start over") from None
+            raise ResumeDamaged(f"{path}: not readable ({e}); pass --remove-stale to start over") from None
         if not isinstance(held, dict):
-            raise Mha2GqaError(f"{path}: not a fingerprint; pass --remove-stale to start over")
+            raise ResumeDamaged(f"{path}: not a fingerprint; pass --remove-stale to start over")
         for key in sorted(set(held) | set(fingerprint)):
             if held.get(key) != fingerprint.get(key):
                 raise Mha2GqaError(
@@ -99,7 +106,7 @@ class ResumeFolder:
         try:
             return json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise Mha2GqaError(f"{path}: not readable ({e}); pass --remove-stale to start over") from None
+            raise ResumeDamaged(f"{path}: not readable ({e}); pass --remove-stale to start over") from None
 
     def finish(self) -> None:
         """The output is published: the finished work is no longer needed."""

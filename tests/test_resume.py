@@ -128,3 +128,29 @@ def test_a_killed_process_resumes(setup, tmp_path):
     assert done.returncode == 0, done.stderr
     assert (dst / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
     assert not resume_folder(dst).exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_kept_work_that_was_damaged_is_refused_naming_the_file(setup, tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "out"
+    with monkeypatch.context() as m:
+        _stop_at(m, 2)
+        with pytest.raises(RuntimeError):
+            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
+    layer = resume_folder(dst) / "layer-1.safetensors"
+    tensors = load_file(layer)
+    first = next(iter(tensors))
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    save_file(tensors, layer)
+    with pytest.raises(Mha2GqaError, match=r"layer-1\.safetensors: holds NaN or infinite values"):
+        convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
+    (resume_folder(dst) / "layer-0.json").write_text('{"layer": "zero"}')
+    with pytest.raises(Mha2GqaError, match=r"layer-0\.json"):
+        convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
+    layer.write_bytes(b"not safetensors")
+    (resume_folder(dst) / "layer-0.json").unlink()  # layer 0 fitted again, layer 1 read back
+    with pytest.raises(Mha2GqaError, match=r"layer-1\.safetensors: not the layer a stopped run wrote"):
+        convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
+    assert resume_folder(dst).exists()  # kept for the user to look at: --remove-stale starts over

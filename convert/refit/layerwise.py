@@ -30,9 +30,8 @@ from mha2gqa.core.conversion_record import (
     RefitLayer,
 )
 from mha2gqa.core.dtypes import BY_CODE
-from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.memory import map_large_allocations
-from mha2gqa.core.resume import ResumeFolder
+from mha2gqa.core.resume import ResumeDamaged, ResumeFolder
 
 
 def _spilled(path: Path, name: str) -> torch.Tensor:
@@ -146,20 +145,26 @@ def _resumed_layer(
     """Layer ``i`` as a stopped run fitted it (``--resume``): its tensors read from the resume folder,
     ``by_name`` pointed at them, the converted stream advanced through them exactly as the run that
     fitted them advanced it; returns the layer's record as that run wrote it."""
+    from safetensors import SafetensorError
+
     from mha2gqa.core.typed import RecordError, read
 
     try:
         record = read(RefitLayer, resume.read_json(f"layer-{i}.json"), f"layer-{i}.json")
     except RecordError as e:
-        raise Mha2GqaError(f"{resume.folder}: {e}; pass --remove-stale to start over") from None
+        raise ResumeDamaged(f"{resume.folder}: {e}; pass --remove-stale to start over") from None
     path = resume.path(f"layer-{i}.safetensors")
     names = attention_names(by_name, c.family, i)
     try:
         _point_at(path, names.values(), by_name)
         converted = _ConvertedLayer(c, layer, i, prefix, st, by_name)
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
-        why = f"not the layer a stopped run wrote ({e}); pass --remove-stale to start over"
-        raise Mha2GqaError(f"{path}: {why}") from None
+    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
+        why = f"not the layer a stopped run wrote ({str(e)[:120]}); pass --remove-stale to start over"
+        raise ResumeDamaged(f"{path}: {why}") from None
+    if not all(torch.isfinite(t).all() for t in converted.weights.values.values()):
+        raise ResumeDamaged(
+            f"{path}: holds NaN or infinite values (damaged or edited); pass --remove-stale to start over"
+        )
     st.converted.advance(st.every, partial(converted, converted.weights.values), st.dev)
     return record
 
