@@ -38,7 +38,11 @@ FEATURES: dict[str, tuple[int | None, dict]] = {
     "similarity": (2, {"method": "mean", "grouping": "similarity"}),
     "per-layer-auto": (None, {"per_layer": "auto", "kv_budget": 2, "allocation_cost": "logits"}),
     "per-layer-counts": (None, {"num_kv_heads_per_layer": "2,1"}),
+    "first": (2, {"method": "first"}),
+    "random": (2, {"method": "random"}),
+    "aligned": (2, {"method": "aligned"}),
     "refit": (1, {"refit": True, "refit_steps": 4}),
+    "refit-on-layer-outputs": (1, {"refit": True, "refit_steps": 4, "refit_target": "layer"}),
     "refit+distill": (1, {"refit": True, "refit_steps": 4, "distill": True, "distill_steps": 2}),
 }
 
