@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -236,6 +237,20 @@ def _float_rotary(base, h: torch.Tensor, kw: dict, layer_type: str | None) -> di
     return {**kw, "position_embeddings": rotary(h, kw["position_ids"], *extra)}
 
 
+def batched(kwargs: dict[str, Any], n: int) -> dict[str, Any]:
+    """One window's layer keyword arguments for ``n`` windows at once: tensors with a batch dimension
+    of one (masks, positions, RoPE tables) expanded to ``n``; the rest as they are."""
+
+    def expand(x):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == 1:
+            return x.expand(n, *x.shape[1:])
+        if isinstance(x, tuple):
+            return tuple(expand(y) for y in x)
+        return x
+
+    return {k: expand(v) for k, v in kwargs.items()}
+
+
 def _per_layer(layer: torch.nn.Module, length: int, own: dict) -> None:
     """Make ``layer``, called with the first layer's keyword arguments for windows of ``length``
     tokens, receive ``own`` in their place (its mask and RoPE tables where they differ from the
@@ -249,7 +264,7 @@ def _per_layer(layer: torch.nn.Module, length: int, own: dict) -> None:
         h = args[0] if args else kwargs["hidden_states"]
         if h.shape[-2] not in table:
             raise RuntimeError(f"layer called on {h.shape[-2]} tokens, prepared for {sorted(table)}")
-        return args, {**kwargs, **table[h.shape[-2]]}
+        return args, {**kwargs, **batched(table[h.shape[-2]], h.shape[0])}
 
     layer.__dict__["_mha2gqa_own_hook"] = layer.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -41,6 +41,7 @@ then gets its closed-form solution given the fitted q/k/v (:func:`solve_output`)
 and kept only where it lowers the held-out error.
 """
 
+from mha2gqa.convert.layers import batched
 from mha2gqa.convert.refit.fit import (
     CHECKS,
     HELDOUT_EVERY,
@@ -57,7 +58,7 @@ from mha2gqa.convert.refit.fit import (
 )
 from mha2gqa.convert.refit.layerwise import refit
 from mha2gqa.convert.refit.stops import after_attention, reads_after_attention
-from mha2gqa.convert.refit.streams import CALL_TOKENS, HiddenStates, batched, call_tokens, dimension_scale
+from mha2gqa.convert.refit.streams import CALL_TOKENS, HiddenStates, call_tokens, dimension_scale
 
 __all__ = [
     "CALL_TOKENS",

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
-from mha2gqa.convert.layers import each_layer, skeleton
+from mha2gqa.convert.layers import batched, each_layer, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.refit.fit import FitResult, fit_layer, solve_output, split_windows
 from mha2gqa.convert.refit.stops import after_attention, hooked, layer_output, reads_after_attention
-from mha2gqa.convert.refit.streams import Streams, batched, dimension_scale, open_streams
+from mha2gqa.convert.refit.streams import Streams, dimension_scale, open_streams
 from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.convert.tensor_sources import attention_names
 from mha2gqa.core.conversion_record import (

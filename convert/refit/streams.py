@@ -31,20 +31,6 @@ def call_tokens(device: torch.device) -> int:
     return CALL_TOKENS.get(device.type, CALL_TOKENS["cpu"])
 
 
-def batched(kwargs: dict[str, Any], n: int) -> dict[str, Any]:
-    """One window's layer keyword arguments for ``n`` windows at once: tensors with a batch dimension
-    of one (masks, positions, RoPE tables) expanded to ``n``; the rest as they are."""
-
-    def expand(x):
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == 1:
-            return x.expand(n, *x.shape[1:])
-        if isinstance(x, tuple):
-            return tuple(expand(y) for y in x)
-        return x
-
-    return {k: expand(v) for k, v in kwargs.items()}
-
-
 class HiddenStates:
     """``[windows, T, hidden]`` float32 hidden states, in memory or in a memory-mapped file."""
 
