@@ -35,8 +35,9 @@ def setup(tmp_path_factory):
     return {"src": src, "text": text, "kw": kw, "whole": whole}
 
 
-def _stop_at(monkeypatch, layer: int) -> None:
-    """Stop the run as a kill would, after layer ``layer``'s tensors are written and before its record."""
+def _stopped(setup, dst, monkeypatch, layer: int) -> None:
+    """Convert into ``dst`` and stop as a kill would, after layer ``layer``'s tensors are written and
+    before its record."""
     record = layerwise._layer_record
 
     def stopping(i, *args, **kw):
@@ -44,7 +45,10 @@ def _stop_at(monkeypatch, layer: int) -> None:
             raise RuntimeError("killed")
         return record(i, *args, **kw)
 
-    monkeypatch.setattr(layerwise, "_layer_record", stopping)
+    with monkeypatch.context() as m:
+        m.setattr(layerwise, "_layer_record", stopping)
+        with pytest.raises(RuntimeError, match="killed"):
+            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
 
 
 def _timeless(layers) -> list[dict]:
@@ -53,10 +57,7 @@ def _timeless(layers) -> list[dict]:
 
 def test_a_stopped_refit_resumes_to_the_uninterrupted_output(setup, tmp_path, monkeypatch):
     dst = tmp_path / "out"
-    with monkeypatch.context() as m:
-        _stop_at(m, 2)
-        with pytest.raises(RuntimeError, match="killed"):
-            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
+    _stopped(setup, dst, monkeypatch, 2)
     kept = resume_folder(dst)
     assert not dst.exists() and sorted(p.name for p in kept.iterdir() if p.suffix == ".json") == [
         "fingerprint.json",
@@ -81,10 +82,7 @@ _refit = layerwise._refit_layer
 
 def test_a_changed_input_refuses_to_resume_and_finished_work_is_never_dropped_unasked(setup, tmp_path, monkeypatch):
     dst = tmp_path / "out"
-    with monkeypatch.context() as m:
-        _stop_at(m, 1)
-        with pytest.raises(RuntimeError):
-            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
+    _stopped(setup, dst, monkeypatch, 1)
     other = story_text(tmp_path / "other.txt", 310)
     base = ["convert", str(setup["src"]), str(dst), "-g", "1", "--method", "svd", "--refit", "--refit-steps", "12"]
     text = ["--calibration-tokens", "1024", "--calibration", str(setup["text"])]
@@ -135,10 +133,7 @@ def test_kept_work_that_was_damaged_is_refused_naming_the_file(setup, tmp_path, 
     from safetensors.torch import load_file, save_file
 
     dst = tmp_path / "out"
-    with monkeypatch.context() as m:
-        _stop_at(m, 2)
-        with pytest.raises(RuntimeError):
-            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
+    _stopped(setup, dst, monkeypatch, 2)
     layer = resume_folder(dst) / "layer-1.safetensors"
     tensors = load_file(layer)
     first = next(iter(tensors))
