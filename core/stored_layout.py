@@ -34,14 +34,15 @@ def stored_tensors(model: Any, ckpt: Any, prefix: str, wanted: set[str]) -> dict
     """The tensors named ``wanted`` (full in-memory names, all under ``prefix``, e.g.
     ``model.layers.3.``) built from ``ckpt``'s tensors under ``prefix`` the way transformers loads
     them: renamed, and stacked or split by the model's converters. Memory: the module's tensors."""
-    from transformers.core_model_loading import rename_source_key
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     renamings, converters = conversion_mapping(model)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    meta = model.__dict__.setdefault("_mha2gqa_meta_state", {k: v for k, v in model.state_dict().items()})
+    meta = model.__dict__.setdefault("_mha2gqa_meta_state", model.state_dict())
     found: dict[str, torch.Tensor] = {}
     pending: dict[str, Any] = {}
-    for key in sorted((k for k in ckpt.tensors if k.startswith(prefix)), key=_natural):
+    # in transformers' own order (experts.2 before experts.10): the converters stack in list order
+    for key in sorted((k for k in ckpt.tensors if k.startswith(prefix)), key=dot_natural_key):
         target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if target not in wanted:
             continue
@@ -60,8 +61,3 @@ def stored_tensors(model: Any, ckpt: Any, prefix: str, wanted: set[str]) -> dict
             + " in the checkpoint, under its own name or any name transformers loads it from"
         )
     return found
-
-
-def _natural(name: str) -> tuple:
-    """Sort key putting ``experts.2`` before ``experts.10`` (the converters stack in list order)."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
