@@ -363,9 +363,8 @@ def _write(
     ckpt, s = source.ckpt, source.settings
     new_config, modeling, serving_form = _output_config(source)
     resume = None
-    if s.refit and source.changes:  # each fitted layer kept beside DST until DST is published
-        fingerprint = s.fingerprint(getattr(ckpt, "files", []), ckpt.config)
-        resume = ResumeFolder.open(source.dst, fingerprint, s.resume, s.remove_stale)
+    if source.fingerprint is not None:  # a refit: each fitted layer kept beside DST until DST is published
+        resume = ResumeFolder.open(source.dst, source.fingerprint, s.resume, s.remove_stale)
     staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
     with _resumable(resume), _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         refitted, log = None, _log if s.progress else None

@@ -39,6 +39,9 @@ class Conversion:
     method: Method
     grouping: Grouping
     targets: tuple[int, ...] = ()
+    #: what a resumed refit must share with the stopped one (:func:`resume_fingerprint`), taken from the
+    #: run as asked: ``--per-layer auto`` rewrites the settings once it has chosen
+    fingerprint: dict | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -117,9 +120,31 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
         if s.refit:
             _check_refit_windows(s, ckpt.config.get("max_position_embeddings"))
     if s.refit and conversion.changes:  # a stopped run's finished layers: continued, or never dropped unasked
-        fingerprint = s.fingerprint(getattr(ckpt, "files", []), ckpt.config)
-        ResumeFolder.check(dst, fingerprint, s.resume, s.remove_stale)
+        conversion = dataclasses.replace(conversion, fingerprint=resume_fingerprint(ckpt, s))
+        ResumeFolder.check(dst, conversion.fingerprint, s.resume, s.remove_stale)
     return conversion
+
+
+def resume_fingerprint(ckpt: Checkpoint, s: ConvertSettings) -> dict:
+    """What a resumed run must share with the stopped one: the source's weight files (names and
+    sizes) and config, the calibration text (a local file's sha256), the recipe and mha2gqa's version."""
+    import hashlib
+    import json
+
+    from mha2gqa.core.cache import file_sha256
+    from mha2gqa.core.records import version
+
+    text = s.calibration
+    local = text is not None and Path(text).is_file()
+    return {
+        "source": {
+            "files": {Path(f).name: Path(f).stat().st_size for f in getattr(ckpt, "files", [])},
+            "config sha256": hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode()).hexdigest(),
+        },
+        "calibration text": {"sha256": file_sha256(Path(text))} if local else text,
+        "recipe": s.recipe(),
+        "mha2gqa version": version(),
+    }
 
 
 def _check_refit_windows(s: ConvertSettings, positions: int | None) -> None:

@@ -255,28 +255,6 @@ class ConvertSettings:
             out["calibration"] = str(Path(self.calibration).resolve())
         return out
 
-    def fingerprint(self, files: list, config: dict) -> dict:
-        """What a resumed run must share with the stopped one: the source's weight files (names and
-        sizes) and config, the calibration text (a local file's sha256), the recipe and mha2gqa's version."""
-        import hashlib
-        import json
-        from pathlib import Path
-
-        from mha2gqa.core.cache import file_sha256
-        from mha2gqa.core.records import version
-
-        text = self.calibration
-        local = text is not None and Path(text).is_file()
-        return {
-            "source": {
-                "files": {Path(f).name: Path(f).stat().st_size for f in files},
-                "config sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-            },
-            "calibration text": {"sha256": file_sha256(Path(text))} if local else text,
-            "recipe": self.recipe(),
-            "mha2gqa version": version(),
-        }
-
     def refit_roles(self) -> tuple[str, ...]:
         """``--refit-params`` as roles in q, k, v, o order."""
         roles = [r.strip() for r in self.refit_params.split(",")]

@@ -35,9 +35,9 @@ def setup(tmp_path_factory):
     return {"src": src, "text": text, "kw": kw, "whole": whole}
 
 
-def _stopped(setup, dst, monkeypatch, layer: int) -> None:
-    """Convert into ``dst`` and stop as a kill would, after layer ``layer``'s tensors are written and
-    before its record."""
+def _stopped(setup, dst, monkeypatch, layer: int, g: int | None = 1, **options) -> None:
+    """Convert into ``dst`` (``options`` in place of the setup's) and stop as a kill would, after layer
+    ``layer``'s tensors are written and before its record."""
     record = layerwise._layer_record
 
     def stopping(i, *args, **kw):
@@ -48,7 +48,7 @@ def _stopped(setup, dst, monkeypatch, layer: int) -> None:
     with monkeypatch.context() as m:
         m.setattr(layerwise, "_layer_record", stopping)
         with pytest.raises(RuntimeError, match="killed"):
-            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
+            convert_checkpoint(setup["src"], dst, g, **{"method": "svd", **setup["kw"], **options})
 
 
 def _timeless(layers) -> list[dict]:
@@ -149,3 +149,14 @@ def test_kept_work_that_was_damaged_is_refused_naming_the_file(setup, tmp_path, 
     with pytest.raises(Mha2GqaError, match=r"layer-1\.safetensors: not the layer a stopped run wrote"):
         convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
     assert resume_folder(dst).exists()  # kept for the user to look at: --remove-stale starts over
+
+
+def test_a_per_layer_auto_refit_resumes_though_the_allocation_rewrote_its_settings(setup, tmp_path, monkeypatch):
+    """The fingerprint is of the run as asked (before ``--per-layer auto`` chose its counts): a
+    budget the allocation meets with uniform counts rewrites the settings it ran with, not the ones
+    a resumed run is checked against."""
+    kw = {**setup["kw"], "per_layer": "auto", "kv_budget": 1.0, "method": "svd"}
+    dst = tmp_path / "out"
+    _stopped(setup, dst, monkeypatch, 1, None, per_layer="auto", kv_budget=1.0)
+    out = convert_checkpoint(setup["src"], dst, None, resume=True, **kw)
+    assert out.kv_heads_per_layer == [1, 1, 1, 1] and not resume_folder(dst).exists()
