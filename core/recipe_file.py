@@ -26,9 +26,19 @@ SECTIONS = ("convert", "distill")
 _HEADER = "# mha2gqa recipe: `mha2gqa convert SRC DST --recipe {name}` makes this model again\n"
 
 
+#: the stages a recipe name adds to its method: ``svd+refit`` is ``--method svd --refit``, and
+#: ``svd+refit+distill`` adds ``--distill``
+REFIT, DISTILL = "+refit", "+distill"
+
+
 def recipe_name(method: str, refit: bool, distill: bool) -> str:
     """``method[+refit][+distill]``: what a recipe runs, as a job's ``methods`` names it."""
-    return method + ("+refit" if refit else "") + ("+distill" if distill else "")
+    return method + (REFIT if refit else "") + (DISTILL if distill else "")
+
+
+def parse_recipe(recipe: str) -> tuple[str, bool, bool]:
+    """``(method, refit, distill)`` of a recipe name (the inverse of :func:`recipe_name`)."""
+    return recipe.split("+", 1)[0], REFIT in recipe, recipe.endswith(DISTILL)
 
 
 def recipe_text(name: str, sections: dict[str, dict[str, Any]]) -> str:

@@ -38,6 +38,7 @@ import yaml
 from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.recipe_file import DISTILL, REFIT, parse_recipe
 from mha2gqa.core.settings import Spec, check_value, from_mapping, setting, validate
 from mha2gqa.demo import DEMO_ARCHITECTURES, DemoSettings
 from mha2gqa.eval.gates import GateSettings
@@ -47,9 +48,6 @@ from mha2gqa.uptrain.settings import UptrainSettings
 if TYPE_CHECKING:
     from mha2gqa.eval.tables import SweepRow
 
-#: A job's recipe refits after the merge when it says so (``svd+refit``: ``--method svd --refit``), and
-#: distils the result when it ends so (``svd+refit+distill``: ``... --refit --distill``).
-REFIT, DISTILL = "+refit", "+distill"
 #: What a job's ``methods`` may list: every method, alone, refitted, distilled or both.
 RECIPES = tuple(m + r + d for r in ("", REFIT) for d in ("", DISTILL) for m in METHODS)
 #: The recipe the README recommends (its "Which method to use"; shipped jobs of real models use it).
@@ -93,11 +91,6 @@ class Job:
         from mha2gqa.distill import DistillSettings
 
         return DistillSettings(distill=True, **self.distill).check(convert) if parse_recipe(recipe)[2] else None
-
-
-def parse_recipe(recipe: str) -> tuple[str, bool, bool]:
-    """``(method, refit, distill)`` of a recipe name (``svd+refit+distill``)."""
-    return recipe.split("+", 1)[0], REFIT in recipe, recipe.endswith(DISTILL)
 
 
 def shipped_jobs() -> dict[str, Path]:
