@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa.convert.layer_tensors import attention_names
 from mha2gqa.convert.layer_view import Loader, planned, source_view
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.settings import GUARD_WINDOWS
 from mha2gqa.convert.shard_writer import OutputTensor
-from mha2gqa.convert.tensor_sources import attention_names
 from mha2gqa.core.conversion_record import (
     KEPT,
     KEPT_IN_PART,

@@ -12,9 +12,9 @@ from collections.abc import Callable, Container, Iterator, Mapping
 
 import torch
 
+from mha2gqa.convert.layer_tensors import LayerTensors
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.shard_writer import OutputTensor
-from mha2gqa.convert.tensor_sources import attention_names
 
 _SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
 
@@ -49,17 +49,14 @@ class RepeatedHeads(torch.nn.Module):
 
 class LayerWeights:
     """The projections of one converted layer by role (``q``, ``k``, ``v``, ``o`` and biases; a fused
-    ``qkv`` split into its parts), float32, in the output's (GQA) shapes; :meth:`module_view` gives the
-    source-shaped module's parameters, after :meth:`adapt` has fitted the module to read them."""
+    ``qkv`` split into its parts, :class:`LayerTensors`), float32, in the output's (GQA) shapes;
+    :meth:`module_view` gives the source-shaped module's parameters, after :meth:`adapt` has fitted the
+    module to read them."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], names: Mapping[str, str], family, shape: HeadShape) -> None:
-        self.names, self.family, self.shape = dict(names), family, shape
-        values = {role: tensors[name].float() for role, name in names.items()}
-        for suffix in ("", "_bias"):
-            if "qkv" + suffix in values:
-                parts = family.split_qkv(values.pop("qkv" + suffix), shape.num_heads, shape.groups, shape.head_dim)
-                values |= {r + suffix: p for r, p in zip("qkv", parts, strict=True)}
-        self.values = values
+    def __init__(self, tensors: Mapping[str, torch.Tensor], layout: LayerTensors, shape: HeadShape) -> None:
+        self.layout, self.shape = layout, shape
+        self.names = layout.names
+        self.values = layout.read(lambda name: tensors[name].float(), shape.groups)
         self.repeated_outputs = False
 
     def adapt(self, layer: torch.nn.Module, prefix: str) -> None:
@@ -68,7 +65,7 @@ class LayerWeights:
         modules; a fused projection keeps its module and gets repeated weights instead."""
         paths = [self.names[r][len(prefix) : -len(".weight")] for r in ("k", "v") if r in self.names]
         modules = [layer.get_submodule(p) for p in paths]
-        if self.family.fused or len(paths) != 2 or not all(type(m) is torch.nn.Linear for m in modules):
+        if self.layout.family.fused or len(paths) != 2 or not all(type(m) is torch.nn.Linear for m in modules):
             return
         for path, module in zip(paths, modules, strict=True):
             parent, _, attr = path.rpartition(".")
@@ -77,28 +74,18 @@ class LayerWeights:
 
     def module_view(self, values: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
         """Module-relative parameter name (under ``prefix``) -> tensor, for the adapted layer."""
-        shape, out = self.shape, {}
+        shape = self.shape
         full = {
             role: repeat_heads(t, shape) if role in _SHAPED and not self.repeated_outputs else t
             for role, t in values.items()
         }
-        for suffix in ("", "_bias"):
-            if "qkv" + suffix in self.names:
-                q, k, v = (full[r + suffix] for r in "qkv")
-                out["qkv" + suffix] = self.family.join_qkv(q, k, v, shape.num_heads, shape.num_kv_heads, shape.head_dim)
-        for role, t in full.items():
-            if role in self.names:
-                out[role] = t
-        return {self.names[role][len(prefix) :]: t for role, t in out.items()}
+        kv_heads = shape.groups if self.repeated_outputs else shape.num_kv_heads
+        return {name[len(prefix) :]: t for name, t in self.layout.named(full, kv_heads).items()}
 
     def outputs(self, values: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """Tensor name -> the tensor to write (output shapes, stored dtypes)."""
-        shape, out = self.shape, dict(values)
-        for suffix in ("", "_bias"):
-            if "qkv" + suffix in self.names:
-                parts = [out.pop(r + suffix) for r in "qkv"]
-                out["qkv" + suffix] = self.family.join_qkv(*parts, shape.num_heads, shape.groups, shape.head_dim)
-        return {self.names[r]: t.detach().to(dtypes[self.names[r]]).contiguous() for r, t in out.items()}
+        named = self.layout.named(values, self.shape.groups)
+        return {name: t.detach().to(dtypes[name]).contiguous() for name, t in named.items()}
 
 
 def planned(tensors: Mapping[str, OutputTensor], ckpt) -> Loader:
@@ -140,8 +127,9 @@ def source_view(
     the layer's device: q/k/v/o by role (a fused qkv joined; K/V heads repeated over their groups),
     per-head key norms, and any other tensor of the layer ``names`` holds in the source's shape."""
     device = next(layer.parameters()).device
-    roles = attention_names(names, family, index)
-    lw = LayerWeights({n: load(n).to(device) for n in roles.values()}, roles, family, shape)
+    layout = LayerTensors.of(names, family, index, shape.num_heads, shape.head_dim)
+    roles = layout.names
+    lw = LayerWeights({n: load(n).to(device) for n in roles.values()}, layout, shape)
     params = lw.module_view(lw.values, prefix)
     params |= {k: v.to(device) for k, v in norm_overrides(family, load, names, index, shape, prefix).items()}
     for local, p in layer.named_parameters():

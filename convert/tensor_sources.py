@@ -6,35 +6,25 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Container
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
 import torch
 
+from mha2gqa.convert.layer_tensors import LayerTensors
 from mha2gqa.convert.methods import HeadShape, Method
-from mha2gqa.convert.methods.fresh import fresh_fused, fresh_tensor
+from mha2gqa.convert.methods.fresh import fresh_tensor
 from mha2gqa.convert.methods.pooling import Reducer, reduce_rows, reduce_stacked
 from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.dtypes import from_torch
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.families import Family
 from mha2gqa.core.safetensors_io import TensorInfo
 
 SUFFIXES = (".weight", ".bias")
-
-
-def attention_names(tensors: Container[str], family: Family, layer: int) -> dict[str, str]:
-    """Role (``q``, ``k``, ``v``, ``o``, ``qkv`` and ``*_bias``) -> name of ``layer``'s projection
-    tensors that are in ``tensors`` (the output projection's bias is never a role: no head count
-    shapes it)."""
-    fill = partial(str.format, layer=layer)
-    roles = {"o": fill(family.o_proj) + ".weight"}
-    modules = {"qkv": family.qkv_proj} if family.fused else {"q": family.q_proj, "k": family.k_proj, "v": family.v_proj}
-    for key, module in modules.items():
-        roles |= {key: fill(module) + ".weight", f"{key}_bias": fill(module) + ".bias"}
-    return {role: n for role, n in roles.items() if n in tensors}
 
 
 class LayerMerge:
@@ -45,13 +35,14 @@ class LayerMerge:
     def __init__(
         self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int, stats: Any, method: Method
     ) -> None:
-        self.ckpt, self.family, self.dims, self.groups = ckpt, family, dims, groups
+        self.ckpt, self.dims, self.groups = ckpt, dims, groups
         self.layer, self.stats, self.method = layer, stats, method
+        self.tensors = LayerTensors.of(ckpt.tensors, family, layer, dims.num_heads, dims.head_dim)
         self.ready: dict[str, torch.Tensor] | None = None
 
-    def names(self) -> dict[str, str]:
+    def names(self) -> Mapping[str, str]:
         """Role (``q``, ``k_bias``, ``qkv``...) -> tensor name, for this layer's tensors that exist."""
-        return attention_names(self.ckpt.tensors, self.family, self.layer)
+        return self.tensors.names
 
     def get(self, name: str) -> torch.Tensor:
         if self.ready is None or name not in self.ready:  # first asked, or again (the stage guard, then the writer)
@@ -62,25 +53,22 @@ class LayerMerge:
         from mha2gqa.convert.methods.aligned import weight_stats
         from mha2gqa.convert.methods.layer import permute_heads
 
-        dims, names = self.dims, self.names()
-        src = {role: self.ckpt.load(n) for role, n in names.items()}
-        w = {role: t.float() for role, t in src.items()}  # float32 maths; the statistics stay float64
-        for suffix in ("", "_bias") if self.family.fused else ():
-            if "qkv" + suffix in w:
-                w["q" + suffix], w["k" + suffix], w["v" + suffix] = self.family.split_qkv(
-                    w.pop("qkv" + suffix), dims.num_heads, dims.num_kv_heads, dims.head_dim
-                )
+        dims, lt = self.dims, self.tensors
+        dtypes: dict[str, torch.dtype] = {}
+
+        def load(name: str) -> torch.Tensor:  # float32 maths; the statistics stay float64
+            stored = self.ckpt.load(name)
+            dtypes[name] = stored.dtype
+            return stored.float()
+
+        w = lt.read(load, dims.num_kv_heads)
         shape = HeadShape.of(dims, self.groups)
         # a layer method without calibration (aligned): statistics from the weights alone
         layer_stats = weight_stats(w, shape=shape) if self.stats is None else self.stats.layers[self.layer]
         if layer_stats.perm is not None:  # similarity grouping: similar heads made contiguous
             w = permute_heads(w, layer_stats.perm, dims.num_heads, dims.head_dim)
         merged = self.method.merge_layer(w, layer_stats, shape=shape)
-        for suffix in ("", "_bias") if self.family.fused else ():
-            if "q" + suffix in merged:
-                parts = [merged.pop(x + suffix) for x in ("q", "k", "v")]
-                merged["qkv" + suffix] = self.family.join_qkv(*parts, dims.num_heads, self.groups, dims.head_dim)
-        return {names[role]: merged[role].to(src[role].dtype) for role in names}
+        return {name: t.to(dtypes[name]) for name, t in lt.named(merged, self.groups).items()}
 
 
 class _Sources:
@@ -146,7 +134,7 @@ class _Sources:
                 if fam.fused:
                     info = self.need(name, (dims.num_heads + 2 * kv) * d)
                     shape = ((dims.num_heads + 2 * g) * d, *info.shape[1:])
-                    self.computed(name, shape, partial(self._fused, name, reducer, self.seed + layer * 7919, g))
+                    self.computed(name, shape, partial(self._fused, name, reducer, self.seed + layer * 7919, layer, g))
                 elif reducer is None:
                     self.fresh(name, (g * d, *self.need(name, kv * d).shape[1:]), suffix[1:])
                 else:
@@ -178,24 +166,19 @@ class _Sources:
     def _pooled(self, name: str, reducer: Reducer, g: int) -> torch.Tensor:
         return reduce_rows(self.ckpt.load(name), g, self.dims.head_dim, reducer)
 
-    def _fused(self, name: str, reducer: Reducer | None, seed: int, g: int) -> torch.Tensor:
+    def _fused(self, name: str, reducer: Reducer | None, seed: int, layer: int, g: int) -> torch.Tensor:
+        """The fused qkv tensor ``name`` of ``layer`` with its q rows kept and its K/V rows pooled by
+        ``reducer`` to ``g`` heads (fresh when it is None, as :func:`fresh_tensor` makes them)."""
         dims = self.dims
+        lt = LayerTensors.of(self.ckpt.tensors, self.family, layer, dims.num_heads, dims.head_dim)
+        q, k, v = lt.split_one(name, self.ckpt.load(name), dims.num_kv_heads)
         if reducer is None:
+            shape, dtype = (g * dims.head_dim, *k.shape[1:]), from_torch(k.dtype).code
             kind = "weight" if name.endswith(".weight") else "bias"
-            return fresh_fused(
-                self.ckpt.load(name),
-                kind,
-                self.family,
-                dims.num_heads,
-                dims.num_kv_heads,
-                g,
-                dims.head_dim,
-                self.std,
-                seed,
-            )
-        q, k, v = self.family.split_qkv(self.ckpt.load(name), dims.num_heads, dims.num_kv_heads, dims.head_dim)
-        k, v = reduce_rows(k, g, dims.head_dim, reducer), reduce_rows(v, g, dims.head_dim, reducer)
-        return self.family.join_qkv(q, k, v, dims.num_heads, g, dims.head_dim)
+            k, v = (fresh_tensor(shape, dtype, kind, self.std, seed + i) for i in range(2))
+        else:
+            k, v = reduce_rows(k, g, dims.head_dim, reducer), reduce_rows(v, g, dims.head_dim, reducer)
+        return lt.join_one(q, k, v, g)
 
     def _pooled_indexed(self, names: list[str], head: int, reducer: Reducer, g: int) -> torch.Tensor:
         per = len(names) // g

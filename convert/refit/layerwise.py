@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa.convert.layer_tensors import LayerTensors, attention_names
 from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
 from mha2gqa.convert.layers import batched, each_layer, skeleton
 from mha2gqa.convert.methods import HeadShape
@@ -20,7 +21,6 @@ from mha2gqa.convert.refit.fit import FitResult, fit_layer, solve_output, split_
 from mha2gqa.convert.refit.stops import after_attention, hooked, layer_output, reads_after_attention
 from mha2gqa.convert.refit.streams import Streams, dimension_scale, open_streams
 from mha2gqa.convert.shard_writer import OutputTensor
-from mha2gqa.convert.tensor_sources import attention_names
 from mha2gqa.core.conversion_record import (
     ATTENTION_TARGET,
     LAYER_TARGET,
@@ -82,10 +82,11 @@ class _ConvertedLayer:
 
         self.layer, self.prefix, self.st = layer, prefix, st
         self.shape = HeadShape.of(c.dims, c.targets[i])
-        self.names = attention_names(by_name, c.family, i)
+        self.layout = LayerTensors.of(by_name, c.family, i, c.dims.num_heads, c.dims.head_dim)
+        self.names = self.layout.names
         load = planned(by_name, c.ckpt)
         tensors = {n: load(n).to(st.dev) for n in self.names.values()}
-        self.weights = LayerWeights(tensors, self.names, c.family, self.shape)
+        self.weights = LayerWeights(tensors, self.layout, self.shape)
         self.norms = {k: v.to(st.dev) for k, v in _norm_overrides(c, by_name, i, self.shape, prefix).items()}
         for name in [*self.weights.module_view(self.weights.values, prefix), *self.norms]:  # replaced on every call
             set_module_tensor_to_device(layer, name, "meta")
@@ -133,7 +134,7 @@ def _refit_layer(
         kw = {"targets": targets, "windows": len(st.ids), "per_call": st.per_call, "scale": scale}
         result = solve_output(result, fitted_part, o_proj=o_proj, **kw)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
-    written = LayerWeights(out, names, c.family, converted.shape).values  # as stored: what the next layer reads
+    written = LayerWeights(out, converted.layout, converted.shape).values  # as stored: what the next layer reads
     st.converted.advance(st.every, partial(converted, written), dev)
     _spill_layer(out, work / f"layer-{i}.safetensors", by_name)
     return result
