@@ -105,21 +105,40 @@ class EvalRequest:
                 check_loadable(label, model, self.settings.revision)
         return self
 
-    def run(self, log: Callable[[str], None] | None = None) -> Outcome | None:
-        """Evaluate, check the gates and write the results (when ``output`` is given); None on every
-        process but the main one of a multi-process run."""
-        from mha2gqa.eval.harness import evaluate
+    def prepare(self, checked: bool = False) -> PreparedEval:
+        """Every check (:meth:`check`; ``checked``: the caller made them, as a job does for the models
+        it wrote itself), then the evaluation decided (:func:`mha2gqa.eval.prepare.prepare`: configs,
+        tokenizer, text, windows, tasks): bad input fails here, before any weights load."""
+        from mha2gqa.eval.prepare import prepare
 
-        results = evaluate(self.original, self.converted, self.settings, log=log)
+        if not checked:
+            self.check()
+        return PreparedEval(self, prepare(self.original, self.converted, self.settings))
+
+
+@dataclass(frozen=True)
+class PreparedEval:
+    """An evaluation checked and decided (:meth:`EvalRequest.prepare`), its windows cut."""
+
+    request: EvalRequest
+    evaluation: Any  # mha2gqa.eval.prepare.Evaluation
+
+    def run(self, log: Callable[[str], None] | None = None) -> Outcome | None:
+        """Evaluate, check the gates and write the results (when the request's ``output`` is given);
+        None on every process but the main one of a multi-process run."""
+        from mha2gqa.eval.harness import run
+
+        request = self.request
+        results = run(self.evaluation, log=log)
         if results is None:  # not the main process
             return None
-        results.path = str(self.output) if self.output is not None else None
-        gates = check_gates(results, self.limits)
+        results.path = str(request.output) if request.output is not None else None
+        gates = check_gates(results, request.limits)
         if gates:
             results.gates = gates_record(gates)
         results.verdict = results.judge()
-        if self.output is not None:
-            write_json(self.output, results.to_dict(), "--output", self.overwrite, self.inputs)
+        if request.output is not None:
+            write_json(request.output, results.to_dict(), "--output", request.overwrite, request.inputs)
         return Outcome(results, gates)
 
 

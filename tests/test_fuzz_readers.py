@@ -104,7 +104,7 @@ def evaluated(pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     s = EvalSettings(data=str(text), seq_len=64, max_tokens=600, samples=1, sample_tokens=4, progress=False,
                      reference_cache=str(root / "cache"), compare_quantization=("int8",))  # fmt: skip
-    EvalRequest(str(src), str(conv), s, GateSettings(max_kl=10.0), output=root / "r.json").run()
+    EvalRequest(str(src), str(conv), s, GateSettings(max_kl=10.0), output=root / "r.json").prepare().run()
     (entry,) = [p for p in (root / "cache").iterdir() if p.is_dir()]
     manifest = json.loads((entry / "mha2gqa_reference.json").read_text())
     return json.loads((root / "r.json").read_text()), entry, manifest

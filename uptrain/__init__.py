@@ -9,7 +9,7 @@ from mha2gqa.core.lazy import lazy_names
 
 _LAZY = {
     "mha2gqa.uptrain.settings": ("OBJECTIVES", "TRAINABLE", "UptrainSettings"),
-    "mha2gqa.uptrain.trainer": ("UptrainResult", "uptrain"),
+    "mha2gqa.uptrain.trainer": ("UptrainPlan", "UptrainResult", "prepare_uptrain", "run_uptrain", "uptrain"),
 }
 
 __all__ = sorted(name for names in _LAZY.values() for name in names)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from mha2gqa.core.runlog import RunEnd, RunEval, RunLog, RunResume, RunStart, re
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.uptrain.checkpoints import check_output, prepare_output, save_checkpoint, save_final
 from mha2gqa.uptrain.data import WindowOrder
-from mha2gqa.uptrain.prepare import check_resume, prepare, resume_point
+from mha2gqa.uptrain.prepare import Uptraining, check_resume, prepare, resume_point
 from mha2gqa.uptrain.record import UptrainRecord
 from mha2gqa.uptrain.settings import UptrainSettings
 from mha2gqa.uptrain.setup import accelerator, cached_teacher, load_models, load_state, optimizing, rank_rows
@@ -66,30 +67,63 @@ class UptrainResult:
         return line
 
 
+@dataclass
+class UptrainPlan:
+    """One uptraining run decided and checked (:func:`prepare_uptrain`), before any weights load or
+    anything is written: the settings, the processes, the windows (:class:`Uptraining`), and where a
+    resumed run starts."""
+
+    student: str
+    settings: UptrainSettings
+    acc: Any  # accelerate.Accelerator
+    up: Uptraining
+    resume_from: Path | None
+    start_step: int
+    say: Callable[[str], None]
+    started: float
+
+
+def prepare_uptrain(student: str, settings: UptrainSettings, log: Callable[[str], None] = print) -> UptrainPlan:
+    """Every check of an uptraining run (settings, models, data, output folder, the checkpoint to
+    resume from) before any work: a bad input fails here in one line, nothing loaded or written."""
+    from mha2gqa.core.checkpoint import check_loadable, check_models
+
+    started = time.perf_counter()
+    s = settings.check()
+    check_models(CONVERTED=student, **{"--teacher": s.teacher})
+    check_loadable("the student", student)
+    if s.teacher:
+        check_loadable("--teacher", s.teacher)
+    acc = accelerator(s)
+    say = log if acc.is_main_process else (lambda *_: None)
+    up = prepare(student, s, acc.num_processes, say)
+    inputs = {
+        "the student model": up.student_folder,
+        "the --teacher model": up.teacher_folder,
+        "the --data text": s.data,
+        "the --eval-data text": s.eval_data,
+    }
+    output = Path(s.output)
+    if not s.teacher_only:  # (a teacher pass writes only the cache)
+        check_output(output, s.resume, s.overwrite, inputs)
+    resume_from, start_step = resume_point(output, s.resume and not s.teacher_only, up.run)
+    if resume_from is not None:  # its weights whole before anything loads
+        check_resume(resume_from)
+    return UptrainPlan(student, s, acc, up, resume_from, start_step, say, started)
+
+
 class _Trainer:
     """One run's state and its named stages: log records, evaluations, checkpoints, the step loop."""
 
-    def __init__(self, student: str, s: UptrainSettings, log) -> None:
-        self.student, self.s, self.started = student, s, time.perf_counter()
-        self.acc = acc = accelerator(s)
-        self.main = acc.is_main_process
-        self.say = log if self.main else (lambda *_: None)
-        self.output = Path(s.output)
-        self.up = up = prepare(student, s, acc.num_processes, self.say)
-        self.tokens_per_step = s.batch_size * up.seq_len
-        inputs = {
-            "the student model": up.student_folder,
-            "the --teacher model": up.teacher_folder,
-            "the --data text": s.data,
-            "the --eval-data text": s.eval_data,
-        }
-        if not s.teacher_only:  # (a teacher pass writes only the cache)
-            check_output(self.output, s.resume, s.overwrite, inputs)
-        self.resume_from, self.start_step = resume_point(self.output, s.resume and not s.teacher_only, up.run)
-        if self.resume_from is not None:  # its weights whole before anything loads
-            check_resume(self.resume_from)
+    def __init__(self, plan: UptrainPlan) -> None:
         from accelerate.utils import set_seed
 
+        s, up, acc, student = plan.settings, plan.up, plan.acc, plan.student
+        self.student, self.s, self.started, self.acc, self.up, self.say = student, s, plan.started, acc, up, plan.say
+        self.main = acc.is_main_process
+        self.output = Path(s.output)
+        self.tokens_per_step = s.batch_size * up.seq_len
+        self.resume_from, self.start_step = plan.resume_from, plan.start_step
         set_seed(s.seed)
         self.order = WindowOrder(up.num_windows, s.batch_size, s.seed)
         self.cached = cached_teacher(up, s, acc, self.order, self.say) if s.teacher_top_k else None
@@ -298,18 +332,13 @@ class _Trainer:
         return result
 
 
-def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult:
-    """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
-    from mha2gqa.core.checkpoint import check_loadable, check_models
+def run_uptrain(plan: UptrainPlan) -> UptrainResult:
+    """Carry out the planned run (:func:`prepare_uptrain`): the teacher pass, the models, the steps,
+    the checkpoints and the final model."""
     from mha2gqa.core.signals import Terminated
 
-    settings = settings.check()
-    check_models(CONVERTED=student, **{"--teacher": settings.teacher})
-    check_loadable("the student", student)
-    if settings.teacher:
-        check_loadable("--teacher", settings.teacher)
-    trainer = _Trainer(student, settings, log)
-    if settings.teacher_only:
+    trainer = _Trainer(plan)
+    if plan.settings.teacher_only:
         seconds = time.perf_counter() - trainer.started
         return UptrainResult(trainer.output, 0, trainer.up.total, 0, False, [], seconds, trainer.cached.cache.folder)
     trainer.announce()
@@ -317,8 +346,13 @@ def uptrain(student: str, settings: UptrainSettings, log=print) -> UptrainResult
         steps = trainer.train()
     except Terminated as e:
         e.kept = (
-            f"the checkpoints written so far stay in {settings.output} (no final model): run the same command "
+            f"the checkpoints written so far stay in {plan.settings.output} (no final model): run the same command "
             "with --resume to continue from the last one"
         )
         raise
     return trainer.finish(steps)
+
+
+def uptrain(student: str, settings: UptrainSettings, log: Callable[[str], None] = print) -> UptrainResult:
+    """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
+    return run_uptrain(prepare_uptrain(student, settings, log))
