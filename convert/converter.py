@@ -4,14 +4,13 @@ folder that is renamed into place only when complete."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -44,7 +43,7 @@ from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
 from mha2gqa.core.recipe_file import recipe_name, write_recipe
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
-from mha2gqa.core.resume import ResumeDamaged, ResumeFolder
+from mha2gqa.core.resume import ResumeFolder, resumable
 
 
 @dataclass(frozen=True)
@@ -355,18 +354,21 @@ def _write(
     tensors: list[OutputTensor],
     make_record: Callable[..., ConversionRecord],
     guard: Any = None,
+    resume: ResumeFolder | None = None,
 ) -> ConversionRecord:
     """Refit (``--refit``) and write the converted checkpoint into a staged folder beside its
     destination, then rename it into place; returns the record as written (with its output files).
     The refit's own files (fitted layers, spilled hidden states) live in the staged folder until the
-    shards are written, so a failure or a signal leaves nothing behind."""
+    shards are written, so a failure or a signal leaves nothing behind but the fitted layers, kept
+    for ``--resume`` in ``resume`` (the caller's, which it removes once its own output is published;
+    else DST's own, removed here once DST is)."""
     ckpt, s = source.ckpt, source.settings
     new_config, modeling, serving_form = _output_config(source)
-    resume = None
-    if source.fingerprint is not None:  # a refit: each fitted layer kept beside DST until DST is published
+    owned = resume is None and source.fingerprint is not None
+    if owned:  # a refit: each fitted layer kept beside DST until DST is published
         resume = ResumeFolder.open(source.dst, source.fingerprint, s.resume, s.remove_stale)
     staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
-    with _resumable(resume), _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
+    with resumable(resume if owned else None), _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
         refitted, log = None, _log if s.progress else None
         merged = tensors
         if s.refit and source.changes:
@@ -397,44 +399,27 @@ def _write(
     return record
 
 
-@contextlib.contextmanager
-def _resumable(resume: ResumeFolder | None) -> Iterator[None]:
-    """Keep ``resume``'s finished work only where the run was interrupted (a signal, a kill, the
-    system's errors): it goes once the output is published, and where the run stopped on a decision
-    of its own (an error said in one line, ``--guard fail``), after which no resume would help."""
-    if resume is None:
-        yield
-        return
-    from mha2gqa.core.signals import Terminated
-
-    try:
-        yield
-    except ResumeDamaged:  # the user's to look at; --remove-stale starts over
-        raise
-    except Mha2GqaError:
-        resume.finish()
-        raise
-    except Terminated as e:
-        e.kept = f"the finished layers are kept in {resume.folder}: the same command with --resume continues"
-        raise
-    resume.finish()
-
-
 def _log(line: str) -> None:
     from tqdm.auto import tqdm
 
     tqdm.write(line, file=sys.stderr)
 
 
-def run(conversion: Conversion, guard_data: str | None = None) -> ConversionResult:
+def run(
+    conversion: Conversion, guard_data: str | None = None, resume: ResumeFolder | None = None
+) -> ConversionResult | None:
     """Carry out a conversion made by :func:`~mha2gqa.convert.prepare.prepare`: per-layer allocation and
     calibration when the method needs them, where every output tensor comes from, the refit (``--refit``),
     then the staged write. Streams tensor by tensor (and layer by layer): peak memory is about one
     layer, whatever the model size; nothing is left at the destination when it fails. The stage guard
     (:mod:`~mha2gqa.convert.guard`, ``--guard``) scores the merge and the refit on held-out windows of
     the calibration text (``guard_data`` where the conversion itself reads none, e.g. before ``--distill``)
-    and publishes only what made the model better."""
+    and publishes only what made the model better. ``resume``: where a caller that publishes later
+    (``convert --distill``) keeps the refit's finished layers. Under a launcher (``torchrun``), every process
+    reads its share of the calibration windows and the statistics are summed across them; the rest
+    runs on rank 0, which alone writes: the other processes return None once the statistics are in."""
     from mha2gqa.convert.guard import open_guard
+    from mha2gqa.core.ranks import ranks
 
     start = time.perf_counter()
     conversion, guard = open_guard(conversion, guard_data or conversion.settings.calibration)
@@ -442,17 +427,19 @@ def run(conversion: Conversion, guard_data: str | None = None) -> ConversionResu
     if conversion.settings.per_layer == "auto":
         conversion, allocation = _allocate(conversion)
     stats, calibration = _calibrate(conversion)
+    if not ranks().main:  # several processes: the statistics are summed; rank 0 merges, refits, checks, writes
+        return None
     c = conversion
     tensors = tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
     if guard is not None and allocation is not None:
         c, stats, calibration, tensors = _guard_allocation(c, (stats, calibration, tensors), guard)
-    record = _write(c, tensors, partial(_record, c, stats, calibration, allocation), guard)
+    record = _write(c, tensors, partial(_record, c, stats, calibration, allocation), guard, resume)
     return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start, guard)
 
 
 def convert_checkpoint(
     src: str | Path, dst: str | Path, num_kv_heads: int | None, method: str | None = None, **options: Any
-) -> ConversionResult:
+) -> ConversionResult | None:
     """Convert the checkpoint at ``src`` (folder or hub id) to ``num_kv_heads`` KV heads in ``dst``
     (``None`` with ``num_kv_heads_per_layer="8,4,..."``: each layer its own count): ``run(prepare(...))``.
 

@@ -77,9 +77,11 @@ def inputs_of(ckpt: Checkpoint, s: ConvertSettings) -> dict[str, Path | str | No
     return {"the source model": ckpt.folder, "the --calibration text": s.calibration}
 
 
-def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
+def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | None = None) -> Conversion:
     """Check ``s``, open the source (headers only), check the destination and that the method
-    applies; returns the conversion to :func:`~mha2gqa.convert.converter.run`."""
+    applies; returns the conversion to :func:`~mha2gqa.convert.converter.run`. ``later``: the settings
+    of a stage that follows the conversion into the same DST (``convert --distill``): they join the
+    resume fingerprint, and the run keeps its work for ``--resume`` even without a refit."""
     s.check()
     dst = Path(dst)
     method, grouping = get_method(s.method), get_grouping(s.grouping)
@@ -119,9 +121,14 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings) -> Conversion:
         s.check_calibration()
         if s.refit:
             _check_refit_windows(s, ckpt.config.get("max_position_embeddings"))
-    if s.refit and conversion.changes:  # a stopped run's finished layers: continued, or never dropped unasked
-        conversion = dataclasses.replace(conversion, fingerprint=resume_fingerprint(ckpt, s))
-        ResumeFolder.check(dst, conversion.fingerprint, s.resume, s.remove_stale)
+    if (s.refit and conversion.changes) or later is not None:  # a stopped run's work: continued, never dropped
+        fingerprint = resume_fingerprint(ckpt, s) | ({"later stage": later} if later is not None else {})
+        conversion = dataclasses.replace(conversion, fingerprint=fingerprint)
+        ResumeFolder.check(dst, fingerprint, s.resume, s.remove_stale)
+    elif s.resume:
+        raise SettingError(
+            "resume", "{name}: this conversion keeps no work to continue (--refit and --distill do); drop {name}"
+        )
     return conversion
 
 

@@ -180,13 +180,13 @@ class ConvertSettings:
     remove_stale: bool = setting(
         False,
         help="Delete temporary outputs beside DST left by killed runs (reported otherwise), and a stopped "
-        "--refit run's finished layers (kept for --resume).",
+        "--refit or --distill run's finished work (kept for --resume).",
     )
     resume: bool = setting(
         False,
-        help="Continue a stopped --refit conversion into DST from the layers it finished (kept beside DST "
-        "until DST is published); the source, the calibration text and the recipe must be the same. The "
-        "output equals an uninterrupted run's.",
+        help="Continue a stopped --refit or --distill conversion into DST from the layers it fitted and the "
+        "distillation's newest checkpoint (kept beside DST until DST is published); the source, the "
+        "calibration text and the recipe must be the same. The output equals an uninterrupted run's.",
     )
     progress: bool = setting(True, help="Progress bars.", cli=False, job=False)
 

@@ -1,6 +1,7 @@
 """What a stopped conversion keeps so that ``--resume`` continues it: a folder beside DST,
 ``.DST.mha2gqa-resume/``, holding the run's fingerprint and each finished unit of work (a refitted
-layer's tensors and its record), each file written beside its final name and renamed into place.
+layer's tensors and its record; with ``--distill``, the distillation's run folder, its checkpoints
+and the teacher's cache), each file written beside its final name and renamed into place.
 
 The staged output itself stays atomic (removed on any failure); this folder is what survives a
 kill, a pre-empted node or an out-of-memory stop. It is removed once DST is published. A run whose
@@ -12,9 +13,11 @@ deletes it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +114,29 @@ class ResumeFolder:
     def finish(self) -> None:
         """The output is published: the finished work is no longer needed."""
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def resumable(resume: ResumeFolder | None) -> Iterator[None]:
+    """Keep ``resume``'s finished work only where the run was interrupted (a signal, a kill, the
+    system's errors): it goes once the output is published, and where the run stopped on a decision
+    of its own (an error said in one line, ``--guard fail``), after which no resume would help."""
+    if resume is None:
+        yield
+        return
+    from mha2gqa.core.signals import Terminated
+
+    try:
+        yield
+    except ResumeDamaged:  # the user's to look at; --remove-stale starts over
+        raise
+    except Mha2GqaError:
+        resume.finish()
+        raise
+    except Terminated as e:
+        e.kept = f"the finished work is kept in {resume.folder}: the same command with --resume continues"
+        raise
+    resume.finish()
 
 
 def _work(folder: Path) -> list[str]:

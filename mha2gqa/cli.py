@@ -111,7 +111,9 @@ def convert(src: str, dst: Path, quiet: bool, **options: Any) -> None:
     conversion = prepare(src, dst, settings)  # before torch loads
     from mha2gqa.convert.converter import run as run_conversion
 
-    click.echo(run_conversion(conversion).summary())
+    result = run_conversion(conversion)
+    if result is not None:  # (None: a process of several, once its share of the statistics is summed)
+        click.echo(result.summary())
 
 
 def _echo_unless(quiet: bool) -> Callable[[str], None]:
@@ -209,8 +211,8 @@ def eval_cmd(
 
     limits = validate(GateSettings(**{f: options.pop(f) for f in GateSettings.__dataclass_fields__}))
     settings = EvalSettings(**options, progress=not quiet).check()
-    request = EvalRequest(original, converted, settings, limits, output, overwrite).check()
-    outcome = request.run(log=None if quiet else lambda m: click.echo(m, err=True))
+    prepared = EvalRequest(original, converted, settings, limits, output, overwrite).prepare()  # before any weights
+    outcome = prepared.run(log=None if quiet else lambda m: click.echo(m, err=True))
     if outcome is None:  # not the main process
         return
     from mha2gqa.eval.summary import summary_lines
@@ -234,9 +236,10 @@ def uptrain_cmd(converted: str, quiet: bool, **options: Any) -> None:
     write a stock Hugging Face model to --output (run with `accelerate launch` for several GPUs)."""
     settings = UptrainSettings(**options, progress=not quiet).check()  # before torch loads
     from mha2gqa.eval.harness import is_main_process
-    from mha2gqa.uptrain import uptrain as run_uptrain
+    from mha2gqa.uptrain import prepare_uptrain, run_uptrain
 
-    result = run_uptrain(converted, settings, log=_echo_unless(quiet))
+    plan = prepare_uptrain(converted, settings, log=_echo_unless(quiet))  # every check, before any weights load
+    result = run_uptrain(plan)
     if is_main_process():
         click.echo(result.summary())
 

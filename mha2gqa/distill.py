@@ -5,11 +5,12 @@ then take off much of what it leaves (docs/methods.md, "A short distillation aft
 composes the two stages the way a user would run them by hand (``mha2gqa convert``, then ``mha2gqa
 uptrain --objective kd --teacher SRC --train attention --teacher-top-k 64 --data CALIBRATION``), in one
 staged folder beside DST: the conversion goes to ``converted/`` in it, the distillation reads that and
-writes ``distilled/``, whose final model (with both records and the card) becomes DST; nothing is
-published unless both finish. The distillation trains the attention projections of every layer to the
-source's cached top-64 next-token distribution on the calibration text, :data:`BATCH` windows of the
-calibration window a step at a constant learning rate. It holds the whole model in memory (the
-conversion holds one layer).
+writes ``distilled/`` in DST's resume folder (``.DST.mha2gqa-resume/``, with its checkpoints and the
+teacher's cache, and the refit's finished layers), whose final model (with both records and the card)
+becomes DST; nothing is published unless both finish, and a stopped run continues with ``--resume``.
+The distillation trains the attention projections of every layer to the source's cached top-64
+next-token distribution on the calibration text, :data:`BATCH` windows of the calibration window a
+step at a constant learning rate. It holds the whole model in memory (the conversion holds one layer).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from mha2gqa.convert.settings import ConvertSettings, calibration_window
 from mha2gqa.core.errors import SettingError
+from mha2gqa.core.ranks import one_process
 from mha2gqa.core.settings import check_switched, setting, validate
 
 #: windows a distillation step reads
@@ -32,8 +34,11 @@ BATCH = 2
 DISTILL_LR = 1.5e-3
 #: teacher log-probabilities kept per token (the rest as one remainder)
 TOP_K = 64
-#: where the two stages write inside the staged DST
-CONVERTED, DISTILLED = "converted", "distilled"
+#: where the two stages write: the conversion inside the staged DST, the distillation (its run folder,
+#: checkpoints and teacher cache) in DST's resume folder, so that a stopped run continues
+CONVERTED, DISTILLED, TEACHER = "converted", "distilled", "teacher"
+#: checkpoints a distillation writes over its steps (the newest kept): where --resume continues
+DISTILL_CHECKPOINTS = 3
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,6 @@ class DistillSettings:
         check_switched(self, "distill")
         if self.distill and convert.calibration is None:
             raise SettingError("distill", "{name} distils on the calibration text: give --calibration")
-        if self.distill and convert.resume:
-            raise SettingError("distill", "--resume continues a stopped conversion without {name}; not with it yet")
         return self
 
     def uptrain_settings(
@@ -81,14 +84,16 @@ class DistillSettings:
             teacher=teacher,
             train="attention",
             teacher_top_k=TOP_K,
-            teacher_cache=str(output.parent / "teacher"),
+            teacher_cache=str(output.parent / TEACHER),
             seq_len=calibration_window(convert.calibration_seq_len, positions),
             batch_size=BATCH,
             max_steps=self.distill_steps,
             lr=self.distill_lr,
             lr_relative=True,
             min_lr_ratio=1.0,
-            save_every=self.distill_steps + 1,  # no checkpoints: the run is short, and staged
+            save_every=max(1, -(-self.distill_steps // DISTILL_CHECKPOINTS)),  # what --resume continues from
+            save_total_limit=1,
+            resume=convert.resume,
             seed=convert.seed,
             device=convert.device,
             progress=convert.progress,
@@ -104,31 +109,35 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSettings, log: Callable[[str], None]):
     """Convert ``src`` as ``s`` says, distil the result as ``d`` says, and publish the distilled model
     as ``dst``; returns ``(conversion result, uptraining result)``. Settings and destination are
-    checked before any work; a failure or a stop leaves ``dst`` as it was."""
+    checked before any work; a failure leaves ``dst`` as it was. A stop (a signal, a kill) keeps the
+    refit's finished layers and the distillation's newest checkpoint beside ``dst``
+    (``.DST.mha2gqa-resume/``): the same command with ``--resume`` converts again (reading the fitted
+    layers back) and continues the distillation from that checkpoint, to the same model."""
     from mha2gqa.convert.converter import run
     from mha2gqa.convert.prepare import inputs_of, prepare
     from mha2gqa.core.output import staged_output
     from mha2gqa.core.recipe_file import recipe_name, write_recipe
-    from mha2gqa.core.signals import Terminated
+    from mha2gqa.core.resume import ResumeFolder, resumable
 
+    one_process("convert --distill", "convert under torchrun, then distil with `mha2gqa uptrain` under torchrun")
     d = d.check(s)
     conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None)  # the text is ours
-    first = prepare(src, dst, conversion)  # every check of the settings, the source and DST, before any work
-    with staged_output(Path(dst), s.overwrite, inputs_of(first.ckpt, s), remove_stale=s.remove_stale) as stage:
-        converted = run(dataclasses.replace(first, dst=stage / CONVERTED), guard_data=s.calibration)
+    # every check of the settings, the source, DST and the kept work, before any work
+    first = prepare(src, dst, conversion, later={"distill": dataclasses.asdict(d)})
+    resume = ResumeFolder.open(Path(dst), first.fingerprint, s.resume, s.remove_stale)
+    staged = staged_output(Path(dst), s.overwrite, inputs_of(first.ckpt, s), remove_stale=s.remove_stale)
+    with resumable(resume), staged as stage:
+        converted = run(dataclasses.replace(first, dst=stage / CONVERTED), guard_data=s.calibration, resume=resume)
         guard = converted.guard
         held = guard.before_windows if guard is not None and guard.ids is not None else None
-        try:
-            distilled = _distil(converted.output, first, s, d, stage / DISTILLED, log, held)
-        except Terminated as e:  # the staged run goes with the stage: nothing to --resume
-            e.kept = None
-            raise
-        kept = guard is None or guard.distillation(stage / DISTILLED, converted.kv_heads_per_layer, log)
+        distilled_folder = resume.path(DISTILLED)
+        distilled = _distil(converted.output, first, s, d, distilled_folder, log, held)
+        kept = guard is None or guard.distillation(distilled_folder, converted.kv_heads_per_layer, log)
         record = converted.record
         if guard is not None:
             facts = dataclasses.replace(record.conversion, guard=guard.record())
             record = dataclasses.replace(record, conversion=facts)
-        _publish(stage, Path(dst), src, record, kept)
+        _publish(stage, distilled_folder if kept else None, Path(dst), src, record)
         write_recipe(
             stage, recipe_name(s.method, s.refit, True), {"convert": s.recipe(), "distill": dataclasses.asdict(d)}
         )
@@ -144,22 +153,24 @@ def _distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, o
     return uptrain(str(student), d.uptrain_settings(s, teacher, out, positions, tokens), log=log)
 
 
-def _publish(stage: Path, dst: Path, src: str, conversion, distilled: bool) -> None:
-    """The published model's files into ``stage`` itself, the stages' folders removed: the distilled
-    model (its uptraining record naming the model it started from as DST's conversion, not the
-    staged folder), or, where the stage guard undid the distillation, the converted model; either
-    with ``conversion`` (the conversion record, the guard's verdict on every stage in it)."""
+def _publish(stage: Path, distilled: Path | None, dst: Path, src: str, conversion) -> None:
+    """The published model's files into ``stage`` itself, the stages' folders removed: the
+    ``distilled`` model (its uptraining record naming the model it started from as DST's conversion,
+    not the staged folder), or, where the stage guard undid the distillation (None), the converted
+    model; either with ``conversion`` (the conversion record, the guard's verdict on every stage in it)."""
     from mha2gqa.core.cards import model_card
     from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG
     from mha2gqa.uptrain.checkpoints import CHECKPOINTS
     from mha2gqa.uptrain.record import UptrainRecord
 
-    if distilled:
-        folder = stage / DISTILLED
+    if distilled is not None:
+        folder = distilled
         record = UptrainRecord.read(folder)
-        staged = {"output": str(dst), "teacher_cache": None}  # the staged paths are gone once published
+        # the paths of the stages are gone once published; how the run went (resumed or not) is not the recipe
+        settings = {**record.settings, "output": str(dst), "teacher_cache": None}
+        settings.pop("resume", None)
         record = dataclasses.replace(
-            record, student=f"{src} converted (this model before --distill)", settings={**record.settings, **staged}
+            record, student=f"{src} converted (this model before --distill)", settings=settings
         )
         files = record.files(conversion, folder)
     else:
@@ -170,5 +181,5 @@ def _publish(stage: Path, dst: Path, src: str, conversion, distilled: bool) -> N
             path.rename(stage / path.name)
     for name, text in files.items():
         (stage / name).write_text(text, encoding="utf-8")
-    for name in (CONVERTED, DISTILLED, "teacher"):
+    for name in (CONVERTED, DISTILLED, TEACHER):
         shutil.rmtree(stage / name, ignore_errors=True)

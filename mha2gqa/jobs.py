@@ -38,6 +38,7 @@ import yaml
 from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.ranks import one_process
 from mha2gqa.core.recipe_file import DISTILL, REFIT, parse_recipe
 from mha2gqa.core.settings import Spec, check_value, from_mapping, setting, validate
 from mha2gqa.demo import DEMO_ARCHITECTURES, DemoSettings
@@ -381,7 +382,8 @@ def run_job(
     overwrite: bool = False,
 ) -> RunResult:
     """Convert, evaluate, report and gate as the job says; returns where everything went. An earlier
-    run's folder is replaced only with ``overwrite``."""
+    run's folder is replaced only with ``overwrite``. One process: refused under a launcher."""
+    one_process("mha2gqa run", "each of its commands (convert, eval, uptrain) takes torchrun on its own")
     with _quiet_bars(not progress):
         return _run_job(job, output_dir, log, progress, overwrite)
 
@@ -512,7 +514,8 @@ def _evaluate_stage(
 
     log(f"evaluating {tag} against the original")
     path = out / "results" / f"{tag}.json"
-    outcome = EvalRequest(source, str(model_dir), settings, job.gates, output=path).run(log=lambda m: log(m, "  "))
+    prepared = EvalRequest(source, str(model_dir), settings, job.gates, output=path).prepare(checked=True)
+    outcome = prepared.run(log=lambda m: log(m, "  "))
     typed = outcome.results
     p = typed.headline
     row = SweepRow(

@@ -88,10 +88,24 @@ def test_a_failing_distillation_leaves_dst_as_it_was(src, tmp_path, monkeypatch)
     monkeypatch.setattr(mha2gqa.uptrain, "uptrain", fail)
     with pytest.raises(RuntimeError, match="stopped in the distillation"):
         _convert(src, tmp_path / "dst", "--distill", catch_exceptions=False)
-    assert list(tmp_path.iterdir()) == []
+    # DST as it was; what a system's error (an out-of-memory stop) leaves is the work kept for --resume
+    assert [p.name for p in tmp_path.iterdir()] == [".dst.mha2gqa-resume"]
 
 
-def test_a_stop_during_the_distillation_leaves_nothing_and_says_so(src, tmp_path, monkeypatch):
+def test_a_distillation_refused_in_one_line_keeps_nothing(src, tmp_path, monkeypatch):
+    import mha2gqa.uptrain
+    from mha2gqa.core.errors import Mha2GqaError
+
+    def refused(*args, **kwargs):
+        raise Mha2GqaError("uptrain: the loss became nan at step 3; lower --lr")
+
+    monkeypatch.setattr(mha2gqa.uptrain, "uptrain", refused)
+    result = _convert(src, tmp_path / "dst", "--distill")
+    assert result.exit_code == 1 and "the loss became nan" in result.output
+    assert list(tmp_path.iterdir()) == []  # no resume would help: nothing kept
+
+
+def test_a_stop_during_the_distillation_keeps_the_work_and_says_how_to_continue(src, tmp_path, monkeypatch):
     import signal
 
     import mha2gqa.uptrain
@@ -104,8 +118,10 @@ def test_a_stop_during_the_distillation_leaves_nothing_and_says_so(src, tmp_path
 
     monkeypatch.setattr(mha2gqa.uptrain, "uptrain", stopped)
     result = _convert(src, tmp_path / "dst", "--distill")
-    assert result.exit_code != 0 and "stopped by SIGTERM; nothing partial was left behind" in result.output
-    assert list(tmp_path.iterdir()) == []
+    kept = tmp_path / ".dst.mha2gqa-resume"
+    assert result.exit_code != 0 and "stopped by SIGTERM" in result.output, result.output
+    assert f"the finished work is kept in {kept}: the same command with --resume continues" in result.output
+    assert [p.name for p in tmp_path.iterdir()] == [kept.name]
 
 
 def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path):

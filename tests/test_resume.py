@@ -97,11 +97,8 @@ def test_a_changed_input_refuses_to_resume_and_finished_work_is_never_dropped_un
     over = CliRunner().invoke(main, [*base, *text, "--remove-stale", "-q"])  # started over, from layer 0
     assert over.exit_code == 0 and "layer-0" not in over.output, over.output
     assert (dst / "model.safetensors").is_file() and not resume_folder(dst).exists()
-    with pytest.raises(Mha2GqaError, match="--resume continues a stopped conversion without"):
-        from mha2gqa.convert.settings import ConvertSettings
-        from mha2gqa.distill import DistillSettings
-
-        DistillSettings(distill=True).check(ConvertSettings(num_kv_heads=1, calibration="x", resume=True))
+    with pytest.raises(Mha2GqaError, match="resume: this conversion keeps no work to continue"):
+        convert_checkpoint(setup["src"], tmp_path / "plain", 1, "mean", resume=True, progress=False)
 
 
 def test_a_killed_process_resumes(setup, tmp_path):
@@ -160,3 +157,102 @@ def test_a_per_layer_auto_refit_resumes_though_the_allocation_rewrote_its_settin
     _stopped(setup, dst, monkeypatch, 1, None, per_layer="auto", kv_budget=1.0)
     out = convert_checkpoint(setup["src"], dst, None, resume=True, **kw)
     assert out.kv_heads_per_layer == [1, 1, 1, 1] and not resume_folder(dst).exists()
+
+
+def _distill_run(setup, dst, resume: bool = False):
+    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.distill import DistillSettings, convert_and_distill
+
+    s = ConvertSettings(num_kv_heads=1, method="svd", resume=resume, **setup["kw"])
+    d = DistillSettings(distill=True, distill_steps=6)
+    return convert_and_distill(str(setup["src"]), dst, s, d, log=lambda *_: None)
+
+
+def _record(folder, name: str) -> dict:
+    """A record file without what differs between any two runs (times, seconds)."""
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("created", "seconds", "step_seconds")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return strip(json.loads((folder / name).read_text()))
+
+
+def test_a_distillation_stopped_after_a_checkpoint_resumes_to_the_uninterrupted_output(setup, tmp_path, monkeypatch):
+    """``convert --refit --distill`` stopped (SIGTERM) inside the distillation keeps the fitted layers and
+    the distillation's newest checkpoint; ``--resume`` reads the layers back, continues the distillation
+    from that checkpoint and publishes the uninterrupted run's bytes and records."""
+    import mha2gqa.uptrain.trainer as trainer
+    from mha2gqa.core.records import UPTRAIN_RECORD
+    from mha2gqa.core.signals import Terminated
+
+    whole, dst = tmp_path / "whole", tmp_path / "out"
+    _distill_run(setup, whole)
+    step = trainer._Trainer.step
+
+    def stopping(self, k):
+        if k == 5:  # checkpoints every 2 of the 6 steps: the newest is step 4's
+            raise Terminated(signal.SIGTERM)
+        return step(self, k)
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer._Trainer, "step", stopping)
+        with pytest.raises(Terminated) as stopped:
+            _distill_run(setup, dst)
+    kept = resume_folder(dst)
+    assert "--resume continues" in stopped.value.kept and str(kept) in stopped.value.kept
+    assert not dst.exists() and (kept / "layer-3.json").is_file()
+    assert [p.name for p in (kept / "distilled" / "checkpoints").iterdir()] == ["step-0000004"]
+    steps, fitted = [], []
+    monkeypatch.setattr(trainer._Trainer, "step", lambda self, k: steps.append(k) or step(self, k))
+    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[2]) or _refit(*a, **k))
+    _distill_run(setup, dst, resume=True)
+    assert fitted == [] and steps == [5, 6]  # every layer read back; the distillation went on from step 4
+    assert (dst / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    resumed, straight = _record(dst, CONVERSION_RECORD), _record(whole, CONVERSION_RECORD)
+    assert resumed["settings"].pop("resume") and not straight["settings"].pop("resume")  # the same but --resume
+    assert resumed == straight
+    resumed, straight = _record(dst, UPTRAIN_RECORD)["uptrain"], _record(whole, UPTRAIN_RECORD)["uptrain"]
+    assert (resumed["settings"].pop("output"), straight["settings"].pop("output")) == (str(dst), str(whole))
+    assert resumed == straight
+    assert not kept.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]
+
+
+def test_a_distillation_resume_refuses_other_distillation_settings(setup, tmp_path, monkeypatch):
+    import mha2gqa.uptrain.trainer as trainer
+    from mha2gqa.core.signals import Terminated
+
+    dst = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(trainer._Trainer, "step", lambda self, k: (_ for _ in ()).throw(Terminated(signal.SIGTERM)))
+        with pytest.raises(Terminated):
+            _distill_run(setup, dst)
+    base = ["convert", str(setup["src"]), str(dst), "-g", "1", "--method", "svd", "--refit", "--refit-steps", "12"]
+    base += ["--calibration-tokens", "1024", "--calibration", str(setup["text"]), "--distill", "--resume"]
+    other = CliRunner().invoke(main, [*base, "--distill-steps", "7"])
+    assert other.exit_code == 1 and "--resume: the later stage changed since the stopped run" in other.output
+    assert len(other.output.strip().splitlines()) == 1 and resume_folder(dst).exists()
+
+
+def test_a_process_killed_inside_the_distillation_resumes(setup, tmp_path):
+    """A real SIGKILL once the distillation has written a checkpoint, then the same command with --resume."""
+    dst, whole = tmp_path / "out", tmp_path / "whole"
+    options = ["-g", "1", "--method", "svd", "--calibration", str(setup["text"]), "--calibration-tokens", "1024"]
+    options += ["--refit", "--refit-steps", "12", "--distill", "--distill-steps", "30", "-q"]
+    args = [sys.executable, "-m", "mha2gqa.cli", "convert", str(setup["src"]), str(dst), *options]
+    subprocess.run([*args[:5], str(whole), *options], check=True, capture_output=True)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = resume_folder(dst) / "distilled" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not any(checkpoints.glob("step-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.skip("the conversion finished before it could be killed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists() and any(checkpoints.glob("step-*"))
+    done = subprocess.run([*args, "--resume", "--remove-stale"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (dst / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    assert not resume_folder(dst).exists() and not list(tmp_path.glob(".out.*"))

@@ -23,6 +23,7 @@ from mha2gqa.convert.layers import (
 )
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
+from mha2gqa.core.ranks import Ranks, ranks
 from mha2gqa.core.signals import check as check_signals
 
 
@@ -55,7 +56,8 @@ def collect(
     from mha2gqa.core.families import find_family
     from mha2gqa.core.progress import bar as progress_bar
 
-    ckpt, model, dims, windows, states, dev = _start(source, device, allow_pickle, data, tokens, seq_len, text_field)
+    start = _start(source, device, allow_pickle, data, tokens, seq_len, text_field, shared=on_layer is None)
+    ckpt, model, dims, windows, states, dev, team = start
     grouping = get_grouping(grouping) if isinstance(grouping, str) else grouping
     per_layer = groups if isinstance(groups, tuple) else None
     stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
@@ -64,7 +66,8 @@ def collect(
     family = find_family(ckpt.config) if weigh_values else None
     o_proj = family.o_proj + ".weight" if family is not None else None  # {layer} to fill
     desc = f"calibrating {dims.num_layers} layers on {windows.numel():,} tokens"
-    bar = progress_bar(total=dims.num_layers * len(states), unit="window", desc=desc, disable=not progress)
+    quiet = not progress or not team.main
+    bar = progress_bar(total=dims.num_layers * len(states), unit="window", desc=desc, disable=quiet)
     recording = [True]  # off while a cost runs a layer again with merged weights
 
     def record(layer, q, k, v, *_):
@@ -75,8 +78,7 @@ def collect(
         for i, layer, prefix in each_layer(model, ckpt, dev, dtype=None):  # as stored, run in float32
             inputs = [h for h, _ in states] if on_layer is not None else None
             _advance(layer, states, bar)
-            if o_proj is not None and i in full.layers:  # how each value direction reaches the output
-                full.layers[i].o_gram = _output_gram(ckpt, o_proj.format(layer=i), dims)
+            _gathered(full, i, team, ckpt, o_proj, dims)
             if on_layer is not None:  # before the weights go: a cost may run the layer again
                 recording[0] = False
                 with float32_on_call(layer):
@@ -99,20 +101,43 @@ def _keep(i: int, full, stats, g: int | None, grouping: Grouping, dims, compact:
         stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
 
 
-def _start(source, device: str, allow_pickle: bool, data: str, tokens: int, seq_len: int | None, text_field: str):
-    """The checkpoint, its model on ``meta``, its dimensions, the calibration windows ``[n, T]`` and
-    what the first decoder layer receives for each, and the device."""
+def _start(
+    source, device: str, allow_pickle: bool, data: str, tokens: int, seq_len: int | None, text_field: str, shared: bool
+):
+    """The checkpoint, its model on ``meta``, its dimensions, the calibration windows ``[n, T]``, what
+    the first decoder layer receives for this process's windows, the device, and the processes
+    (:class:`Ranks`). ``shared``: under a launcher (``torchrun``) each process reads its share of the
+    windows and the sums are added at each layer's end (:func:`_gathered`); otherwise (a cost that runs
+    each layer again reads every window) each process is alone."""
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.models import resolve_device
 
-    dev = resolve_device(device)
+    dev = resolve_device(device)  # (forms the processes' group under a launcher)
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
     model = skeleton(ckpt)
     dims = dims_of(model.config)
     seq_len = calibration_window(seq_len, getattr(model.config, "max_position_embeddings", None))
     windows = calibration_ids(ckpt.folder, data, tokens, seq_len, text_field).to(dev)
-    return ckpt, model, dims, windows, first_layer_inputs(model, ckpt, windows, dev), dev
+    team = ranks() if shared else Ranks()
+    states = first_layer_inputs(model, ckpt, team.share(windows, f"--calibration {data}"), dev)
+    return ckpt, model, dims, windows, states, dev, team
+
+
+def _gathered(full: CalibrationStats, i: int, team: Ranks, ckpt: Checkpoint, o_proj: str | None, dims) -> None:
+    """Layer ``i`` read by every process: its sums added over the processes, and its output
+    projection's Gram (``o_proj``, ``{layer}`` to fill: how each value direction reaches the output)."""
+    if team.size > 1:
+        _summed(full.layers[i], team)
+    if o_proj is not None and i in full.layers:
+        full.layers[i].o_gram = _output_gram(ckpt, o_proj.format(layer=i), dims)
+
+
+def _summed(entry: LayerStats, team: Ranks) -> None:
+    """One layer's sums (second moments, energies, tokens) added over every process, in place."""
+    for total in (entry.v_gram, entry.k_plane_gram, entry.k_rest_gram, entry.q_plane_energy):
+        team.sum(total)
+    entry.tokens = int(team.sum(torch.tensor(entry.tokens, dtype=torch.int64)))
 
 
 def _advance(layer: torch.nn.Module, states: list[tuple[torch.Tensor, dict]], bar) -> None:

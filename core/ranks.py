@@ -1,0 +1,84 @@
+"""The processes of one run (``torchrun`` / ``accelerate launch``: gloo on CPUs, NCCL on GPUs), as the
+conversion sees them: this process's rank and the count, its share of a list of windows, and sums
+across the processes. One process (no launcher) is rank 0 of 1 and every function is the identity, so
+the code that calls them is the same for one process and many."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from mha2gqa.core.errors import Mha2GqaError
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's ``rank`` among ``size`` processes."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes (rank 0)."""
+        return self.rank == 0
+
+    def share(self, items: Sequence[T], what: str) -> Sequence[T]:
+        """This rank's items (every ``size``-th from ``rank``); refused in one line when some rank
+        would have none (``what`` names them)."""
+        if len(items) < self.size:
+            raise Mha2GqaError(
+                f"{what}: {len(items)} window(s) for {self.size} processes; give each process at least one "
+                "(more text, shorter windows) or run fewer processes"
+            )
+        return items[self.rank :: self.size]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over every process, in place (the same result on every rank); complex
+        tensors are summed as their real and imaginary parts."""
+        if self.size > 1:
+            import torch
+            import torch.distributed as dist
+
+            dist.all_reduce(torch.view_as_real(tensor) if tensor.is_complex() else tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait until every process is here."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def ranks() -> Ranks:
+    """The processes of this run, as ``accelerate`` set them up (:func:`mha2gqa.core.models.resolve_device`
+    forms the group under a launcher); one process when there is no group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return Ranks(dist.get_rank(), dist.get_world_size())
+    return Ranks()
+
+
+def launched() -> int:
+    """How many processes the launcher (``torchrun``, ``accelerate launch``) started for this run, from
+    its environment (``WORLD_SIZE``), before any process group is formed: 1 without a launcher."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+def one_process(command: str, instead: str) -> None:
+    """Refuse ``command`` in one line when a launcher started several processes for it (``instead``:
+    what to do)."""
+    if (n := launched()) > 1:
+        raise Mha2GqaError(f"{command} runs in one process, not {n}: run it without torchrun ({instead})")

@@ -1,0 +1,112 @@
+"""A conversion on several processes (torchrun, gloo on CPU) equals one process: the calibration
+windows are split by rank and the statistics summed across ranks; rank 0 merges, refits, checks and
+writes, the others stop once the statistics are summed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import llama_with_tokenizer, story_text
+from safetensors.torch import load_file
+from test_distributed import run_ok
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+STATS_SCRIPT = """
+import sys, torch
+from mha2gqa.convert.calibration.streaming import collect
+from mha2gqa.core.ranks import ranks
+src, text, out = sys.argv[1:4]
+stats = collect(src, 2, text, 1024, 64, device="cpu", compact=False)
+if ranks().main:
+    torch.save({i: (l.v_gram, l.k_plane_gram, l.k_rest_gram, l.q_plane_energy, l.tokens, stats.tokens)
+                for i, l in stats.layers.items()}, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("scale")
+    text = story_text(tmp / "t.txt", 400)
+    return llama_with_tokenizer(tmp / "mha", text), text
+
+
+def test_two_ranks_gather_the_statistics_one_process_gathers(source, tmp_path):
+    src, text = source
+    script = tmp_path / "stats.py"
+    script.write_text(STATS_SCRIPT)
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    subprocess.run([sys.executable, str(script), str(src), str(text), str(one)], check=True)
+    run_ok([*TORCHRUN, "--master_port", "29541", str(script), str(src), str(text), str(two)])
+    a, b = torch.load(one), torch.load(two)
+    assert a.keys() == b.keys() and len(a) >= 2
+    for layer in a:
+        *grams_a, tokens_a, total_a = a[layer]
+        *grams_b, tokens_b, total_b = b[layer]
+        assert (tokens_a, total_a) == (tokens_b, total_b) and tokens_a > 0
+        for x, y in zip(grams_a, grams_b, strict=True):
+            assert x.shape == y.shape
+            if not x.numel():  # (no non-rotary key dimensions)
+                continue
+            scale = x.abs().max()
+            assert scale > 0
+            assert (x - y).abs().max() <= 1e-6 * scale  # summed in another order: float noise only
+
+
+def _convert(src, text, dst, *extra: str, processes: int = 1, port: int = 29542) -> str:
+    args = ["-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2", "--calibration", str(text)]
+    args += ["--calibration-tokens", "1024", "--calibration-seq-len", "64", "--device", "cpu", "-q", *extra]
+    if processes == 1:
+        done = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    return run_ok([*TORCHRUN, "--master_port", str(port), *args])
+
+
+@pytest.mark.parametrize(
+    ("extra", "port"),
+    [
+        (("--method", "svd"), 29543),
+        (("--method", "svd", "--refit", "--refit-steps", "8"), 29544),
+        (("--method", "svd", "--per-layer", "auto"), 29546),
+        (("--method", "mean", "--grouping", "similarity"), 29547),
+    ],
+)
+def test_a_conversion_on_two_ranks_equals_one_process(source, tmp_path, extra, port):
+    src, text = source
+    one, two = tmp_path / "one", tmp_path / "two"
+    _convert(src, text, one, *extra)
+    printed = _convert(src, text, two, *extra, processes=2, port=port)
+    assert printed.count("converted") <= 1  # rank 0 alone speaks and writes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # nothing else beside DST
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-4, atol=1e-5), name
+    rec_a, rec_b = (json.loads((d / "mha2gqa_conversion.json").read_text()) for d in (one, two))
+    assert rec_a["conversion"]["calibration"]["tokens"] == rec_b["conversion"]["calibration"]["tokens"]
+    assert rec_a["conversion"]["num_kv_heads_per_layer"] == rec_b["conversion"]["num_kv_heads_per_layer"]
+    if "--per-layer" in extra:  # the same allocation
+        alloc_a, alloc_b = (r["conversion"]["per_layer_allocation"] for r in (rec_a, rec_b))
+        assert alloc_a["chosen"] == alloc_b["chosen"]
+        assert alloc_a["cost"] == pytest.approx(alloc_b["cost"], rel=1e-4)
+    if "--refit" in extra:
+        la, lb = rec_a["conversion"]["refit"]["layers"], rec_b["conversion"]["refit"]["layers"]
+        for x, y in zip(la, lb, strict=True):
+            assert x["loss_after"] == pytest.approx(y["loss_after"], rel=1e-4)
+
+
+def test_too_few_windows_for_the_ranks_is_one_line(source, tmp_path):
+    src, text = source
+    args = ["-m", "mha2gqa.cli", "convert", str(src), str(tmp_path / "out"), "-g", "2", "--method", "svd"]
+    args += ["--calibration", str(text), "--calibration-tokens", "64", "--calibration-seq-len", "64", "--guard", "off"]
+    done = subprocess.run(
+        [*TORCHRUN, "--master_port", "29545", *args, "--device", "cpu"], capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    assert "Error: --calibration" in done.stderr and "1 window(s) for 2 processes" in done.stderr
+    ours = [ln for ln in done.stderr.splitlines() if ln.strip().startswith('File "') and "torch" not in ln]
+    assert [ln for ln in ours if "<frozen" not in ln] == []  # torchrun's own traceback only
+    assert not (tmp_path / "out").exists()
