@@ -446,6 +446,7 @@ def convert_checkpoint(
     ``method`` and ``options`` are the fields of :class:`~mha2gqa.convert.settings.ConvertSettings`
     (their defaults and meaning are there; the methods are in :mod:`mha2gqa.convert.methods`).
     Raises :class:`~mha2gqa.core.errors.Mha2GqaError` for bad input, before anything is written.
+    Under a launcher (``torchrun``) every process but rank 0 returns None (see :func:`run`).
     """
     s = ConvertSettings(num_kv_heads=num_kv_heads, **({"method": method} if method else {}), **options)
     return run(prepare(src, dst, s))

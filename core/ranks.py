@@ -42,12 +42,18 @@ class Ranks:
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over every process, in place (the same result on every rank); complex
-        tensors are summed as their real and imaginary parts."""
+        tensors are summed as their real and imaginary parts. Under NCCL (which reduces GPU tensors
+        only) a CPU tensor goes through this process's GPU and back."""
         if self.size > 1:
             import torch
             import torch.distributed as dist
 
-            dist.all_reduce(torch.view_as_real(tensor) if tensor.is_complex() else tensor, op=dist.ReduceOp.SUM)
+            on = tensor
+            if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+                on = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(torch.view_as_real(on) if on.is_complex() else on, op=dist.ReduceOp.SUM)
+            if on is not tensor:
+                tensor.copy_(on)
         return tensor
 
     def barrier(self) -> None:

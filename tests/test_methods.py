@@ -562,3 +562,33 @@ def test_head_contribution_error_sees_through_the_basis_svd_absorbs(calib_text, 
     pooled = attention_similarity(load(src), load(mean), batch, chunk=16).summary
     assert exact.mean_contribution_rel_error < 1e-4 < exact.mean_output_rel_error
     assert pooled.mean_contribution_rel_error > 1e-2
+
+
+def test_eigenvectors_take_one_sign_so_near_equal_statistics_give_near_equal_weights(calib_text, tmp_path, monkeypatch):
+    """An eigenvector is defined up to its sign, and LAPACK's choice can flip under a change in the last
+    bits (statistics summed in another order on several processes): the conversion must not follow it.
+    Here the solver is made to hand every eigenvector back negated (its other valid answer); the
+    converted weights must be the same bytes."""
+    from safetensors.torch import load_file
+
+    from mha2gqa.convert.calibration.stats import canonical_sign
+
+    vecs = torch.randn(3, 6, 4, dtype=torch.complex128)
+    fixed = canonical_sign(vecs)
+    assert torch.equal(canonical_sign(-vecs), fixed) and torch.equal(canonical_sign(fixed), fixed)
+    lead = fixed.gather(-2, fixed.abs().argmax(-2, keepdim=True))
+    assert (lead.real > 0).all() and torch.equal(fixed.abs(), vecs.abs())
+    model = random_model(tiny_config("llama", vocab_size=300), seed=3)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    kw = calibrated(calib_text, refit=True, refit_steps=4)
+    plain = convert_checkpoint(src, tmp_path / "plain", 1, **kw).output
+    eigh = torch.linalg.eigh
+
+    def flipped(gram):
+        values, vectors = eigh(gram)
+        return values, -vectors
+
+    monkeypatch.setattr(torch.linalg, "eigh", flipped)
+    other = convert_checkpoint(src, tmp_path / "other", 1, **kw).output
+    a, b = load_file(plain / "model.safetensors"), load_file(other / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

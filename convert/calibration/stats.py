@@ -24,9 +24,23 @@ import torch
 
 
 def top_eigvecs(gram: torch.Tensor, k: int) -> torch.Tensor:
-    """Eigenvectors of the ``k`` largest eigenvalues of a symmetric/Hermitian ``gram`` (columns)."""
+    """Eigenvectors of the ``k`` largest eigenvalues of a symmetric/Hermitian ``gram`` (columns), each
+    with its canonical sign (:func:`canonical_sign`)."""
     _, vecs = torch.linalg.eigh(gram)
-    return vecs[..., -k:].flip(-1)
+    return canonical_sign(vecs[..., -k:].flip(-1))
+
+
+def canonical_sign(vecs: torch.Tensor) -> torch.Tensor:
+    """``vecs`` ``[..., n, k]`` with each column's sign chosen so that its largest-magnitude entry has a
+    positive real part. An eigenvector is defined up to its sign (LAPACK's Hermitian solvers leave
+    exactly that free), and the solver's choice can flip under a change in the last bits of the matrix
+    (statistics summed in another order: several processes, another thread count). A flipped column
+    gives the same function with other weights; fixed this way, near-equal statistics give near-equal
+    weights. A sign changes no result: the merge is exact under it, and so are Adam's steps and the
+    output projection's solve (each flips with its coordinate)."""
+    lead = vecs.gather(-2, vecs.abs().argmax(dim=-2, keepdim=True))  # [..., 1, k]
+    lead = lead.real if lead.is_complex() else lead
+    return vecs * torch.where(lead < 0, -1, 1).to(vecs.dtype)
 
 
 @dataclass
