@@ -92,9 +92,10 @@ class ConversionResult:
         )
 
 
-def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=None) -> Any:
+def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=None, shared: bool = True) -> Any:
     """The streamed calibration pass over the conversion's text (statistics for ``groups`` KV heads;
-    ``on_layer`` sees each layer, see :func:`~mha2gqa.convert.calibration.streaming.collect`)."""
+    ``on_layer`` sees each layer; ``shared``: the windows split across a launcher's processes, every
+    one calling this; see :func:`~mha2gqa.convert.calibration.streaming.collect`)."""
     from mha2gqa.convert.calibration.streaming import collect
 
     s = source.settings
@@ -109,20 +110,22 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
         allow_pickle=s.allow_pickle,
         progress=s.progress,
         on_layer=on_layer,
+        shared=shared,
         # a refit starts better from the values' principal subspace than from the output-weighted
         # code (docs/methods.md, "The value code weighted by o_proj")
         weigh_values=not s.refit,
     )
 
 
-def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
-    """Calibration statistics (None when the method needs none) and their record."""
+def _calibrate(source: Conversion, shared: bool = True) -> tuple[Any, Calibration | None]:
+    """Calibration statistics (None when the method needs none) and their record (``shared``: as
+    :func:`_collect`; False on rank 0 alone)."""
     s = source.settings
     if not source.layered or not source.changes:
         return None, None
     if not s.calibration:  # a layer method that works from the weights alone (aligned)
         return None, Calibration(None, 0, source.dims.rotary, weights_only=True)
-    stats = _collect(source, source.targets if source.per_layer else source.targets[0])
+    stats = _collect(source, source.targets if source.per_layer else source.targets[0], shared=shared)
     return stats, Calibration(s.calibration, stats.tokens, stats.rotary_dim)
 
 
@@ -181,7 +184,7 @@ def _guard_allocation(c: Conversion, planned: tuple[Any, Any, list[OutputTensor]
     if not fits or len(set(c.targets)) == 1:  # nothing uniform to compare with, or the allocation is uniform
         return (c, *planned)
     uniform = c.with_targets((max(fits),) * dims.num_layers)
-    stats, calibration = _calibrate(uniform)
+    stats, calibration = _calibrate(uniform, shared=False)  # rank 0 alone: the other processes are done
     tensors = tensor_sources(
         uniform.ckpt, uniform.family, dims, uniform.targets, uniform.method, stats, c.settings.seed
     )

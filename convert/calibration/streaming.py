@@ -42,6 +42,7 @@ def collect(
     progress: bool = False,
     on_layer=None,
     weigh_values: bool = True,
+    shared: bool = True,
 ) -> CalibrationStats:
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads (one count, one per layer,
     or None: nothing kept) from the first ``tokens`` tokens of ``data`` in windows of ``seq_len``,
@@ -50,14 +51,15 @@ def collect(
     heads first, then cut it into its groups (similarity: the least-residual groups, recorded as
     ``perm``); ``compact`` keeps only what the merges read. ``on_layer(layer, full, run)`` sees each
     layer's all-heads statistics and the loaded layer (:class:`LayerRun`) before they are cut.
-    ``weigh_values`` records each layer's output-projection Gram, so that ``svd`` picks the value
-    code that loses least through ``o_proj`` (without: the values' principal subspace)."""
+    ``weigh_values``: record each layer's output-projection Gram (``svd`` then picks the value code that
+    loses least through ``o_proj``; without: the values' principal subspace); ``shared``: see :func:`_start`."""
     from mha2gqa.core.capture import capturing
     from mha2gqa.core.families import find_family
     from mha2gqa.core.progress import bar as progress_bar
 
-    start = _start(source, device, allow_pickle, data, tokens, seq_len, text_field, shared=on_layer is None)
-    ckpt, model, dims, windows, states, dev, team = start
+    ckpt, model, dims, windows, states, dev, team = _start(
+        source, device, allow_pickle, data, tokens, seq_len, text_field, shared=shared and on_layer is None
+    )
     grouping = get_grouping(grouping) if isinstance(grouping, str) else grouping
     per_layer = groups if isinstance(groups, tuple) else None
     stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
@@ -65,8 +67,7 @@ def collect(
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
     family = find_family(ckpt.config) if weigh_values else None
     o_proj = family.o_proj + ".weight" if family is not None else None  # {layer} to fill
-    desc = f"calibrating {dims.num_layers} layers on {windows.numel():,} tokens"
-    quiet = not progress or not team.main
+    desc, quiet = f"calibrating {dims.num_layers} layers on {windows.numel():,} tokens", not progress or not team.main
     bar = progress_bar(total=dims.num_layers * len(states), unit="window", desc=desc, disable=quiet)
     recording = [True]  # off while a cost runs a layer again with merged weights
 
@@ -107,8 +108,9 @@ def _start(
     """The checkpoint, its model on ``meta``, its dimensions, the calibration windows ``[n, T]``, what
     the first decoder layer receives for this process's windows, the device, and the processes
     (:class:`Ranks`). ``shared``: under a launcher (``torchrun``) each process reads its share of the
-    windows and the sums are added at each layer's end (:func:`_gathered`); otherwise (a cost that runs
-    each layer again reads every window) each process is alone."""
+    windows and the sums are added at each layer's end (:func:`_gathered`), so every process must call
+    it; otherwise (a cost that runs each layer again reads every window; rank 0 alone once the others
+    are done) each process reads every window."""
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.models import resolve_device
