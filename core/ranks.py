@@ -56,13 +56,6 @@ class Ranks:
                 tensor.copy_(on)
         return tensor
 
-    def barrier(self) -> None:
-        """Wait until every process is here."""
-        if self.size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
 
 def ranks() -> Ranks:
     """The processes of this run, as ``accelerate`` set them up (:func:`mha2gqa.core.models.resolve_device`
