@@ -154,7 +154,7 @@ def _distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, o
 
 
 def _publish(stage: Path, distilled: Path | None, dst: Path, src: str, conversion) -> None:
-    """The published model's files into ``stage`` itself, the stages' folders removed: the
+    """The published model's files into ``stage`` itself, the conversion's folder removed: the
     ``distilled`` model (its uptraining record naming the model it started from as DST's conversion,
     not the staged folder), or, where the stage guard undid the distillation (None), the converted
     model; either with ``conversion`` (the conversion record, the guard's verdict on every stage in it)."""
@@ -181,5 +181,4 @@ def _publish(stage: Path, distilled: Path | None, dst: Path, src: str, conversio
             path.rename(stage / path.name)
     for name, text in files.items():
         (stage / name).write_text(text, encoding="utf-8")
-    for name in (CONVERTED, DISTILLED, TEACHER):
-        shutil.rmtree(stage / name, ignore_errors=True)
+    shutil.rmtree(stage / CONVERTED, ignore_errors=True)  # (the distillation's run is in the resume folder)
