@@ -59,6 +59,11 @@ class LayerStats:
     k_rest_basis: torch.Tensor | None = None
     k_rest_row: torch.Tensor | None = None
 
+    def sums(self) -> tuple[torch.Tensor, ...]:
+        """The running sums :func:`accumulate` adds each batch to (the token count aside): what
+        processes that each read a share of the windows add together."""
+        return self.v_gram, self.k_plane_gram, self.k_rest_gram, self.q_plane_energy
+
     def compact(self, head_dim: int, rest: int) -> LayerStats:
         """Keep only what :mod:`mha2gqa.convert.methods` read, dropping the ``(s*d)^2`` Grams, so
         statistics of many layers fit in memory (64 MB -> 8 MB a layer for 64 heads at G = 8)."""

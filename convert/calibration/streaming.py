@@ -137,7 +137,7 @@ def _gathered(full: CalibrationStats, i: int, team: Ranks, ckpt: Checkpoint, o_p
 
 def _summed(entry: LayerStats, team: Ranks) -> None:
     """One layer's sums (second moments, energies, tokens) added over every process, in place."""
-    for total in (entry.v_gram, entry.k_plane_gram, entry.k_rest_gram, entry.q_plane_energy):
+    for total in entry.sums():
         team.sum(total)
     entry.tokens = int(team.sum(torch.tensor(entry.tokens, dtype=torch.int64)))
 
