@@ -41,6 +41,7 @@ from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
 from mha2gqa.core.families import Family
 from mha2gqa.core.output import staged_output
 from mha2gqa.core.per_layer import MODELING_FILE
+from mha2gqa.core.ranks import ranks
 from mha2gqa.core.recipe_file import recipe_name, write_recipe
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
 from mha2gqa.core.resume import ResumeFolder, resumable
@@ -184,11 +185,12 @@ def _guard_allocation(c: Conversion, planned: tuple[Any, Any, list[OutputTensor]
     if not fits or len(set(c.targets)) == 1:  # nothing uniform to compare with, or the allocation is uniform
         return (c, *planned)
     uniform = c.with_targets((max(fits),) * dims.num_layers)
-    stats, calibration = _calibrate(uniform, shared=False)  # rank 0 alone: the other processes are done
+    stats, calibration = _calibrate(uniform)
     tensors = tensor_sources(
         uniform.ckpt, uniform.family, dims, uniform.targets, uniform.method, stats, c.settings.seed
     )
-    if guard.allocation(c, planned[2], uniform, tensors, _log if c.settings.progress else None):
+    log = _log if c.settings.progress else None
+    if ranks().decide(lambda: guard.allocation(c, planned[2], uniform, tensors, log)):  # scored on rank 0
         return (c, *planned)
     return uniform, stats, calibration, tensors
 
@@ -402,6 +404,18 @@ def _write(
     return record
 
 
+def _refit_alongside(c: Conversion, tensors: list[OutputTensor], resume: ResumeFolder | None) -> None:
+    """A process other than rank 0: its share of ``--refit``'s windows (streams kept in a scratch
+    folder beside DST, removed at the end), in step with rank 0's :func:`_write`; writes nothing."""
+    if not (c.settings.refit and c.changes):
+        return
+    from mha2gqa.convert.refit import refit
+    from mha2gqa.core.output import scratch_folder
+
+    with scratch_folder(c.dst) as work:
+        refit(c, tensors, work, resume=resume)
+
+
 def _log(line: str) -> None:
     from tqdm.auto import tqdm
 
@@ -419,10 +433,10 @@ def run(
     the calibration text (``guard_data`` where the conversion itself reads none, e.g. before ``--distill``)
     and publishes only what made the model better. ``resume``: where a caller that publishes later
     (``convert --distill``) keeps the refit's finished layers. Under a launcher (``torchrun``), every process
-    reads its share of the calibration windows and the statistics are summed across them; the rest
-    runs on rank 0, which alone writes: the other processes return None once the statistics are in."""
+    reads its share of the calibration windows for the statistics and the refit, whose sums are summed
+    across them; the stage guard scores on rank 0, which alone writes: the other processes return None
+    once the refit is done."""
     from mha2gqa.convert.guard import open_guard
-    from mha2gqa.core.ranks import ranks
 
     start = time.perf_counter()
     conversion, guard = open_guard(conversion, guard_data or conversion.settings.calibration)
@@ -430,12 +444,13 @@ def run(
     if conversion.settings.per_layer == "auto":
         conversion, allocation = _allocate(conversion)
     stats, calibration = _calibrate(conversion)
-    if not ranks().main:  # several processes: the statistics are summed; rank 0 merges, refits, checks, writes
-        return None
     c = conversion
     tensors = tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
     if guard is not None and allocation is not None:
         c, stats, calibration, tensors = _guard_allocation(c, (stats, calibration, tensors), guard)
+    if not ranks().main:  # several processes: each refits its share of the windows; rank 0 writes
+        _refit_alongside(c, tensors, resume)
+        return None
     record = _write(c, tensors, partial(_record, c, stats, calibration, allocation), guard, resume)
     return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start, guard)
 

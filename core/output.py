@@ -290,6 +290,21 @@ def staged_output(
         raise
 
 
+@contextlib.contextmanager
+def scratch_folder(dst: Path) -> Iterator[Path]:
+    """A private working folder beside ``dst`` (named as a staged output, so that a killed run's is
+    reported and removed with ``--remove-stale``), removed when the block ends, however it ends."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_name(dst, TMP_TAG), dir=dst.parent))
+    except OSError as e:
+        raise _space_error(e, dst, "DST") or Mha2GqaError(f"cannot write next to {dst}: {e.strerror or e}") from None
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_text(
     path: Path, text: str | bytes, what: str = "--output", overwrite: bool = True, inputs: Inputs | None = None
 ) -> Path:

@@ -6,9 +6,9 @@ the code that calls them is the same for one process and many."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mha2gqa.core.errors import Mha2GqaError
 
@@ -40,6 +40,11 @@ class Ranks:
             )
         return items[self.rank :: self.size]
 
+    def own(self, windows: Sequence[int]) -> list[int]:
+        """Those of ``windows`` (indices of the whole list) that :meth:`share` gives this rank
+        (``index % size == rank``), in their order."""
+        return [w for w in windows if w % self.size == self.rank]
+
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over every process, in place (the same result on every rank); complex
         tensors are summed as their real and imaginary parts. Under NCCL (which reduces GPU tensors
@@ -56,6 +61,29 @@ class Ranks:
                 tensor.copy_(on)
         return tensor
 
+    def all(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every process (each must call this)."""
+        if self.size == 1:
+            return flag
+        import torch
+
+        return int(self.sum(torch.tensor([int(bool(flag))]))) == self.size
+
+    def decide(self, choose: Callable[[], Any]) -> Any:
+        """``choose()`` run on rank 0 alone, its result (picklable) given to every process (each must
+        call this): what rank 0 alone may know (the kept work it opened, a verdict it measured)."""
+        if self.size == 1:
+            return choose()
+        import torch.distributed as dist
+
+        box = [choose() if self.main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+#: one process (no launcher): every sum the identity
+ONE = Ranks()
+
 
 def ranks() -> Ranks:
     """The processes of this run, as ``accelerate`` set them up (:func:`mha2gqa.core.models.resolve_device`
@@ -64,7 +92,7 @@ def ranks() -> Ranks:
 
     if dist.is_available() and dist.is_initialized():
         return Ranks(dist.get_rank(), dist.get_world_size())
-    return Ranks()
+    return ONE
 
 
 def launched() -> int:

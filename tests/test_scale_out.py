@@ -1,6 +1,6 @@
 """A conversion on several processes (torchrun, gloo on CPU) equals one process: the calibration
-windows are split by rank and the statistics summed across ranks; rank 0 merges, refits, checks and
-writes, the others stop once the statistics are summed."""
+windows are split by rank, the statistics and the refit's gradients, held-out errors and normal
+equations summed across ranks; rank 0 merges, checks and writes."""
 
 import json
 import subprocess
@@ -24,6 +24,51 @@ if ranks().main:
     torch.save({i: (l.v_gram, l.k_plane_gram, l.k_rest_gram, l.q_plane_energy, l.tokens, stats.tokens)
                 for i, l in stats.layers.items()}, out)
 """
+
+
+FIT_SCRIPT = """
+import os, sys, torch
+import torch.distributed as dist
+from mha2gqa.convert.refit.fit import fit_layer, solve_output
+from mha2gqa.core.ranks import ranks
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    dist.init_process_group("gloo")
+team = ranks()
+g = torch.Generator().manual_seed(0)
+x, w = torch.randn(10, 4, 6, generator=g), torch.randn(6, 6, generator=g)
+y = x + torch.tanh(x @ w.T) @ w + 0.01 * torch.randn(10, 4, 6, generator=g)  # o(tanh(q(x))) on the stream
+o_proj, seen = torch.nn.Linear(6, 6, bias=False), set()
+def forward(values, windows):
+    seen.update(windows)
+    h = torch.tanh(x[windows] @ values["q"].T)
+    return x[windows] + torch.func.functional_call(o_proj, {"weight": values["o"]}, (h,))
+start = {"q": torch.eye(6), "o": torch.eye(6)}
+targets = lambda ws: y[ws]
+kw = {"per_call": 2, "scale": None, "ranks": team}
+result = fit_layer(forward, start, ["q", "o"], targets, 10, steps=12, lr=0.05, batch=4, seed=3, **kw)
+result = solve_output(result, forward, targets=targets, windows=10, o_proj=o_proj, **kw)
+assert seen == set(range(team.rank, 10, team.size)), (team.rank, sorted(seen))  # its own windows alone
+if team.main:
+    torch.save({**result.values, "errors": torch.tensor([result.loss_before, result.loss_after]),
+                "steps": result.steps, "ridge": result.ridge}, sys.argv[1])
+"""
+
+
+def test_two_ranks_fit_a_layer_as_one_process_does_each_on_its_own_windows(tmp_path):
+    """The refit's fit (Adam steps, held-out checks, the probe, the o_proj solve) on two gloo ranks,
+    each running only its own windows: the same steps and values as one process, float noise apart."""
+    script = tmp_path / "fit.py"
+    script.write_text(FIT_SCRIPT)
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    subprocess.run([sys.executable, str(script), str(one)], check=True)
+    run_ok([*TORCHRUN, "--master_port", "29548", str(script), str(two)])
+    a, b = torch.load(one), torch.load(two)
+    assert a["steps"] == b["steps"] and a["ridge"] == b["ridge"]  # the same decisions
+    assert a["ridge"] is not None  # the closed-form o_proj was taken: its sums were summed
+    assert torch.allclose(a["errors"], b["errors"], rtol=1e-6)
+    assert a["errors"][1] < a["errors"][0]  # it fitted
+    for role in ("q", "o"):
+        assert torch.allclose(a[role], b[role], atol=1e-5), role
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +115,8 @@ def _convert(src, text, dst, *extra: str, processes: int = 1, port: int = 29542)
     [
         (("--method", "svd"), 29543),
         (("--method", "svd", "--refit", "--refit-steps", "8"), 29544),
-        (("--method", "svd", "--per-layer", "auto", "--kv-budget", "1.5"), 29546),  # not uniform: the guard compares
+        # not uniform: the guard compares it with uniform counts (on rank 0), then every rank refits
+        (("--method", "svd", "--per-layer", "auto", "--kv-budget", "1.5", "--refit", "--refit-steps", "4"), 29546),
         (("--method", "mean", "--grouping", "similarity"), 29547),
     ],
 )

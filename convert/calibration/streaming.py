@@ -23,7 +23,7 @@ from mha2gqa.convert.layers import (
 )
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
-from mha2gqa.core.ranks import Ranks, ranks
+from mha2gqa.core.ranks import ONE, Ranks, ranks
 from mha2gqa.core.signals import check as check_signals
 
 
@@ -121,7 +121,7 @@ def _start(
     dims = dims_of(model.config)
     seq_len = calibration_window(seq_len, getattr(model.config, "max_position_embeddings", None))
     windows = calibration_ids(ckpt.folder, data, tokens, seq_len, text_field).to(dev)
-    team = ranks() if shared else Ranks()
+    team = ranks() if shared else ONE
     states = first_layer_inputs(model, ckpt, team.share(windows, f"--calibration {data}"), dev)
     return ckpt, model, dims, windows, states, dev, team
 

@@ -13,6 +13,7 @@ import torch
 
 from mha2gqa.convert.output_solve import RIDGES, NormalEquations
 from mha2gqa.convert.refit.stops import hooked, random_shift, unmoved
+from mha2gqa.core.ranks import ONE, Ranks
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.core.steps import step_size
 
@@ -75,6 +76,7 @@ def fit_layer(
     per_call: int = 1,
     scale: torch.Tensor | None = None,
     probe: tuple[float, ...] = PROBE,
+    ranks: Ranks = ONE,
 ) -> FitResult:
     """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
     outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on the mean squared
@@ -85,24 +87,19 @@ def fit_layer(
     :data:`MIN_GAIN` of it counts towards :data:`PATIENCE`, and the fit stops there once half its
     steps are done. The first check's steps run once for each learning rate ``lr x`` a factor of
     ``probe``, from ``start`` on the same windows, and the one with the least held-out error goes on.
-    Returns the best values, or ``start`` itself when no check lowered the held-out error (``kept``)."""
+    Returns the best values, or ``start`` itself when no check lowered the held-out error (``kept``).
+    Several processes (``ranks``, each calling this) run their own windows (:meth:`Ranks.own`) of every
+    step and check; gradients and held-out errors are summed, so every one takes the same steps."""
     fitted, held = split_windows(windows)
-    heldout = partial(heldout_error, forward, targets=targets, windows=held, per_call=per_call, scale=scale)
+    common = {"targets": targets, "per_call": per_call, "scale": scale, "ranks": ranks}
+    heldout = partial(heldout_error, forward, windows=held, **common)
     before = heldout(start)
     if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
         return FitResult(start, before, before, True, 0)
     every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
-    train = partial(_train_step, forward, targets=targets, scale=scale, per_call=per_call)
+    train = partial(_train_step, forward, **common)
     first = [next(batches) for _ in range(min(every, steps))]  # the first check's steps, for every rate tried
-    tried = []
-    for factor in probe:
-        values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
-        optimizer = torch.optim.Adam(relative_steps(values, trainable, lr * factor), foreach=False)  # no temporaries
-        for chosen in first:
-            train(values, optimizer, chosen)
-        tried.append((heldout(values), factor, values, optimizer))
-    now, factor, values, optimizer = min(tried, key=lambda t: t[0])
-    del tried
+    now, factor, values, optimizer = _probe(start, trainable, lr, probe, first, train, heldout)
     best, best_values, stale, done = before, None, 0, len(first)
     while True:
         gained = now < best * (1 - MIN_GAIN)
@@ -120,14 +117,38 @@ def fit_layer(
     return FitResult(best_values, before, best, False, done, lr=lr * factor)
 
 
-def _train_step(forward, values, optimizer, chosen: list[int], *, targets, scale, per_call: int) -> None:
-    """One Adam step on the windows ``chosen`` (``per_call`` windows' graph at a time)."""
+def _probe(start, trainable: list[str], lr: float, probe: tuple[float, ...], first: list[list[int]], train, heldout):
+    """``(held-out error, factor, values, optimizer)`` of the best of the learning rates ``lr x`` each
+    factor of ``probe``, each run from ``start`` on the batches ``first``."""
+    tried = []
+    for factor in probe:
+        values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
+        optimizer = torch.optim.Adam(relative_steps(values, trainable, lr * factor), foreach=False)  # no temporaries
+        for chosen in first:
+            train(values, optimizer, chosen)
+        tried.append((heldout(values), factor, values, optimizer))
+    return min(tried, key=lambda t: t[0])
+
+
+def _train_step(forward, values, optimizer, chosen: list[int], *, targets, scale, per_call: int, ranks: Ranks) -> None:
+    """One Adam step on the windows ``chosen`` (``per_call`` windows' graph at a time; this rank's
+    own, the gradients then summed over the ranks)."""
     check_signals()
     optimizer.zero_grad(set_to_none=True)
-    for c in chunks(chosen, per_call):
+    for c in chunks(ranks.own(chosen), per_call):
         loss = torch.mean(_scaled_squares(forward(values, c), targets(c), scale)) * (len(c) / len(chosen))
         loss.backward()
+    if ranks.size > 1:
+        _sum_gradients([p for group in optimizer.param_groups for p in group["params"]], ranks)
     optimizer.step()
+
+
+def _sum_gradients(params: list[torch.Tensor], ranks: Ranks) -> None:
+    """Each parameter's gradient summed over the ranks (one all-reduce; none here: zeros)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = ranks.sum(torch.cat([g.reshape(-1) for g in grads]))
+    for p, piece in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = piece.view_as(p)
 
 
 def relative_steps(values: Mapping[str, torch.Tensor], trainable: list[str], lr: float) -> list[dict[str, Any]]:
@@ -148,14 +169,19 @@ def heldout_error(
     windows: list[int],
     per_call: int,
     scale: torch.Tensor | None,
+    ranks: Ranks = ONE,
 ) -> float:
     """The mean scaled squared error of ``forward(values, ...)`` against ``targets`` over ``windows``
-    (``per_call`` at a time), without gradients: what :func:`fit_layer` checks."""
+    (``per_call`` at a time; each rank its own, summed), without gradients: what :func:`fit_layer` checks."""
+    total, count = 0.0, 0
     with torch.no_grad():
-        total = sum(
-            float(_scaled_squares(forward(values, c), targets(c), scale).sum()) for c in chunks(windows, per_call)
-        )
-    return total / (len(windows) * targets(windows[:1]).numel())
+        for c in chunks(ranks.own(windows), per_call):
+            target = targets(c)
+            total += float(_scaled_squares(forward(values, c), target, scale).sum())
+            count += target.numel()
+    if ranks.size > 1:
+        total, count = ranks.sum(torch.tensor([total, count], dtype=torch.float64)).tolist()
+    return total / count
 
 
 def solve_output(
@@ -167,6 +193,7 @@ def solve_output(
     per_call: int,
     scale: torch.Tensor | None,
     o_proj: torch.nn.Module,
+    ranks: Ranks = ONE,
 ) -> FitResult:
     """``result`` with the output projection (roles ``o``, ``o_bias``) solved in closed form given its
     other projections (:mod:`mha2gqa.convert.output_solve`), where what ``forward`` (as in
@@ -174,7 +201,8 @@ def solve_output(
     after attention; a parallel layer's output, ``x + attn(x) + mlp(x)``), checked on the first call by
     :func:`_moves_with`: one pass over the fitted windows gathers the normal equations, each ridge of
     :data:`RIDGES` is solved and checked on the held-out windows, and the best is taken if it lowers
-    ``result``'s held-out error. A bias of ``o_proj`` that ``result`` does not hold stays as it is."""
+    ``result``'s held-out error. A bias of ``o_proj`` that ``result`` does not hold stays as it is.
+    Several processes (``ranks``) gather the equations on their own windows and sum them."""
     has_bias = "o_bias" in result.values
     if result.loss_before == 0.0 or "o" not in result.values or type(o_proj) is not torch.nn.Linear:
         return result  # exact, not fitted, or not a plain linear map (a transposed Conv1D, a quantized one)
@@ -184,23 +212,31 @@ def solve_output(
     fitted, held = split_windows(windows)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     equations = NormalEquations(bias=has_bias)
+    linear = True
     with torch.no_grad():
-        for n, c in enumerate(chunks(fitted, per_call)):
+        for n, c in enumerate(chunks(ranks.own(fitted), per_call)):
             with hooked(o_proj, lambda module, args, out: seen.append((args[0], out))):
                 stream = forward(result.values, c)
-            if len(seen) != 1:  # o_proj not called once per call
-                return result
+            # o_proj called once per call, and the output linear in its output with a unit slope
+            linear = len(seen) == 1 and (n > 0 or _moves_with(forward, result.values, c, o_proj, stream))
+            if not linear:
+                break
             ((inputs, out),) = seen
             seen.clear()
-            if n == 0 and not _moves_with(forward, result.values, c, o_proj, stream):
-                return result  # the output is not linear in o_proj's, with a unit slope
             wanted = targets(c) - stream + out  # stream - out: all the rest
             equations.add(inputs, wanted if fixed is None else wanted - fixed)
+    if not ranks.all(linear):
+        return result
+    if ranks.size > 1:
+        ranks.sum(equations.gram)
+        ranks.sum(equations.rhs)
     best = result
     for ridge in RIDGES:
         w, b = equations.solve(result.values["o"], result.values.get("o_bias"), ridge)
         values = result.values | {"o": w} | ({"o_bias": b} if has_bias else {})
-        error = heldout_error(forward, values, targets=targets, windows=held, per_call=per_call, scale=scale)
+        error = heldout_error(
+            forward, values, targets=targets, windows=held, per_call=per_call, scale=scale, ranks=ranks
+        )
         if error < best.loss_after:
             best = FitResult(values, result.loss_before, error, False, result.steps, ridge, result.lr)
     return best

@@ -123,20 +123,23 @@ def _refit_layer(
 
     target = st.original if attention is None else st.targets
     fitted, _ = split_windows(len(st.ids))
-    targets, scale = (lambda w: target[w].to(dev)), dimension_scale(target, fitted, st.per_call).to(dev)
+
+    def targets(w: list[int]) -> torch.Tensor:
+        return target[w].to(dev)
+
+    scale = dimension_scale(target, fitted, st.per_call, st.ranks).to(dev)
     trainable = [r for r in weights.values if r[0] in s.refit_roles()]
     fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
-    result = fit_layer(
-        fitted_part, weights.values, trainable, targets, len(st.ids), per_call=st.per_call, scale=scale, **fit_kw
-    )
+    kw = {"per_call": st.per_call, "scale": scale, "ranks": st.ranks}
+    result = fit_layer(fitted_part, weights.values, trainable, targets, len(st.ids), **kw, **fit_kw)
     if "o" in trainable:
         o_proj = layer.get_submodule(names["o"][len(prefix) : -len(".weight")])
-        kw = {"targets": targets, "windows": len(st.ids), "per_call": st.per_call, "scale": scale}
-        result = solve_output(result, fitted_part, o_proj=o_proj, **kw)
+        result = solve_output(result, fitted_part, o_proj=o_proj, targets=targets, windows=len(st.ids), **kw)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
     written = LayerWeights(out, converted.layout, converted.shape).values  # as stored: what the next layer reads
     st.converted.advance(st.every, partial(converted, written), dev)
-    _spill_layer(out, work / f"layer-{i}.safetensors", by_name)
+    if st.ranks.main:  # the other processes (the same values) write nothing
+        _spill_layer(out, work / f"layer-{i}.safetensors", by_name)
     return result
 
 
@@ -199,13 +202,17 @@ def refit(
     """Refit every changed layer of the planned conversion ``tensors`` (see the module doc); returns
     the plan with each refitted layer's projections read from ``work`` (safetensors written there,
     one file per layer) and the :class:`Refit` record. With ``resume`` each fitted layer is kept there
-    (tensors, then record), and a layer a stopped run already fitted is read back, not fitted again."""
+    (tensors, then record), and a layer a stopped run already fitted is read back, not fitted again.
+    Under a launcher every process calls this (its own ``work`` for its streams): each runs its share
+    of the windows, the sums are summed (:func:`fit_layer`), and rank 0 alone writes the layers and
+    the kept work (the others read its ``resume`` folder, named by rank 0)."""
     from mha2gqa.core.progress import bar as progress_bar
 
     s = c.settings
     map_large_allocations()
     model = skeleton(c.ckpt)
     st = open_streams(c, model, work)
+    resume, done = _kept_layers(st.ranks, resume, c.dims.num_layers)
     by_name = {t.name: t for t in tensors}
     records: list[RefitLayer] = []
     whole: list[int] = []  # layers fitted on their output although the target is attention's
@@ -222,25 +229,40 @@ def refit(
             if changed and s.refit_target == "attention":
                 path = _attention_module(c, by_name, i, prefix)
                 attention = layer.get_submodule(path) if path else None
-                first = st.original[[0]].to(st.dev)
-                if attention is None or not reads_after_attention(partial(source_layer, w=[0]), attention, first):
+                one = st.mine[:1]
+                first = st.original[one].to(st.dev)
+                if attention is None or not reads_after_attention(partial(source_layer, w=one), attention, first):
                     attention = None
                     whole.append(i)
             _advance_original(source_layer, st, attention)
             if not changed:  # an exact copy, run as it is
                 st.converted.advance(st.every, source_layer, st.dev)
-            elif resume is not None and resume.has(f"layer-{i}.json"):
+            elif i in done:
                 records.append(_resumed_layer(c, layer, i, prefix, st, by_name, resume))
             else:
                 t0 = time.perf_counter()
                 kept = work if resume is None else resume.folder
                 result = _refit_layer(c, layer, i, prefix, st, by_name, kept, attention)  # one layer at a time
                 records.append(_layer_record(i, result, time.perf_counter() - t0, log))
-                if resume is not None:  # after its tensors: a record says the layer is whole
+                if resume is not None and st.ranks.main:  # after its tensors: a record says the layer is whole
                     resume.write_bytes(f"layer-{i}.json", json.dumps(dataclasses.asdict(records[-1])).encode())
                 del result
             bar.update(1)
     return [by_name[t.name] for t in tensors], _refit_record(s, st, records, whole)
+
+
+def _kept_layers(team, resume: ResumeFolder | None, layers: int) -> tuple[ResumeFolder | None, set[int]]:
+    """``(the kept work, the layers a stopped run fitted)`` as rank 0 sees them, on every process."""
+    kept = team.decide(
+        lambda: (
+            None
+            if resume is None
+            else (str(resume.folder), [i for i in range(layers) if resume.has(f"layer-{i}.json")])
+        )
+    )
+    if kept is None:
+        return None, set()
+    return (resume if team.main else ResumeFolder(Path(kept[0]))), set(kept[1])
 
 
 def _refit_record(s, st: Streams, records: list[RefitLayer], whole: list[int]) -> Refit:

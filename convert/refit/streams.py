@@ -16,6 +16,7 @@ from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.refit.fit import chunks, split_windows
 from mha2gqa.convert.settings import calibration_window, refit_windows
 from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.ranks import Ranks, ranks
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.core.units import parse_size
 
@@ -32,9 +33,12 @@ def call_tokens(device: torch.device) -> int:
 
 
 class HiddenStates:
-    """``[windows, T, hidden]`` float32 hidden states, in memory or in a memory-mapped file."""
+    """``[windows, T, hidden]`` float32 hidden states, in memory or in a memory-mapped file, of the
+    windows ``owned`` (indices of the whole list, in ``first``'s order; None: all), read and written
+    by those indices."""
 
-    def __init__(self, first: torch.Tensor, spill: Path | None) -> None:
+    def __init__(self, first: torch.Tensor, spill: Path | None, owned: list[int] | None = None) -> None:
+        self.at = {w: j for j, w in enumerate(owned if owned is not None else range(len(first)))}
         if spill is None:
             self.data = first.clone()
         else:
@@ -47,10 +51,10 @@ class HiddenStates:
         return self.data.shape[0]
 
     def __getitem__(self, windows: list[int]) -> torch.Tensor:
-        return self.data[windows]
+        return self.data[[self.at[w] for w in windows]]
 
     def __setitem__(self, windows: list[int], value: torch.Tensor) -> None:
-        self.data[windows] = value.detach().to("cpu", torch.float32)
+        self.data[[self.at[w] for w in windows]] = value.detach().to("cpu", torch.float32)
 
     def advance(self, runs: list[list[int]], step: Callable[[torch.Tensor, list[int]], torch.Tensor], dev) -> None:
         """Replace the states by ``step(states, windows)`` (one layer), ``runs`` of windows at a time."""
@@ -82,17 +86,17 @@ def _reserve(path: Path, size: int) -> None:
             f.truncate(size)  # a filesystem that cannot reserve: a sparse file, as before
 
 
-def dimension_scale(states: HiddenStates, windows: list[int], per_call: int) -> torch.Tensor:
+def dimension_scale(states: HiddenStates, windows: list[int], per_call: int, ranks: Ranks) -> torch.Tensor:
     """``[hidden]``: 1 / max(each hidden dimension's mean square in ``states`` over ``windows``, their
     average). A few hidden dimensions of a real model are hundreds of times larger than the rest and
     carry drift from every earlier layer that attention cannot undo: unscaled, they are nearly all
     of the squared error. Scaled, each of them counts relative to its own size, and every other
     dimension as plain squared error (over the average size, a constant): a model without such
-    dimensions is fitted as before."""
-    total = None
-    for run in chunks(windows, per_call):
-        part = states[run].double().pow(2).sum((0, 1))
-        total = part if total is None else total + part
+    dimensions is fitted as before. Each of ``ranks`` sums its own windows; the sums are summed."""
+    total = states.data.new_zeros(states.data.shape[-1], dtype=torch.float64)
+    for run in chunks(ranks.own(windows), per_call):
+        total += states[run].double().pow(2).sum((0, 1))
+    ranks.sum(total)
     mean_square = total / (len(windows) * states.data.shape[1])
     return (1 / mean_square.clamp_min(float(mean_square.mean()))).float()
 
@@ -109,16 +113,19 @@ class Streams:
     batch: int  # windows per fit step
     dev: torch.device
     targets: HiddenStates | None  # --refit-target attention: the original's stream after the layer's attention
+    ranks: Ranks  # the processes sharing the windows (each holds its own windows' states)
+    mine: list[int]  # this process's windows
 
     @property
     def every(self) -> list[list[int]]:
-        """All windows, ``per_call`` at a time."""
-        return chunks(list(range(len(self.ids))), self.per_call)
+        """This process's windows, ``per_call`` at a time."""
+        return chunks(self.mine, self.per_call)
 
 
 def open_streams(c: Conversion, model, work: Path) -> Streams:
     """The calibration windows (at least two) and the first layer's inputs in both streams (spilled
-    to ``work`` beyond ``--refit-memory``)."""
+    to ``work`` beyond ``--refit-memory``). Under a launcher each process holds the streams of its
+    share of the windows (:meth:`Ranks.own`), at least one fitted window each."""
     from mha2gqa.core.models import resolve_device
 
     s, dev = c.settings, resolve_device(c.settings.device)
@@ -128,15 +135,19 @@ def open_streams(c: Conversion, model, work: Path) -> Streams:
         raise SettingError(
             "refit_tokens", f"{{name}}: {ids.numel()} tokens make one window of {seq_len}; --refit needs two or more"
         )
+    team = ranks()
+    team.share(split_windows(len(ids))[0], "--refit's fitted calibration windows")  # one line if too few
+    mine = team.own(range(len(ids)))
     with torch.no_grad():
-        states = first_layer_inputs(model, c.ckpt, ids.to(dev), dev)
+        states = first_layer_inputs(model, c.ckpt, ids[mine].to(dev), dev)
     first = torch.cat([h.cpu() for h, _ in states])
     kw = states[0][1]  # the same for every window: equal lengths, no padding
     del states
     work.mkdir(parents=True, exist_ok=True)
     names = ("original", "converted", "targets") if s.refit_target == "attention" else ("original", "converted")
     spill = len(names) * first.numel() * 4 > parse_size(s.refit_memory)
-    streams = {name: HiddenStates(first, work / f"{name}.f32" if spill else None) for name in names}
+    streams = {name: HiddenStates(first, work / f"{name}.f32" if spill else None, mine) for name in names}
     per_call = max(1, call_tokens(dev) // seq_len)
     batch = min(refit_windows(s.refit_batch, seq_len), len(split_windows(len(ids))[0]))  # at most every fitted one
-    return Streams(ids, kw, streams["original"], streams["converted"], per_call, batch, dev, streams.get("targets"))
+    original, converted, targets = streams["original"], streams["converted"], streams.get("targets")
+    return Streams(ids, kw, original, converted, per_call, batch, dev, targets, team, mine)
