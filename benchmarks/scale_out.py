@@ -8,7 +8,10 @@ fixture, built on first use) calibrated on the first half of WikiText-2 test in 
 - ``svd``: the statistics pass (split over the ranks, summed at each layer's end) and the merge; the
   stage guard off, so the figure is the part that scales.
 - ``guard``: ``svd`` with the stage guard on (it scores on rank 0 alone).
-- ``refit``: ``svd --refit`` (the refit runs on rank 0 alone; torchrun gives each rank one thread).
+- ``refit``: ``svd --refit`` (each rank fits on its share of the windows, gradients and held-out
+  errors summed; the guard on rank 0; torchrun gives each rank one thread).
+- ``distill``: ``svd --distill`` (guard off), the distillation on two ranks ``--sharding fsdp``
+  (each holds a shard of the model and reads half of every step's windows).
 
 The outputs' tensors are compared (largest difference relative to the tensor's largest value) and the
 run's lines say which process count gave what. On this 2-core machine one process runs two threads
@@ -39,7 +42,10 @@ PARTS = {
     "svd": ["--method", "svd", "--guard", "off"],
     "guard": ["--method", "svd"],
     "refit": ["--method", "svd", "--refit"],
+    "distill": ["--method", "svd", "--guard", "off", "--distill", "--distill-steps", "8"],
 }
+#: what a part adds on several processes
+SHARDED = {"distill": ["--sharding", "fsdp"]}
 
 
 def convert(src: Path, dst: Path, calib: Path, tokens: int, ranks: int, extra: list[str], port: int) -> dict:
@@ -90,7 +96,9 @@ def main() -> None:
     rows = []
     for n, part in enumerate(args.parts):
         one = convert(mha, args.workdir / f"{part}-1", calib, args.tokens, 1, PARTS[part], 29600 + n)
-        two = convert(mha, args.workdir / f"{part}-2", calib, args.tokens, 2, PARTS[part], 29600 + n)
+        two = convert(
+            mha, args.workdir / f"{part}-2", calib, args.tokens, 2, PARTS[part] + SHARDED.get(part, []), 29600 + n
+        )
         diff = difference(args.workdir / f"{part}-1", args.workdir / f"{part}-2")
         rows.append((part, one, two, diff))
         print(f"{part}: 1 process {one['seconds']:.1f} s, 2 ranks {two['seconds']:.1f} s", flush=True)

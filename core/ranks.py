@@ -104,6 +104,11 @@ def launched() -> int:
         return 1
 
 
+def under_launcher() -> bool:
+    """Whether a launcher (``torchrun``, ``accelerate launch``) started this process, whatever the count."""
+    return "WORLD_SIZE" in os.environ
+
+
 def one_process(command: str, instead: str) -> None:
     """Refuse ``command`` in one line when a launcher started several processes for it (``instead``:
     what to do)."""

@@ -67,13 +67,14 @@ def flag(name: str) -> str:
     return _FLAGS.get(name) or "--" + name.replace("_", "-")
 
 
-def check_switched(obj: Any, switch: str) -> None:
-    """Refuse a setting ``{switch}_*`` of ``obj`` changed from its default while the boolean setting
-    ``switch`` is off (``--refit-steps`` without ``--refit``)."""
+def check_switched(obj: Any, switch: str, *others: str) -> None:
+    """Refuse a setting ``{switch}_*`` (or one of ``others``) of ``obj`` changed from its default while
+    the boolean setting ``switch`` is off (``--refit-steps`` without ``--refit``)."""
     if getattr(obj, switch):
         return
     for field in dataclasses.fields(obj):
-        if field.name.startswith(f"{switch}_") and getattr(obj, field.name) != field.default:
+        ours = field.name.startswith(f"{switch}_") or field.name in others
+        if ours and getattr(obj, field.name) != field.default:
             raise SettingError(field.name, f"{{name}} is a setting of {flag(switch)}: add {flag(switch)}")
 
 

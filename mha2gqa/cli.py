@@ -105,14 +105,15 @@ def convert(src: str, dst: Path, quiet: bool, **options: Any) -> None:
         from mha2gqa.distill import convert_and_distill
 
         converted, distilled = convert_and_distill(src, dst, settings, distill, log=_echo_unless(quiet))
-        click.echo(converted.summary())
-        click.echo(distilled.summary())
+        if converted is not None:  # (None: a process of several, which writes nothing)
+            click.echo(converted.summary())
+            click.echo(distilled.summary())
         return
     conversion = prepare(src, dst, settings)  # before torch loads
     from mha2gqa.convert.converter import run as run_conversion
 
     result = run_conversion(conversion)
-    if result is not None:  # (None: a process of several, once its share of the statistics is summed)
+    if result is not None:  # (None: a process of several, once its share of the work is done)
         click.echo(result.summary())
 
 

@@ -9,8 +9,11 @@ writes ``distilled/`` in DST's resume folder (``.DST.mha2gqa-resume/``, with its
 teacher's cache, and the refit's finished layers), whose final model (with both records and the card)
 becomes DST; nothing is published unless both finish, and a stopped run continues with ``--resume``.
 The distillation trains the attention projections of every layer to the source's cached top-64
-next-token distribution on the calibration text, :data:`BATCH` windows of the calibration window a
-step at a constant learning rate. It holds the whole model in memory (the conversion holds one layer).
+next-token distribution on the calibration text, ``--distill-batch`` (:data:`BATCH`) windows of the
+calibration window a step at a constant learning rate. It holds the whole model in memory (the
+conversion holds one layer), or, under a launcher with ``--sharding fsdp``, each process a shard of it
+(``uptrain --sharding fsdp``): every process then takes its share of the statistics, the refit and
+the distillation, and rank 0 alone writes, scores the stage guard and publishes.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Any
 
 from mha2gqa.convert.settings import ConvertSettings, calibration_window
 from mha2gqa.core.errors import SettingError
-from mha2gqa.core.ranks import one_process
+from mha2gqa.core.ranks import Ranks, launched, under_launcher
 from mha2gqa.core.settings import check_switched, setting, validate
+from mha2gqa.uptrain.settings import SHARDING
 
 #: windows a distillation step reads
 BATCH = 2
@@ -52,7 +56,12 @@ class DistillSettings:
         "the whole model (held in memory) that takes off much of what the layer-wise fit leaves; DST "
         "is the distilled model.",
     )
-    distill_steps: int = setting(24, help=f"Steps of --distill ({BATCH} calibration windows each).", minimum=1)
+    distill_steps: int = setting(24, help="Steps of --distill (--distill-batch calibration windows each).", minimum=1)
+    distill_batch: int = setting(
+        BATCH,
+        help="Calibration windows a --distill step reads, over all processes (a multiple of their count).",
+        minimum=1,
+    )
     distill_lr: float = setting(
         DISTILL_LR,
         help="AdamW learning rate of --distill (constant), relative to each parameter's RMS (a step moves each "
@@ -60,13 +69,32 @@ class DistillSettings:
         above=0,
         maximum=1,
     )
+    sharding: str = setting(
+        "none",
+        help="Under a launcher (torchrun, accelerate launch), how --distill holds the model: none: every "
+        "process the whole model (DDP); fsdp: parameters, gradients and optimizer state sharded per "
+        "decoder layer across the processes (a model no one device holds). The conversion before it "
+        "holds one layer either way.",
+        choices=SHARDING,
+    )
 
     def check(self, convert: ConvertSettings) -> DistillSettings:
-        """Every value checked, and that the conversion gives the distillation its text."""
+        """Every value checked, that the conversion gives the distillation its text, and that the
+        processes can share it (before any work)."""
         validate(self)
-        check_switched(self, "distill")
+        check_switched(self, "distill", "sharding")
         if self.distill and convert.calibration is None:
             raise SettingError("distill", "{name} distils on the calibration text: give --calibration")
+        if self.distill and self.sharding == "fsdp" and not under_launcher():
+            raise SettingError(
+                "sharding",
+                "{name} fsdp shards the distillation across processes: run under torchrun or accelerate launch",
+            )
+        if self.distill and self.distill_batch % (n := launched()):
+            raise SettingError(
+                "distill_batch",
+                f"{{name}} {self.distill_batch} windows cannot be shared by {n} processes: give a multiple of {n}",
+            )
         return self
 
     def uptrain_settings(
@@ -86,7 +114,8 @@ class DistillSettings:
             teacher_top_k=TOP_K,
             teacher_cache=str(output.parent / TEACHER),
             seq_len=calibration_window(convert.calibration_seq_len, positions),
-            batch_size=BATCH,
+            batch_size=self.distill_batch,
+            sharding=self.sharding,
             max_steps=self.distill_steps,
             lr=self.distill_lr,
             lr_relative=True,
@@ -112,24 +141,29 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
     checked before any work; a failure leaves ``dst`` as it was. A stop (a signal, a kill) keeps the
     refit's finished layers and the distillation's newest checkpoint beside ``dst``
     (``.DST.mha2gqa-resume/``): the same command with ``--resume`` converts again (reading the fitted
-    layers back) and continues the distillation from that checkpoint, to the same model."""
+    layers back) and continues the distillation from that checkpoint, to the same model. Under a
+    launcher every process calls this; the others return ``(None, None)`` (see the module doc)."""
     from mha2gqa.convert.converter import run
     from mha2gqa.convert.prepare import inputs_of, prepare
     from mha2gqa.core.output import staged_output
     from mha2gqa.core.recipe_file import recipe_name, write_recipe
     from mha2gqa.core.resume import ResumeFolder, resumable
 
-    one_process("convert --distill", "convert under torchrun, then distil with `mha2gqa uptrain` under torchrun")
     d = d.check(s)
     conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None)  # the text is ours
     # every check of the settings, the source, DST and the kept work, before any work
     first = prepare(src, dst, conversion, later={"distill": dataclasses.asdict(d)})
+    team = _processes(s.device)
+    if not team.main:
+        _alongside(first, s, d, team, log)
+        return None, None
     resume = ResumeFolder.open(Path(dst), first.fingerprint, s.resume, s.remove_stale)
     staged = staged_output(Path(dst), s.overwrite, inputs_of(first.ckpt, s), remove_stale=s.remove_stale)
     with resumable(resume), staged as stage:
         converted = run(dataclasses.replace(first, dst=stage / CONVERTED), guard_data=s.calibration, resume=resume)
         guard = converted.guard
         held = guard.before_windows if guard is not None and guard.ids is not None else None
+        team.decide(lambda: (str(converted.output), held))  # what the other processes distil with rank 0
         distilled_folder = resume.path(DISTILLED)
         distilled = _distil(converted.output, first, s, d, distilled_folder, log, held)
         kept = guard is None or guard.distillation(distilled_folder, converted.kv_heads_per_layer, log)
@@ -143,6 +177,27 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
         )
     converted = dataclasses.replace(converted, output=Path(dst), record=record)
     return converted, dataclasses.replace(distilled, output=Path(dst))
+
+
+def _processes(device: str) -> Ranks:
+    """The processes of this run: under a launcher, their group formed on ``device`` first."""
+    from mha2gqa.core.models import resolve_device
+    from mha2gqa.core.ranks import ranks
+
+    if under_launcher():
+        resolve_device(device)
+    return ranks()
+
+
+def _alongside(first, s: ConvertSettings, d: DistillSettings, team: Ranks, log) -> None:
+    """A process other than rank 0: its share of the conversion (statistics, refit), then of the
+    distillation of what rank 0 wrote; it writes nothing of its own."""
+    from mha2gqa.convert.converter import run
+    from mha2gqa.core.resume import resume_folder
+
+    run(first, guard_data=s.calibration)
+    student, held = team.decide(lambda: None)
+    _distil(Path(student), first, s, d, resume_folder(first.dst) / DISTILLED, log, held)
 
 
 def _distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, out: Path, log, tokens: int | None):

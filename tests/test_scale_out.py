@@ -156,3 +156,39 @@ def test_too_few_windows_for_the_ranks_is_one_line(source, tmp_path):
     ours = [ln for ln in done.stderr.splitlines() if ln.strip().startswith('File "') and "torch" not in ln]
     assert [ln for ln in ours if "<frozen" not in ln] == []  # torchrun's own traceback only
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_refit_distill_sharded_on_two_ranks_equals_one_process(source, tmp_path):
+    """``convert --refit --distill --sharding fsdp`` under torchrun: the statistics, the refit and the
+    distillation (FSDP, each rank a shard and half of every step's windows) shared by two ranks; the
+    published model is one process's, float noise apart, with the same records."""
+    src, text = source
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ("--method", "svd", "--refit", "--refit-steps", "4", "--distill", "--distill-steps", "4")
+    _convert(src, text, one, *extra)
+    printed = _convert(src, text, two, *extra, "--sharding", "fsdp", processes=2, port=29549)
+    assert printed.count("uptrain done") == 1  # rank 0 alone speaks
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no scratch or kept work left
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= 1e-5, worst
+    up_a, up_b = (json.loads((d / "mha2gqa_uptrain.json").read_text())["uptrain"] for d in (one, two))
+    assert up_a["steps"] == up_b["steps"] == 4
+    assert up_b["settings"]["sharding"] == "fsdp" and up_a["settings"]["sharding"] == "none"
+    guards = [json.loads((d / "mha2gqa_conversion.json").read_text())["conversion"]["guard"] for d in (one, two)]
+    stages = [[(s["stage"], s["outcome"]) for s in g["stages"]] for g in guards]
+    assert stages[0] == stages[1] and [s for s, _ in stages[0]] == ["merge", "refit", "distill"]
+
+
+def test_distill_settings_a_launcher_cannot_share_are_refused_before_any_work(source, tmp_path):
+    src, text = source
+    args = ["-m", "mha2gqa.cli", "convert", str(src), str(tmp_path / "out"), "-g", "2", "--device", "cpu"]
+    args += ["--calibration", str(text), "--distill", "--distill-batch", "3"]
+    done = subprocess.run([*TORCHRUN, "--master_port", "29550", *args], capture_output=True, text=True)
+    assert done.returncode != 0 and "Error: --distill-batch 3 windows cannot be shared by 2 processes" in done.stderr
+    one = subprocess.run(
+        [sys.executable, *args[:-3], "--distill", "--sharding", "fsdp"], capture_output=True, text=True
+    )
+    assert one.returncode != 0 and "Error: --sharding fsdp shards the distillation across processes" in one.stderr
+    assert not (tmp_path / "out").exists()
