@@ -93,9 +93,9 @@ class ConversionResult:
         )
 
 
-def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=None, shared: bool = True) -> Any:
+def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=None) -> Any:
     """The streamed calibration pass over the conversion's text (statistics for ``groups`` KV heads;
-    ``on_layer`` sees each layer; ``shared``: the windows split across a launcher's processes, every
+    ``on_layer`` sees each layer; under a launcher the windows are split across the processes, every
     one calling this; see :func:`~mha2gqa.convert.calibration.streaming.collect`)."""
     from mha2gqa.convert.calibration.streaming import collect
 
@@ -111,22 +111,21 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
         allow_pickle=s.allow_pickle,
         progress=s.progress,
         on_layer=on_layer,
-        shared=shared,
         # a refit starts better from the values' principal subspace than from the output-weighted
         # code (docs/methods.md, "The value code weighted by o_proj")
         weigh_values=not s.refit,
     )
 
 
-def _calibrate(source: Conversion, shared: bool = True) -> tuple[Any, Calibration | None]:
-    """Calibration statistics (None when the method needs none) and their record (``shared``: as
-    :func:`_collect`; False on rank 0 alone)."""
+def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
+    """Calibration statistics (None when the method needs none) and their record (every process of a
+    launcher calls this: :func:`_collect`)."""
     s = source.settings
     if not source.layered or not source.changes:
         return None, None
     if not s.calibration:  # a layer method that works from the weights alone (aligned)
         return None, Calibration(None, 0, source.dims.rotary, weights_only=True)
-    stats = _collect(source, source.targets if source.per_layer else source.targets[0], shared=shared)
+    stats = _collect(source, source.targets if source.per_layer else source.targets[0])
     return stats, Calibration(s.calibration, stats.tokens, stats.rotary_dim)
 
 

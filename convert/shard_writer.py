@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa.core.dtypes import BY_CODE
-from mha2gqa.core.errors import Mha2GqaError, disk_full
+from mha2gqa.core.errors import OutOfSpace, disk_full
 from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.safetensors_io import TensorInfo, copy_range
 from mha2gqa.core.signals import check as check_signals
@@ -132,7 +132,7 @@ def write_checkpoint(
     except OSError as e:
         if disk_full(e):
             need = format_bytes(total)
-            raise Mha2GqaError(
+            raise OutOfSpace(
                 f"disk full while writing {folder.parent}: the output needs {need}; free space or choose another DST"
             ) from None
         raise

@@ -8,6 +8,11 @@ class Mha2GqaError(Exception):
     and how to fix it; the CLI prints it without a traceback and exits non-zero."""
 
 
+class OutOfSpace(Mha2GqaError):
+    """The disk (or quota) filled up: the machine's state stopped the run, not a decision of its own,
+    so a resumable run keeps its finished work for ``--resume`` once space is freed."""
+
+
 class SettingError(Mha2GqaError):
     """A bad value of one named setting (a field of a settings dataclass).
 

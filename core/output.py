@@ -36,7 +36,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mha2gqa.core.errors import Mha2GqaError, disk_full
+from mha2gqa.core.errors import Mha2GqaError, OutOfSpace, disk_full
 from mha2gqa.core.records import OWNED_FILE_MARKERS, OWNED_FOLDER_MARKERS
 from mha2gqa.core.signals import check as check_signals
 
@@ -255,7 +255,7 @@ def _space_error(e: OSError, dst: Path, what: str, need: int | None = None) -> M
     from mha2gqa.core.units import format_bytes
 
     needed = f"; it needs {format_bytes(need)}" if need else ""
-    return Mha2GqaError(f"disk full while writing {what} {dst}{needed}: free space or choose another path")
+    return OutOfSpace(f"disk full while writing {what} {dst}{needed}: free space or choose another path")
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, OutOfSpace
 
 RESUME_TAG = "mha2gqa-resume"
 
@@ -120,7 +120,8 @@ class ResumeFolder:
 def resumable(resume: ResumeFolder | None) -> Iterator[None]:
     """Keep ``resume``'s finished work only where the run was interrupted (a signal, a kill, the
     system's errors): it goes once the output is published, and where the run stopped on a decision
-    of its own (an error said in one line, ``--guard fail``), after which no resume would help."""
+    of its own (an error said in one line, ``--guard fail``), after which no resume would help; a full
+    disk is the machine's state, not a decision: the work stays, and the message says where."""
     if resume is None:
         yield
         return
@@ -130,6 +131,10 @@ def resumable(resume: ResumeFolder | None) -> Iterator[None]:
         yield
     except ResumeDamaged:  # the user's to look at; --remove-stale starts over
         raise
+    except OutOfSpace as e:
+        raise OutOfSpace(
+            f"{e}; the finished work is kept in {resume.folder}: free space, then the same command with --resume"
+        ) from None
     except Mha2GqaError:
         resume.finish()
         raise

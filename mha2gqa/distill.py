@@ -45,6 +45,11 @@ CONVERTED, DISTILLED, TEACHER = "converted", "distilled", "teacher"
 DISTILL_CHECKPOINTS = 3
 
 
+#: DistillSettings that say how a run is laid over its processes, not what it makes (a run stopped on
+#: some processes may continue on others: the distillation's checkpoints re-shard)
+LAYOUT = ("sharding",)
+
+
 @dataclass(frozen=True)
 class DistillSettings:
     """``convert --distill``: a short distillation after the conversion."""
@@ -76,6 +81,7 @@ class DistillSettings:
         "decoder layer across the processes (a model no one device holds). The conversion before it "
         "holds one layer either way.",
         choices=SHARDING,
+        job=False,  # a job runs in one process
     )
 
     def check(self, convert: ConvertSettings) -> DistillSettings:
@@ -96,6 +102,11 @@ class DistillSettings:
                 f"{{name}} {self.distill_batch} windows cannot be shared by {n} processes: give a multiple of {n}",
             )
         return self
+
+    def recipe(self) -> dict[str, Any]:
+        """The settings that shape the model (the recipe file, the resume fingerprint): not
+        :data:`LAYOUT`, how a run lays it over its processes."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in LAYOUT}
 
     def uptrain_settings(
         self, convert: ConvertSettings, teacher: str, output: Path, positions: int | None, tokens: int | None = None
@@ -152,7 +163,7 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
     d = d.check(s)
     conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None)  # the text is ours
     # every check of the settings, the source, DST and the kept work, before any work
-    first = prepare(src, dst, conversion, later={"distill": dataclasses.asdict(d)})
+    first = prepare(src, dst, conversion, later={"distill": d.recipe()})
     team = _processes(s.device)
     if not team.main:
         _alongside(first, s, d, team, log)
@@ -172,9 +183,7 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
             facts = dataclasses.replace(record.conversion, guard=guard.record())
             record = dataclasses.replace(record, conversion=facts)
         _publish(stage, distilled_folder if kept else None, Path(dst), src, record)
-        write_recipe(
-            stage, recipe_name(s.method, s.refit, True), {"convert": s.recipe(), "distill": dataclasses.asdict(d)}
-        )
+        write_recipe(stage, recipe_name(s.method, s.refit, True), {"convert": s.recipe(), "distill": d.recipe()})
     converted = dataclasses.replace(converted, output=Path(dst), record=record)
     return converted, dataclasses.replace(distilled, output=Path(dst))
 

@@ -256,3 +256,29 @@ def test_a_process_killed_inside_the_distillation_resumes(setup, tmp_path):
     assert done.returncode == 0, done.stderr
     assert (dst / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
     assert not resume_folder(dst).exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_a_full_disk_while_writing_keeps_the_fitted_layers_for_resume(setup, tmp_path, monkeypatch):
+    """A full disk is the machine's state, not a decision of the run's: the one-line error says where
+    the fitted layers are kept, and --resume (space freed) reads them back instead of fitting again."""
+    import errno
+
+    import mha2gqa.convert.shard_writer as writer
+
+    dst = tmp_path / "out"
+
+    def full(fd, t):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(writer, "_write_tensor", full)
+        with pytest.raises(Mha2GqaError, match=r"disk full while writing .*; the finished work is kept in .*--resume"):
+            convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"])
+    assert not dst.exists() and (resume_folder(dst) / "layer-3.json").is_file()  # every layer kept
+    fitted: list[int] = []
+    _refit = layerwise._refit_layer
+    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[2]) or _refit(*a, **k))
+    convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"], resume=True)
+    assert fitted == []
+    assert (dst / "model.safetensors").read_bytes() == (setup["whole"].output / "model.safetensors").read_bytes()
+    assert not resume_folder(dst).exists()

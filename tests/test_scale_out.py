@@ -3,14 +3,19 @@ windows are split by rank, the statistics and the refit's gradients, held-out er
 equations summed across ranks; rank 0 merges, checks and writes."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from conftest import llama_with_tokenizer, story_text
 from safetensors.torch import load_file
 from test_distributed import run_ok
+
+from mha2gqa.core.resume import resume_folder
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
@@ -192,3 +197,31 @@ def test_distill_settings_a_launcher_cannot_share_are_refused_before_any_work(so
     )
     assert one.returncode != 0 and "Error: --sharding fsdp shards the distillation across processes" in one.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_killed_sharded_distillation_resumes_on_two_ranks(source, tmp_path):
+    """A real SIGKILL of every process once the sharded distillation has checkpointed, then the same
+    torchrun command with --resume: the uninterrupted two-rank run's model, nothing left beside it."""
+    src, text = source
+    extra = ["--method", "svd", "--refit", "--refit-steps", "4", "--distill", "--distill-steps", "30"]
+    extra += ["--sharding", "fsdp"]
+    _convert(src, text, tmp_path / "whole", *extra, processes=2, port=29551)
+    dst = tmp_path / "out"
+    args = [*TORCHRUN, "--master_port", "29552", "-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2"]
+    args += ["--calibration", str(text), "--calibration-tokens", "1024", "--calibration-seq-len", "64"]
+    args += ["--device", "cpu", "-q", *extra]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoints = resume_folder(dst) / "distilled" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not any(checkpoints.glob("step-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.skip("the conversion finished before it could be killed")
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+    proc.wait()
+    assert not dst.exists() and any(checkpoints.glob("step-*"))
+    done = subprocess.run([*args, "--resume", "--remove-stale"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(dst / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]

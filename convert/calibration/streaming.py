@@ -109,8 +109,8 @@ def _start(
     the first decoder layer receives for this process's windows, the device, and the processes
     (:class:`Ranks`). ``shared``: under a launcher (``torchrun``) each process reads its share of the
     windows and the sums are added at each layer's end (:func:`_gathered`), so every process must call
-    it; otherwise (a cost that runs each layer again reads every window; rank 0 alone once the others
-    are done) each process reads every window."""
+    it; otherwise (a cost that runs each layer again reads every window) each process reads every
+    window."""
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.models import resolve_device

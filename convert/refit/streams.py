@@ -15,7 +15,7 @@ from mha2gqa.convert.layers import calibration_ids, first_layer_inputs
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.refit.fit import chunks, split_windows
 from mha2gqa.convert.settings import calibration_window, refit_windows
-from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, ranks
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.core.units import parse_size
@@ -70,14 +70,14 @@ def _reserve(path: Path, size: int) -> None:
     import errno
     import os
 
-    from mha2gqa.core.errors import disk_full
+    from mha2gqa.core.errors import OutOfSpace, disk_full
 
     with open(path, "wb") as f:
         try:
             os.posix_fallocate(f.fileno(), 0, size)
         except OSError as e:
             if disk_full(e):
-                raise Mha2GqaError(
+                raise OutOfSpace(
                     f"disk full while writing {path}: --refit's hidden states need {size / 2**20:,.1f} MiB beside "
                     "DST; free space there, or raise --refit-memory to keep them in memory"
                 ) from None
