@@ -217,7 +217,8 @@ def refit(
     records: list[RefitLayer] = []
     whole: list[int] = []  # layers fitted on their output although the target is attention's
     desc = f"refitting on {st.ids.numel():,} tokens"
-    with progress_bar(total=c.dims.num_layers, unit="layer", desc=desc, disable=not s.progress) as bar:
+    quiet = not s.progress or not st.ranks.main
+    with progress_bar(total=c.dims.num_layers, unit="layer", desc=desc, disable=quiet) as bar:
         for i, layer, prefix in each_layer(model, c.ckpt, st.dev, torch.float32):
             layer.requires_grad_(False)
 
