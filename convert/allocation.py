@@ -124,16 +124,20 @@ class FinalKL:
 
     def __init__(self, windows: int) -> None:
         self.windows = windows
+        self.team = None  # the processes sharing the windows (LayerRun.team), from the first layer added
         self.streams: dict[tuple[int, int], list[Any]] = {}  # (layer, G) -> per window [1, T, hidden]
         self.original: list[Any] = []  # the source's own stream after the last layer seen
         self.as_tuple = False  # the family's decoder layers return tuples
 
     def add(self, run: Any, layer: int, full: LayerStats, merger: Merger, candidates: list[int]) -> None:
         """Advance the earlier layers' streams through the loaded layer ``run`` (as the source has
-        it), then start this layer's: its inputs through it merged at each count in ``candidates``."""
+        it), then start this layer's: its inputs through it merged at each count in ``candidates``.
+        Several processes each follow their own of the first ``windows`` calibration windows."""
         import torch
 
-        kws = [kw for _, kw in run.outputs[: self.windows]]
+        self.team = run.team
+        mine = len(run.team.own(range(self.windows)))  # this process's of the first windows: its first ones
+        kws = [kw for _, kw in run.outputs[:mine]]
 
         def through(hidden: list[Any]) -> list[Any]:
             out = []
@@ -149,8 +153,8 @@ class FinalKL:
             for g in candidates:
                 if g != merger.dims.num_kv_heads and not merger.method.fresh:
                     with merger.merged_at(g, run, layer, full):
-                        self.streams[(layer, g)] = through(run.inputs[: self.windows])
-        self.original = [y for y, _ in run.outputs[: self.windows]]
+                        self.streams[(layer, g)] = through(run.inputs[:mine])
+        self.original = [y for y, _ in run.outputs[:mine]]
 
     def costs(self, logits: Any, num_layers: int, n: int, candidates: list[int]) -> list[dict[int, float]]:
         """``{G: cost}`` of every layer, once every layer has been added; ``logits``: the model's
@@ -162,19 +166,21 @@ class FinalKL:
         if not self.streams:  # nothing merged to follow (fresh K/V)
             return out
         reference = [torch.log_softmax(logits(h, self.as_tuple), -1) for h in self.original]
-        for (layer, g), hidden in self.streams.items():
-            kl = tokens = 0.0
+        sums = torch.zeros(len(self.streams), 2, dtype=torch.float64)  # (KL, tokens) per stream, summed over processes
+        for n, hidden in enumerate(self.streams.values()):
             for ref, h in zip(reference, hidden, strict=True):
                 got = torch.log_softmax(logits(h, self.as_tuple), -1)
-                kl += (ref.exp() * (ref - got)).sum().item()
-                tokens += ref.shape[0] * ref.shape[1]
+                sums[n, 0] += (ref.exp() * (ref - got)).sum().item()
+                sums[n, 1] += ref.shape[0] * ref.shape[1]
+        self.team.sum(sums)
+        for ((layer, g), _), (kl, tokens) in zip(self.streams.items(), sums.tolist(), strict=True):
             out[layer][g] = max(kl / tokens, 0.0)
         return [dict(sorted(c.items())) for c in out]
 
 
 def _relative_output_error(run: Any) -> float:
     """``sum |y' - y|^2 / sum |y|^2`` of the loaded layer ``run.module`` as it is now (``y'``) against
-    its recorded outputs ``y``, over the calibration windows it read."""
+    its recorded outputs ``y``, over the calibration windows it read (every process its own, summed)."""
     import torch
 
     err = ref = 0.0
@@ -184,6 +190,8 @@ def _relative_output_error(run: Any) -> float:
             got = got[0] if isinstance(got, tuple) else got
             err += (got.double() - y.double()).pow(2).sum().item()
             ref += y.double().pow(2).sum().item()
+    if run.team.size > 1:
+        err, ref = run.team.sum(torch.tensor([err, ref], dtype=torch.float64)).tolist()
     return err / max(ref, 1e-300)
 
 

@@ -18,18 +18,21 @@ import torch
 
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import trim
+from mha2gqa.core.ranks import ONE, Ranks
 
 
 @dataclass
 class LayerRun:
     """One decoder layer while its weights are loaded: the module, the calibration windows it read
     (``inputs``) and what it gave (``outputs``, with each window's keyword arguments), and the name
-    prefix of its tensors (``model.layers.3.``)."""
+    prefix of its tensors (``model.layers.3.``); ``team``: the processes whose windows, together, are
+    the calibration's (each holds its share: a measure over the windows sums over ``team``)."""
 
     module: torch.nn.Module
     inputs: list[torch.Tensor]
     outputs: list[tuple[torch.Tensor, dict]]
     prefix: str
+    team: Ranks = ONE
 
 
 class _Stop(Exception):

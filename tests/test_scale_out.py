@@ -123,6 +123,8 @@ def _convert(src, text, dst, *extra: str, processes: int = 1, port: int = 29542)
         # not uniform: the guard compares it with uniform counts (on rank 0), then every rank refits
         (("--method", "svd", "--per-layer", "auto", "--kv-budget", "1.5", "--refit", "--refit-steps", "4"), 29546),
         (("--method", "mean", "--grouping", "similarity"), 29547),
+        # the layer-output cost: each rank runs its share of the windows again, the errors summed
+        (("--method", "svd", "--per-layer", "auto", "--kv-budget", "1.5", "--allocation-cost", "output"), 29553),
     ],
 )
 def test_a_conversion_on_two_ranks_equals_one_process(source, tmp_path, extra, port):
@@ -143,6 +145,8 @@ def test_a_conversion_on_two_ranks_equals_one_process(source, tmp_path, extra, p
         alloc_a, alloc_b = (r["conversion"]["per_layer_allocation"] for r in (rec_a, rec_b))
         assert alloc_a["chosen"] == alloc_b["chosen"]
         assert alloc_a["cost"] == pytest.approx(alloc_b["cost"], rel=1e-4)
+        for layer, costs in alloc_a["costs"].items():  # every layer's cost at every count
+            assert costs == pytest.approx(alloc_b["costs"][layer], rel=1e-4, abs=1e-9)
     if "--refit" in extra:
         la, lb = rec_a["conversion"]["refit"]["layers"], rec_b["conversion"]["refit"]["layers"]
         for x, y in zip(la, lb, strict=True):

@@ -58,7 +58,7 @@ def collect(
     from mha2gqa.core.progress import bar as progress_bar
 
     ckpt, model, dims, windows, states, dev, team = _start(
-        source, device, allow_pickle, data, tokens, seq_len, text_field, shared=shared and on_layer is None
+        source, device, allow_pickle, data, tokens, seq_len, text_field, shared=shared
     )
     grouping = get_grouping(grouping) if isinstance(grouping, str) else grouping
     per_layer = groups if isinstance(groups, tuple) else None
@@ -83,7 +83,7 @@ def collect(
             if on_layer is not None:  # before the weights go: a cost may run the layer again
                 recording[0] = False
                 with float32_on_call(layer):
-                    on_layer(i, full.layers[i], LayerRun(layer, inputs, states, prefix))
+                    on_layer(i, full.layers[i], LayerRun(layer, inputs, states, prefix, team))
                 recording[0] = True
             _keep(i, full, stats, per_layer[i] if per_layer else groups, grouping, dims, compact)
     stats.tokens = windows.numel()
@@ -109,8 +109,8 @@ def _start(
     the first decoder layer receives for this process's windows, the device, and the processes
     (:class:`Ranks`). ``shared``: under a launcher (``torchrun``) each process reads its share of the
     windows and the sums are added at each layer's end (:func:`_gathered`), so every process must call
-    it; otherwise (a cost that runs each layer again reads every window) each process reads every
-    window."""
+    it (a cost that runs each layer again runs it on the same share, and sums over the processes:
+    :class:`~mha2gqa.convert.layers.LayerRun`); otherwise each process reads every window."""
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.models import resolve_device
