@@ -51,6 +51,21 @@ def _stopped(setup, dst, monkeypatch, layer: int, g: int | None = 1, **options) 
             convert_checkpoint(setup["src"], dst, g, **{"method": "svd", **setup["kw"], **options})
 
 
+def killed_once(args: list[str], ready) -> None:
+    """Start ``args`` in a session of its own and SIGKILL all of it (a launcher and its ranks too) as
+    soon as ``ready()``; skips the test when the command finished first."""
+    import os
+
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.skip("the conversion finished before it could be killed")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def _timeless(layers) -> list[dict]:
     return [{k: v for k, v in dataclasses.asdict(r).items() if k != "seconds"} for r in layers]
 
@@ -109,15 +124,8 @@ def test_a_killed_process_resumes(setup, tmp_path):
     args = [sys.executable, "-m", "mha2gqa.cli", "convert", str(setup["src"]), str(dst), *options]
     whole = tmp_path / "whole"  # the reference, made the same way (a process's thread count moves the last bit)
     subprocess.run([*args[:5], str(whole), *options], check=True, capture_output=True)
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = resume_folder(dst) / "layer-0.json"
-    deadline = time.monotonic() + 120
-    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    if proc.poll() is not None:
-        pytest.skip("the conversion finished before it could be killed")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killed_once(args, first.exists)
     assert not dst.exists() and first.exists()
     done = subprocess.run([*args, "--resume", "--remove-stale"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -242,15 +250,8 @@ def test_a_process_killed_inside_the_distillation_resumes(setup, tmp_path):
     options += ["--refit", "--refit-steps", "12", "--distill", "--distill-steps", "30", "-q"]
     args = [sys.executable, "-m", "mha2gqa.cli", "convert", str(setup["src"]), str(dst), *options]
     subprocess.run([*args[:5], str(whole), *options], check=True, capture_output=True)
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = resume_folder(dst) / "distilled" / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not any(checkpoints.glob("step-*")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    if proc.poll() is not None:
-        pytest.skip("the conversion finished before it could be killed")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killed_once(args, lambda: any(checkpoints.glob("step-*")))
     assert not dst.exists() and any(checkpoints.glob("step-*"))
     done = subprocess.run([*args, "--resume", "--remove-stale"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -3,17 +3,15 @@ windows are split by rank, the statistics and the refit's gradients, held-out er
 equations summed across ranks; rank 0 merges, checks and writes."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from conftest import llama_with_tokenizer, story_text
 from safetensors.torch import load_file
 from test_distributed import run_ok
+from test_resume import killed_once
 
 from mha2gqa.core.resume import resume_folder
 
@@ -214,15 +212,8 @@ def test_a_killed_sharded_distillation_resumes_on_two_ranks(source, tmp_path):
     args = [*TORCHRUN, "--master_port", "29552", "-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2"]
     args += ["--calibration", str(text), "--calibration-tokens", "1024", "--calibration-seq-len", "64"]
     args += ["--device", "cpu", "-q", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     checkpoints = resume_folder(dst) / "distilled" / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not any(checkpoints.glob("step-*")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    if proc.poll() is not None:
-        pytest.skip("the conversion finished before it could be killed")
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-    proc.wait()
+    killed_once(args, lambda: any(checkpoints.glob("step-*")))  # torchrun and both ranks
     assert not dst.exists() and any(checkpoints.glob("step-*"))
     done = subprocess.run([*args, "--resume", "--remove-stale"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
