@@ -121,7 +121,7 @@ def resumable(resume: ResumeFolder | None) -> Iterator[None]:
     """Keep ``resume``'s finished work only where the run was interrupted (a signal, a kill, the
     system's errors): it goes once the output is published, and where the run stopped on a decision
     of its own (an error said in one line, ``--guard fail``), after which no resume would help; a full
-    disk is the machine's state, not a decision: the work stays, and the message says where."""
+    disk is the machine's state, not a decision: the finished work stays (if any), and the message says where."""
     if resume is None:
         yield
         return
@@ -132,6 +132,9 @@ def resumable(resume: ResumeFolder | None) -> Iterator[None]:
     except ResumeDamaged:  # the user's to look at; --remove-stale starts over
         raise
     except OutOfSpace as e:
+        if not _work(resume.folder):  # nothing finished yet: nothing to keep
+            resume.finish()
+            raise
         raise OutOfSpace(
             f"{e}; the finished work is kept in {resume.folder}: free space, then the same command with --resume"
         ) from None

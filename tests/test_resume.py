@@ -52,18 +52,22 @@ def _stopped(setup, dst, monkeypatch, layer: int, g: int | None = 1, **options) 
 
 
 def killed_once(args: list[str], ready) -> None:
-    """Start ``args`` in a session of its own and SIGKILL all of it (a launcher and its ranks too) as
-    soon as ``ready()``; skips the test when the command finished first."""
-    import os
+    """Start ``args`` and SIGKILL it and every process under it (a launcher's ranks run in sessions of
+    their own) as soon as ``ready()``; skips the test when the command finished first."""
+    import psutil
 
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     if proc.poll() is not None:
         pytest.skip("the conversion finished before it could be killed")
-    os.killpg(proc.pid, signal.SIGKILL)
+    root = psutil.Process(proc.pid)
+    tree = [*root.children(recursive=True), root]
+    for p in tree:
+        p.send_signal(signal.SIGKILL)
     proc.wait()
+    psutil.wait_procs(tree, timeout=30)
 
 
 def _timeless(layers) -> list[dict]:
