@@ -20,6 +20,11 @@ from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import UPTRAIN_RECORD
 
+#: how long a process of several waits at a collective for the others (the group's timeout, gloo's
+#: and NCCL's): rank 0 alone writes the checkpoint and scores the stage guard, and under FSDP the
+#: processes load in turns, each minutes long at 70B (the defaults, 30 and 10 minutes, are too short)
+GROUP_TIMEOUT_S = 3 * 3600
+
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` -> this process's accelerator from ``accelerate`` (CUDA when present), else CPU.
@@ -32,7 +37,10 @@ def resolve_device(device: str) -> torch.device:
     check_device_name(device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SettingError("device", f"{{name}} {device}: CUDA is not available on this machine; use cpu")
-    state = PartialState(cpu=device == "cpu" or (device == "auto" and not torch.cuda.is_available()))
+    from datetime import timedelta
+
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    state = PartialState(cpu=cpu, timeout=timedelta(seconds=GROUP_TIMEOUT_S))  # (formed once: later calls reuse it)
     return state.device if device == "auto" else torch.device(device)
 
 

@@ -57,6 +57,29 @@ if team.main:
 """
 
 
+TURNS_SCRIPT = """
+import sys, time, torch.distributed as dist
+from mha2gqa.uptrain.sharding import in_turns
+dist.init_process_group("gloo")
+def load():
+    start = time.monotonic(); time.sleep(0.5)
+    return (dist.get_rank(), start, time.monotonic())
+rank, start, end = in_turns(load)
+with open(sys.argv[1] + str(rank), "w") as f:
+    f.write(f"{start} {end}")
+"""
+
+
+def test_sharded_processes_load_their_models_one_at_a_time(tmp_path):
+    """Under FSDP each process loads the whole model before it keeps its shard: in turns, the host
+    holds one whole model at a time (in rank order), not one a process."""
+    script = tmp_path / "turns.py"
+    script.write_text(TURNS_SCRIPT)
+    run_ok([*TORCHRUN, "--master_port", "29554", str(script), str(tmp_path / "rank")])
+    (s0, e0), (s1, e1) = ([float(x) for x in (tmp_path / f"rank{r}").read_text().split()] for r in (0, 1))
+    assert s0 < e0 <= s1 < e1  # rank 1 began once rank 0 was done (monotonic clocks: one machine)
+
+
 def test_two_ranks_fit_a_layer_as_one_process_does_each_on_its_own_windows(tmp_path):
     """The refit's fit (Adam steps, held-out checks, the probe, the o_proj solve) on two gloo ranks,
     each running only its own windows: the same steps and values as one process, float noise apart."""

@@ -16,7 +16,7 @@ from mha2gqa.uptrain.data import WindowOrder
 from mha2gqa.uptrain.params import adapters, apply_lora, lora_targets, select_trainable
 from mha2gqa.uptrain.prepare import Uptraining
 from mha2gqa.uptrain.settings import UptrainSettings
-from mha2gqa.uptrain.sharding import load_optimizer, shard
+from mha2gqa.uptrain.sharding import fsdp_mesh, in_turns, load_optimizer, shard
 from mha2gqa.uptrain.teacher_cache import (
     CachedTeacher,
     TeacherCache,
@@ -55,26 +55,41 @@ def _forget_earlier_accelerator() -> None:
 
 def load_models(up: Uptraining, s: UptrainSettings, acc, resume_from: Path | None):
     """The student in float32 (from the checkpoint being resumed, or with its LoRA adapters), what
-    trains, and the frozen teacher on the device."""
+    trains, and the frozen teacher on the device. Under ``--sharding fsdp`` the processes load in
+    turns, each keeping its shard (:func:`~mha2gqa.uptrain.sharding.in_turns`): the host holds one
+    whole model at a time, not one a process."""
+    if s.sharded:
+        grid = fsdp_mesh(acc.device)
+
+        def student():
+            model, trainable = _student(up, s, resume_from)
+            shard(model, grid, acc.device, acc.mixed_precision, s.cpu_offload)
+            return model, trainable.rebind(model)  # (the whole tensors go with their last references)
+
+        model, trainable = in_turns(student)
+    else:
+        model, trainable = _student(up, s, resume_from)
+    teacher = None
+    if up.teacher_folder is not None and not s.teacher_top_k:
+        teacher = load_teacher(up, s, acc)
+        check_vocabulary(_vocabulary(model), _vocabulary(teacher), s.teacher)
+    return model, trainable, teacher
+
+
+def _student(up: Uptraining, s: UptrainSettings, resume_from: Path | None):
+    """``(the student in float32 on the CPU, what trains)``: accelerate or FSDP places it."""
     from mha2gqa.core.models import load_model
 
     lora = s.lora_rank > 0
     folder = resume_from if resume_from and not lora else up.student_folder
-    model = load_model(str(folder), torch.device("cpu"), torch.float32).model  # accelerate places it
+    model = load_model(str(folder), torch.device("cpu"), torch.float32).model
     if s.gradient_checkpointing:
         _enable_checkpointing(model)
     trainable = select_trainable(model, up.family, up.dims, s.train)
     if lora:
         model = _with_lora(model, up.family, up.dims, s, resume_from)
         trainable = adapters(model)
-    if s.sharded:
-        shard(model, acc.device, acc.mixed_precision, s.cpu_offload)
-        trainable = trainable.rebind(model)
-    teacher = None
-    if up.teacher_folder is not None and not s.teacher_top_k:
-        teacher = load_teacher(up, s, acc)
-        check_vocabulary(_vocabulary(model), _vocabulary(teacher), s.teacher)
-    return model, trainable, teacher
+    return model, trainable
 
 
 def teacher_dtype(acc) -> torch.dtype:
@@ -87,11 +102,15 @@ def load_teacher(up: Uptraining, s: UptrainSettings, acc) -> torch.nn.Module:
     student under ``--sharding fsdp``."""
     from mha2gqa.core.models import load_model
 
-    device = torch.device("cpu") if s.sharded else acc.device
-    teacher = load_model(str(up.teacher_folder), device, teacher_dtype(acc)).model.requires_grad_(False)
-    if s.sharded:
-        shard(teacher, acc.device, "no", s.cpu_offload)
-    return teacher
+    if not s.sharded:
+        return load_model(str(up.teacher_folder), acc.device, teacher_dtype(acc)).model.requires_grad_(False)
+    grid = fsdp_mesh(acc.device)
+
+    def teacher():
+        model = load_model(str(up.teacher_folder), torch.device("cpu"), teacher_dtype(acc)).model
+        return shard(model.requires_grad_(False), grid, acc.device, "no", s.cpu_offload)
+
+    return in_turns(teacher)
 
 
 def rank_rows(s: UptrainSettings, acc) -> slice:

@@ -12,14 +12,16 @@ resume on another number of processes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from mha2gqa.core.errors import Mha2GqaError
 
 OPTIMIZER_DIR = "optimizer"
+T = TypeVar("T")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -35,16 +37,38 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def shard(model: torch.nn.Module, device: torch.device, mixed_precision: str, offload: bool) -> torch.nn.Module:
-    """Shard ``model`` in place across the processes: each decoder layer one FSDP unit, then the rest.
-    bf16 ``mixed_precision`` computes in bfloat16 and reduces gradients in float32."""
+def fsdp_mesh(device: torch.device):
+    """The processes as one FSDP mesh on ``device``'s type. Collective: every process calls it."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         raise Mha2GqaError("--sharding fsdp: no process group; run under torchrun or accelerate launch")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def in_turns(load: Callable[[], T]) -> T:
+    """``load()`` on one process at a time, in rank order (each waits for the one before), so that
+    the host holds one whole model at a time next to the shards already cut, not one a process:
+    ``load`` must leave only this process's shard (:func:`shard`). Collective."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return load()
+    out = None
+    for turn in range(dist.get_world_size()):
+        if turn == dist.get_rank():
+            out = load()
+        dist.barrier()
+    return out
+
+
+def shard(model: torch.nn.Module, mesh, device: torch.device, mixed_precision: str, offload: bool) -> torch.nn.Module:
+    """Shard ``model`` in place across the processes of ``mesh`` (:func:`fsdp_mesh`): each decoder layer
+    one FSDP unit, then the rest; only this process's shard is kept. bf16 ``mixed_precision``
+    computes in bfloat16 and reduces gradients in float32. Not collective."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision == "bf16"
