@@ -190,8 +190,7 @@ def _relative_output_error(run: Any) -> float:
             got = got[0] if isinstance(got, tuple) else got
             err += (got.double() - y.double()).pow(2).sum().item()
             ref += y.double().pow(2).sum().item()
-    if run.team.size > 1:
-        err, ref = run.team.sum(torch.tensor([err, ref], dtype=torch.float64)).tolist()
+    err, ref = run.team.total(err, ref)
     return err / max(ref, 1e-300)
 
 

@@ -61,13 +61,18 @@ class Ranks:
                 tensor.copy_(on)
         return tensor
 
-    def all(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every process (each must call this)."""
+    def total(self, *values: float) -> list[float]:
+        """Each of ``values`` summed over every process, in float64 (each must call this); one
+        process: the values as they are."""
         if self.size == 1:
-            return flag
+            return list(values)
         import torch
 
-        return int(self.sum(torch.tensor([int(bool(flag))]))) == self.size
+        return self.sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
+    def all(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every process (each must call this)."""
+        return self.total(float(bool(flag)))[0] == self.size
 
     def decide(self, choose: Callable[[], Any]) -> Any:
         """``choose()`` run on rank 0 alone, its result (picklable) given to every process (each must

@@ -23,7 +23,7 @@ from mha2gqa.convert.layers import (
 )
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
-from mha2gqa.core.ranks import ONE, Ranks, ranks
+from mha2gqa.core.ranks import Ranks, ranks
 from mha2gqa.core.signals import check as check_signals
 
 
@@ -42,7 +42,6 @@ def collect(
     progress: bool = False,
     on_layer=None,
     weigh_values: bool = True,
-    shared: bool = True,
 ) -> CalibrationStats:
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads (one count, one per layer,
     or None: nothing kept) from the first ``tokens`` tokens of ``data`` in windows of ``seq_len``,
@@ -52,13 +51,14 @@ def collect(
     ``perm``); ``compact`` keeps only what the merges read. ``on_layer(layer, full, run)`` sees each
     layer's all-heads statistics and the loaded layer (:class:`LayerRun`) before they are cut.
     ``weigh_values``: record each layer's output-projection Gram (``svd`` then picks the value code that
-    loses least through ``o_proj``; without: the values' principal subspace); ``shared``: see :func:`_start`."""
+    loses least through ``o_proj``; without: the values' principal subspace). Under a launcher every
+    process must call it: see :func:`_start`."""
     from mha2gqa.core.capture import capturing
     from mha2gqa.core.families import find_family
     from mha2gqa.core.progress import bar as progress_bar
 
     ckpt, model, dims, windows, states, dev, team = _start(
-        source, device, allow_pickle, data, tokens, seq_len, text_field, shared=shared
+        source, device, allow_pickle, data, tokens, seq_len, text_field
     )
     grouping = get_grouping(grouping) if isinstance(grouping, str) else grouping
     per_layer = groups if isinstance(groups, tuple) else None
@@ -102,15 +102,13 @@ def _keep(i: int, full, stats, g: int | None, grouping: Grouping, dims, compact:
         stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
 
 
-def _start(
-    source, device: str, allow_pickle: bool, data: str, tokens: int, seq_len: int | None, text_field: str, shared: bool
-):
+def _start(source, device: str, allow_pickle: bool, data: str, tokens: int, seq_len: int | None, text_field: str):
     """The checkpoint, its model on ``meta``, its dimensions, the calibration windows ``[n, T]``, what
     the first decoder layer receives for this process's windows, the device, and the processes
-    (:class:`Ranks`). ``shared``: under a launcher (``torchrun``) each process reads its share of the
-    windows and the sums are added at each layer's end (:func:`_gathered`), so every process must call
-    it (a cost that runs each layer again runs it on the same share, and sums over the processes:
-    :class:`~mha2gqa.convert.layers.LayerRun`); otherwise each process reads every window."""
+    (:class:`Ranks`). Under a launcher (``torchrun``) each process reads its share of the windows and
+    the sums are added at each layer's end (:func:`_gathered`), so every process must call it (a cost
+    that runs each layer again runs it on the same share, and sums over the processes:
+    :class:`~mha2gqa.convert.layers.LayerRun`)."""
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.models import resolve_device
@@ -121,7 +119,7 @@ def _start(
     dims = dims_of(model.config)
     seq_len = calibration_window(seq_len, getattr(model.config, "max_position_embeddings", None))
     windows = calibration_ids(ckpt.folder, data, tokens, seq_len, text_field).to(dev)
-    team = ranks() if shared else ONE
+    team = ranks()
     states = first_layer_inputs(model, ckpt, team.share(windows, f"--calibration {data}"), dev)
     return ckpt, model, dims, windows, states, dev, team
 

@@ -179,8 +179,7 @@ def heldout_error(
             target = targets(c)
             total += float(_scaled_squares(forward(values, c), target, scale).sum())
             count += target.numel()
-    if ranks.size > 1:
-        total, count = ranks.sum(torch.tensor([total, count], dtype=torch.float64)).tolist()
+    total, count = ranks.total(total, count)
     return total / count
 
 
