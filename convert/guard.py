@@ -282,24 +282,33 @@ class GuardRun:
         detail = f"published in layers up to {best}: {n} of {len(fitted)} refitted layers"
         return GuardStage("refit", KEPT_IN_PART, whole, scores[best], before, detail), best
 
-    def distillation(self, folder: Path, targets: Sequence[int], log) -> bool:
+    def distillation(self, folder: Path, targets: Sequence[int], log, detail: str = "") -> bool:
         """Score the distilled model in ``folder`` (each layer's KV heads ``targets``) against the model
-        it started from (what the stages before published); whether it is published (False: undone)."""
-        from mha2gqa.core.checkpoint import open_checkpoint
-
+        it started from (what the stages before published); whether it is published (False: undone).
+        ``detail``: how the distillation ran (its learning-rate probe), for the record and the terminal."""
         before = self.published
         if self.guard is None or before is None:
             return True
-        ckpt = open_checkpoint(str(folder))
-        weights = Weights("distill", ckpt.load, set(ckpt.tensors), tuple(targets))
-        after = self.guard.score({"distill": [weights] * len(targets)})["distill"]
+        after = self.score_folders([folder], targets)[0]
         kept = after.loss < before.loss
-        stage = GuardStage("distill", KEPT if kept else UNDONE, after, after if kept else before, before)
+        stage = GuardStage("distill", KEPT if kept else UNDONE, after, after if kept else before, before, detail)
         if not kept and self.mode == "fail":
             self._fail(stage)
         self.stages.append(stage)
         self._say(log, stage)
         return kept
+
+    def score_folders(self, folders: Sequence[Path], targets: Sequence[int]) -> list[GuardScore]:
+        """The held-out figures of whole converted models (Hugging Face folders, each layer's KV heads
+        ``targets``: the distillation and its probe's runs), in one walk over the layers."""
+        from mha2gqa.core.checkpoint import open_checkpoint
+
+        plans = {}
+        for i, folder in enumerate(folders):
+            ckpt = open_checkpoint(str(folder))
+            plans[str(i)] = [Weights(f"model-{i}", ckpt.load, set(ckpt.tensors), tuple(targets))] * len(targets)
+        scores = self.guard.score(plans)
+        return [scores[str(i)] for i in range(len(folders))]
 
     @property
     def published(self) -> GuardScore | None:

@@ -22,6 +22,7 @@ import dataclasses
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from mha2gqa.convert.settings import ConvertSettings, calibration_window
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, launched, under_launcher
 from mha2gqa.core.settings import check_switched, setting, validate
+from mha2gqa.distill_probe import Scorer, probe_rate
 from mha2gqa.uptrain.settings import SHARDING
 
 #: windows a distillation step reads
@@ -73,6 +75,12 @@ class DistillSettings:
         "weight by about this share of its typical size, whatever the model's scale).",
         above=0,
         maximum=1,
+    )
+    distill_probe: bool = setting(
+        True,
+        help="Run the first sixth of --distill's steps at --distill-lr x 1/3, 1 and 3, each from the converted "
+        "model, and go on with the rate whose model is closest to SRC on the stage guard's held-out windows "
+        "(a rate right for one model can wreck another); off, or with --guard off: --distill-lr as given.",
     )
     sharding: str = setting(
         "none",
@@ -176,8 +184,11 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
         held = guard.before_windows if guard is not None and guard.ids is not None else None
         team.decide(lambda: (str(converted.output), held))  # what the other processes distil with rank 0
         distilled_folder = resume.path(DISTILLED)
-        distilled = _distil(converted.output, first, s, d, distilled_folder, log, held)
-        kept = guard is None or guard.distillation(distilled_folder, converted.kv_heads_per_layer, log)
+        targets = converted.kv_heads_per_layer
+        score = partial(guard.score_folders, targets=targets) if held is not None else None
+        distilled, probed = _distil(converted.output, first, s, d, distilled_folder, log, held, team, score)
+        detail = probed.detail if probed is not None else ""
+        kept = guard is None or guard.distillation(distilled_folder, targets, log, detail)
         record = converted.record
         if guard is not None:
             facts = dataclasses.replace(record.conversion, guard=guard.record())
@@ -206,15 +217,32 @@ def _alongside(first, s: ConvertSettings, d: DistillSettings, team: Ranks, log) 
 
     run(first, guard_data=s.calibration)
     student, held = team.decide(lambda: None)
-    _distil(Path(student), first, s, d, resume_folder(first.dst) / DISTILLED, log, held)
+    _distil(Path(student), first, s, d, resume_folder(first.dst) / DISTILLED, log, held, team, None)
 
 
-def _distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, out: Path, log, tokens: int | None):
+def _distil(
+    student: Path,
+    conversion,
+    s: ConvertSettings,
+    d: DistillSettings,
+    out: Path,
+    log,
+    tokens: int | None,
+    team: Ranks,
+    score: Scorer | None,
+):
+    """The distillation of ``student`` into ``out`` (every process calls this), on the calibration
+    text's first ``tokens`` (None: the guard is off, and so is the probe); ``(its result, the probe's
+    choice or None)``. ``score``: the guard's scorer of the probe's models (rank 0)."""
     from mha2gqa.uptrain import uptrain
 
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
     positions = conversion.ckpt.config.get("max_position_embeddings")
-    return uptrain(str(student), d.uptrain_settings(s, teacher, out, positions, tokens), log=log)
+    settings = d.uptrain_settings(s, teacher, out, positions, tokens)
+    probed = probe_rate(student, settings, team, score, log) if d.distill_probe and tokens is not None else None
+    if probed is not None:  # go on from the chosen rate's probe run
+        settings = dataclasses.replace(settings, lr=probed.lr, resume=True)
+    return uptrain(str(student), settings, log=log), probed
 
 
 def _publish(stage: Path, distilled: Path | None, dst: Path, src: str, conversion) -> None:

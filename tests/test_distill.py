@@ -138,7 +138,13 @@ def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path
     recipe = tmp_path / "first" / RECIPE_FILE
     written = yaml.safe_load(recipe.read_text())
     assert written["recipe"] == "svd+refit+distill" and written["convert"]["calibration"] == str(src["text"].resolve())
-    assert written["distill"] == {"distill": True, "distill_steps": 3, "distill_batch": 2, "distill_lr": 1.5e-3}
+    assert written["distill"] == {
+        "distill": True,
+        "distill_steps": 3,
+        "distill_batch": 2,
+        "distill_lr": 1.5e-3,
+        "distill_probe": True,
+    }
     again = CliRunner().invoke(main, ["convert", str(src["model"]), str(tmp_path / "again"), "--recipe", str(recipe)])
     assert again.exit_code == 0, again.output
     model = (tmp_path / "first" / "model.safetensors").read_bytes()
