@@ -107,7 +107,7 @@ def convert(src: str, dst: Path, quiet: bool, **options: Any) -> None:
         converted, distilled = convert_and_distill(src, dst, settings, distill, log=_echo_unless(quiet))
         if converted is not None:  # (None: a process of several, which writes nothing)
             click.echo(converted.summary())
-            click.echo(distilled.summary())
+            click.echo(_distilled_line(converted, distilled))
         return
     conversion = prepare(src, dst, settings)  # before torch loads
     from mha2gqa.convert.converter import run as run_conversion
@@ -115,6 +115,17 @@ def convert(src: str, dst: Path, quiet: bool, **options: Any) -> None:
     result = run_conversion(conversion)
     if result is not None:  # (None: a process of several, once its share of the work is done)
         click.echo(result.summary())
+
+
+def _distilled_line(converted, distilled) -> str:
+    """The distillation's summary, saying so where the stage guard did not publish it."""
+    from mha2gqa.core.conversion_record import UNDONE
+
+    guard = converted.record.conversion.guard
+    stage = guard.stage("distill") if guard is not None else None
+    if stage is not None and stage.outcome == UNDONE:
+        return f"{distilled.summary()}: undone by the stage guard, DST holds the model before it"
+    return distilled.summary()
 
 
 def _echo_unless(quiet: bool) -> Callable[[str], None]:

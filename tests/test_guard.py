@@ -189,6 +189,7 @@ def test_a_distillation_that_makes_the_model_worse_is_undone(tmp_path):
     done = CliRunner().invoke(main, [*common[:2], str(tmp_path / "dst"), *common[2:], *calibration, *distill])
     assert done.exit_code == 0, done.output
     assert "guard: distill: undone - held-out KL" in done.output, done.output
+    assert "undone by the stage guard, DST holds the model before it" in done.output.splitlines()[-1]
     dst = tmp_path / "dst"
     assert (dst / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
     assert not (dst / UPTRAIN_RECORD).exists()  # the model published is the conversion
