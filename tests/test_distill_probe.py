@@ -105,3 +105,23 @@ def test_a_resumed_run_goes_on_at_the_rate_chosen_and_refuses_a_damaged_choice(s
     assert steps == [9, 10, 11, 12] and "distill probe: --distill-lr" not in done.output
     assert _distill_stage(dst)["detail"] == _distill_stage(whole)["detail"]
     assert (dst / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+
+
+def test_a_rescaled_model_probes_to_the_same_rate_and_quality(src, tmp_path):
+    """The same function written differently (v x 4 with o / 4, q with k, a norm with what it feeds)
+    takes the same relative steps, so the probe chooses the same rate and the distillation reaches the
+    same held-out KL."""
+    from conftest import load, save
+    from test_guard import _rescaled
+    from transformers import AutoTokenizer
+
+    model = load(src["model"])
+    _rescaled(model)
+    rescaled = {**src, "model": save(model, tmp_path / "rescaled")}
+    AutoTokenizer.from_pretrained(src["model"]).save_pretrained(rescaled["model"])
+    for source, name in ((src, "a"), (rescaled, "b")):
+        done = _convert(source, tmp_path / name, "--distill-lr", "1.5e-3")
+        assert done.exit_code == 0, done.output
+    a, b = _distill_stage(tmp_path / "a"), _distill_stage(tmp_path / "b")
+    assert _lr(tmp_path / "a") == _lr(tmp_path / "b") and "chosen" in a["detail"]
+    assert b["after"]["kl"] == pytest.approx(a["after"]["kl"], rel=0.02), (a, b)
