@@ -282,14 +282,17 @@ class GuardRun:
         detail = f"published in layers up to {best}: {n} of {len(fitted)} refitted layers"
         return GuardStage("refit", KEPT_IN_PART, whole, scores[best], before, detail), best
 
-    def distillation(self, folder: Path, targets: Sequence[int], log, detail: str = "") -> bool:
-        """Score the distilled model in ``folder`` (each layer's KV heads ``targets``) against the model
-        it started from (what the stages before published); whether it is published (False: undone).
-        ``detail``: how the distillation ran (its learning-rate probe), for the record and the terminal."""
+    def distillation(
+        self, folder: Path, targets: Sequence[int], log, detail: str = "", after: GuardScore | None = None
+    ) -> bool:
+        """Score the distilled model in ``folder`` (each layer's KV heads ``targets``; ``after``: its
+        score, taken already) against the model it started from (what the stages before published);
+        whether it is published (False: undone). ``detail``: how the distillation ran (its rate backoff),
+        for the record and the terminal."""
         before = self.published
         if self.guard is None or before is None:
             return True
-        after = self.score_folders([folder], targets)[0]
+        after = after or self.score_folders([folder], targets)[0]
         kept = after.loss < before.loss
         stage = GuardStage("distill", KEPT if kept else UNDONE, after, after if kept else before, before, detail)
         if not kept and self.mode == "fail":

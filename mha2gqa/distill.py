@@ -30,7 +30,7 @@ from mha2gqa.convert.settings import ConvertSettings, calibration_window
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, launched, under_launcher
 from mha2gqa.core.settings import check_switched, setting, validate
-from mha2gqa.distill_probe import Scorer, probe_rate
+from mha2gqa.distill_probe import Judge, distil_backing_off
 from mha2gqa.uptrain.settings import SHARDING
 
 #: windows a distillation step reads
@@ -78,9 +78,9 @@ class DistillSettings:
     )
     distill_probe: bool = setting(
         True,
-        help="Run the first sixth of --distill's steps at --distill-lr x 1/3, 1 and 3, each from the converted "
-        "model, and go on with the rate whose model is closest to SRC on the stage guard's held-out windows "
-        "(a rate right for one model can wreck another); off, or with --guard off: --distill-lr as given.",
+        help="Where the stage guard finds the distilled model no closer to SRC on its held-out windows, "
+        "distil again from the converted model at a third of --distill-lr, then a ninth (a rate right for one "
+        "model can wreck another). Off, or with --guard off: --distill-lr alone.",
     )
     sharding: str = setting(
         "none",
@@ -185,10 +185,10 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
         team.decide(lambda: (str(converted.output), held))  # what the other processes distil with rank 0
         distilled_folder = resume.path(DISTILLED)
         targets = converted.kv_heads_per_layer
-        score = partial(guard.score_folders, targets=targets) if held is not None else None
-        distilled, probed = _distil(converted.output, first, s, d, distilled_folder, log, held, team, score)
-        detail = probed.detail if probed is not None else ""
-        kept = guard is None or guard.distillation(distilled_folder, targets, log, detail)
+        judge = Judge(partial(guard.score_folders, targets=targets), guard.published) if held is not None else None
+        distilled, tried, score = _distil(converted.output, first, s, d, distilled_folder, log, held, team, judge)
+        detail = tried.detail if tried is not None else ""
+        kept = guard is None or guard.distillation(distilled_folder, targets, log, detail, score)
         record = converted.record
         if guard is not None:
             facts = dataclasses.replace(record.conversion, guard=guard.record())
@@ -229,20 +229,20 @@ def _distil(
     log,
     tokens: int | None,
     team: Ranks,
-    score: Scorer | None,
+    judge: Judge | None,
 ):
     """The distillation of ``student`` into ``out`` (every process calls this), on the calibration
-    text's first ``tokens`` (None: the guard is off, and so is the probe); ``(its result, the probe's
-    choice or None)``. ``score``: the guard's scorer of the probe's models (rank 0)."""
+    text's first ``tokens`` (None: the guard is off, and so is the backoff); ``(its result, the
+    backoff's Tried and the guard's score of the result, or None and None)``. ``judge``: the guard, for
+    the backoff (rank 0)."""
     from mha2gqa.uptrain import uptrain
 
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
     positions = conversion.ckpt.config.get("max_position_embeddings")
     settings = d.uptrain_settings(s, teacher, out, positions, tokens)
-    probed = probe_rate(student, settings, team, score, log) if d.distill_probe and tokens is not None else None
-    if probed is not None:  # go on from the chosen rate's probe run
-        settings = dataclasses.replace(settings, lr=probed.lr, resume=True)
-    return uptrain(str(student), settings, log=log), probed
+    if d.distill_probe and tokens is not None:
+        return distil_backing_off(student, settings, team, judge, log)
+    return uptrain(str(student), settings, log=log), None, None
 
 
 def _publish(stage: Path, distilled: Path | None, dst: Path, src: str, conversion) -> None:

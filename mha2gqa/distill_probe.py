@@ -1,110 +1,109 @@
-"""``convert --distill``'s learning-rate probe: the rate the distillation goes on with, chosen on the model.
+"""``convert --distill``'s rate backoff: a distillation that made the model worse runs again, slower.
 
 ``--distill-lr`` is relative to each weight's RMS, so the same model written differently takes the same
-steps; but the share of its size a weight should move differs between models (SmolLM2-135M took
-1.5e-3 well; a rate that is too high for a model wrecks it within a few steps, and one too low wastes
-the run). So the first sixth of the steps (:data:`PROBE_SHARE`) runs once at ``--distill-lr`` times each
-factor of :data:`PROBE`, each from the converted model on the same windows, and the stage guard scores
-each short run's model on its held-out windows (the converted model's next-token KL to the original);
-the run with the lowest KL goes on to the end (its steps are kept: a probe run stops at a checkpoint
-and the distillation resumes from it), the others are dropped. Extra cost: the other rates' probe
-steps (a third of the run at the defaults) and three scorings.
+steps; but the share of its size a weight should move differs between models (SmolLM2-135M takes
+1.5e-3 well; on pydocs-mha-8h 8 -> 2 the same rate made the model worse, and a third of it better; a
+rate far too high wrecks a model). So where the stage guard finds the distilled model no closer to SRC
+on its held-out windows than the model before it, the distillation runs again from the converted
+model at a third of the rate, then a ninth (:data:`BACKOFF`); the first that lowers the KL is
+published, and where none does the guard undoes the distillation.
 
-A run stopped after the probe (``--resume``) goes on at the rate chosen, read back from
-:data:`PROBE_FILE` in the resume folder; one stopped during it probes again."""
+Why the whole run and not a probe of a few steps: on SmolLM2 a race of three rates over the first
+sixth of the steps chose a third of the rate (KL 0.439 against 0.466 after 4 steps), which over the
+24 steps ended worse than the rate as given (guard KL 0.419 against 0.409); on a tiny model a check at
+the first third backed off a rate whose KL rose before it fell (0.121 against 0.115 at the end). A
+short run judges the start of a run, not its end (docs/methods.md). The backoff costs nothing where
+the rate helps, and one more distillation for each rate backed off.
+
+A run stopped during a later try (``--resume``) goes on with that try, read back from
+:data:`PROBE_FILE` in the resume folder."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from mha2gqa.core.conversion_record import GuardScore
 from mha2gqa.core.ranks import Ranks
 from mha2gqa.core.resume import ResumeDamaged, ResumeFolder
 
-#: the factors of --distill-lr the probe tries (its middle one the rate as given)
-PROBE = (1 / 3, 1.0, 3.0)
-#: the probe runs the first 1/PROBE_SHARE of the steps at each rate
-PROBE_SHARE = 6
-#: the probe's outcome, in the resume folder: a resumed run goes on at the rate it chose
-PROBE_FILE = "distill-probe.json"
-
-#: scores the models in the folders given on the guard's held-out windows (rank 0)
-Scorer = Callable[[Sequence[Path]], list[GuardScore]]
+#: the rates tried in turn, as factors of --distill-lr: the next where the distillation at the one
+#: before did not lower the guard's held-out KL
+BACKOFF = (1.0, 1 / 3, 1 / 9)
+#: the try in progress after the first (its rate, and what the tries before it measured), in the
+#: resume folder: a resumed run goes on with it
+PROBE_FILE = "distill-backoff.json"
 
 
 @dataclass(frozen=True)
-class Probed:
-    """The probe's choice: the relative rate the distillation goes on with, and what it measured."""
+class Judge:
+    """Rank 0's view of the guard: ``score`` the models in folders on its held-out windows, and the
+    figure of the model before the distillation, which a distillation must lower."""
+
+    score: Callable[[Sequence[Path]], list[GuardScore]]
+    before: GuardScore
+
+
+@dataclass(frozen=True)
+class Tried:
+    """The backoff so far: the relative rate of the try in progress (or published), and what the
+    tries before it measured (the guard's distill line)."""
 
     lr: float
-    detail: str  # e.g. "--distill-lr 0.0015 chosen of 0.0005: KL 0.41, ..." (the guard's distill line)
+    detail: str = ""  # e.g. "--distill-lr 0.0015: KL 0.43, not below KL 0.41"
 
 
-def probe_steps(max_steps: int) -> int:
-    """Steps each probed rate runs (0: the run is too short to probe and still go on)."""
-    steps = max(1, max_steps // PROBE_SHARE)
-    return steps if steps < max_steps else 0
-
-
-def probe_rate(student: Path, settings, team: Ranks, score: Scorer | None, log) -> Probed | None:
-    """Run the probe of the distillation ``settings`` (``UptrainSettings``; its output the distillation's
-    folder, which ends up holding the chosen run at its last probe step) on ``student``; every process
-    calls this, ``score`` given on rank 0. None: the run is too short to probe."""
+def distil_backing_off(student: Path, settings, team: Ranks, judge: Judge | None, log):
+    """The distillation ``settings`` (``UptrainSettings``) of ``student``, run again at each rate of
+    :data:`BACKOFF` in turn while the guard finds it no closer to SRC; every process calls this,
+    ``judge`` given on rank 0. ``(the uptraining result of the last try, its Tried, its GuardScore
+    (rank 0))``."""
     from mha2gqa.uptrain import uptrain
-    from mha2gqa.uptrain.checkpoints import checkpoint_dirs
 
-    out = Path(settings.output)
-    steps = probe_steps(settings.max_steps)
-    if not steps:
-        return None
-    kept = ResumeFolder(out.parent)
-    if settings.resume and out.is_dir() and checkpoint_dirs(out):  # stopped after the probe
-        return team.decide(lambda: _read(kept))
-    rates = [settings.lr * factor for factor in PROBE]
-    folders = [out.with_name(f"{out.name}-probe-{i}") for i in range(len(rates))]
-    team.decide(lambda: _clear([out, *folders]))
-    for rate, folder in zip(rates, folders, strict=True):
-        log(f"distill probe: --distill-lr {rate:.3g} for {steps} of {settings.max_steps} steps")
-        run = dataclasses.replace(settings, output=str(folder), lr=rate, stop_after=steps, resume=False)
-        uptrain(str(student), run, log=log)
-    return team.decide(lambda: _choose(out, folders, rates, steps, score, kept, log))
+    out, kept = Path(settings.output), ResumeFolder(Path(settings.output).parent)
+    rates = [settings.lr * factor for factor in BACKOFF]
+    held = team.decide(lambda: _read(kept, rates)) if settings.resume and kept.has(PROBE_FILE) else None
+    tried = held or Tried(rates[0])
+    start = rates.index(tried.lr)
+    for i in range(start, len(rates)):
+        resume = settings.resume and i == start  # a later try starts afresh in the emptied folder
+        result = uptrain(str(student), dataclasses.replace(settings, lr=rates[i], resume=resume), log=log)
+        nxt = rates[i + 1] if i + 1 < len(rates) else None
+        tried, score, done = team.decide(partial(_check, out, tried, nxt, judge, kept, log))
+        if done:
+            return result, tried, score
+    raise AssertionError("the last rate always ends the backoff")
 
 
-def _choose(out: Path, folders: list[Path], rates: list[float], steps: int, score: Scorer, kept, log) -> Probed:
-    """Rank 0: score each probe run's model, keep the best as the distillation's folder ``out``."""
-    from mha2gqa.uptrain.checkpoints import checkpoint_dirs
+def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: ResumeFolder, log):
+    """Rank 0: score the distillation at ``tried.lr`` in ``out``; ``(Tried, its score, whether the
+    backoff ends: it lowered the KL, or no rate ``nxt`` is left)``. Where it goes on, ``out`` is emptied
+    and the next try written down first."""
+    score = judge.score([out])[0]
+    if score.loss < judge.before.loss or nxt is None:
+        return tried, score, True
+    line = f"--distill-lr {tried.lr:.3g}: {score}, not below {judge.before}"
+    log(f"distill: {line}: again at a third of the rate")
+    following = Tried(nxt, f"{tried.detail}; {line}" if tried.detail else line)
+    kept.write_bytes(PROBE_FILE, json.dumps(dataclasses.asdict(following)).encode())
+    shutil.rmtree(out, ignore_errors=True)
+    return following, score, False
 
-    scores = score([checkpoint_dirs(folder)[-1][1] for folder in folders])
-    best = min(range(len(rates)), key=lambda i: (scores[i].loss, abs(PROBE[i] - 1.0)))
-    figures = "; ".join(f"{rate:.3g}: {s}" for rate, s in zip(rates, scores, strict=True))
-    probed = Probed(rates[best], f"--distill-lr {rates[best]:.3g} chosen after {steps} steps at each rate: {figures}")
-    kept.write_bytes(PROBE_FILE, json.dumps(dataclasses.asdict(probed)).encode())
-    folders[best].rename(out)
-    _clear(folders)
-    log(f"distill probe: {probed.detail}")
-    return probed
 
-
-def _read(kept: ResumeFolder) -> Probed:
-    """The probe's choice of the stopped run (refused in one line if damaged)."""
-    held = kept.read_json(PROBE_FILE) if kept.has(PROBE_FILE) else None
+def _read(kept: ResumeFolder, rates: list[float]) -> Tried:
+    """The try in progress of the stopped run, one of ``rates`` (refused in one line if damaged)."""
+    held = kept.read_json(PROBE_FILE)
     try:
-        probed = Probed(**held)
-        if not (isinstance(probed.lr, float) and 0 < probed.lr < math.inf and isinstance(probed.detail, str)):
+        tried = Tried(**held)
+        if tried.lr not in rates[1:] or not isinstance(tried.detail, str):
             raise TypeError
     except TypeError:
         raise ResumeDamaged(
-            f"{kept.path(PROBE_FILE)}: not the distillation probe's choice; pass --remove-stale to start over"
+            f"{kept.path(PROBE_FILE)}: not the distillation backoff's record; pass --remove-stale to start over"
         ) from None
-    return probed
-
-
-def _clear(folders: Sequence[Path]) -> None:
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
+    return tried
