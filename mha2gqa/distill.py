@@ -30,7 +30,7 @@ from mha2gqa.convert.settings import ConvertSettings, calibration_window
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, launched, under_launcher
 from mha2gqa.core.settings import check_switched, setting, validate
-from mha2gqa.distill_probe import Judge, distil_backing_off
+from mha2gqa.distill_backoff import Judge, distil_backing_off
 from mha2gqa.uptrain.settings import SHARDING
 
 #: windows a distillation step reads
@@ -76,7 +76,7 @@ class DistillSettings:
         above=0,
         maximum=1,
     )
-    distill_probe: bool = setting(
+    distill_backoff: bool = setting(
         True,
         help="Where the stage guard finds the distilled model no closer to SRC on its held-out windows, "
         "distil again from the converted model at a third of --distill-lr, then a ninth (a rate right for one "
@@ -240,7 +240,7 @@ def _distil(
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
     positions = conversion.ckpt.config.get("max_position_embeddings")
     settings = d.uptrain_settings(s, teacher, out, positions, tokens)
-    if d.distill_probe and tokens is not None:
+    if d.distill_backoff and tokens is not None:
         return distil_backing_off(student, settings, team, judge, log)
     return uptrain(str(student), settings, log=log), None, None
 

@@ -13,7 +13,7 @@ from conftest import llama_with_tokenizer, story_text
 from mha2gqa.cli import main
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 from mha2gqa.core.resume import resume_folder
-from mha2gqa.distill_probe import BACKOFF, PROBE_FILE
+from mha2gqa.distill_backoff import BACKOFF, BACKOFF_FILE
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_a_distillation_that_helps_is_published_as_run(src, tmp_path):
     the backoff."""
     backing = _convert(src, tmp_path / "backing")
     assert backing.exit_code == 0, backing.output
-    plain = _convert(src, tmp_path / "plain", "--no-distill-probe")
+    plain = _convert(src, tmp_path / "plain", "--no-distill-backoff")
     assert plain.exit_code == 0, plain.output
     for dst in ("backing", "plain"):
         assert _distill_stage(tmp_path / dst)["outcome"] == "kept" and _distill_stage(tmp_path / dst)["detail"] == ""
@@ -84,7 +84,7 @@ def test_a_distillation_that_does_not_help_runs_again_at_a_third_of_the_rate(src
     assert stage["detail"] in backed.output
     monkeypatch.undo()
     rate = 0.03 * BACKOFF[1]
-    plain = _convert(src, tmp_path / "plain", "--distill-lr", repr(rate), "--no-distill-probe")
+    plain = _convert(src, tmp_path / "plain", "--distill-lr", repr(rate), "--no-distill-backoff")
     assert plain.exit_code == 0, plain.output
     assert _lr(tmp_path / "backed") == rate and _model(tmp_path / "backed") == _model(tmp_path / "plain")
 
@@ -119,13 +119,13 @@ def test_a_run_stopped_in_a_later_try_resumes_it_and_refuses_a_damaged_record(sr
         m.setattr(trainer._Trainer, "step", stopping)
         assert _convert(src, dst).exit_code != 0
     kept = resume_folder(dst)
-    record = (kept / PROBE_FILE).read_text()
+    record = (kept / BACKOFF_FILE).read_text()
     assert json.loads(record)["lr"] == 1.5e-3 * BACKOFF[1]
-    (kept / PROBE_FILE).write_text('{"lr": 0.7}')
+    (kept / BACKOFF_FILE).write_text('{"lr": 0.7}')
     bad = _convert(src, dst, "--resume")
-    assert bad.exit_code == 1 and str(kept / PROBE_FILE) in bad.output and "--remove-stale" in bad.output
+    assert bad.exit_code == 1 and str(kept / BACKOFF_FILE) in bad.output and "--remove-stale" in bad.output
     assert len(bad.output.strip().splitlines()) == 1 and kept.exists()
-    (kept / PROBE_FILE).write_text(record)
+    (kept / BACKOFF_FILE).write_text(record)
     steps = []
     monkeypatch.setattr(trainer._Trainer, "step", lambda self, k: steps.append(k) or step(self, k))
     done = _convert(src, dst, "--resume")

@@ -16,7 +16,7 @@ short run judges the start of a run, not its end (docs/methods.md). The backoff 
 the rate helps, and one more distillation for each rate backed off.
 
 A run stopped during a later try (``--resume``) goes on with that try, read back from
-:data:`PROBE_FILE` in the resume folder."""
+:data:`BACKOFF_FILE` in the resume folder."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from mha2gqa.core.resume import ResumeDamaged, ResumeFolder
 BACKOFF = (1.0, 1 / 3, 1 / 9)
 #: the try in progress after the first (its rate, and what the tries before it measured), in the
 #: resume folder: a resumed run goes on with it
-PROBE_FILE = "distill-backoff.json"
+BACKOFF_FILE = "distill-backoff.json"
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def distil_backing_off(student: Path, settings, team: Ranks, judge: Judge | None
 
     out, kept = Path(settings.output), ResumeFolder(Path(settings.output).parent)
     rates = [settings.lr * factor for factor in BACKOFF]
-    held = team.decide(lambda: _read(kept, rates)) if settings.resume and kept.has(PROBE_FILE) else None
+    held = team.decide(lambda: _read(kept, rates)) if settings.resume and kept.has(BACKOFF_FILE) else None
     tried = held or Tried(rates[0])
     start = rates.index(tried.lr)
     for i in range(start, len(rates)):
@@ -90,20 +90,20 @@ def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: Resum
     line = f"--distill-lr {tried.lr:.3g}: {score}, not below {judge.before}"
     log(f"distill: {line}: again at a third of the rate")
     following = Tried(nxt, f"{tried.detail}; {line}" if tried.detail else line)
-    kept.write_bytes(PROBE_FILE, json.dumps(dataclasses.asdict(following)).encode())
+    kept.write_bytes(BACKOFF_FILE, json.dumps(dataclasses.asdict(following)).encode())
     shutil.rmtree(out, ignore_errors=True)
     return following, score, False
 
 
 def _read(kept: ResumeFolder, rates: list[float]) -> Tried:
     """The try in progress of the stopped run, one of ``rates`` (refused in one line if damaged)."""
-    held = kept.read_json(PROBE_FILE)
+    held = kept.read_json(BACKOFF_FILE)
     try:
         tried = Tried(**held)
         if tried.lr not in rates[1:] or not isinstance(tried.detail, str):
             raise TypeError
     except TypeError:
         raise ResumeDamaged(
-            f"{kept.path(PROBE_FILE)}: not the distillation backoff's record; pass --remove-stale to start over"
+            f"{kept.path(BACKOFF_FILE)}: not the distillation backoff's record; pass --remove-stale to start over"
         ) from None
     return tried
