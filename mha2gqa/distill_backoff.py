@@ -82,16 +82,16 @@ def distil_backing_off(student: Path, settings, team: Ranks, judge: Judge | None
 
 def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: ResumeFolder, log):
     """Rank 0: score the distillation at ``tried.lr`` in ``out``; ``(Tried, its score, whether the
-    backoff ends: it lowered the KL, or no rate ``nxt`` is left)``. Where it goes on, ``out`` is emptied
-    and the next try written down first."""
+    backoff ends: it lowered the KL, or no rate ``nxt`` is left)``. Where it goes on, ``out`` is emptied,
+    then the next try written down."""
     score = judge.score([out])[0]
     if score.loss < judge.before.loss or nxt is None:
         return tried, score, True
     line = f"--distill-lr {tried.lr:.3g}: {score}, not below {judge.before}"
     log(f"distill: {line}: again at a third of the rate")
     following = Tried(nxt, f"{tried.detail}; {line}" if tried.detail else line)
+    shutil.rmtree(out, ignore_errors=True)  # first: a stop in between reruns this try, never resumes it as the next
     kept.write_bytes(BACKOFF_FILE, json.dumps(dataclasses.asdict(following)).encode())
-    shutil.rmtree(out, ignore_errors=True)
     return following, score, False
 
 
