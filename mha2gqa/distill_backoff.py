@@ -55,7 +55,7 @@ class Tried:
     tries before it measured (the guard's distill line)."""
 
     lr: float
-    detail: str = ""  # e.g. "--distill-lr 0.0015: KL 0.43, not below KL 0.41"
+    detail: str = ""  # e.g. "--distill-lr 0.0015: KL 0.43, not below KL 0.41; --distill-lr 0.0005: KL 0.4, kept"
 
 
 def distil_backing_off(student: Path, settings, team: Ranks, judge: Judge | None, log):
@@ -85,8 +85,10 @@ def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: Resum
     backoff ends: it lowered the KL, or no rate ``nxt`` is left)``. Where it goes on, ``out`` is emptied,
     then the next try written down."""
     score = judge.score([out])[0]
-    if score.loss < judge.before.loss or nxt is None:
-        return tried, score, True
+    helped = score.loss < judge.before.loss
+    if helped or nxt is None:
+        end = f"--distill-lr {tried.lr:.3g}: {score}, " + ("kept" if helped else "not below either")
+        return Tried(tried.lr, f"{tried.detail}; {end}" if tried.detail else ""), score, True
     line = f"--distill-lr {tried.lr:.3g}: {score}, not below {judge.before}"
     log(f"distill: {line}: again at a third of the rate")
     following = Tried(nxt, f"{tried.detail}; {line}" if tried.detail else line)

@@ -34,6 +34,12 @@ def _distill_stage(dst) -> dict:
     return next(s for s in stages if s["stage"] == "distill")
 
 
+def _score(figures: dict) -> str:
+    from mha2gqa.core.conversion_record import GuardScore
+
+    return str(GuardScore(figures["kl"], figures["top1"]))
+
+
 def _model(dst) -> bytes:
     return (dst / "model.safetensors").read_bytes()
 
@@ -81,6 +87,7 @@ def test_a_distillation_that_does_not_help_runs_again_at_a_third_of_the_rate(src
     assert calls == [1, 1]  # each try scored once (the published one's score is the guard's distill figure)
     stage = _distill_stage(tmp_path / "backed")
     assert stage["outcome"] == "kept" and stage["detail"].startswith("--distill-lr 0.03: KL 9, top-1 0.0%, not below")
+    assert stage["detail"].endswith(f"; --distill-lr 0.01: {_score(stage['after'])}, kept")
     assert stage["detail"] in backed.output
     monkeypatch.undo()
     rate = 0.03 * BACKOFF[1]
