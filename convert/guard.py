@@ -292,7 +292,7 @@ class GuardRun:
         before = self.published
         if self.guard is None or before is None:
             return True
-        after = after or self.score_folders([folder], targets)[0]
+        after = after if after is not None else self.score_folder(folder, targets)
         kept = after.loss < before.loss
         stage = GuardStage("distill", KEPT if kept else UNDONE, after, after if kept else before, before, detail)
         if not kept and self.mode == "fail":
@@ -301,17 +301,14 @@ class GuardRun:
         self._say(log, stage)
         return kept
 
-    def score_folders(self, folders: Sequence[Path], targets: Sequence[int]) -> list[GuardScore]:
-        """The held-out figures of whole converted models (Hugging Face folders, each layer's KV heads
-        ``targets``: the distillation and its probe's runs), in one walk over the layers."""
+    def score_folder(self, folder: Path, targets: Sequence[int]) -> GuardScore:
+        """The held-out figures of a whole converted model (a Hugging Face folder, each layer's KV heads
+        ``targets``: a distilled model)."""
         from mha2gqa.core.checkpoint import open_checkpoint
 
-        plans = {}
-        for i, folder in enumerate(folders):
-            ckpt = open_checkpoint(str(folder))
-            plans[str(i)] = [Weights(f"model-{i}", ckpt.load, set(ckpt.tensors), tuple(targets))] * len(targets)
-        scores = self.guard.score(plans)
-        return [scores[str(i)] for i in range(len(folders))]
+        ckpt = open_checkpoint(str(folder))
+        weights = Weights("distill", ckpt.load, set(ckpt.tensors), tuple(targets))
+        return self.guard.score({"distill": [weights] * len(targets)})["distill"]
 
     @property
     def published(self) -> GuardScore | None:

@@ -185,7 +185,7 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
         team.decide(lambda: (str(converted.output), held))  # what the other processes distil with rank 0
         distilled_folder = resume.path(DISTILLED)
         targets = converted.kv_heads_per_layer
-        judge = Judge(partial(guard.score_folders, targets=targets), guard.published) if held is not None else None
+        judge = Judge(partial(guard.score_folder, targets=targets), guard.published) if held is not None else None
         distilled, tried, score = _distil(converted.output, first, s, d, distilled_folder, log, held, team, judge)
         detail = tried.detail if tried is not None else ""
         kept = guard is None or guard.distillation(distilled_folder, targets, log, detail, score)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -42,10 +42,10 @@ BACKOFF_FILE = "distill-backoff.json"
 
 @dataclass(frozen=True)
 class Judge:
-    """Rank 0's view of the guard: ``score`` the models in folders on its held-out windows, and the
+    """Rank 0's view of the guard: ``score`` the model in a folder on its held-out windows, and the
     figure of the model before the distillation, which a distillation must lower."""
 
-    score: Callable[[Sequence[Path]], list[GuardScore]]
+    score: Callable[[Path], GuardScore]
     before: GuardScore
 
 
@@ -84,7 +84,7 @@ def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: Resum
     """Rank 0: score the distillation at ``tried.lr`` in ``out``; ``(Tried, its score, whether the
     backoff ends: it lowered the KL, or no rate ``nxt`` is left)``. Where it goes on, ``out`` is emptied,
     then the next try written down."""
-    score = judge.score([out])[0]
+    score = judge.score(out)
     helped = score.loss < judge.before.loss
     if helped or nxt is None:
         end = f"--distill-lr {tried.lr:.3g}: {score}, " + ("kept" if helped else "not below either")

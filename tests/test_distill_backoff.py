@@ -18,7 +18,7 @@ from mha2gqa.distill_backoff import BACKOFF, BACKOFF_FILE
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    root = tmp_path_factory.mktemp("probe")
+    root = tmp_path_factory.mktemp("backoff")
     text = story_text(root / "calib.txt", 400)
     return {"model": llama_with_tokenizer(root / "mha", text, max_positions=64), "text": text}
 
@@ -54,14 +54,14 @@ def _forced(monkeypatch, first_kl: float = 9.0) -> list[int]:
     from mha2gqa.convert.guard import GuardRun
     from mha2gqa.core.conversion_record import GuardScore
 
-    score, calls = GuardRun.score_folders, []
+    score, calls = GuardRun.score_folder, []
 
-    def first_hurts(self, folders, targets):
-        calls.append(len(folders))
-        real = score(self, folders, targets)
-        return [GuardScore(first_kl, 0.0)] * len(folders) if len(calls) == 1 else real
+    def first_hurts(self, folder, targets):
+        calls.append(1)
+        real = score(self, folder, targets)
+        return GuardScore(first_kl, 0.0) if len(calls) == 1 else real
 
-    monkeypatch.setattr(GuardRun, "score_folders", first_hurts)
+    monkeypatch.setattr(GuardRun, "score_folder", first_hurts)
     return calls
 
 
