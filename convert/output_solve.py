@@ -5,16 +5,17 @@ fitted stream is ``x + o(A)``; a parallel layer fitted on its output gives ``x +
 q/k/v fixed, the input of ``o_proj``, ``A`` ``[tokens, in]`` (the heads' values, concatenated), does not
 depend on ``o_proj``, and either is linear in ``o_proj``'s weight ``W`` ``[out, in]`` (and bias
 ``b``). So, given the Adam fit's q/k/v, the weight that best reproduces the target on the fitted windows
-is a least-squares solution, one regression per output dimension (the refit's per-dimension weights
-scale each regression as a whole, so they do not change its solution). The fitted tokens come in a few
-dozen correlated windows, and on a real model the plain solution overfits them (docs/methods.md): it is
-shrunk toward the Adam fit's weights ``W0``,
+is a least-squares solution, one regression per output dimension, each token weighted as the refit's
+error weighs it to first order (:mod:`~mha2gqa.convert.refit.objective`: ``1 / rms(x)²``, the target
+token's size as the next norm divides by it; the held-out check then judges the solution by the error
+itself). The fitted tokens come in a few dozen correlated windows, and on a real model the plain
+solution overfits them (docs/methods.md): it is shrunk toward the Adam fit's weights ``W0``,
 
-    W^T = (AᵀA + λ m I)^(-1) (AᵀR + λ m W0^T),   m = the mean of AᵀA's diagonal,
+    W^T = (AᵀDA + λ m I)^(-1) (AᵀDR + λ m W0^T),   m = the mean of AᵀDA's diagonal,
 
-(``R``: what ``o(A)`` should be, the target less the rest), with ``λ`` chosen on the held-out windows among
-:data:`RIDGES` by the caller. ``λ → ∞`` gives ``W0`` back; ``λ → 0``, the least-squares weight. A bias
-is one more input column of ones.
+(``R``: what ``o(A)`` should be, the target less the rest; ``D``: the tokens' weights), with ``λ``
+chosen on the held-out windows among :data:`RIDGES` by the caller. ``λ → ∞`` gives ``W0`` back;
+``λ → 0``, the least-squares weight. A bias is one more input column of ones.
 """
 
 from __future__ import annotations
@@ -37,13 +38,17 @@ class NormalEquations:
     rhs: torch.Tensor | None = None
     tokens: int = 0
 
-    def add(self, inputs: torch.Tensor, wanted: torch.Tensor) -> None:
+    def add(self, inputs: torch.Tensor, wanted: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Add tokens: ``inputs`` ``[..., in]`` the projection's inputs, ``wanted`` ``[..., out]`` what
-        its outputs should be."""
+        its outputs should be, ``weights`` ``[..., 1]`` each token's weight in the squared error (None:
+        ones)."""
         a = inputs.reshape(-1, inputs.shape[-1]).double()
         r = wanted.reshape(-1, wanted.shape[-1]).double()
         if self.bias:
             a = torch.cat([a, a.new_ones(len(a), 1)], 1)
+        if weights is not None:
+            root = weights.reshape(-1, 1).double().sqrt()
+            a, r = a * root, r * root
         gram, rhs = a.T @ a, a.T @ r
         self.gram = gram if self.gram is None else self.gram + gram
         self.rhs = rhs if self.rhs is None else self.rhs + rhs

@@ -114,9 +114,9 @@ class ConvertSettings:
         False,
         help="After the merge, refit each changed layer's projections (--refit-params) so that, given the "
         "converted model's own hidden states, it reproduces the original layer's output (or the stream "
-        "after its attention: --refit-target) on the --calibration text (hidden dimensions louder than "
-        "average: their error relative to their size); a layer keeps its merged weights when refitting "
-        "does not lower its held-out error.",
+        "after its attention: --refit-target) on the --calibration text, the error as the next norm reads "
+        "it (each token's stream over its RMS; hidden dimensions louder than average relative to their "
+        "size); a layer keeps its merged weights when refitting does not lower its held-out error.",
     )
     refit_params: str = setting(
         "q,k,v,o", help="Projections --refit fits, comma-separated from q,k,v,o (biases included)."

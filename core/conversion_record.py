@@ -60,8 +60,12 @@ class Allocation:
 
 #: :attr:`Refit.error` of records written before loud dimensions were scaled (their default)
 ABSOLUTE_ERROR = "mean squared error"
-#: :attr:`Refit.error` now: squared error over max(the dimension's mean square, the average one)
+#: :attr:`Refit.error` of records written from 2026-11-26 to 2026-11-28: squared error over max(the
+#: dimension's mean square, the average one)
 LOUD_SCALED_ERROR = "mean squared error, each hidden dimension louder than average relative to its size"
+#: :attr:`Refit.error` now: the squared error of each token's stream over its root mean square, as a
+#: norm reads it (:mod:`mha2gqa.convert.refit.objective`)
+NORMALIZED_ERROR = "mean squared error of each token's stream over its root mean square"
 #: :attr:`Refit.target` of records written before the target could be the residual stream after attention
 LAYER_TARGET = "layer output"
 #: :attr:`Refit.target` where the layer reads its input only through the stream after attention

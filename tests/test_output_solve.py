@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from mha2gqa.convert.output_solve import RIDGES, NormalEquations
-from mha2gqa.convert.refit import FitResult, heldout_error, solve_output, split_windows
+from mha2gqa.convert.refit import PLAIN, FitResult, Objective, heldout_error, solve_output, split_windows
+
+#: the refit's error with a weight for each of the 6 hidden dimensions
+NORMALIZED = Objective(normalize=True, scale=torch.linspace(0.5, 2, 6))
 
 
 def test_the_ridge_solve_by_hand():
@@ -61,10 +64,10 @@ class _Block(torch.nn.Module):
         return out if self.gain == 1.0 else out * self.gain
 
 
-def _setup(gain: float = 1.0, layer: str = "after attention"):
+def _setup(gain: float = 1.0, layer: str = "after attention", objective: Objective = PLAIN):
     """A block, a forward (``layer``: the stream after it, ``x + o(A)``; a parallel layer's output,
     ``x + o(A) + mlp(x)``; a sequential one's, ``h + mlp(h)`` with ``h = x + o(A)``), a fit of ``o``
-    short of the best, and the keywords of :func:`solve_output`."""
+    short of the best, and the keywords of :func:`solve_output` (``objective``'s error)."""
     torch.manual_seed(1)
     block = _Block(gain).requires_grad_(False)
     x, mlp = torch.randn(16, 8, 6), torch.randn(6, 6)
@@ -80,16 +83,18 @@ def _setup(gain: float = 1.0, layer: str = "after attention"):
         return h + torch.tanh(h @ mlp) if layer == "sequential" else h
 
     start = {"o": w_true + 0.3 * torch.randn(6, 5), "o_bias": b_true + 0.3, "q": torch.ones(2)}
-    kw = {"targets": lambda w: targets[w], "per_call": 3, "scale": torch.linspace(0.5, 2, 6)}
+    kw = {"targets": lambda w: targets[w], "per_call": 3, "objective": objective}
     after = heldout_error(forward, start, windows=split_windows(16)[1], **kw)
     return block, forward, FitResult(start, 2 * after, after, False, 10), kw
 
 
+@pytest.mark.parametrize("objective", [PLAIN, NORMALIZED], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layer", ["after attention", "parallel"])
-def test_the_solved_projection_lowers_the_heldout_error(layer):
+def test_the_solved_projection_lowers_the_heldout_error(layer, objective):
     """Where the output is the rest plus ``o_proj``'s (the stream after attention; a parallel layer's
-    output, its MLP reading the layer's input)."""
-    block, forward, fit, kw = _setup(layer=layer)
+    output, its MLP reading the layer's input); by plain squares and by the refit's normalised error,
+    each hidden dimension weighted (the tokens weighted as that error weighs them)."""
+    block, forward, fit, kw = _setup(layer=layer, objective=objective)
     solved = solve_output(fit, forward, windows=16, o_proj=block.o_proj, **kw)
     assert solved.ridge in RIDGES and not solved.kept and solved.steps == fit.steps
     assert solved.loss_after < fit.loss_after / 10  # the outputs are within noise of a linear map

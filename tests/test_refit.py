@@ -18,6 +18,7 @@ from mha2gqa.convert.layers import calibration_ids
 from mha2gqa.convert.output_solve import RIDGES
 from mha2gqa.convert.refit import (
     CALL_TOKENS,
+    Objective,
     after_attention,
     call_tokens,
     fit_layer,
@@ -130,13 +131,16 @@ def test_a_layer_fitted_on_its_output_gets_the_closed_form_only_where_it_is_line
 def test_a_layer_whose_refit_does_not_help_keeps_its_merged_weights(calib_text, tmp_path):
     src = source("llama", calib_text, tmp_path / "src")
     plain = convert_checkpoint(src, tmp_path / "plain", 2, "mean", progress=False).output
-    # an lr that makes every step worse; without o, no closed-form o_proj to rescue the layer
+    # an lr that makes every step of layer 0 worse (layer 1, far off after the merge, still gains from
+    # such steps); without o, no closed-form o_proj to rescue the layer
     out = convert_checkpoint(
         src, tmp_path / "refit", 2, **refit(calib_text, refit_lr=1.0, refit_steps=10, refit_params="q,k,v")
     )
-    assert all(r.kept and r.loss_after == r.loss_before > 0 and r.o_ridge is None for r in out.facts.refit.layers)
+    kept = [r for r in out.facts.refit.layers if r.kept]
+    assert [r.layer for r in kept] == [0], out.facts.refit.layers
+    assert all(r.loss_after == r.loss_before > 0 and r.o_ridge is None for r in kept)
     a, b = read_all(plain), read_all(out.output)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("model.layers.1."))  # bit for bit
 
 
 def test_fit_layer_keeps_the_best_held_out_values_and_stops_when_they_stop_falling():
@@ -245,7 +249,8 @@ def _reference(
 
         start = {r: tensors[n].float() for r, n in names.items()}
         fitted = split_windows(len(ids))[0]
-        mean_square = aim[fitted].double().pow(2).mean((0, 1))
+        normed = aim[fitted].double() / aim[fitted].double().pow(2).mean(-1, keepdim=True).sqrt()
+        mean_square = normed.pow(2).mean((0, 1))
         scale = (1 / torch.maximum(mean_square, mean_square.mean())).float()  # loud dimensions: relative
         fit = fit_layer(
             forward,
@@ -258,7 +263,7 @@ def _reference(
             batch=min(refit_windows(ConvertSettings.refit_batch, 32), len(split_windows(len(ids))[0])),
             seed=seed * 1_000_003 + i,
             per_call=per_call,
-            scale=scale,
+            objective=Objective(normalize=True, scale=scale),
         )
         values = fit.values if target == "layer" else _solved_o(fit, forward, lc, aim, split_windows(len(ids)), scale)
         with torch.no_grad():
@@ -271,15 +276,18 @@ def _reference(
 
 def _solved_o(fit, forward, layer, aim, windows, scale) -> dict[str, torch.Tensor]:
     """The reference's closed-form o_proj, all fitted windows at once: each ridge's
-    ``(AᵀA + λ m I)⁻¹ (AᵀR + λ m W0ᵀ)``, the best on the held-out windows if it beats the fit's."""
+    ``(AᵀDA + λ m I)⁻¹ (AᵀDR + λ m W0ᵀ)`` (``D``: each token's 1 / mean square), the best on the
+    held-out windows by the normalised error if it beats the fit's."""
     fitted, held = windows
     seen = []
     handle = layer.self_attn.o_proj.register_forward_hook(lambda m, args, out: seen.append(args[0]))
     with torch.no_grad():
         stream = forward(fit.values, fitted)
     handle.remove()
+    root = aim[fitted].double().pow(2).mean(-1).rsqrt().flatten()[:, None]  # each token by 1 / its RMS
     a = seen[0].flatten(0, 1).double()
-    r = (aim[fitted] - stream).flatten(0, 1).double() + a @ fit.values["o"].double().T
+    r = ((aim[fitted] - stream).flatten(0, 1).double() + a @ fit.values["o"].double().T) * root
+    a = a * root
     gram = a.T @ a
     lam = gram.diagonal().mean()
     best, best_error = fit.values, fit.loss_after
@@ -289,7 +297,9 @@ def _solved_o(fit, forward, layer, aim, windows, scale) -> dict[str, torch.Tenso
         )
         values = fit.values | {"o": o.T.float()}
         with torch.no_grad():
-            error = float(((forward(values, held) - aim[held]) ** 2 * scale).mean())
+            out, aimed = forward(values, held), aim[held]
+            normed = out / out.pow(2).mean(-1, keepdim=True).sqrt() - aimed / aimed.pow(2).mean(-1, keepdim=True).sqrt()
+            error = float((normed**2 * scale).mean())
         if error < best_error:
             best, best_error = values, error
     return best
@@ -468,5 +478,7 @@ def test_the_default_refit_is_within_5_percent_of_the_reference_adam_refit(
     a, b = fast.facts.refit.layers, reference.facts.refit.layers
     assert fast.facts.refit.target == reference.facts.refit.target
     assert [r.loss_before for r in a][:1] == [r.loss_before for r in b][:1]  # the same merge, the same inputs
-    assert all(r.o_ridge is not None for r in a) and all(r.o_ridge is None for r in b), (a, b)
+    # the closed form is taken where it lowers the held-out error (to first order it solves the normalised
+    # error, so not in every layer)
+    assert any(r.o_ridge is not None for r in a) and all(r.o_ridge is None for r in b), (a, b)
     assert all(x.loss_after <= 1.05 * y.loss_after for x, y in zip(a, b, strict=True)), (a, b)

@@ -27,10 +27,11 @@ each layer by :func:`reads_after_attention`), so a step runs the layer only as f
 everything after it. Layers of other shapes (attention beside the MLP, normed after) are fitted on
 their output, as is every layer with ``layer``.
 
-The fit: Adam on the squared error of that target (each projection's step sized to its own RMS,
-so that a rescaled model is fitted the same way: :func:`relative_steps`), each hidden dimension louder than the
-average counted relative to its own mean square in the original's output (:func:`dimension_scale`:
-a real model's few huge hidden dimensions would otherwise be nearly all of the error), over
+The fit: Adam on the error of that target as the rest of the model reads it, each token's stream
+over its own root mean square (:mod:`~mha2gqa.convert.refit.objective`: a real model's few huge tokens
+and hidden dimensions would otherwise be nearly all of a plain squared error, though no norm after
+them sees it), each projection's step sized to its own RMS (so that a rescaled model is fitted the
+same way: :func:`relative_steps`), over
 ``--refit-batch`` windows per step; one window in :data:`HELDOUT_EVERY` (at least one) is held out
 and checked :data:`CHECKS` times per layer; the best held-out weights are kept, the fit stops after
 :data:`PATIENCE` checks that took off less than :data:`MIN_GAIN` of it (not before half its steps),
@@ -57,8 +58,9 @@ from mha2gqa.convert.refit.fit import (
     split_windows,
 )
 from mha2gqa.convert.refit.layerwise import refit
+from mha2gqa.convert.refit.objective import PLAIN, Objective
 from mha2gqa.convert.refit.stops import after_attention, reads_after_attention
-from mha2gqa.convert.refit.streams import CALL_TOKENS, HiddenStates, call_tokens, dimension_scale
+from mha2gqa.convert.refit.streams import CALL_TOKENS, HiddenStates, call_tokens
 
 __all__ = [
     "CALL_TOKENS",
@@ -66,14 +68,15 @@ __all__ = [
     "HELDOUT_EVERY",
     "MIN_GAIN",
     "PATIENCE",
+    "PLAIN",
     "PROBE",
     "FitResult",
     "HiddenStates",
+    "Objective",
     "after_attention",
     "batched",
     "call_tokens",
     "chunks",
-    "dimension_scale",
     "fit_layer",
     "heldout_error",
     "reads_after_attention",

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mha2gqa.convert.output_solve import RIDGES, NormalEquations
+from mha2gqa.convert.refit.objective import PLAIN, Objective
 from mha2gqa.convert.refit.stops import hooked, random_shift, unmoved
 from mha2gqa.core.ranks import ONE, Ranks
 from mha2gqa.core.signals import check as check_signals
@@ -74,16 +75,15 @@ def fit_layer(
     batch: int,
     seed: int,
     per_call: int = 1,
-    scale: torch.Tensor | None = None,
+    objective: Objective = PLAIN,
     probe: tuple[float, ...] = PROBE,
     ranks: Ranks = ONE,
 ) -> FitResult:
     """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
-    outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on the mean squared
-    error (each tensor's learning rate ``lr`` times its RMS: :func:`relative_steps`), each hidden
-    dimension's squares times ``scale`` ``[hidden]`` (None: ones), over ``batch``
-    windows a step (``per_call`` windows per forward), early stopped on the held-out windows
-    (:func:`split_windows`): a check that does not lower the best held-out error by
+    outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on ``objective``'s error
+    (:mod:`~mha2gqa.convert.refit.objective`; each tensor's learning rate ``lr`` times its RMS:
+    :func:`relative_steps`), over ``batch`` windows a step (``per_call`` windows per forward), early
+    stopped on the held-out windows (:func:`split_windows`): a check that does not lower the best held-out error by
     :data:`MIN_GAIN` of it counts towards :data:`PATIENCE`, and the fit stops there once half its
     steps are done. The first check's steps run once for each learning rate ``lr x`` a factor of
     ``probe``, from ``start`` on the same windows, and the one with the least held-out error goes on.
@@ -91,7 +91,7 @@ def fit_layer(
     Several processes (``ranks``, each calling this) run their own windows (:meth:`Ranks.own`) of every
     step and check; gradients and held-out errors are summed, so every one takes the same steps."""
     fitted, held = split_windows(windows)
-    common = {"targets": targets, "per_call": per_call, "scale": scale, "ranks": ranks}
+    common = {"targets": targets, "per_call": per_call, "objective": objective, "ranks": ranks}
     heldout = partial(heldout_error, forward, windows=held, **common)
     before = heldout(start)
     if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
@@ -130,13 +130,15 @@ def _probe(start, trainable: list[str], lr: float, probe: tuple[float, ...], fir
     return min(tried, key=lambda t: t[0])
 
 
-def _train_step(forward, values, optimizer, chosen: list[int], *, targets, scale, per_call: int, ranks: Ranks) -> None:
+def _train_step(
+    forward, values, optimizer, chosen: list[int], *, targets, objective: Objective, per_call: int, ranks: Ranks
+) -> None:
     """One Adam step on the windows ``chosen`` (``per_call`` windows' graph at a time; this rank's
     own, the gradients then summed over the ranks)."""
     check_signals()
     optimizer.zero_grad(set_to_none=True)
     for c in chunks(ranks.own(chosen), per_call):
-        loss = torch.mean(_scaled_squares(forward(values, c), targets(c), scale)) * (len(c) / len(chosen))
+        loss = torch.mean(objective.squares(forward(values, c), targets(c))) * (len(c) / len(chosen))
         loss.backward()
     if ranks.size > 1:
         _sum_gradients([p for group in optimizer.param_groups for p in group["params"]], ranks)
@@ -168,16 +170,16 @@ def heldout_error(
     targets: Callable[[list[int]], torch.Tensor],
     windows: list[int],
     per_call: int,
-    scale: torch.Tensor | None,
+    objective: Objective = PLAIN,
     ranks: Ranks = ONE,
 ) -> float:
-    """The mean scaled squared error of ``forward(values, ...)`` against ``targets`` over ``windows``
+    """``objective``'s error of ``forward(values, ...)`` against ``targets`` over ``windows``
     (``per_call`` at a time; each rank its own, summed), without gradients: what :func:`fit_layer` checks."""
     total, count = 0.0, 0
     with torch.no_grad():
         for c in chunks(ranks.own(windows), per_call):
             target = targets(c)
-            total += float(_scaled_squares(forward(values, c), target, scale).sum())
+            total += float(objective.squares(forward(values, c), target).sum())
             count += target.numel()
     total, count = ranks.total(total, count)
     return total / count
@@ -190,7 +192,7 @@ def solve_output(
     targets: Callable[[list[int]], torch.Tensor],
     windows: int,
     per_call: int,
-    scale: torch.Tensor | None,
+    objective: Objective = PLAIN,
     o_proj: torch.nn.Module,
     ranks: Ranks = ONE,
 ) -> FitResult:
@@ -198,7 +200,8 @@ def solve_output(
     other projections (:mod:`mha2gqa.convert.output_solve`), where what ``forward`` (as in
     :func:`fit_layer`) gives is the rest plus ``o_proj``'s output, unscaled (the residual stream right
     after attention; a parallel layer's output, ``x + attn(x) + mlp(x)``), checked on the first call by
-    :func:`_moves_with`: one pass over the fitted windows gathers the normal equations, each ridge of
+    :func:`_moves_with`: one pass over the fitted windows gathers the normal equations (each token
+    weighted as ``objective`` weighs it to first order), each ridge of
     :data:`RIDGES` is solved and checked on the held-out windows, and the best is taken if it lowers
     ``result``'s held-out error. A bias of ``o_proj`` that ``result`` does not hold stays as it is.
     Several processes (``ranks``) gather the equations on their own windows and sum them."""
@@ -222,8 +225,10 @@ def solve_output(
                 break
             ((inputs, out),) = seen
             seen.clear()
-            wanted = targets(c) - stream + out  # stream - out: all the rest
-            equations.add(inputs, wanted if fixed is None else wanted - fixed)
+            target = targets(c)
+            wanted = target - stream + out  # stream - out: all the rest
+            weights = None if objective.weights is None else objective.weights(target)
+            equations.add(inputs, wanted if fixed is None else wanted - fixed, weights)
     if not ranks.all(linear):
         return result
     if ranks.size > 1:
@@ -234,7 +239,7 @@ def solve_output(
         w, b = equations.solve(result.values["o"], result.values.get("o_bias"), ridge)
         values = result.values | {"o": w} | ({"o_bias": b} if has_bias else {})
         error = heldout_error(
-            forward, values, targets=targets, windows=held, per_call=per_call, scale=scale, ranks=ranks
+            forward, values, targets=targets, windows=held, per_call=per_call, objective=objective, ranks=ranks
         )
         if error < best.loss_after:
             best = FitResult(values, result.loss_before, error, False, result.steps, ridge, result.lr)
@@ -271,9 +276,3 @@ def _batches(windows: list[int], batch: int, seed: int) -> Iterator[list[int]]:
             order = torch.randperm(len(windows), generator=generator).tolist()
         yield [windows[j] for j in order[:batch]]
         order = order[batch:]
-
-
-def _scaled_squares(out: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``(out - target)²``, each hidden dimension times ``scale`` ``[hidden]`` (None: ones)."""
-    squares = (out - target) ** 2
-    return squares if scale is None else squares * scale

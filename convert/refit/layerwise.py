@@ -18,13 +18,14 @@ from mha2gqa.convert.layers import batched, each_layer, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.refit.fit import FitResult, fit_layer, solve_output, split_windows
+from mha2gqa.convert.refit.objective import Objective
 from mha2gqa.convert.refit.stops import after_attention, hooked, layer_output, reads_after_attention
 from mha2gqa.convert.refit.streams import Streams, dimension_scale, open_streams
 from mha2gqa.convert.shard_writer import OutputTensor
 from mha2gqa.core.conversion_record import (
     ATTENTION_TARGET,
     LAYER_TARGET,
-    LOUD_SCALED_ERROR,
+    NORMALIZED_ERROR,
     O_SOLVED,
     Refit,
     RefitLayer,
@@ -130,7 +131,7 @@ def _refit_layer(
     scale = dimension_scale(target, fitted, st.per_call, st.ranks).to(dev)
     trainable = [r for r in weights.values if r[0] in s.refit_roles()]
     fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
-    kw = {"per_call": st.per_call, "scale": scale, "ranks": st.ranks}
+    kw = {"per_call": st.per_call, "objective": Objective(normalize=True, scale=scale), "ranks": st.ranks}
     result = fit_layer(fitted_part, weights.values, trainable, targets, len(st.ids), **kw, **fit_kw)
     if "o" in trainable:
         o_proj = layer.get_submodule(names["o"][len(prefix) : -len(".weight")])
@@ -280,7 +281,7 @@ def _refit_record(s, st: Streams, records: list[RefitLayer], whole: list[int]) -
         params=list(s.refit_roles()),
         seed=s.seed,
         layers=records,
-        error=LOUD_SCALED_ERROR,
+        error=NORMALIZED_ERROR,
         target=_target(s.refit_target, whole, [r.layer for r in records]),
     )
 

@@ -14,6 +14,7 @@ import torch
 from mha2gqa.convert.layers import calibration_ids, first_layer_inputs
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.refit.fit import chunks, split_windows
+from mha2gqa.convert.refit.objective import normalized, scale_of
 from mha2gqa.convert.settings import calibration_window, refit_windows
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, ranks
@@ -87,18 +88,14 @@ def _reserve(path: Path, size: int) -> None:
 
 
 def dimension_scale(states: HiddenStates, windows: list[int], per_call: int, ranks: Ranks) -> torch.Tensor:
-    """``[hidden]``: 1 / max(each hidden dimension's mean square in ``states`` over ``windows``, their
-    average). A few hidden dimensions of a real model are hundreds of times larger than the rest and
-    carry drift from every earlier layer that attention cannot undo: unscaled, they are nearly all
-    of the squared error. Scaled, each of them counts relative to its own size, and every other
-    dimension as plain squared error (over the average size, a constant): a model without such
-    dimensions is fitted as before. Each of ``ranks`` sums its own windows; the sums are summed."""
+    """``[hidden]``: the refit's weight of each hidden dimension (:func:`~mha2gqa.convert.refit.objective.scale_of`)
+    from its mean square in ``states`` over ``windows``, each token's vector over its RMS first. Each of
+    ``ranks`` sums its own windows; the sums are summed."""
     total = states.data.new_zeros(states.data.shape[-1], dtype=torch.float64)
     for run in chunks(ranks.own(windows), per_call):
-        total += states[run].double().pow(2).sum((0, 1))
+        total += normalized(states[run].double()).pow(2).sum((0, 1))
     ranks.sum(total)
-    mean_square = total / (len(windows) * states.data.shape[1])
-    return (1 / mean_square.clamp_min(float(mean_square.mean()))).float()
+    return scale_of(total / (len(windows) * states.data.shape[1]))
 
 
 @dataclass
