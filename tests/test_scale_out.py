@@ -33,7 +33,7 @@ FIT_SCRIPT = """
 import os, sys, torch
 import torch.distributed as dist
 from mha2gqa.convert.refit.fit import fit_layer, solve_output
-from mha2gqa.convert.refit.objective import Objective
+from mha2gqa.convert.refit.objective import PLAIN
 from mha2gqa.core.ranks import ranks
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     dist.init_process_group("gloo")
@@ -48,7 +48,7 @@ def forward(values, windows):
     return x[windows] + torch.func.functional_call(o_proj, {"weight": values["o"]}, (h,))
 start = {"q": torch.eye(6), "o": torch.eye(6)}
 targets = lambda ws: y[ws]
-kw = {"per_call": 2, "objective": Objective(normalize=True), "ranks": team}
+kw = {"per_call": 2, "objective": PLAIN, "ranks": team}
 result = fit_layer(forward, start, ["q", "o"], targets, 10, steps=12, lr=0.05, batch=4, seed=3, **kw)
 result = solve_output(result, forward, targets=targets, windows=10, o_proj=o_proj, **kw)
 assert seen == set(range(team.rank, 10, team.size)), (team.rank, sorted(seen))  # its own windows alone
