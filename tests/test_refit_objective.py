@@ -7,7 +7,7 @@ layer's refit kept and the model closer to the original."""
 
 import pytest
 import torch
-from conftest import random_model, tiny_config
+from conftest import load, random_model, tiny_config
 from test_methods import with_tokenizer
 
 from mha2gqa.convert import convert_checkpoint
@@ -95,3 +95,30 @@ def test_a_model_with_a_massive_activation_is_closer_with_every_layer_refitted(m
     # best prefix (by the squared error of the stream, layers 1 and 2 took the KL from 0.29 to 0.43)
     assert stage.outcome in (KEPT, KEPT_IN_PART) and stage.after.kl <= 1.05 * stage.published.kl, stage.line()
     assert stage.published.kl < 0.75 * stage.before.kl, stage.line()
+
+
+def test_a_stream_scaled_as_a_whole_converts_to_the_same_quality(tmp_path):
+    """The embedding and every projection that writes to the residual stream (o_proj, down_proj, their
+    biases) x 4: the same function (every norm divides the factor out), a stream 4 times larger."""
+    text = tmp_path / "calibration.txt"
+    text.write_text("\n\n".join(f"the {i % 9} cats sat on {i % 4} mats while {i % 7} dogs ran" for i in range(400)))
+    config = tiny_config("llama", vocab_size=300, tie_word_embeddings=False)
+    src = with_tokenizer(random_model(config, seed=4), tmp_path / "src", text)
+    model = random_model(config, seed=4)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(4)
+        for projection in [p for layer in model.model.layers for p in (layer.self_attn.o_proj, layer.mlp.down_proj)]:
+            projection.weight.mul_(4)
+            if projection.bias is not None:
+                projection.bias.mul_(4)
+    louder = with_tokenizer(model, tmp_path / "louder", text)
+    ids = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(load(louder)(ids).logits, load(src)(ids).logits, atol=1e-3, rtol=1e-3)
+    kw = {"calibration": str(text), "calibration_tokens": 1024, "refit": True, "progress": False}
+    a, b = (convert_checkpoint(m, tmp_path / f"{m.name}-out", 1, "svd", **kw).facts for m in (src, louder))
+    for x, y in zip(a.refit.layers, b.refit.layers, strict=True):  # the same error, layer by layer
+        assert y.loss_before == pytest.approx(x.loss_before, rel=1e-3) and y.loss_after == pytest.approx(
+            x.loss_after, rel=0.02
+        ), (a.refit.layers, b.refit.layers)
+    assert b.guard.stages[-1].published.kl == pytest.approx(a.guard.stages[-1].published.kl, rel=0.02)
