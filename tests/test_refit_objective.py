@@ -68,20 +68,17 @@ def _massive(model, token: int, loudness: float = 50.0, sharpness: float = 20.0)
 
 @pytest.fixture
 def massive_source(tmp_path):
-    from mha2gqa.core.models import load_tokenizer
+    """``(folder, calibration text)``: a 3-layer Llama (hidden 64, 4 heads) with :func:`_massive` on "the"."""
+    from mha2gqa.demo import build_tokenizer
 
     text = tmp_path / "calibration.txt"
-    text.write_text(
-        "\n\n".join(
-            f"the {i % 9} cats sat on {i % 4} mats while {i % 7} dogs ran and {i % 13} birds flew" for i in range(600)
-        )
+    line = "the {} cats sat on {} mats while {} dogs ran and {} birds flew"
+    text.write_text("\n\n".join(line.format(i % 9, i % 4, i % 7, i % 13) for i in range(600)))
+    the = build_tokenizer(text.read_text(), 300)("the", add_special_tokens=False).input_ids[0]  # with_tokenizer's
+    config = tiny_config(
+        "llama", vocab_size=300, num_hidden_layers=3, hidden_size=64, intermediate_size=128, max_position_embeddings=64
     )
-    config = dict(
-        vocab_size=300, num_hidden_layers=3, hidden_size=64, intermediate_size=128, max_position_embeddings=64
-    )
-    folder = with_tokenizer(random_model(tiny_config("llama", **config)), tmp_path / "src", text)
-    the = load_tokenizer(folder)("the", add_special_tokens=False).input_ids[0]
-    return with_tokenizer(_massive(random_model(tiny_config("llama", **config)), the), folder, text), text
+    return with_tokenizer(_massive(random_model(config), the), tmp_path / "src", text), text
 
 
 def test_a_model_with_a_massive_activation_is_closer_with_every_layer_refitted(massive_source, tmp_path):
