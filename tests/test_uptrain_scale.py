@@ -253,6 +253,13 @@ def test_training_waits_for_the_chunk_a_concurrent_teacher_pass_is_writing(tmp_p
     with pytest.raises(Mha2GqaError, match=r"chunk-000001: this chunk is missing"):
         CachedTeacher(cache, 4, running.is_set).targets(2, slice(0, 2))
 
+    def ended_meanwhile() -> bool:  # the pass publishes chunk 1 and ends between the reader's look and its question
+        cache.write_part(1, 0, 1, part)
+        return False
+
+    got = CachedTeacher(cache, 4, ended_meanwhile).targets(2, slice(0, 2))  # read, not refused
+    assert torch.equal(got["indices"], part["indices"][0])
+
 
 def test_a_tampered_teacher_cache_manifest_is_refused(tmp_path):
     from mha2gqa.uptrain.teacher_cache import MANIFEST, TeacherCache

@@ -146,10 +146,12 @@ class TeacherCache:
 
         parts = self.parts_of(chunk, steps)
         while parts is None:
-            if wait is None or not wait():
+            running = wait is not None and wait()
+            parts = self.parts_of(chunk, steps)  # looked at after asking: a pass that ended in between published it
+            if parts is None and not running:
                 raise self._bad(f"chunk-{chunk:06d}", "this chunk is missing (the teacher pass stopped before it)")
-            time.sleep(1.0)
-            parts = self.parts_of(chunk, steps)
+            if parts is None:
+                time.sleep(1.0)
         pieces: dict[str, list[torch.Tensor]] = {k: [] for k in FIELDS}
         s = self.settings
         for path in parts:
