@@ -7,7 +7,8 @@ layer's refit kept and the model closer to the original."""
 
 import pytest
 import torch
-from conftest import load, random_model, tiny_config
+from conftest import random_model, tiny_config
+from test_guard import assert_converts_alike
 from test_methods import with_tokenizer
 
 from mha2gqa.convert import convert_checkpoint
@@ -108,14 +109,4 @@ def test_a_stream_scaled_as_a_whole_converts_to_the_same_quality(tmp_path):
             projection.weight.mul_(4)
             if projection.bias is not None:
                 projection.bias.mul_(4)
-    louder = with_tokenizer(model, tmp_path / "louder", text)
-    ids = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12]])
-    with torch.no_grad():
-        torch.testing.assert_close(load(louder)(ids).logits, load(src)(ids).logits, atol=1e-3, rtol=1e-3)
-    kw = {"calibration": str(text), "calibration_tokens": 1024, "refit": True, "progress": False}
-    a, b = (convert_checkpoint(m, tmp_path / f"{m.name}-out", 1, "svd", **kw).facts for m in (src, louder))
-    for x, y in zip(a.refit.layers, b.refit.layers, strict=True):  # the same error, layer by layer
-        assert y.loss_before == pytest.approx(x.loss_before, rel=1e-3) and y.loss_after == pytest.approx(
-            x.loss_after, rel=0.02
-        ), (a.refit.layers, b.refit.layers)
-    assert b.guard.stages[-1].published.kl == pytest.approx(a.guard.stages[-1].published.kl, rel=0.02)
+    assert_converts_alike(src, with_tokenizer(model, tmp_path / "louder", text), text, tmp_path, tolerance=1e-3)
