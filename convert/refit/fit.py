@@ -227,8 +227,7 @@ def solve_output(
             seen.clear()
             target = targets(c)
             wanted = target - stream + out  # stream - out: all the rest
-            weights = None if objective.weights is None else objective.weights(target)
-            equations.add(inputs, wanted if fixed is None else wanted - fixed, weights)
+            equations.add(inputs, wanted if fixed is None else wanted - fixed, objective.weights(target))
     if not ranks.all(linear):
         return result
     if ranks.size > 1:
