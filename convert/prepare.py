@@ -134,11 +134,14 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | 
 
 def resume_fingerprint(ckpt: Checkpoint, s: ConvertSettings) -> dict:
     """What a resumed run must share with the stopped one: the source's weight files (names and
-    sizes) and config, the calibration text (a local file's sha256), the recipe and mha2gqa's version."""
+    sizes) and config, the calibration text (a local file's sha256), the recipe, mha2gqa's version
+    and, with ``--refit``, the error the refit lowers (a kept layer fitted to another error would mix
+    two objectives in one model)."""
     import hashlib
     import json
 
     from mha2gqa.core.cache import file_sha256
+    from mha2gqa.core.conversion_record import NORMALIZED_ERROR
     from mha2gqa.core.records import version
 
     text = s.calibration
@@ -151,7 +154,7 @@ def resume_fingerprint(ckpt: Checkpoint, s: ConvertSettings) -> dict:
         "calibration text": {"sha256": file_sha256(Path(text))} if local else text,
         "recipe": s.recipe(),
         "mha2gqa version": version(),
-    }
+    } | ({"refit error": NORMALIZED_ERROR} if s.refit else {})
 
 
 def _check_refit_windows(s: ConvertSettings, positions: int | None) -> None:

@@ -169,5 +169,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _short(value: Any) -> str:
+    if value is None:  # a key the other run's version did not record
+        return "not recorded"
     text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
     return text if len(text) <= 60 else text[:57] + "..."

@@ -63,7 +63,12 @@ class DistillSettings:
         "the whole model (held in memory) that takes off much of what the layer-wise fit leaves; DST "
         "is the distilled model.",
     )
-    distill_steps: int = setting(24, help="Steps of --distill (--distill-batch calibration windows each).", minimum=1)
+    distill_steps: int = setting(
+        24,
+        help="Steps of --distill (--distill-batch calibration windows each), at most: with the guard on, an "
+        "earlier checkpoint (every third of the run) that the guard scores closer to SRC is published instead.",
+        minimum=1,
+    )
     distill_batch: int = setting(
         BATCH,
         help="Calibration windows a --distill step reads, over all processes (a multiple of their count).",
@@ -240,8 +245,8 @@ def _distil(
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
     positions = conversion.ckpt.config.get("max_position_embeddings")
     settings = d.uptrain_settings(s, teacher, out, positions, tokens)
-    if d.distill_backoff and tokens is not None:
-        return distil_backing_off(student, settings, team, judge, log)
+    if tokens is not None:
+        return distil_backing_off(student, settings, team, judge, log, d.distill_backoff)
     return uptrain(str(student), settings, log=log), None, None
 
 

@@ -15,13 +15,21 @@ the first third backed off a rate whose KL rose before it fell (0.121 against 0.
 short run judges the start of a run, not its end (docs/methods.md). The backoff costs nothing where
 the rate helps, and one more distillation for each rate backed off.
 
+How many steps: a distillation can pass its best and go on (a rate a little too high for the model
+at hand). So the guard scores each checkpoint but the last (:data:`~mha2gqa.distill.DISTILL_CHECKPOINTS`
+of them over the run) as it is written, keeps the best one's files (hard links) in the resume folder,
+and where the final model scores worse than the best earlier checkpoint, the try ends at that
+checkpoint's step instead (its weights cast to the source's dtype as the final's are, and scored
+again as published). The cost: two more guard scores a try, about one training step each.
+
 A run stopped during a later try (``--resume``) goes on with that try, read back from
-:data:`BACKOFF_FILE` in the resume folder."""
+:data:`BACKOFF_FILE` in the resume folder, and with the checkpoints scored so far (:data:`BEST_FILE`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +46,9 @@ BACKOFF = (1.0, 1 / 3, 1 / 9)
 #: the try in progress after the first (its rate, and what the tries before it measured), in the
 #: resume folder: a resumed run goes on with it
 BACKOFF_FILE = "distill-backoff.json"
+#: the try in progress's checkpoints as the guard scored them (:class:`Checked`), in the resume folder,
+#: and the best one's files beside it, in a folder named for its step
+BEST_FILE, BEST_FOLDER, BEST_FOLDERS = "distill-best.json", "distill-best-step-{:07d}", "distill-best-step-*"
 
 
 @dataclass(frozen=True)
@@ -56,43 +67,167 @@ class Tried:
 
     lr: float
     detail: str = ""  # e.g. "--distill-lr 0.0015: KL 0.43, not below KL 0.41; --distill-lr 0.0005: KL 0.4, kept"
+    step: int | None = None  # the step the published try ends at (None: still going)
 
 
-def distil_backing_off(student: Path, settings, team: Ranks, judge: Judge | None, log):
-    """The distillation ``settings`` (``UptrainSettings``) of ``student``, run again at each rate of
-    :data:`BACKOFF` in turn while the guard finds it no closer to SRC; every process calls this,
-    ``judge`` given on rank 0. ``(the uptraining result of the last try, its Tried, its GuardScore
-    (rank 0))``."""
+@dataclass(frozen=True)
+class Checked:
+    """The checkpoints of the try in progress as the guard scored them: the last step scored, and
+    the best step so far with its figures (``step`` 0: none yet)."""
+
+    scored: int = 0
+    step: int = 0
+    kl: float | None = None
+    top1: float = 0.0
+
+    @property
+    def score(self) -> GuardScore:
+        return GuardScore(self.kl, self.top1)
+
+
+class StepWatch:
+    """The guard's eye on a try's checkpoints (``uptrain``'s watch; every process calls it, rank 0
+    scores): each checkpoint's figures said, the best one's files kept in the resume folder."""
+
+    def __init__(self, judge: Judge | None, team: Ranks, kept: ResumeFolder, log, resumed: bool) -> None:
+        self.judge, self.team, self.kept, self.log = judge, team, kept, log
+        self.best = team.decide(partial(_read_best, kept) if resumed else partial(_forget, kept))
+
+    def __call__(self, step: int, folder: Path) -> None:
+        self.best = self.team.decide(partial(self._score, step, Path(folder)))
+
+    def _score(self, step: int, folder: Path) -> Checked:
+        if step <= self.best.scored:  # (a resumed run shows the checkpoint it starts from again)
+            return self.best
+        score = self.judge.score(folder)
+        self.log(f"distill: step {step}: {score}")
+        if self.best.step and score.loss >= self.best.score.loss:
+            best = dataclasses.replace(self.best, scored=step)
+        else:
+            _link_files(folder, self.kept.path(BEST_FOLDER.format(step)))
+            best = Checked(step, step, score.kl, score.top1)
+        self.kept.write_bytes(BEST_FILE, json.dumps(dataclasses.asdict(best)).encode())
+        for old in self.kept.folder.glob(BEST_FOLDERS):
+            if old.name != BEST_FOLDER.format(best.step):
+                shutil.rmtree(old, ignore_errors=True)
+        return best
+
+    def chosen(self) -> Path | None:
+        """The best earlier checkpoint's files (rank 0), None when none was scored."""
+        return self.kept.path(BEST_FOLDER.format(self.best.step)) if self.best.step else None
+
+
+def _link_files(folder: Path, to: Path) -> None:
+    """``folder``'s files hard-linked into ``to`` (copied where the disk cannot link), written beside it
+    and renamed into place."""
+    import os
+
+    tmp = to.with_name(to.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for path in folder.iterdir():
+        if path.is_file():
+            try:
+                os.link(path, tmp / path.name)
+            except OSError:
+                shutil.copyfile(path, tmp / path.name)
+    shutil.rmtree(to, ignore_errors=True)
+    tmp.rename(to)
+
+
+def _forget(kept: ResumeFolder) -> Checked:
+    """A fresh try: no checkpoint scored (an earlier try's best dropped)."""
+    kept.path(BEST_FILE).unlink(missing_ok=True)
+    for old in kept.folder.glob(BEST_FOLDERS):
+        shutil.rmtree(old, ignore_errors=True)
+    return Checked()
+
+
+def _read_best(kept: ResumeFolder) -> Checked:
+    """The checkpoints a stopped try scored (refused in one line if damaged)."""
+    if not kept.has(BEST_FILE):
+        return Checked()
+    held = kept.read_json(BEST_FILE)
+    try:
+        best = Checked(**held)
+        if not _whole(best) or (best.step and not kept.path(BEST_FOLDER.format(best.step)).is_dir()):
+            raise TypeError
+    except TypeError:
+        raise ResumeDamaged(
+            f"{kept.path(BEST_FILE)}: not the distillation's checkpoint scores; pass --remove-stale to start over"
+        ) from None
+    return best
+
+
+def _whole(best: Checked) -> bool:
+    """Steps whole and in order, figures a guard could have measured."""
+    steps = all(type(v) is int and v >= 0 for v in (best.scored, best.step)) and best.step <= best.scored
+    kl = best.kl is None or (isinstance(best.kl, float) and math.isfinite(best.kl) and best.kl >= 0)
+    return steps and kl and isinstance(best.top1, float) and 0 <= best.top1 <= 1
+
+
+def distil_backing_off(student: Path, settings, team: Ranks, judge: Judge | None, log, backoff: bool = True):
+    """The distillation ``settings`` (``UptrainSettings``) of ``student``, its step count chosen by the
+    guard, run again at each rate of :data:`BACKOFF` in turn (``backoff``; else the rate given alone)
+    while the guard finds it no closer to SRC; every process calls this, ``judge`` given on rank 0.
+    ``(the uptraining result of the last try, its Tried, its GuardScore (rank 0))``."""
     from mha2gqa.uptrain import uptrain
 
     out, kept = Path(settings.output), ResumeFolder(Path(settings.output).parent)
-    rates = [settings.lr * factor for factor in BACKOFF]
+    rates = [settings.lr * factor for factor in (BACKOFF if backoff else BACKOFF[:1])]
     held = team.decide(lambda: _read(kept, rates)) if settings.resume and kept.has(BACKOFF_FILE) else None
     tried = held or Tried(rates[0])
     start = rates.index(tried.lr)
     for i in range(start, len(rates)):
         resume = settings.resume and i == start  # a later try starts afresh in the emptied folder
-        result = uptrain(str(student), dataclasses.replace(settings, lr=rates[i], resume=resume), log=log)
+        watch = StepWatch(judge, team, kept, log, resume)
+        result = uptrain(str(student), dataclasses.replace(settings, lr=rates[i], resume=resume), log=log, watch=watch)
         nxt = rates[i + 1] if i + 1 < len(rates) else None
-        tried, score, done = team.decide(partial(_check, out, tried, nxt, judge, kept, log))
+        tried, score, done = team.decide(partial(_check, out, tried, nxt, judge, kept, log, watch, result))
         if done:
-            return result, tried, score
+            return _at(result, tried), tried, score
     raise AssertionError("the last rate always ends the backoff")
 
 
-def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: ResumeFolder, log):
-    """Rank 0: score the distillation at ``tried.lr`` in ``out``; ``(Tried, its score, whether the
-    backoff ends: it lowered the KL, or no rate ``nxt`` is left)``. Where it goes on, ``out`` is emptied,
-    then the next try written down."""
+def _at(result, tried: Tried):
+    """The uptraining result as published: at the step the guard chose."""
+    if tried.step is None or tried.step == result.steps:
+        return result
+    return dataclasses.replace(result, steps=tried.step, tokens=result.tokens * tried.step // result.steps)
+
+
+def _ended(out: Path, watch: StepWatch, judge: Judge, total: int, log) -> tuple[GuardScore, int, str]:
+    """Rank 0: the try's model as it ends, ``(its score, its step, what the checkpoints said)``: the
+    final model, or the best earlier checkpoint where that scored lower (then the final replaced by it)."""
+    from mha2gqa.uptrain.checkpoints import final_from_checkpoint
+
     score = judge.score(out)
+    best = watch.best
+    if not best.step or best.score.loss >= score.loss:
+        return score, total, ""
+    final_from_checkpoint(watch.chosen(), out)
+    published = judge.score(out)
+    note = f"step {best.step} of {total} ({best.score}; step {total}: {score})"
+    log(f"distill: {note}: the model of step {best.step} is kept")
+    return published, best.step, note
+
+
+def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: ResumeFolder, log, watch, result):
+    """Rank 0: score the distillation at ``tried.lr`` in ``out`` (at its best step); ``(Tried, its score,
+    whether the backoff ends: it lowered the KL, or no rate ``nxt`` is left)``. Where it goes on, ``out``
+    is emptied, then the next try written down."""
+    score, step, note = _ended(out, watch, judge, result.total_steps, log)
     helped = score.loss < judge.before.loss
+    at = f"--distill-lr {tried.lr:.3g}" + (f", {note}" if note else "")
     if helped or nxt is None:
-        end = f"--distill-lr {tried.lr:.3g}: {score}, " + ("kept" if helped else "not below either")
-        return Tried(tried.lr, f"{tried.detail}; {end}" if tried.detail else ""), score, True
-    line = f"--distill-lr {tried.lr:.3g}: {score}, not below {judge.before}"
+        end = f"{at}: {score}, " + ("kept" if helped else "not below either")
+        detail = f"{tried.detail}; {end}" if tried.detail else (f"{at}: {score}" if note else "")
+        return Tried(tried.lr, detail, step), score, True
+    line = f"{at}: {score}, not below {judge.before}"
     log(f"distill: {line}: again at a third of the rate")
     following = Tried(nxt, f"{tried.detail}; {line}" if tried.detail else line)
-    shutil.rmtree(out, ignore_errors=True)  # first: a stop in between reruns this try, never resumes it as the next
+    _forget(kept)  # first: a stop in between reruns this try, never resumes it as the next ...
+    shutil.rmtree(out, ignore_errors=True)  # ... nor with the scores of another try's checkpoints
     kept.write_bytes(BACKOFF_FILE, json.dumps(dataclasses.asdict(following)).encode())
     return following, score, False
 
@@ -102,7 +237,7 @@ def _read(kept: ResumeFolder, rates: list[float]) -> Tried:
     held = kept.read_json(BACKOFF_FILE)
     try:
         tried = Tried(**held)
-        if tried.lr not in rates[1:] or not isinstance(tried.detail, str):
+        if tried.lr not in rates[1:] or not isinstance(tried.detail, str) or tried.step is not None:
             raise TypeError
     except TypeError:
         raise ResumeDamaged(

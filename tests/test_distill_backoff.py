@@ -13,7 +13,8 @@ from conftest import llama_with_tokenizer, story_text
 from mha2gqa.cli import main
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 from mha2gqa.core.resume import resume_folder
-from mha2gqa.distill_backoff import BACKOFF, BACKOFF_FILE
+from mha2gqa.distill_backoff import BACKOFF, BACKOFF_FILE, BEST_FILE
+from mha2gqa.uptrain.checkpoints import CHECKPOINTS
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +49,20 @@ def _lr(dst) -> float:
     return json.loads((dst / UPTRAIN_RECORD).read_text())["uptrain"]["settings"]["lr"]
 
 
-def _forced(monkeypatch, first_kl: float = 9.0) -> list[int]:
-    """The guard's first score of a distilled model forced to ``first_kl`` (a distillation that hurt);
-    returns the list the scorings are counted in."""
+def _forced(monkeypatch, hurt: int = 3, finals: bool = False) -> list[str]:
+    """The guard's first ``hurt`` scores of a distilled model (its checkpoints at steps 4 and 8, then the
+    final one: a whole try; ``finals``: of final models alone) forced to KL 9 (a distillation that hurt);
+    returns the list the scorings are counted in (``checkpoint`` or ``final``)."""
     from mha2gqa.convert.guard import GuardRun
     from mha2gqa.core.conversion_record import GuardScore
 
     score, calls = GuardRun.score_folder, []
 
     def first_hurts(self, folder, targets):
-        calls.append(1)
+        calls.append("checkpoint" if CHECKPOINTS in folder.parts else "final")
         real = score(self, folder, targets)
-        return GuardScore(first_kl, 0.0) if len(calls) == 1 else real
+        counted = [c for c in calls if c == "final"] if finals else calls
+        return GuardScore(9.0, 0.0) if len(counted) <= hurt and calls[-1] in counted else real
 
     monkeypatch.setattr(GuardRun, "score_folder", first_hurts)
     return calls
@@ -84,7 +87,9 @@ def test_a_distillation_that_does_not_help_runs_again_at_a_third_of_the_rate(src
     calls = _forced(monkeypatch)
     backed = _convert(src, tmp_path / "backed", "--distill-lr", "0.03")
     assert backed.exit_code == 0, backed.output
-    assert calls == [1, 1]  # each try scored once (the published one's score is the guard's distill figure)
+    # each try's checkpoints at steps 4 and 8 and its final model scored once (the published one's score
+    # is the guard's distill figure)
+    assert calls == ["checkpoint", "checkpoint", "final"] * 2
     stage = _distill_stage(tmp_path / "backed")
     assert stage["outcome"] == "kept" and stage["detail"].startswith("--distill-lr 0.03: KL 9, top-1 0.0%, not below")
     assert stage["detail"].endswith(f"; --distill-lr 0.01: {_score(stage['after'])}, kept")
@@ -119,7 +124,7 @@ def test_a_run_stopped_in_a_later_try_resumes_it_and_refuses_a_damaged_record(sr
         calls = _forced(m)
 
         def stopping(self, k):
-            if k == 9 and calls:  # in the second try; checkpoints every 4 steps: the newest is step 8's
+            if k == 9 and len(calls) > 3:  # in the second try; checkpoints every 4 steps: the newest is step 8's
                 raise Terminated(signal.SIGTERM)
             return step(self, k)
 
@@ -133,6 +138,12 @@ def test_a_run_stopped_in_a_later_try_resumes_it_and_refuses_a_damaged_record(sr
     assert bad.exit_code == 1 and str(kept / BACKOFF_FILE) in bad.output and "--remove-stale" in bad.output
     assert len(bad.output.strip().splitlines()) == 1 and kept.exists()
     (kept / BACKOFF_FILE).write_text(record)
+    scores = (kept / BEST_FILE).read_text()
+    assert json.loads(scores)["scored"] == 8  # the second try's checkpoints, scored before the stop
+    (kept / BEST_FILE).write_text('{"scored": 4, "step": 8, "kl": 0.1, "top1": 0.5}')
+    bad = _convert(src, dst, "--resume")
+    assert bad.exit_code == 1 and str(kept / BEST_FILE) in bad.output and len(bad.output.strip().splitlines()) == 1
+    (kept / BEST_FILE).write_text(scores)
     steps = []
     monkeypatch.setattr(trainer._Trainer, "step", lambda self, k: steps.append(k) or step(self, k))
     done = _convert(src, dst, "--resume")
@@ -159,3 +170,30 @@ def test_a_rescaled_model_distils_to_the_same_quality(src, tmp_path):
     a, b = _distill_stage(tmp_path / "a"), _distill_stage(tmp_path / "b")
     assert _lr(tmp_path / "a") == _lr(tmp_path / "b") and a["outcome"] == b["outcome"] == "kept"
     assert b["after"]["kl"] == pytest.approx(a["after"]["kl"], rel=0.02), (a, b)
+
+
+def test_a_distillation_that_passed_its_best_is_published_at_the_best_checkpoint(src, tmp_path, monkeypatch):
+    """The final model scoring worse than an earlier checkpoint (forced), the checkpoint's model is
+    published: the weights of a run of that many steps, its record at that step, and the guard's line
+    says which step and why; the checkpoints are not published."""
+    from safetensors.torch import load_file
+
+    calls = _forced(monkeypatch, hurt=1, finals=True)
+    early = _convert(src, tmp_path / "early")
+    assert early.exit_code == 0, early.output
+    assert calls == ["checkpoint", "checkpoint", "final", "final"]  # the chosen checkpoint scored as published
+    stage = _distill_stage(tmp_path / "early")
+    assert stage["outcome"] == "kept" and stage["detail"].startswith("--distill-lr 0.0015, step ")
+    assert "of 12 (KL " in stage["detail"] and "; step 12: KL 9, top-1 0.0%)" in stage["detail"]
+    step = int(stage["detail"].split("step ")[1].split(" ")[0])
+    record = json.loads((tmp_path / "early" / UPTRAIN_RECORD).read_text())["uptrain"]
+    assert step in (4, 8) and record["steps"] == step and f"uptrain done: {step} steps" in early.output
+    monkeypatch.undo()
+    short = _convert(src, tmp_path / "short", "--distill-steps", str(step))
+    assert short.exit_code == 0 and _distill_stage(tmp_path / "short")["detail"] == "", short.output
+    published, run = (
+        load_file(tmp_path / "early" / "model.safetensors"),
+        load_file(tmp_path / "short" / "model.safetensors"),
+    )
+    assert published.keys() == run.keys() and all(published[k].equal(run[k]) for k in run)
+    assert not any(p.suffix in (".bin", ".pkl") for p in (tmp_path / "early").iterdir())

@@ -18,6 +18,7 @@ from test_methods import with_tokenizer
 import mha2gqa.convert.refit.layerwise as layerwise
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
+from mha2gqa.core.conversion_record import NORMALIZED_ERROR
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import CONVERSION_RECORD
 from mha2gqa.core.resume import resume_folder
@@ -97,6 +98,22 @@ def test_a_stopped_refit_resumes_to_the_uninterrupted_output(setup, tmp_path, mo
 
 
 _refit = layerwise._refit_layer
+
+
+def test_a_refit_stopped_under_another_error_refuses_to_resume(setup, tmp_path, monkeypatch):
+    """Layers kept by a version of the code whose refit lowered another error (one before the error
+    was recorded: no such key) are not mixed with layers fitted to this one."""
+    dst = tmp_path / "out"
+    _stopped(setup, dst, monkeypatch, 1)
+    path = resume_folder(dst) / "fingerprint.json"
+    held = json.loads(path.read_text())
+    assert held.pop("refit error") == NORMALIZED_ERROR
+    path.write_text(json.dumps(held))
+    with pytest.raises(
+        Mha2GqaError, match=r"--resume: the refit error changed since the stopped run \(not recorded -> mean squared"
+    ):
+        convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
+    assert (resume_folder(dst) / "layer-0.json").is_file()  # refused, not dropped
 
 
 def test_a_changed_input_refuses_to_resume_and_finished_work_is_never_dropped_unasked(setup, tmp_path, monkeypatch):

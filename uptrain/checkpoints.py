@@ -25,12 +25,16 @@ from typing import Any
 
 import torch
 
+from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError, disk_full
 from mha2gqa.core.output import Inputs, as_created, check_destination, check_overlap, publish, staged_output
+from mha2gqa.core.records import UPTRAIN_LOG
 
 CHECKPOINTS = "checkpoints"
 STATE_NAME = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+#: a checkpoint's run state as ``accelerate``'s save_state names it (not part of the model)
+_RUN_STATE = re.compile(r"^(optimizer|scheduler|sampler|random_states|custom_checkpoint|scaler|dl_state_dict)")
 
 
 def checkpoint_dirs(output: Path) -> list[tuple[int, Path]]:
@@ -233,3 +237,66 @@ def save_final(
                 os.replace(tmp / name, output / name)
             tmp.rmdir()
     accelerator.wait_for_everyone()
+
+
+def final_from_checkpoint(checkpoint: Path, output: Path) -> None:
+    """Replace the final model in ``output`` by checkpoint ``checkpoint``'s (an earlier step chosen
+    over the last; main process): its Hugging Face files, not the run state, with the floating weights
+    cast to the source's dtype as :func:`save_final` casts them, moved in with ``config.json`` last.
+    Memory: one weight file at a time."""
+    source = read_state(checkpoint).get("source_dtype")
+    dtype = by_name(source).torch if source else None
+    tmp = output / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        sizes = {}
+        for path in sorted(checkpoint.iterdir()):
+            if path.is_dir() or path.name == STATE_NAME or _RUN_STATE.match(path.name):
+                continue
+            if path.suffix == ".safetensors":
+                sizes[path.name] = _cast_file(path, tmp / path.name, dtype)
+            else:
+                shutil.copyfile(path, tmp / path.name)
+        _retype(tmp, dtype, sum(sizes.values()))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in output.iterdir():
+        if old.is_file() and old.name != UPTRAIN_LOG:
+            old.unlink()
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in [n for n in names if n != "config.json"] + ["config.json"]:
+        os.replace(tmp / name, output / name)
+    tmp.rmdir()
+
+
+def _cast_file(src: Path, dst: Path, dtype: torch.dtype | None) -> int:
+    """The safetensors file ``src`` written to ``dst`` with its floating tensors cast to ``dtype``
+    (None: as they are); the bytes of its tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {}
+    with safe_open(str(src), framework="pt") as f:
+        metadata = f.metadata()
+        for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+            t = f.get_tensor(name)
+            tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    save_file(tensors, str(dst), metadata=metadata)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _retype(folder: Path, dtype: torch.dtype | None, total: int) -> None:
+    """``folder``'s config and shard index say the weights' new dtype and size."""
+    if dtype is None:
+        return
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for index in folder.glob("*.safetensors.index.json"):
+        held = json.loads(index.read_text(encoding="utf-8"))
+        held.setdefault("metadata", {})["total_size"] = total
+        index.write_text(json.dumps(held, indent=2) + "\n", encoding="utf-8")

@@ -67,6 +67,10 @@ class UptrainResult:
         return line
 
 
+#: what sees each checkpoint of a run as it is written: ``watch(step, folder)``, on every process
+Watch = Callable[[int, Path], None]
+
+
 @dataclass
 class UptrainPlan:
     """One uptraining run decided and checked (:func:`prepare_uptrain`), before any weights load or
@@ -115,8 +119,10 @@ def prepare_uptrain(student: str, settings: UptrainSettings, log: Callable[[str]
 class _Trainer:
     """One run's state and its named stages: log records, evaluations, checkpoints, the step loop."""
 
-    def __init__(self, plan: UptrainPlan) -> None:
+    def __init__(self, plan: UptrainPlan, watch: Watch | None = None) -> None:
         from accelerate.utils import set_seed
+
+        self.watch = watch
 
         s, up, acc, student = plan.settings, plan.up, plan.acc, plan.student
         self.student, self.s, self.started, self.acc, self.up, self.say = student, s, plan.started, acc, up, plan.say
@@ -224,6 +230,8 @@ class _Trainer:
         return record.files(self.conv_record, self.up.student_folder)
 
     def checkpoint(self, step: int) -> None:
+        """Checkpoint ``step``; shown to the watch (every process) unless it is the last step's, which the
+        final model follows."""
         state = {
             "step": step,
             "tokens": step * self.tokens_per_step,
@@ -232,7 +240,7 @@ class _Trainer:
             "source_dtype": self.up.source_dtype,
             "created": now(),
         }
-        save_checkpoint(
+        folder = save_checkpoint(
             self.acc,
             self.model,
             self.up.tokenizer,
@@ -243,6 +251,8 @@ class _Trainer:
             self.s.save_total_limit,
             (lambda folder: save_optimizer(self.model, self.optimizer, folder)) if self.s.sharded else None,
         )
+        if self.watch is not None and step < self.up.total:
+            self.watch(step, folder)
 
     def step(self, step: int) -> tuple[float, dict[str, float], Any]:
         """One optimizer step; returns its loss, the loss parts and the gradient norm."""
@@ -277,6 +287,8 @@ class _Trainer:
         s, up = self.s, self.up
         if self.start_step == 0:
             self.evaluate(0)
+        elif self.watch is not None and self.start_step < up.total:  # a stop may have come before the watch saw it
+            self.watch(self.start_step, self.resume_from)
         stop = min(up.total, self.start_step + s.stop_after) if s.stop_after else up.total
         bar = progress_bar(
             total=up.total,
@@ -332,12 +344,12 @@ class _Trainer:
         return result
 
 
-def run_uptrain(plan: UptrainPlan) -> UptrainResult:
+def run_uptrain(plan: UptrainPlan, watch: Watch | None = None) -> UptrainResult:
     """Carry out the planned run (:func:`prepare_uptrain`): the teacher pass, the models, the steps,
-    the checkpoints and the final model."""
+    the checkpoints and the final model; ``watch(step, folder)`` sees each checkpoint before the last."""
     from mha2gqa.core.signals import Terminated
 
-    trainer = _Trainer(plan)
+    trainer = _Trainer(plan, watch)
     if plan.settings.teacher_only:
         seconds = time.perf_counter() - trainer.started
         return UptrainResult(trainer.output, 0, trainer.up.total, 0, False, [], seconds, trainer.cached.cache.folder)
@@ -353,6 +365,10 @@ def run_uptrain(plan: UptrainPlan) -> UptrainResult:
     return trainer.finish(steps)
 
 
-def uptrain(student: str, settings: UptrainSettings, log: Callable[[str], None] = print) -> UptrainResult:
-    """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc."""
-    return run_uptrain(prepare_uptrain(student, settings, log))
+def uptrain(
+    student: str, settings: UptrainSettings, log: Callable[[str], None] = print, watch: Watch | None = None
+) -> UptrainResult:
+    """Uptrain the model at ``student`` (folder or hub id) as ``settings`` say; see the module doc.
+    ``watch``: called on every process with each checkpoint but the last (step, folder), and with the
+    checkpoint a resumed run starts from."""
+    return run_uptrain(prepare_uptrain(student, settings, log), watch)
