@@ -212,6 +212,31 @@ def test_convert_refit_distill_sharded_on_two_ranks_equals_one_process(source, t
     assert stages[0] == stages[1] and [s for s, _ in stages[0]] == ["merge", "refit", "distill"]
 
 
+@pytest.mark.parametrize(
+    ("family", "sharding", "port"),
+    [("phi3", "none", 29555), ("gemma2", "fsdp", 29556)],  # fused qkv; soft caps, sliding windows, 4 norms a layer
+)
+def test_families_beyond_llama_refit_and_distill_on_two_ranks_as_one_process(family, sharding, port, tmp_path):
+    """The two-rank paths (statistics, refit, the guard on rank 0, the distillation under DDP or FSDP
+    and its checkpoint scores) on layouts other than Llama's: one process's model and stages."""
+    from conftest import random_model, tiny_config
+    from test_methods import with_tokenizer
+
+    text = story_text(tmp_path / "t.txt", 400)
+    src = with_tokenizer(random_model(tiny_config(family, vocab_size=300), seed=4), tmp_path / "mha", text)
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ("--method", "svd", "--refit", "--refit-steps", "4", "--distill", "--distill-steps", "3")
+    _convert(src, text, one, *extra)
+    _convert(src, text, two, *extra, "--sharding", sharding, processes=2, port=port)
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= 1e-5, worst
+    guards = [json.loads((d / "mha2gqa_conversion.json").read_text())["conversion"]["guard"] for d in (one, two)]
+    stages = [[(s["stage"], s["outcome"], s["detail"].split(":")[0]) for s in g["stages"]] for g in guards]
+    assert stages[0] == stages[1] and [s[0] for s in stages[0]] == ["merge", "refit", "distill"]
+
+
 def test_distill_settings_a_launcher_cannot_share_are_refused_before_any_work(source, tmp_path):
     src, text = source
     args = ["-m", "mha2gqa.cli", "convert", str(src), str(tmp_path / "out"), "-g", "2", "--device", "cpu"]

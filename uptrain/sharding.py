@@ -86,10 +86,20 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, mixed_precision: s
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer whole, on CPU, on the main process (empty elsewhere). Collective."""
+    """Every parameter and buffer whole, on CPU, on the main process (empty elsewhere). Collective.
+    Tied parameters (an output layer tied to the embedding) come back as one tensor under each name,
+    as an unsharded model's state dict has them, so ``save_pretrained`` writes them once."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for first, *tied in names.values():
+        for name in tied:
+            if first in state and name in state:
+                state[name] = state[first]
+    return state
 
 
 def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
