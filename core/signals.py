@@ -15,6 +15,8 @@ import signal
 import threading
 from collections.abc import Callable
 
+from mha2gqa.core.threads import review
+
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _pending: int | None = None
 
@@ -41,9 +43,11 @@ def _record(signum: int, frame) -> None:
 
 
 def check() -> None:
-    """Raise :class:`Terminated` if a stop was asked for (call it at safe points of long loops)."""
+    """Raise :class:`Terminated` if a stop was asked for (call it at safe points of long loops); there
+    too, a thread count chosen from the idle cores is reviewed (:func:`mha2gqa.core.threads.review`)."""
     if _pending is not None:
         raise Terminated(_pending)
+    review()
 
 
 def install() -> Callable[[], None]:

@@ -3,6 +3,13 @@ cores this process may use minus those other processes keep busy right now (at l
 machine's busy time is sampled over 0.1 s from ``/proc/stat`` (the 1-minute load average where that
 file does not exist; it lags, counting work that just ended).
 
+Chosen that way, the count is reviewed as the run goes (:func:`review`, from the long loops' safe
+points): every :data:`REVIEW_EVERY` seconds, the cores other processes kept busy since the last look
+(the machine's busy time less this process's own) decide it again. A run that started while something
+else was busy for a moment does not spend all of it on one thread (seen: a 2-core conversion on one
+thread for 12 minutes after another command ran at its start), and one that others joined later gives
+their cores back.
+
 torch's default (every core) collapses on a busy machine: on 2 cores with the other one loaded, a
 256-token forward pass of the demo model took 10x longer with 2 threads than with 1, because each
 step waits for the thread that shares its core (``benchmarks/threads.py`` measures it)."""
@@ -11,7 +18,15 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+
+#: seconds between two reviews of a chosen thread count
+REVIEW_EVERY = 10.0
+#: the thread count chosen from the idle cores and its last look at the machine
+#: ``(monotonic time, machine busy s, machine total s, this process's CPU s)``; None: fixed by the user
+_chosen: tuple[float, float, float, float] | None = None
+_clock = time.monotonic
 
 
 def busy_cores(seconds: float = 0.1) -> float:
@@ -44,9 +59,62 @@ def default_threads() -> int:
 
 
 def use_threads(threads: int | None) -> int:
-    """Make torch use ``threads`` (None: :func:`default_threads`), before or after it is imported."""
+    """Make torch use ``threads`` (None: :func:`default_threads`, then :func:`review` ed as the run
+    goes), before or after it is imported."""
+    global _chosen
+    chosen = not threads and not os.environ.get("OMP_NUM_THREADS", "").strip().isdigit()
     n = threads or default_threads()
+    _set(n)
+    _chosen = _look() if chosen else None
+    return n
+
+
+def _set(n: int) -> None:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(n)
-    return n
+
+
+def _look() -> tuple[float, float, float, float] | None:
+    """``(now, the machine's busy and total CPU seconds, this process's)``; None without ``/proc/stat``."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    own = os.times()
+    return _clock(), (sum(fields) - idle) / tick, sum(fields) / tick, own.user + own.system
+
+
+def review() -> None:
+    """Where the thread count was chosen from the idle cores (not ``--threads`` or ``OMP_NUM_THREADS``),
+    at most every :data:`REVIEW_EVERY` seconds: choose it again from the cores other processes kept busy
+    since the last look. Main thread only (torch's count belongs to the calling thread)."""
+    global _chosen
+    if _chosen is None or threading.current_thread() is not threading.main_thread():
+        return
+    if _clock() - _chosen[0] < REVIEW_EVERY:
+        return
+    now = _look()
+    if now is None:
+        return
+    busy, total, own = (b - a for a, b in zip(_chosen[1:], now[1:], strict=True))
+    _chosen = now
+    if total <= 0:
+        return
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    others = max(0.0, busy - own) / total * (os.cpu_count() or 1)
+    n = toward(torch.get_num_threads(), max(1, min(cores, round(cores - others))))
+    if n != torch.get_num_threads():
+        _set(n)
+
+
+def toward(now: int, target: int) -> int:
+    """Half the way from ``now`` threads to ``target`` (rounded toward it): two processes that review
+    each other's load settle on a share each instead of taking every core in turn."""
+    return (now + target + 1) // 2 if target > now else (now + target) // 2
