@@ -66,7 +66,9 @@ class Tried:
     tries before it measured (the guard's distill line)."""
 
     lr: float
-    detail: str = ""  # e.g. "--distill-lr 0.0015: KL 0.43, not below KL 0.41; --distill-lr 0.0005: KL 0.4, kept"
+    # e.g. "--distill-lr 0.0015: KL 0.43, not below KL 0.41 (step 8: KL 0.42, ...); --distill-lr 0.0005: KL 0.4,
+    # kept (step 8: ...)"
+    detail: str = ""
     step: int | None = None  # the step the published try ends at (None: still going)
 
 
@@ -79,6 +81,7 @@ class Checked:
     step: int = 0
     kl: float | None = None
     top1: float = 0.0
+    said: str = ""  # every scored checkpoint's KL, e.g. "step 8: KL 0.4312, step 16: KL 0.4151"
 
     @property
     def score(self) -> GuardScore:
@@ -101,11 +104,12 @@ class StepWatch:
             return self.best
         score = self.judge.score(folder)
         self.log(f"distill: step {step}: {score}")
+        said = ", ".join(filter(None, (self.best.said, f"step {step}: {_kl(score)}")))
         if self.best.step and score.loss >= self.best.score.loss:
-            best = dataclasses.replace(self.best, scored=step)
+            best = dataclasses.replace(self.best, scored=step, said=said)
         else:
             _link_files(folder, self.kept.path(BEST_FOLDER.format(step)))
-            best = Checked(step, step, score.kl, score.top1)
+            best = Checked(step, step, score.kl, score.top1, said)
         self.kept.write_bytes(BEST_FILE, json.dumps(dataclasses.asdict(best)).encode())
         for old in self.kept.folder.glob(BEST_FOLDERS):
             if old.name != BEST_FOLDER.format(best.step):
@@ -163,7 +167,11 @@ def _whole(best: Checked) -> bool:
     """Steps whole and in order, figures a guard could have measured."""
     steps = all(type(v) is int and v >= 0 for v in (best.scored, best.step)) and best.step <= best.scored
     kl = best.kl is None or (isinstance(best.kl, float) and math.isfinite(best.kl) and best.kl >= 0)
-    return steps and kl and isinstance(best.top1, float) and 0 <= best.top1 <= 1
+    return steps and kl and isinstance(best.top1, float) and 0 <= best.top1 <= 1 and isinstance(best.said, str)
+
+
+def _kl(score: GuardScore) -> str:
+    return f"KL {'inf' if score.kl is None else f'{score.kl:.4g}'}"
 
 
 def distil_backing_off(student: Path, settings, team: Ranks, judge: Judge | None, log, backoff: bool = True):
@@ -203,13 +211,13 @@ def _ended(out: Path, watch: StepWatch, judge: Judge, total: int, log) -> tuple[
 
     score = judge.score(out)
     best = watch.best
+    said = f"{best.said}, step {total}: {_kl(score)}" if best.said else ""
     if not best.step or best.score.loss >= score.loss:
-        return score, total, ""
+        return score, total, said
     final_from_checkpoint(watch.chosen(), out)
     published = judge.score(out)
-    note = f"step {best.step} of {total} ({best.score}; step {total}: {score})"
-    log(f"distill: {note}: the model of step {best.step} is kept")
-    return published, best.step, note
+    log(f"distill: step {best.step} of {total} scored best ({best.score}; step {total}: {score}): its model is kept")
+    return published, best.step, f"{said}, so step {best.step}'s model"
 
 
 def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: ResumeFolder, log, watch, result):
@@ -218,12 +226,12 @@ def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: Resum
     is emptied, then the next try written down."""
     score, step, note = _ended(out, watch, judge, result.total_steps, log)
     helped = score.loss < judge.before.loss
-    at = f"--distill-lr {tried.lr:.3g}" + (f", {note}" if note else "")
+    at, steps = f"--distill-lr {tried.lr:.3g}: {score}", f" ({note})" if note else ""
     if helped or nxt is None:
-        end = f"{at}: {score}, " + ("kept" if helped else "not below either")
-        detail = f"{tried.detail}; {end}" if tried.detail else (f"{at}: {score}" if note else "")
+        end = f"{at}, {'kept' if helped else 'not below either'}{steps}"
+        detail = f"{tried.detail}; {end}" if tried.detail else note  # one try: its checkpoints' KL alone
         return Tried(tried.lr, detail, step), score, True
-    line = f"{at}: {score}, not below {judge.before}"
+    line = f"{at}, not below {judge.before}{steps}"
     log(f"distill: {line}: again at a third of the rate")
     following = Tried(nxt, f"{tried.detail}; {line}" if tried.detail else line)
     _forget(kept)  # first: a stop in between reruns this try, never resumes it as the next ...

@@ -76,7 +76,10 @@ def test_a_distillation_that_helps_is_published_as_run(src, tmp_path):
     plain = _convert(src, tmp_path / "plain", "--no-distill-backoff")
     assert plain.exit_code == 0, plain.output
     for dst in ("backing", "plain"):
-        assert _distill_stage(tmp_path / dst)["outcome"] == "kept" and _distill_stage(tmp_path / dst)["detail"] == ""
+        stage = _distill_stage(tmp_path / dst)  # each checkpoint's KL; the final scored best
+        detail = stage["detail"]
+        assert stage["outcome"] == "kept" and detail.startswith("step 4: KL ") and ", step 12: KL " in detail
+        assert "'s model" not in detail
     assert _model(tmp_path / "backing") == _model(tmp_path / "plain") and _lr(tmp_path / "backing") == 1.5e-3
 
 
@@ -92,7 +95,8 @@ def test_a_distillation_that_does_not_help_runs_again_at_a_third_of_the_rate(src
     assert calls == ["checkpoint", "checkpoint", "final"] * 2
     stage = _distill_stage(tmp_path / "backed")
     assert stage["outcome"] == "kept" and stage["detail"].startswith("--distill-lr 0.03: KL 9, top-1 0.0%, not below")
-    assert stage["detail"].endswith(f"; --distill-lr 0.01: {_score(stage['after'])}, kept")
+    assert "(step 4: KL 9, step 8: KL 9, step 12: KL 9); " in stage["detail"]
+    assert f"; --distill-lr 0.01: {_score(stage['after'])}, kept (step 4: KL " in stage["detail"]
     assert stage["detail"] in backed.output
     monkeypatch.undo()
     rate = 0.03 * BACKOFF[1]
@@ -183,14 +187,14 @@ def test_a_distillation_that_passed_its_best_is_published_at_the_best_checkpoint
     assert early.exit_code == 0, early.output
     assert calls == ["checkpoint", "checkpoint", "final", "final"]  # the chosen checkpoint scored as published
     stage = _distill_stage(tmp_path / "early")
-    assert stage["outcome"] == "kept" and stage["detail"].startswith("--distill-lr 0.0015, step ")
-    assert "of 12 (KL " in stage["detail"] and "; step 12: KL 9, top-1 0.0%)" in stage["detail"]
-    step = int(stage["detail"].split("step ")[1].split(" ")[0])
+    assert stage["outcome"] == "kept" and stage["detail"].startswith("step 4: KL ")
+    assert ", step 12: KL 9, so step " in stage["detail"]
+    step = int(stage["detail"].split(", so step ")[1].split("'")[0])
     record = json.loads((tmp_path / "early" / UPTRAIN_RECORD).read_text())["uptrain"]
     assert step in (4, 8) and record["steps"] == step and f"uptrain done: {step} steps" in early.output
     monkeypatch.undo()
     short = _convert(src, tmp_path / "short", "--distill-steps", str(step))
-    assert short.exit_code == 0 and _distill_stage(tmp_path / "short")["detail"] == "", short.output
+    assert short.exit_code == 0 and "'s model" not in _distill_stage(tmp_path / "short")["detail"], short.output
     published, run = (
         load_file(tmp_path / "early" / "model.safetensors"),
         load_file(tmp_path / "short" / "model.safetensors"),
