@@ -52,17 +52,23 @@ def busy_cores(seconds: float = 0.1) -> float:
 
 def default_threads() -> int:
     """``OMP_NUM_THREADS`` when set, else the usable cores not busy with other work, at least 1."""
-    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
+    if _env_threads():
+        return _env_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, round(cores - busy_cores())))
 
 
+def _env_threads() -> int | None:
+    """``OMP_NUM_THREADS`` when it holds a positive count."""
+    held = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(held) if held.isdigit() and int(held) > 0 else None
+
+
 def use_threads(threads: int | None) -> int:
-    """Make torch use ``threads`` (None: :func:`default_threads`, then :func:`review` ed as the run
-    goes), before or after it is imported."""
+    """Make torch use ``threads`` (None: :func:`default_threads`, reviewed as the run goes by
+    :func:`review`), before or after it is imported."""
     global _chosen
-    chosen = not threads and not os.environ.get("OMP_NUM_THREADS", "").strip().isdigit()
+    chosen = not threads and not _env_threads()
     n = threads or default_threads()
     _set(n)
     _chosen = _look() if chosen else None
