@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,9 +112,7 @@ class StepWatch:
             _link_files(folder, self.kept.path(BEST_FOLDER.format(step)))
             best = Checked(step, step, score.kl, score.top1, said)
         self.kept.write_bytes(BEST_FILE, json.dumps(dataclasses.asdict(best)).encode())
-        for old in self.kept.folder.glob(BEST_FOLDERS):
-            if old.name != BEST_FOLDER.format(best.step):
-                shutil.rmtree(old, ignore_errors=True)
+        _drop_best(self.kept, but=BEST_FOLDER.format(best.step))
         return best
 
     def chosen(self) -> Path | None:
@@ -124,8 +123,6 @@ class StepWatch:
 def _link_files(folder: Path, to: Path) -> None:
     """``folder``'s files hard-linked into ``to`` (copied where the disk cannot link), written beside it
     and renamed into place."""
-    import os
-
     tmp = to.with_name(to.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -142,9 +139,15 @@ def _link_files(folder: Path, to: Path) -> None:
 def _forget(kept: ResumeFolder) -> Checked:
     """A fresh try: no checkpoint scored (an earlier try's best dropped)."""
     kept.path(BEST_FILE).unlink(missing_ok=True)
-    for old in kept.folder.glob(BEST_FOLDERS):
-        shutil.rmtree(old, ignore_errors=True)
+    _drop_best(kept)
     return Checked()
+
+
+def _drop_best(kept: ResumeFolder, but: str | None = None) -> None:
+    """Every kept best checkpoint's files (their half-written copies too) but the folder named ``but``."""
+    for old in kept.folder.glob(BEST_FOLDERS):
+        if old.name != but:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _read_best(kept: ResumeFolder) -> Checked:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mha2gqa.core.checkpoint import read_config
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError, disk_full
 from mha2gqa.core.output import Inputs, as_created, check_destination, check_overlap, publish, staged_output
@@ -33,6 +34,8 @@ from mha2gqa.core.records import UPTRAIN_LOG
 CHECKPOINTS = "checkpoints"
 STATE_NAME = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+#: where the final model is built inside ``--output`` before it is moved in
+FINAL_TMP = ".final.tmp"
 #: a checkpoint's run state as ``accelerate``'s save_state names it (not part of the model)
 _RUN_STATE = re.compile(r"^(optimizer|scheduler|sampler|random_states|custom_checkpoint|scaler|dl_state_dict)")
 
@@ -226,17 +229,23 @@ def save_final(
 ) -> None:
     """The final model into ``output`` itself: written to a temporary folder, then moved in file by
     file with ``config.json`` last, so the folder loads as a model only once it is complete."""
-    tmp = output / ".final.tmp"
+    tmp = output / FINAL_TMP
     with _building(tmp, accelerator):
         if accelerator.is_main_process:
             (output / "config.json").unlink(missing_ok=True)
         _save_model(accelerator, model, tokenizer, tmp, dtype, files, final=True, sharded=sharded)
         if accelerator.is_main_process:
-            names = sorted(p.name for p in tmp.iterdir())
-            for name in [n for n in names if n != "config.json"] + ["config.json"]:
-                os.replace(tmp / name, output / name)
-            tmp.rmdir()
+            _move_in(tmp, output)
     accelerator.wait_for_everyone()
+
+
+def _move_in(tmp: Path, output: Path) -> None:
+    """Every file of ``tmp`` moved into ``output``, ``config.json`` last (the folder loads as a model
+    only once it is complete), then ``tmp`` removed."""
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in [n for n in names if n != "config.json"] + ["config.json"]:
+        os.replace(tmp / name, output / name)
+    tmp.rmdir()
 
 
 def final_from_checkpoint(checkpoint: Path, output: Path) -> None:
@@ -246,7 +255,7 @@ def final_from_checkpoint(checkpoint: Path, output: Path) -> None:
     Memory: one weight file at a time."""
     source = read_state(checkpoint).get("source_dtype")
     dtype = by_name(source).torch if source else None
-    tmp = output / ".final.tmp"
+    tmp = output / FINAL_TMP
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -265,10 +274,7 @@ def final_from_checkpoint(checkpoint: Path, output: Path) -> None:
     for old in output.iterdir():
         if old.is_file() and old.name != UPTRAIN_LOG:
             old.unlink()
-    names = sorted(p.name for p in tmp.iterdir())
-    for name in [n for n in names if n != "config.json"] + ["config.json"]:
-        os.replace(tmp / name, output / name)
-    tmp.rmdir()
+    _move_in(tmp, output)
 
 
 def _cast_file(src: Path, dst: Path, dtype: torch.dtype | None) -> int:
@@ -291,12 +297,12 @@ def _retype(folder: Path, dtype: torch.dtype | None, total: int) -> None:
     """``folder``'s config and shard index say the weights' new dtype and size."""
     if dtype is None:
         return
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = read_config(folder)
     for key in ("dtype", "torch_dtype"):
         if key in config:
             config[key] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     for index in folder.glob("*.safetensors.index.json"):
-        held = json.loads(index.read_text(encoding="utf-8"))
+        held = read_config(folder, index.name)
         held.setdefault("metadata", {})["total_size"] = total
         index.write_text(json.dumps(held, indent=2) + "\n", encoding="utf-8")
