@@ -4,9 +4,11 @@ and the shard index saying so, the run state (optimizer, scheduler, RNG) left ou
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_LOG
 from mha2gqa.uptrain.checkpoints import STATE_NAME, final_from_checkpoint
 
@@ -46,3 +48,21 @@ def test_a_checkpoint_becomes_the_final_model_in_the_sources_dtype(tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"] == 2 * 22 + 8 * 4
     assert (out / UPTRAIN_LOG).read_text() == "the run's log\n"
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_final_model_stays(tmp_path):
+    ckpt, out = tmp_path / "step-0000004", tmp_path / "out"
+    ckpt.mkdir()
+    out.mkdir()
+    (ckpt / STATE_NAME).write_text(json.dumps({"step": 4, "source_dtype": "bfloat16"}))
+    (ckpt / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    (ckpt / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    (out / "model.safetensors").write_text("the last step's weights")
+    with pytest.raises(Mha2GqaError, match=r"model.safetensors: not a readable safetensors file"):
+        final_from_checkpoint(ckpt, out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # nothing half-moved, no scratch
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(Mha2GqaError, match=r"config.json: not valid JSON"):
+        final_from_checkpoint(ckpt, out)
+    assert (out / "model.safetensors").read_text() == "the last step's weights"

@@ -280,15 +280,18 @@ def final_from_checkpoint(checkpoint: Path, output: Path) -> None:
 def _cast_file(src: Path, dst: Path, dtype: torch.dtype | None) -> int:
     """The safetensors file ``src`` written to ``dst`` with its floating tensors cast to ``dtype``
     (None: as they are); the bytes of its tensors."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
     tensors = {}
-    with safe_open(str(src), framework="pt") as f:
-        metadata = f.metadata()
-        for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-            t = f.get_tensor(name)
-            tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    try:
+        with safe_open(str(src), framework="pt") as f:
+            metadata = f.metadata()
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                t = f.get_tensor(name)
+                tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    except (SafetensorError, OSError) as e:
+        raise Mha2GqaError(f"{src}: not a readable safetensors file ({e}); pass --remove-stale to start over") from None
     save_file(tensors, str(dst), metadata=metadata)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
