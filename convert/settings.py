@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from mha2gqa.convert.groupings import GROUPINGS, get_grouping
 from mha2gqa.convert.methods import METHODS, get_method
-from mha2gqa.core.devices import DEVICE_HELP, check_device_name
+from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_device_name
 from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import check_switched, setting, validate
@@ -55,6 +55,7 @@ RECIPE_FIELDS = (
     *("num_kv_heads", "num_kv_heads_per_layer", "per_layer", "allocation_cost", "kv_budget", "method", "grouping"),
     *("calibration", "calibration_tokens", "calibration_seq_len"),
     *("refit", "refit_params", "refit_steps", "refit_target", "refit_lr", "refit_batch", "refit_tokens"),
+    "refit_precision",
     *("guard", "seed", "max_shard_size"),
 )
 
@@ -149,6 +150,12 @@ class ConvertSettings:
         help="Tokens --refit fits on (the first N of --calibration; fewer when the text or "
         "--calibration-tokens has fewer).",
         minimum=1,
+    )
+    refit_precision: str = setting(
+        "auto",
+        help="Arithmetic of --refit's Adam steps (its held-out checks, closed-form solve and hidden states stay "
+        "float32): " + PRECISION_HELP,
+        choices=PRECISIONS,
     )
     refit_memory: str = setting(
         "4GB",

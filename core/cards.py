@@ -82,7 +82,8 @@ def refit_summary(refit: Refit) -> str:
     return (
         f"every changed layer's {'/'.join(refit.params)} refitted on {refit.tokens:,} tokens of `{refit.data}` "
         f"to reproduce the original's {refit.target} ({refit.windows} windows fitted, {refit.heldout_windows} "
-        f"held out); held-out {refit.error} before → after: {layers}"
+        f"held out{', Adam steps in bf16 autocast' if refit.precision == 'bf16' else ''}); held-out {refit.error} "
+        f"before → after: {layers}"
     )
 
 

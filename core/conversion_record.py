@@ -110,6 +110,8 @@ class Refit:
     error: str = ABSOLUTE_ERROR
     #: what the error is measured on: :data:`LAYER_TARGET` or :data:`ATTENTION_TARGET`
     target: str = LAYER_TARGET
+    #: the arithmetic of its Adam steps: ``bf16`` (autocast) or ``no`` (float32; records before the choice)
+    precision: str = "no"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,12 @@ from mha2gqa.core.dtypes import MODEL_DTYPES
 from mha2gqa.core.errors import SettingError
 
 DEVICE_HELP = "auto (CUDA when present), cpu, cuda or cuda:N."
+#: the arithmetic of training steps (--mixed-precision, --refit-precision, --distill-precision)
+PRECISIONS = ("auto", "no", "bf16")
+PRECISION_HELP = (
+    "auto: bf16 autocast where the device multiplies bfloat16 natively (GPUs that support it; CPUs with AMX or "
+    "AVX512-BF16), float32 otherwise; no: float32; bf16: bf16 autocast."
+)
 DTYPE_HELP = "auto (bf16 on GPU, fp32 on CPU), " + ", ".join(MODEL_DTYPES) + "."
 
 

@@ -44,6 +44,25 @@ def resolve_device(device: str) -> torch.device:
     return state.device if device == "auto" else torch.device(device)
 
 
+def computes_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices natively, faster than float32: a GPU that supports
+    bfloat16, or a CPU with AMX tiles or AVX512-BF16 (on this repository's 2-core Xeon a SmolLM2-135M
+    training step takes 0.6x the time under bf16 autocast, its forward 0.36x in bfloat16:
+    docs/benchmarks.md); elsewhere bfloat16 is emulated, slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch.cpu's (private: absent is no)
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """A :data:`~mha2gqa.core.devices.PRECISIONS` choice as run on ``device``: ``auto`` -> ``bf16`` where
+    it :func:`computes_bf16`, else ``no``; the others as given."""
+    return ("bf16" if computes_bf16(device) else "no") if precision == "auto" else precision
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` -> bfloat16 on GPU, float32 on CPU."""
     if dtype == "auto":

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.convert.settings import ConvertSettings, calibration_window
+from mha2gqa.core.devices import PRECISION_HELP, PRECISIONS
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, launched, under_launcher
 from mha2gqa.core.settings import check_switched, setting, validate
@@ -80,6 +81,11 @@ class DistillSettings:
         "weight by about this share of its typical size, whatever the model's scale).",
         above=0,
         maximum=1,
+    )
+    distill_precision: str = setting(
+        "auto",
+        help="Arithmetic of --distill's steps and teacher pass (the stage guard scores in float32): " + PRECISION_HELP,
+        choices=PRECISIONS,
     )
     distill_backoff: bool = setting(
         True,
@@ -143,6 +149,7 @@ class DistillSettings:
             max_steps=self.distill_steps,
             lr=self.distill_lr,
             lr_relative=True,
+            mixed_precision=self.distill_precision,
             min_lr_ratio=1.0,
             save_every=max(1, -(-self.distill_steps // DISTILL_CHECKPOINTS)),  # what --resume continues from
             save_total_limit=1,

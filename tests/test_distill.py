@@ -143,6 +143,7 @@ def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path
         "distill_steps": 3,
         "distill_batch": 2,
         "distill_lr": 1.5e-3,
+        "distill_precision": "auto",
         "distill_backoff": True,
     }
     again = CliRunner().invoke(main, ["convert", str(src["model"]), str(tmp_path / "again"), "--recipe", str(recipe)])

@@ -87,6 +87,28 @@ def test_refit_lowers_every_layers_held_out_error_and_the_output_error(calib_tex
     assert not list(out.output.glob(".mha2gqa-refit*")) and not list(tmp_path.glob(".refit*"))
 
 
+def test_refit_steps_under_bf16_autocast_fit_as_well_and_say_so(calib_text, tmp_path):
+    """--refit-precision bf16 runs the Adam steps under bf16 autocast (other numbers than float32's),
+    reaches held-out errors within 10% of float32's, and the record and card say which arithmetic ran;
+    ``auto`` is bf16 exactly where the device computes it natively."""
+    from mha2gqa.core.models import computes_bf16
+
+    src = source("llama", calib_text, tmp_path / "src")
+    runs = {
+        p: convert_checkpoint(src, tmp_path / p, 1, **refit(calib_text, refit_steps=40, refit_precision=p)).facts.refit
+        for p in ("no", "bf16", "auto")
+    }
+    assert {p: r.precision for p, r in runs.items()} == {
+        "no": "no", "bf16": "bf16", "auto": "bf16" if computes_bf16(torch.device("cpu")) else "no"
+    }  # fmt: skip
+    after = {p: [layer.loss_after for layer in r.layers] for p, r in runs.items()}
+    assert after["bf16"] != after["no"]  # the autocast ran
+    for bf16, f32, before in zip(after["bf16"], after["no"], [r.loss_before for r in runs["no"].layers], strict=True):
+        assert bf16 < 0.8 * before and abs(bf16 - f32) <= 0.1 * f32
+    assert "Adam steps in bf16 autocast" in (tmp_path / "bf16" / "README.md").read_text()
+    assert "bf16 autocast" not in (tmp_path / "no" / "README.md").read_text()
+
+
 def test_the_output_projection_is_solved_in_closed_form_after_the_fit(calib_text, tmp_path):
     """Fitted after attention with only ``o`` trainable and two Adam steps, the closed-form ``o_proj``
     is far nearer its optimum than Adam: every layer takes it, says so in the record and the card,
@@ -311,7 +333,7 @@ def test_the_streamed_refit_equals_an_in_memory_reference(calib_text, tmp_path, 
     plain = convert_checkpoint(src, tmp_path / "plain", 2, "mean", progress=False).output
     # a small step: the largest probed rate (x9) would amplify the two paths' rounding past the tolerance
     lr = ConvertSettings.refit_lr / 5
-    kw = {"refit_steps": 15, "refit_target": target, "refit_lr": lr, "guard": "off"}
+    kw = {"refit_steps": 15, "refit_target": target, "refit_lr": lr, "guard": "off", "refit_precision": "no"}
     done = convert_checkpoint(src, tmp_path / "refit", 2, **refit(calib_text, **kw))
     expected, got = _reference(src, plain, calib_text, steps=15, target=target, lr=lr), read_all(done.output)
     assert done.facts.refit.target == {"attention": ATTENTION_TARGET, "layer": LAYER_TARGET}[target]

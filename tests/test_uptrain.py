@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
+from mha2gqa.core.devices import PRECISIONS
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.runlog import RunEnd, RunEval, RunStart, RunTrain, read_log, to_json
 from mha2gqa.uptrain import UptrainSettings, uptrain
@@ -45,6 +46,7 @@ def _settings(models, out: Path, **kw) -> UptrainSettings:
         eval_data=str(models["held"]),
         eval_tokens=512,
         progress=False,
+        mixed_precision="no",  # float32 on every machine: the runs compared here agree to rounding
     )
     return UptrainSettings(**{**base, **kw})
 
@@ -402,6 +404,31 @@ def test_a_second_run_in_one_process_uses_its_own_precision(models, tmp_path):
     assert precision(tmp_path / "a", "no") == "no"
     assert precision(tmp_path / "b", "bf16") == "bf16"
     assert precision(tmp_path / "c", "no") == "no"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_bf16_where_the_device_multiplies_it_natively(monkeypatch, models, tmp_path, native):
+    """``auto`` takes bf16 autocast on any device that computes bfloat16 natively (a CPU with AMX is
+    1.6x faster a step), float32 elsewhere; ``no`` and ``bf16`` are taken as given."""
+    import mha2gqa.uptrain.setup as setup
+
+    monkeypatch.setattr("mha2gqa.core.models.computes_bf16", lambda device: native)
+    given = {mp: _settings(models, tmp_path, mixed_precision=mp) for mp in PRECISIONS}
+    chosen = {mp: setup.accelerator(s).mixed_precision for mp, s in given.items()}
+    assert chosen == {"auto": "bf16" if native else "no", "no": "no", "bf16": "bf16"}
+
+
+def test_computes_bf16_asks_the_device():
+    """A CPU answers from its instruction set (AMX tiles or AVX512-BF16: Linux lists them as flags), a
+    device that is neither CPU nor GPU never."""
+    from mha2gqa.core.models import computes_bf16
+
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = set(next(line for line in info.read_text().splitlines() if line.startswith("flags")).split())
+    assert computes_bf16(torch.device("cpu")) is bool(flags & {"amx_tile", "avx512_bf16"})
+    assert computes_bf16(torch.device("meta")) is False
 
 
 # ---- bad input ----------------------------------------------------------------------------------

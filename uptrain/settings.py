@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha2gqa.core.devices import DEVICE_HELP, check_device_name
+from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_device_name
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import names_where, setting, validate
 from mha2gqa.core.text import DOC_SPLITS, check_text_source
 
 OBJECTIVES = ("ce", "kd", "mix")
 TRAINABLE = ("all", "attention", "kv")
-MIXED_PRECISION = ("auto", "no", "bf16")
 SHARDING = ("none", "fsdp")
 #: The training window when none is given (cut to the model's positions).
 UPTRAIN_WINDOW = 1024
@@ -111,9 +110,7 @@ class UptrainSettings:
     )
     overwrite: bool = setting(False, help="Delete a previous run in --output and start over.", job=False)
     device: str = setting("auto", help=f"{DEVICE_HELP} (accelerate launch picks each process's GPU)")
-    mixed_precision: str = setting(
-        "auto", help="auto: bf16 autocast on GPUs that support it, float32 otherwise.", choices=MIXED_PRECISION
-    )
+    mixed_precision: str = setting("auto", help=PRECISION_HELP, choices=PRECISIONS)
     gradient_checkpointing: bool = setting(False, help="Recompute activations in the backward pass.")
     sharding: str = setting(
         "none",

@@ -11,7 +11,7 @@ import torch
 
 from mha2gqa.core.cache import cache_root
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.models import resolve_device
+from mha2gqa.core.models import resolve_device, resolve_precision
 from mha2gqa.uptrain.data import WindowOrder
 from mha2gqa.uptrain.params import adapters, apply_lora, lora_targets, select_trainable
 from mha2gqa.uptrain.prepare import Uptraining
@@ -31,12 +31,10 @@ from mha2gqa.uptrain.teacher_cache import (
 def accelerator(s: UptrainSettings):
     from accelerate import Accelerator
 
-    cpu = resolve_device(s.device).type == "cpu"
-    mp = s.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if not cpu and torch.cuda.is_bf16_supported() else "no"
+    device = resolve_device(s.device)
+    mp = resolve_precision(s.mixed_precision, device)
     _forget_earlier_accelerator()
-    return Accelerator(cpu=cpu, mixed_precision=mp, step_scheduler_with_optimizer=False)
+    return Accelerator(cpu=device.type == "cpu", mixed_precision=mp, step_scheduler_with_optimizer=False)
 
 
 def _forget_earlier_accelerator() -> None:

@@ -78,6 +78,7 @@ def fit_layer(
     objective: Objective = PLAIN,
     probe: tuple[float, ...] = PROBE,
     ranks: Ranks = ONE,
+    autocast: torch.dtype | None = None,
 ) -> FitResult:
     """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
     outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on ``objective``'s error
@@ -88,6 +89,7 @@ def fit_layer(
     steps are done. The first check's steps run once for each learning rate ``lr x`` a factor of
     ``probe``, from ``start`` on the same windows, and the one with the least held-out error goes on.
     Returns the best values, or ``start`` itself when no check lowered the held-out error (``kept``).
+    With ``autocast`` (a dtype) the steps' forward runs under that autocast, the checks in float32.
     Several processes (``ranks``, each calling this) run their own windows (:meth:`Ranks.own`) of every
     step and check; gradients and held-out errors are summed, so every one takes the same steps."""
     fitted, held = split_windows(windows)
@@ -97,7 +99,7 @@ def fit_layer(
     if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
         return FitResult(start, before, before, True, 0)
     every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
-    train = partial(_train_step, forward, **common)
+    train = partial(_train_step, forward, autocast=autocast, **common)
     first = [next(batches) for _ in range(min(every, steps))]  # the first check's steps, for every rate tried
     now, factor, values, optimizer = _probe(start, trainable, lr, probe, first, train, heldout)
     best, best_values, stale, done = before, None, 0, len(first)
@@ -131,14 +133,26 @@ def _probe(start, trainable: list[str], lr: float, probe: tuple[float, ...], fir
 
 
 def _train_step(
-    forward, values, optimizer, chosen: list[int], *, targets, objective: Objective, per_call: int, ranks: Ranks
+    forward,
+    values,
+    optimizer,
+    chosen: list[int],
+    *,
+    targets,
+    objective: Objective,
+    per_call: int,
+    ranks: Ranks,
+    autocast,
 ) -> None:
     """One Adam step on the windows ``chosen`` (``per_call`` windows' graph at a time; this rank's
-    own, the gradients then summed over the ranks)."""
+    own, the gradients then summed over the ranks), the forward under ``autocast`` (a dtype; None: none)."""
     check_signals()
     optimizer.zero_grad(set_to_none=True)
+    device = next(iter(values.values())).device.type
     for c in chunks(ranks.own(chosen), per_call):
-        loss = torch.mean(objective.squares(forward(values, c), targets(c))) * (len(c) / len(chosen))
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            out = forward(values, c)
+        loss = torch.mean(objective.squares(out.float(), targets(c))) * (len(c) / len(chosen))
         loss.backward()
     if ranks.size > 1:
         _sum_gradients([p for group in optimizer.param_groups for p in group["params"]], ranks)

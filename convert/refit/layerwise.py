@@ -131,6 +131,7 @@ def _refit_layer(
     scale = dimension_scale(target, fitted, st.per_call, st.ranks).to(dev)
     trainable = [r for r in weights.values if r[0] in s.refit_roles()]
     fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
+    fit_kw["autocast"] = torch.bfloat16 if st.precision == "bf16" else None
     kw = {"per_call": st.per_call, "objective": Objective(normalize=True, scale=scale), "ranks": st.ranks}
     result = fit_layer(fitted_part, weights.values, trainable, targets, len(st.ids), **kw, **fit_kw)
     if "o" in trainable:
@@ -282,6 +283,7 @@ def _refit_record(s, st: Streams, records: list[RefitLayer], whole: list[int]) -
         seed=s.seed,
         layers=records,
         error=NORMALIZED_ERROR,
+        precision=st.precision,
         target=_target(s.refit_target, whole, [r.layer for r in records]),
     )
 

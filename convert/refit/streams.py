@@ -112,6 +112,7 @@ class Streams:
     targets: HiddenStates | None  # --refit-target attention: the original's stream after the layer's attention
     ranks: Ranks  # the processes sharing the windows (each holds its own windows' states)
     mine: list[int]  # this process's windows
+    precision: str  # the fit steps' arithmetic: bf16 (autocast) or no (float32)
 
     @property
     def every(self) -> list[list[int]]:
@@ -123,7 +124,7 @@ def open_streams(c: Conversion, model, work: Path) -> Streams:
     """The calibration windows (at least two) and the first layer's inputs in both streams (spilled
     to ``work`` beyond ``--refit-memory``). Under a launcher each process holds the streams of its
     share of the windows (:meth:`Ranks.own`), at least one fitted window each."""
-    from mha2gqa.core.models import resolve_device
+    from mha2gqa.core.models import resolve_device, resolve_precision
 
     s, dev = c.settings, resolve_device(c.settings.device)
     seq_len = calibration_window(s.calibration_seq_len, getattr(model.config, "max_position_embeddings", None))
@@ -147,4 +148,5 @@ def open_streams(c: Conversion, model, work: Path) -> Streams:
     per_call = max(1, call_tokens(dev) // seq_len)
     batch = min(refit_windows(s.refit_batch, seq_len), len(split_windows(len(ids))[0]))  # at most every fitted one
     original, converted, targets = streams["original"], streams["converted"], streams.get("targets")
-    return Streams(ids, kw, original, converted, per_call, batch, dev, targets, team, mine)
+    precision = resolve_precision(s.refit_precision, dev)
+    return Streams(ids, kw, original, converted, per_call, batch, dev, targets, team, mine, precision)
