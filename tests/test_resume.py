@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import random_model, story_text, tiny_config
 from test_methods import with_tokenizer
@@ -111,6 +112,25 @@ def test_a_refit_stopped_under_another_error_refuses_to_resume(setup, tmp_path, 
     path.write_text(json.dumps(held))
     with pytest.raises(
         Mha2GqaError, match=r"--resume: the refit error changed since the stopped run \(not recorded -> mean squared"
+    ):
+        convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
+    assert (resume_folder(dst) / "layer-0.json").is_file()  # refused, not dropped
+
+
+def test_a_refit_stopped_on_a_machine_of_another_arithmetic_refuses_to_resume(setup, tmp_path, monkeypatch):
+    """``--refit-precision auto`` is bf16 on a machine that computes it natively and float32 elsewhere:
+    layers kept by a run of the other arithmetic are not mixed with this machine's."""
+    from mha2gqa.core.models import computes_bf16, resolve_precision
+
+    dst = tmp_path / "out"
+    _stopped(setup, dst, monkeypatch, 1)
+    held = json.loads((resume_folder(dst) / "fingerprint.json").read_text())
+    here = resolve_precision("auto", torch.device("cpu"))
+    assert held["refit arithmetic"] == here
+    monkeypatch.setattr("mha2gqa.core.models.computes_bf16", lambda device: not computes_bf16(device))
+    other = {"bf16": "no", "no": "bf16"}[here]
+    with pytest.raises(
+        Mha2GqaError, match=rf"--resume: the refit arithmetic changed since the stopped run \({here} -> {other}\)"
     ):
         convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
     assert (resume_folder(dst) / "layer-0.json").is_file()  # refused, not dropped
