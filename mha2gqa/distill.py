@@ -127,6 +127,13 @@ class DistillSettings:
         :data:`LAYOUT`, how a run lays it over its processes."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in LAYOUT}
 
+    def arithmetic(self, convert: ConvertSettings) -> str:
+        """``--distill-precision`` as this machine runs it (``auto``: bf16 here, float32 there): the resume
+        fingerprint holds it, so that no run continues another arithmetic's checkpoint."""
+        from mha2gqa.core.models import resolve_device, resolve_precision
+
+        return resolve_precision(self.distill_precision, resolve_device(convert.device))
+
     def uptrain_settings(
         self, convert: ConvertSettings, teacher: str, output: Path, positions: int | None, tokens: int | None = None
     ):
@@ -183,7 +190,7 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
     d = d.check(s)
     conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None)  # the text is ours
     # every check of the settings, the source, DST and the kept work, before any work
-    first = prepare(src, dst, conversion, later={"distill": d.recipe()})
+    first = prepare(src, dst, conversion, later={"distill": d.recipe(), "arithmetic": d.arithmetic(s)})
     team = _processes(s.device)
     if not team.main:
         _alongside(first, s, d, team, log)

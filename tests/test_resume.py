@@ -282,6 +282,12 @@ def test_a_distillation_resume_refuses_other_distillation_settings(setup, tmp_pa
     other = CliRunner().invoke(main, [*base, "--distill-steps", "7"])
     assert other.exit_code == 1 and "--resume: the later stage changed since the stopped run" in other.output
     assert len(other.output.strip().splitlines()) == 1 and resume_folder(dst).exists()
+    from mha2gqa.core.models import computes_bf16  # a machine of the other arithmetic (auto: bf16 or float32)
+
+    monkeypatch.setattr("mha2gqa.core.models.computes_bf16", lambda device: not computes_bf16(device))
+    elsewhere = CliRunner().invoke(main, base)
+    assert elsewhere.exit_code == 1 and "--resume: the later stage changed" in elsewhere.output, elsewhere.output
+    assert '{"arithmetic": ' in elsewhere.output and resume_folder(dst).exists()
 
 
 def test_a_process_killed_inside_the_distillation_resumes(setup, tmp_path):
