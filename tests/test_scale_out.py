@@ -130,6 +130,8 @@ def test_two_ranks_gather_the_statistics_one_process_gathers(source, tmp_path):
 def _convert(src, text, dst, *extra: str, processes: int = 1, port: int = 29542) -> str:
     args = ["-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2", "--calibration", str(text)]
     args += ["--calibration-tokens", "1024", "--calibration-seq-len", "64", "--device", "cpu", "-q", *extra]
+    # float32 on every machine (auto is bf16 autocast where the CPU computes it): the ranks agree to rounding
+    args += ["--refit-precision", "no"] * ("--refit" in extra) + ["--distill-precision", "no"] * ("--distill" in extra)
     if processes == 1:
         done = subprocess.run([sys.executable, *args], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -38,6 +38,7 @@ def run(tmp_path_factory):
 def _argv(run, out: Path, *extra: str) -> list[str]:
     args = ["uptrain", run["student"], "--data", run["text"], "--output", out, "--data-cache", run["cache"]]
     args += ["--seq-len", "32", "--batch-size", "4", "--max-steps", "6", "--lr", "3e-3", "--device", "cpu", "-q"]
+    args += ["--mixed-precision", "no"]  # float32 on every machine: one and two processes agree to rounding
     return [str(a) for a in (*args, *extra)]
 
 
@@ -188,7 +189,8 @@ def test_damaged_token_store_is_refused(run, tmp_path):
 def _kd(run, out: Path, **kw) -> UptrainSettings:
     base = dict(data=str(run["text"]), output=str(out), seq_len=32, batch_size=4, lr=3e-3, max_steps=6,
                 objective="kd", teacher=str(run["parent"]), data_cache=str(run["cache"]),
-                teacher_cache=str(run["root"] / "teacher"), temperature=2.0, progress=False)  # fmt: skip
+                teacher_cache=str(run["root"] / "teacher"), temperature=2.0, progress=False,
+                mixed_precision="no")  # fmt: skip
     return UptrainSettings(**{**base, **kw})
 
 
