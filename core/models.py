@@ -47,8 +47,8 @@ def resolve_device(device: str) -> torch.device:
 def computes_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 matrices natively, faster than float32: a GPU that supports
     bfloat16, or a CPU with AMX tiles or AVX512-BF16 (on this repository's 2-core Xeon a SmolLM2-135M
-    training step takes 0.6x the time under bf16 autocast, its forward 0.36x in bfloat16:
-    docs/benchmarks.md); elsewhere bfloat16 is emulated, slower than float32."""
+    training step takes 0.59x the time under bf16 autocast, its forward 0.29x in bfloat16:
+    benchmarks/bf16_steps.py, docs/benchmarks.md); elsewhere bfloat16 is emulated, slower than float32."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu":
