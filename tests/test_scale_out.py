@@ -127,11 +127,16 @@ def test_two_ranks_gather_the_statistics_one_process_gathers(source, tmp_path):
             assert (x - y).abs().max() <= 1e-6 * scale  # summed in another order: float noise only
 
 
+def _float32(extra) -> list[str]:
+    """``extra`` with its refit and distillation in float32 on every machine (``auto`` is bf16 autocast
+    where the CPU computes it): the runs compared here agree to rounding."""
+    pinned = ["--refit-precision", "no"] * ("--refit" in extra) + ["--distill-precision", "no"] * ("--distill" in extra)
+    return [*extra, *pinned]
+
+
 def _convert(src, text, dst, *extra: str, processes: int = 1, port: int = 29542) -> str:
     args = ["-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2", "--calibration", str(text)]
-    args += ["--calibration-tokens", "1024", "--calibration-seq-len", "64", "--device", "cpu", "-q", *extra]
-    # float32 on every machine (auto is bf16 autocast where the CPU computes it): the ranks agree to rounding
-    args += ["--refit-precision", "no"] * ("--refit" in extra) + ["--distill-precision", "no"] * ("--distill" in extra)
+    args += ["--calibration-tokens", "1024", "--calibration-seq-len", "64", "--device", "cpu", "-q", *_float32(extra)]
     if processes == 1:
         done = subprocess.run([sys.executable, *args], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -262,7 +267,7 @@ def test_a_killed_sharded_distillation_resumes_on_two_ranks(source, tmp_path):
     dst = tmp_path / "out"
     args = [*TORCHRUN, "--master_port", "29552", "-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2"]
     args += ["--calibration", str(text), "--calibration-tokens", "1024", "--calibration-seq-len", "64"]
-    args += ["--device", "cpu", "-q", *extra]
+    args += ["--device", "cpu", "-q", *_float32(extra)]
     checkpoints = resume_folder(dst) / "distilled" / "checkpoints"
     killed_once(args, lambda: any(checkpoints.glob("step-*")))  # torchrun and both ranks
     assert not dst.exists() and any(checkpoints.glob("step-*"))
