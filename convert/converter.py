@@ -98,6 +98,7 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
     ``on_layer`` sees each layer; under a launcher the windows are split across the processes, every
     one calling this; see :func:`~mha2gqa.convert.calibration.streaming.collect`)."""
     from mha2gqa.convert.calibration.streaming import collect
+    from mha2gqa.core.models import autocast_dtype
 
     s = source.settings
     return collect(
@@ -114,6 +115,7 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
         # a refit starts better from the values' principal subspace than from the output-weighted
         # code (docs/methods.md, "The value code weighted by o_proj")
         weigh_values=not s.refit,
+        autocast=autocast_dtype(s.refit_arithmetic()),  # a refit's calibration runs in its arithmetic
     )
 
 

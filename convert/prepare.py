@@ -135,9 +135,9 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | 
 def resume_fingerprint(ckpt: Checkpoint, s: ConvertSettings) -> dict:
     """What a resumed run must share with the stopped one: the source's weight files (names and
     sizes) and config, the calibration text (a local file's sha256), the recipe, mha2gqa's version
-    and, with ``--refit``, the error the refit lowers and the arithmetic of its steps as this machine
-    runs them (``auto`` is bf16 on one machine, float32 on another: a kept layer fitted otherwise would
-    mix two objectives or two arithmetics in one model)."""
+    and, with ``--refit``, the error the refit lowers and the arithmetic it runs in (calibration,
+    steps) as this machine runs it (``auto`` is bf16 on one machine, float32 on
+    another: a kept layer fitted otherwise would mix two objectives or two arithmetics in one model)."""
     import hashlib
     import json
 
@@ -155,14 +155,7 @@ def resume_fingerprint(ckpt: Checkpoint, s: ConvertSettings) -> dict:
         "calibration text": {"sha256": file_sha256(Path(text))} if local else text,
         "recipe": s.recipe(),
         "mha2gqa version": version(),
-    } | ({"refit error": NORMALIZED_ERROR, "refit arithmetic": _arithmetic(s)} if s.refit else {})
-
-
-def _arithmetic(s: ConvertSettings) -> str:
-    """``--refit-precision`` as this machine runs it (:func:`~mha2gqa.core.models.resolve_precision`)."""
-    from mha2gqa.core.models import resolve_device, resolve_precision
-
-    return resolve_precision(s.refit_precision, resolve_device(s.device))
+    } | ({"refit error": NORMALIZED_ERROR, "refit arithmetic": s.refit_arithmetic()} if s.refit else {})
 
 
 def _check_refit_windows(s: ConvertSettings, positions: int | None) -> None:

@@ -153,8 +153,8 @@ class ConvertSettings:
     )
     refit_precision: str = setting(
         "auto",
-        help="Arithmetic of --refit's Adam steps (its held-out checks, closed-form solve and hidden states stay "
-        "float32): " + PRECISION_HELP,
+        help="Arithmetic of --refit's calibration pass and Adam steps (its hidden states, held-out checks and "
+        "closed-form solve, and the guard, stay float32): " + PRECISION_HELP,
         choices=PRECISIONS,
     )
     refit_memory: str = setting(
@@ -261,6 +261,14 @@ class ConvertSettings:
         if self.calibration and Path(self.calibration).exists():
             out["calibration"] = str(Path(self.calibration).resolve())
         return out
+
+    def refit_arithmetic(self) -> str:
+        """``--refit-precision`` as this machine runs it: ``bf16`` (autocast) or ``no`` (float32), for the
+        calibration pass that starts the refit and its Adam steps (:func:`~mha2gqa.core.models.resolve_precision`;
+        ``no`` without ``--refit``)."""
+        from mha2gqa.core.models import arithmetic
+
+        return arithmetic(self.refit_precision, self.device) if self.refit else "no"
 
     def refit_roles(self) -> tuple[str, ...]:
         """``--refit-params`` as roles in q, k, v, o order."""

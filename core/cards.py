@@ -82,9 +82,13 @@ def refit_summary(refit: Refit) -> str:
     return (
         f"every changed layer's {'/'.join(refit.params)} refitted on {refit.tokens:,} tokens of `{refit.data}` "
         f"to reproduce the original's {refit.target} ({refit.windows} windows fitted, {refit.heldout_windows} "
-        f"held out{', Adam steps in bf16 autocast' if refit.precision == 'bf16' else ''}); held-out {refit.error} "
+        f"held out{BF16_REFIT if refit.precision == 'bf16' else ''}); held-out {refit.error} "
         f"before → after: {layers}"
     )
+
+
+#: what the card adds to a refit run in bf16 (:attr:`Refit.precision`)
+BF16_REFIT = ", calibration and Adam steps in bf16 autocast"
 
 
 def _head_sharing(conv: Facts) -> str:

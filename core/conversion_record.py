@@ -110,7 +110,8 @@ class Refit:
     error: str = ABSOLUTE_ERROR
     #: what the error is measured on: :data:`LAYER_TARGET` or :data:`ATTENTION_TARGET`
     target: str = LAYER_TARGET
-    #: the arithmetic of its Adam steps: ``bf16`` (autocast) or ``no`` (float32; records before the choice)
+    #: the arithmetic of its calibration pass and Adam steps: ``bf16`` (autocast) or ``no`` (float32;
+    #: records before the choice; before 2026-11-28's evening ``bf16`` was the steps only)
     precision: str = "no"
 
 

@@ -63,6 +63,17 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return ("bf16" if computes_bf16(device) else "no") if precision == "auto" else precision
 
 
+def arithmetic(precision: str, device: str) -> str:
+    """:func:`resolve_precision` on the device named ``device`` (``auto``, ``cpu``, ``cuda:1``...): what a
+    run on this machine computes in, which a resume fingerprint holds."""
+    return resolve_precision(precision, resolve_device(device))
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a resolved precision: bfloat16 for ``bf16``, None (float32) for ``no``."""
+    return torch.bfloat16 if precision == "bf16" else None
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` -> bfloat16 on GPU, float32 on CPU."""
     if dtype == "auto":

@@ -1,7 +1,8 @@
 """How many CPU threads torch uses: ``--threads N``, else ``OMP_NUM_THREADS`` when set, else the
-cores this process may use minus those other processes keep busy right now (at least one): the
-machine's busy time is sampled over 0.1 s from ``/proc/stat`` (the 1-minute load average where that
-file does not exist; it lags, counting work that just ended).
+cores this process may use minus those other processes keep busy right now (at least one): the busy
+time of the cores it may use (its CPU affinity: work pinned to other cores does not compete with it)
+is sampled over 0.1 s from ``/proc/stat`` (the 1-minute load average where that file does not exist;
+it lags, counting work that just ended).
 
 Chosen that way, the count is reviewed as the run goes (:func:`review`, from the long loops' safe
 points): every :data:`REVIEW_EVERY` seconds, the cores other processes kept busy since the last look
@@ -29,32 +30,54 @@ _chosen: tuple[float, float, float, float] | None = None
 _clock = time.monotonic
 
 
+def usable_cores() -> set[int] | None:
+    """The CPUs this process may run on (its affinity), None where the platform does not say."""
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def cpu_times(stat: str, cpus: set[int] | None) -> tuple[int, int]:
+    """``(total, idle)`` clock ticks of the CPUs ``cpus`` (None: the whole machine) in ``/proc/stat``'s
+    text ``stat``: user to steal (guest time is counted in user already); idle with iowait. Where a
+    CPU of ``cpus`` has no line of its own, the whole machine's."""
+    rows: dict[str | int, list[int]] = {}
+    for line in stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if name.startswith("cpu"):
+            rows["all" if name == "cpu" else int(name[3:])] = [int(x) for x in rest.split()][:8]
+    chosen = [rows[c] for c in cpus or ()] if cpus and all(c in rows for c in cpus) else [rows["all"]]
+    total = sum(sum(r) for r in chosen)
+    idle = sum(r[3] + (r[4] if len(r) > 4 else 0) for r in chosen)
+    return total, idle
+
+
+def _stat(cpus: set[int] | None) -> tuple[int, int]:
+    with open("/proc/stat", encoding="ascii") as f:
+        return cpu_times(f.read(), cpus)
+
+
 def busy_cores(seconds: float = 0.1) -> float:
-    """How many cores other processes keep busy now (this one is idle while it samples)."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # total, idle + iowait
-
+    """How many of the cores this process may use other processes keep busy now (this one is idle
+    while it samples)."""
+    cpus = usable_cores()
     try:
-        total0, idle0 = sample()
+        total0, idle0 = _stat(cpus)
         time.sleep(seconds)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
+        total1, idle1 = _stat(cpus)
+    except (OSError, ValueError, IndexError, KeyError):
         try:
             return os.getloadavg()[0]
         except OSError:
             return 0.0
     busy = 1 - (idle1 - idle0) / max(total1 - total0, 1)
-    return busy * (os.cpu_count() or 1)
+    return busy * (len(cpus) if cpus else os.cpu_count() or 1)
 
 
 def default_threads() -> int:
     """``OMP_NUM_THREADS`` when set, else the usable cores not busy with other work, at least 1."""
     if _env_threads():
         return _env_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cores()
+    cores = len(cpus) if cpus else os.cpu_count() or 1
     return max(1, min(cores, round(cores - busy_cores())))
 
 
@@ -82,16 +105,15 @@ def _set(n: int) -> None:
 
 
 def _look() -> tuple[float, float, float, float] | None:
-    """``(now, the machine's busy and total CPU seconds, this process's)``; None without ``/proc/stat``."""
+    """``(now, the busy and total CPU seconds of the cores this process may use, this process's)``;
+    None without ``/proc/stat``."""
     try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+        total, idle = _stat(usable_cores())
+    except (OSError, ValueError, IndexError, KeyError):
         return None
     tick = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     own = os.times()
-    return _clock(), (sum(fields) - idle) / tick, sum(fields) / tick, own.user + own.system
+    return _clock(), (total - idle) / tick, total / tick, own.user + own.system
 
 
 def review() -> None:
@@ -113,8 +135,9 @@ def review() -> None:
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    others = max(0.0, busy - own) / total * (os.cpu_count() or 1)
+    cpus = usable_cores()
+    cores = len(cpus) if cpus else os.cpu_count() or 1
+    others = max(0.0, busy - own) / total * cores
     n = toward(torch.get_num_threads(), max(1, min(cores, round(cores - others))))
     if n != torch.get_num_threads():
         _set(n)

@@ -68,7 +68,7 @@ def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         "--threads",
         type=click.IntRange(min=1, max=4096),
         default=None,
-        help="CPU threads for torch [default: OMP_NUM_THREADS, else the idle cores].",
+        help="CPU threads for torch [default: OMP_NUM_THREADS, else the idle cores it may use, reviewed as it runs].",
     )
     return option(wrapper)
 

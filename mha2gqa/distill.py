@@ -130,9 +130,9 @@ class DistillSettings:
     def arithmetic(self, convert: ConvertSettings) -> str:
         """``--distill-precision`` as this machine runs it (``auto``: bf16 here, float32 there): the resume
         fingerprint holds it, so that no run continues another arithmetic's checkpoint."""
-        from mha2gqa.core.models import resolve_device, resolve_precision
+        from mha2gqa.core.models import arithmetic
 
-        return resolve_precision(self.distill_precision, resolve_device(convert.device))
+        return arithmetic(self.distill_precision, convert.device)
 
     def uptrain_settings(
         self, convert: ConvertSettings, teacher: str, output: Path, positions: int | None, tokens: int | None = None

@@ -56,12 +56,15 @@ def source(family, calib_text, folder, seed=0, **config):
     return with_tokenizer(random_model(tiny_config(family, vocab_size=300, **config), seed=seed), folder, calib_text)
 
 
-def test_an_exact_conversion_stays_exact(calib_text, tmp_path):
+def test_an_exact_conversion_stays_exact(calib_text, tmp_path, method="first"):
+    """Heads equalised within each group: the merge is exact, so the refit (at the default arithmetic:
+    bf16 autocast where the CPU computes it) sees no error and fits nothing. (``svd`` is exact to
+    1e-13 there, float32's eigenvectors, in either arithmetic: not 0.)"""
     model = random_model(tiny_config("llama", vocab_size=300), seed=1)
     equalise_groups(model, "llama", 2)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
-    plain = convert_checkpoint(src, tmp_path / "plain", 2, "first", progress=False).output
-    out = convert_checkpoint(src, tmp_path / "refit", 2, **refit(calib_text, "first"))
+    plain = convert_checkpoint(src, tmp_path / "plain", 2, **calibrated(calib_text, method)).output
+    out = convert_checkpoint(src, tmp_path / "refit", 2, **refit(calib_text, method))
     layers = out.facts.refit.layers
     assert [(r.loss_before, r.loss_after, r.kept, r.steps) for r in layers] == [(0.0, 0.0, True, 0)] * 2
     a, b = read_all(plain), read_all(out.output)
@@ -105,8 +108,44 @@ def test_refit_steps_under_bf16_autocast_fit_as_well_and_say_so(calib_text, tmp_
     assert after["bf16"] != after["no"]  # the autocast ran
     for bf16, f32, before in zip(after["bf16"], after["no"], [r.loss_before for r in runs["no"].layers], strict=True):
         assert bf16 < 0.8 * before and abs(bf16 - f32) <= 0.1 * f32
-    assert "Adam steps in bf16 autocast" in (tmp_path / "bf16" / "README.md").read_text()
+    assert "calibration and Adam steps in bf16 autocast" in (tmp_path / "bf16" / "README.md").read_text()
     assert "bf16 autocast" not in (tmp_path / "no" / "README.md").read_text()
+
+
+def test_a_refits_calibration_runs_in_its_arithmetic_and_its_streams_in_float32(calib_text, tmp_path, monkeypatch):
+    """The calibration pass that starts a refit runs under the refit's autocast, as its steps do (the
+    states stay float32); the layers' passes over its streams are float32 under either arithmetic, so
+    an exact merge's streams stay equal (test_an_exact_conversion_stays_exact); a conversion without
+    --refit calibrates in float32."""
+    import mha2gqa.convert.calibration.streaming as streaming
+    from mha2gqa.convert.refit.streams import HiddenStates
+
+    seen: list[tuple[str, torch.dtype | None, torch.dtype]] = []
+    advance, calibrate = HiddenStates.advance, streaming._advance
+
+    def streams(self, runs, step, dev):
+        advance(self, runs, lambda x, w: _recorded(step(x, w)), dev)
+        seen.append(("streams", None, self.data.dtype))
+
+    def _recorded(out: torch.Tensor) -> torch.Tensor:
+        assert out.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+        return out
+
+    def calibration(layer, states, bar, autocast=None):
+        calibrate(layer, states, bar, autocast)
+        seen.append(("calibration", autocast, states[0][0].dtype))
+
+    monkeypatch.setattr(HiddenStates, "advance", streams)
+    monkeypatch.setattr(streaming, "_advance", calibration)
+    src = source("llama", calib_text, tmp_path / "src")
+    for precision, dtype in (("no", None), ("bf16", torch.bfloat16)):
+        seen.clear()
+        kw = refit(calib_text, "svd", refit_steps=4, refit_precision=precision)
+        convert_checkpoint(src, tmp_path / precision, 1, **kw)
+        assert sorted(seen) == [("calibration", dtype, torch.float32)] * 2 + [("streams", None, torch.float32)] * 4
+    seen.clear()
+    convert_checkpoint(src, tmp_path / "svd", 1, **calibrated(calib_text, "svd"))
+    assert seen == [("calibration", None, torch.float32)] * 2
 
 
 def test_the_output_projection_is_solved_in_closed_form_after_the_fit(calib_text, tmp_path):
@@ -504,3 +543,29 @@ def test_the_default_refit_is_within_5_percent_of_the_reference_adam_refit(
     # error, so not in every layer)
     assert any(r.o_ridge is not None for r in a) and all(r.o_ridge is None for r in b), (a, b)
     assert all(x.loss_after <= 1.05 * y.loss_after for x, y in zip(a, b, strict=True)), (a, b)
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mmap threshold")
+def test_blocks_below_the_step_threshold_are_reused_and_larger_ones_still_go_back_to_the_os():
+    """Under :data:`STEP_BLOCKS` a step's activation-sized blocks come from the heap again (no page
+    faults once it has settled) where a 1 MiB threshold maps and faults them in afresh every time;
+    blocks above it are still mapped (given back to the OS when freed)."""
+    import resource
+
+    from mha2gqa.core.memory import STEP_BLOCKS, map_large_allocations
+
+    def faults(threshold: int, size: int, times: int = 20) -> int:
+        map_large_allocations(threshold)
+        for _ in range(2):  # the first round lets the heap grow and settle
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(times):
+                torch.empty(size, dtype=torch.uint8).fill_(1)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    try:
+        mapped, reused = faults(1 << 20, 4 << 20), faults(STEP_BLOCKS, 4 << 20)
+        large = faults(STEP_BLOCKS, 2 * STEP_BLOCKS)
+    finally:
+        map_large_allocations()
+    assert mapped >= 20 and large >= 20  # at least one fresh page a block
+    assert reused * 10 < mapped, (reused, mapped)

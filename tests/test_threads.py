@@ -2,6 +2,8 @@
 a moment of someone else's work at the start it takes the cores back; when others keep cores busy it
 gives them up, half the way at a time; a count the user fixed is never changed."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -52,3 +54,33 @@ def test_a_count_the_user_fixed_is_never_reviewed(machine, monkeypatch):
     threads.use_threads(None)
     threads.review()
     assert torch.get_num_threads() == 1 and len(machine) == 2  # the machine never looked at
+
+
+STAT = """cpu  300 0 100 500 20 0 5 10 40 0
+cpu0 250 0 90 40 10 0 5 5 40 0
+cpu1 50 0 10 460 10 0 0 5 0 0
+intr 12345 0 0
+"""
+
+
+def test_cpu_times_read_the_usable_cores_only_and_count_guest_time_once():
+    """``/proc/stat`` by hand: cpu1 alone is 65 busy of 535 ticks (its 460 idle + 10 iowait idle); the
+    whole machine is user..steal (guest's 40 are in user already)."""
+    assert threads.cpu_times(STAT, {1}) == (535, 470)
+    assert threads.cpu_times(STAT, {0, 1}) == (400 + 535, 50 + 470)
+    assert threads.cpu_times(STAT, None) == (935, 520)
+    assert threads.cpu_times(STAT, {0, 7}) == (935, 520)  # a CPU without its own line: the machine's
+
+
+def test_work_pinned_to_cores_this_process_may_not_use_does_not_take_its_threads(monkeypatch):
+    """Pinned to cpu1 (taskset), with another process keeping cpu0 busy: no core of its own is busy,
+    so it keeps its one thread; on both cores it would give the busy one up."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    busy0 = itertools.cycle(["cpu  100 0 0 100 0 0 0 0\ncpu0 100 0 0 0 0 0 0 0\ncpu1 0 0 0 100 0 0 0 0\n",
+                             "cpu  200 0 0 200 0 0 0 0\ncpu0 200 0 0 0 0 0 0 0\ncpu1 0 0 0 200 0 0 0 0\n"])  # fmt: skip
+    monkeypatch.setattr(threads, "_stat", lambda cpus: threads.cpu_times(next(busy0), cpus))
+    monkeypatch.setattr(threads.time, "sleep", lambda s: None)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {1}, raising=False)
+    assert threads.busy_cores() == 0.0 and threads.default_threads() == 1
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert threads.busy_cores() == 1.0

@@ -42,17 +42,17 @@ def collect(
     progress: bool = False,
     on_layer=None,
     weigh_values: bool = True,
+    autocast: torch.dtype | None = None,
 ) -> CalibrationStats:
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads (one count, one per layer,
     or None: nothing kept) from the first ``tokens`` tokens of ``data`` in windows of ``seq_len``,
-    streaming the model layer by layer (:mod:`~mha2gqa.convert.layers`; memory: one layer plus the
-    activations). Per-layer counts and ``grouping="similarity"`` gather each layer over all source
-    heads first, then cut it into its groups (similarity: the least-residual groups, recorded as
-    ``perm``); ``compact`` keeps only what the merges read. ``on_layer(layer, full, run)`` sees each
-    layer's all-heads statistics and the loaded layer (:class:`LayerRun`) before they are cut.
-    ``weigh_values``: record each layer's output-projection Gram (``svd`` then picks the value code that
-    loses least through ``o_proj``; without: the values' principal subspace). Under a launcher every
-    process must call it: see :func:`_start`."""
+    layer by layer (the module doc). Per-layer counts and ``grouping="similarity"`` gather each layer
+    over all source heads first, then cut it into its groups (similarity: the least-residual groups,
+    recorded as ``perm``); ``compact`` keeps only what the merges read. ``on_layer(layer, full, run)``
+    sees each layer's all-heads statistics and the loaded layer (:class:`LayerRun`) before they are
+    cut. ``weigh_values``: record each layer's output-projection Gram (``svd`` then picks the value code
+    that loses least through ``o_proj``; without: the values' principal subspace); ``autocast``: the
+    dtype the layers run under. Every process of a launcher must call it (:func:`_start`)."""
     from mha2gqa.core.capture import capturing
     from mha2gqa.core.families import find_family
     from mha2gqa.core.progress import bar as progress_bar
@@ -78,7 +78,7 @@ def collect(
     with capturing(model, record), bar:
         for i, layer, prefix in each_layer(model, ckpt, dev, dtype=None):  # as stored, run in float32
             inputs = [h for h, _ in states] if on_layer is not None else None
-            _advance(layer, states, bar)
+            _advance(layer, states, bar, autocast)
             _gathered(full, i, team, ckpt, o_proj, dims)
             if on_layer is not None:  # before the weights go: a cost may run the layer again
                 recording[0] = False
@@ -140,14 +140,18 @@ def _summed(entry: LayerStats, team: Ranks) -> None:
     entry.tokens = int(team.sum(torch.tensor(entry.tokens, dtype=torch.int64)))
 
 
-def _advance(layer: torch.nn.Module, states: list[tuple[torch.Tensor, dict]], bar) -> None:
+def _advance(
+    layer: torch.nn.Module, states: list[tuple[torch.Tensor, dict]], bar, autocast: torch.dtype | None = None
+) -> None:
     """Replace every window's hidden states ``[1, T, hidden]`` by ``layer``'s output on them (each
-    module in float32 only while it runs), one progress tick a window."""
-    with float32_on_call(layer):
+    module in float32 only while it runs, under ``autocast`` where given; the states stay float32),
+    one progress tick a window."""
+    device = states[0][0].device.type if states else "cpu"
+    with float32_on_call(layer), torch.autocast(device, dtype=autocast, enabled=autocast is not None):
         for n, (h, kw) in enumerate(states):
             check_signals()
             out = layer(h, **kw)
-            states[n] = (out[0] if isinstance(out, tuple) else out, kw)
+            states[n] = ((out[0] if isinstance(out, tuple) else out).float(), kw)
             bar.update(1)
 
 

@@ -31,7 +31,7 @@ from mha2gqa.core.conversion_record import (
     RefitLayer,
 )
 from mha2gqa.core.dtypes import BY_CODE
-from mha2gqa.core.memory import map_large_allocations
+from mha2gqa.core.memory import STEP_BLOCKS, map_large_allocations
 from mha2gqa.core.resume import ResumeDamaged, ResumeFolder
 
 
@@ -131,7 +131,7 @@ def _refit_layer(
     scale = dimension_scale(target, fitted, st.per_call, st.ranks).to(dev)
     trainable = [r for r in weights.values if r[0] in s.refit_roles()]
     fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
-    fit_kw["autocast"] = torch.bfloat16 if st.precision == "bf16" else None
+    fit_kw["autocast"] = st.autocast
     kw = {"per_call": st.per_call, "objective": Objective(normalize=True, scale=scale), "ranks": st.ranks}
     result = fit_layer(fitted_part, weights.values, trainable, targets, len(st.ids), **kw, **fit_kw)
     if "o" in trainable:
@@ -211,7 +211,7 @@ def refit(
     from mha2gqa.core.progress import bar as progress_bar
 
     s = c.settings
-    map_large_allocations()
+    map_large_allocations(STEP_BLOCKS)
     model = skeleton(c.ckpt)
     st = open_streams(c, model, work)
     resume, done = _kept_layers(st.ranks, resume, c.dims.num_layers)

@@ -58,7 +58,10 @@ class HiddenStates:
         self.data[[self.at[w] for w in windows]] = value.detach().to("cpu", torch.float32)
 
     def advance(self, runs: list[list[int]], step: Callable[[torch.Tensor, list[int]], torch.Tensor], dev) -> None:
-        """Replace the states by ``step(states, windows)`` (one layer), ``runs`` of windows at a time."""
+        """Replace the states by ``step(states, windows)`` (one layer), ``runs`` of windows at a time, in
+        float32 whatever the steps' arithmetic: two streams that an exact merge leaves equal stay equal
+        (bf16 products of the source's and the converted layer's shapes round apart), so such a layer's
+        held-out error is 0 and it is not fitted."""
         with torch.no_grad():
             for w in runs:
                 check_signals()
@@ -112,7 +115,14 @@ class Streams:
     targets: HiddenStates | None  # --refit-target attention: the original's stream after the layer's attention
     ranks: Ranks  # the processes sharing the windows (each holds its own windows' states)
     mine: list[int]  # this process's windows
-    precision: str  # the fit steps' arithmetic: bf16 (autocast) or no (float32)
+    precision: str  # the fit steps' (and the calibration's) arithmetic: bf16 (autocast) or no (float32)
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The dtype the fit steps run under autocast in (None: float32)."""
+        from mha2gqa.core.models import autocast_dtype
+
+        return autocast_dtype(self.precision)
 
     @property
     def every(self) -> list[list[int]]:
@@ -124,7 +134,7 @@ def open_streams(c: Conversion, model, work: Path) -> Streams:
     """The calibration windows (at least two) and the first layer's inputs in both streams (spilled
     to ``work`` beyond ``--refit-memory``). Under a launcher each process holds the streams of its
     share of the windows (:meth:`Ranks.own`), at least one fitted window each."""
-    from mha2gqa.core.models import resolve_device, resolve_precision
+    from mha2gqa.core.models import resolve_device
 
     s, dev = c.settings, resolve_device(c.settings.device)
     seq_len = calibration_window(s.calibration_seq_len, getattr(model.config, "max_position_embeddings", None))
@@ -148,5 +158,4 @@ def open_streams(c: Conversion, model, work: Path) -> Streams:
     per_call = max(1, call_tokens(dev) // seq_len)
     batch = min(refit_windows(s.refit_batch, seq_len), len(split_windows(len(ids))[0]))  # at most every fitted one
     original, converted, targets = streams["original"], streams["converted"], streams.get("targets")
-    precision = resolve_precision(s.refit_precision, dev)
-    return Streams(ids, kw, original, converted, per_call, batch, dev, targets, team, mine, precision)
+    return Streams(ids, kw, original, converted, per_call, batch, dev, targets, team, mine, s.refit_arithmetic())
