@@ -21,6 +21,18 @@ def _libc() -> Any:
     return None
 
 
+def heap_is_glibc() -> bool:
+    """Whether this process's ``malloc`` is glibc's (not one preloaded over it, such as jemalloc or
+    tcmalloc), so that the knobs here reach the allocator torch's CPU tensors come from."""
+    libc = _libc()
+    try:
+        ours, linked = ctypes.CDLL(None).malloc, libc.malloc if libc is not None else None
+    except (AttributeError, OSError):
+        return False
+    address = ctypes.c_void_p
+    return linked is not None and ctypes.cast(ours, address).value == ctypes.cast(linked, address).value
+
+
 def trim() -> None:
     """Give freed heap pages back to the OS (``malloc_trim``)."""
     libc = _libc()
