@@ -233,6 +233,36 @@ def test_fit_layer_keeps_the_best_held_out_values_and_stops_when_they_stop_falli
     assert not crawl.kept and crawl.steps == 25 and crawl.loss_after < crawl.loss_before
 
 
+def test_a_layer_probes_the_rates_next_to_the_one_the_layer_before_went_on_with():
+    """The probe by hand: all of PROBE first, then the previous layer's factor and its neighbours."""
+    from mha2gqa.convert.refit import PROBE, probe_near
+
+    assert PROBE == (1.0, 3.0, 9.0)
+    assert probe_near(None) == PROBE and probe_near(3.0) == PROBE and probe_near(2.9999999) == PROBE
+    assert probe_near(1.0) == (1.0, 3.0) and probe_near(9.0) == (3.0, 9.0) and probe_near(7.0) == (3.0, 9.0)
+
+
+def test_the_refit_probes_near_the_previous_layers_rate(calib_text, tmp_path, monkeypatch):
+    """Each refitted layer's fit is given the rates next to the one the layer before went on with (the
+    first layer all of them): at --refit-lr 0.3 the x9 and x3 steps overshoot, every layer goes on at x1,
+    and the layers after the first try x1 and x3 only."""
+    from mha2gqa.convert.refit import PROBE
+
+    seen: list[tuple[float, ...]] = []
+    fit = layerwise.fit_layer
+
+    def spy(*args, **kw):
+        seen.append(kw["probe"])
+        return fit(*args, **kw)
+
+    monkeypatch.setattr(layerwise, "fit_layer", spy)
+    src = source("llama", calib_text, tmp_path / "src", num_hidden_layers=4)
+    out = convert_checkpoint(src, tmp_path / "out", 1, **refit(calib_text, refit_lr=0.3, guard="off"))
+    rates = [r.lr for r in out.facts.refit.layers]
+    assert rates == [0.3] * 4, rates
+    assert seen == [PROBE] + [(1.0, 3.0)] * 3, seen
+
+
 def test_windows_batched_per_call_fit_as_one_at_a_time():
     """A GPU takes a step's windows in one call (``per_call``), a CPU one window a call: the same
     windows, the same gradient (the mean over the step), the same fit up to rounding."""
@@ -557,31 +587,36 @@ def _counts_page_faults() -> bool:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before >= 32
 
 
+#: measured in a fresh process: glibc serves a block from any free heap chunk that fits before it
+#: looks at the mmap threshold, so the heap an earlier test left behind would decide the outcome
+_FAULTS = """
+import json, resource, sys, torch
+from mha2gqa.core.memory import STEP_BLOCKS, map_large_allocations
+
+def faults(threshold, size, times=20):
+    map_large_allocations(threshold)
+    for _ in range(2):  # the first round lets the heap grow and settle
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(times):
+            torch.empty(size, dtype=torch.uint8).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+print(json.dumps([faults(1 << 20, 4 << 20), faults(STEP_BLOCKS, 4 << 20), faults(STEP_BLOCKS, 2 * STEP_BLOCKS)]))
+"""
+
+
 @pytest.mark.skipif(not __import__("mha2gqa.core.memory").core.memory.heap_is_glibc(), reason="glibc's malloc")
 def test_blocks_below_the_step_threshold_are_reused_and_larger_ones_still_go_back_to_the_os():
     """Under :data:`STEP_BLOCKS` a step's activation-sized blocks come from the heap again (no page
     faults once it has settled) where a 1 MiB threshold maps and faults them in afresh every time;
     blocks above it are still mapped (given back to the OS when freed)."""
-    import resource
-
-    from mha2gqa.core.memory import STEP_BLOCKS, map_large_allocations
+    import subprocess
+    import sys
 
     if not _counts_page_faults():
         pytest.skip("this kernel does not report page faults (getrusage's ru_minflt stays 0)")
-
-    def faults(threshold: int, size: int, times: int = 20) -> int:
-        map_large_allocations(threshold)
-        for _ in range(2):  # the first round lets the heap grow and settle
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            for _ in range(times):
-                torch.empty(size, dtype=torch.uint8).fill_(1)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    try:
-        mapped, reused = faults(1 << 20, 4 << 20), faults(STEP_BLOCKS, 4 << 20)
-        large = faults(STEP_BLOCKS, 2 * STEP_BLOCKS)
-    finally:
-        map_large_allocations()
+    run = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, check=True)
+    mapped, reused, large = json.loads(run.stdout)
     assert mapped >= 20 and large >= 20  # at least one fresh page a block
     assert reused * 10 < mapped, (reused, mapped)
 

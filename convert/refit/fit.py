@@ -33,6 +33,18 @@ CHECKS = 10
 PROBE = (1.0, 3.0, 9.0)
 
 
+def probe_near(factor: float | None, probe: tuple[float, ...] = PROBE) -> tuple[float, ...]:
+    """The factors of ``probe`` a layer tries after a layer that went on with ``factor``: that one and
+    its neighbours in ``probe`` (all of them first, or after a layer that chose none). A model's
+    layers mostly want the same relative step (SmolLM2-135M: x1 in every layer after the first), so
+    the far end of the list is not run again; a layer whose best is at the edge of what it tried
+    moves the next layer's choice along, one factor a layer."""
+    if factor is None:
+        return probe
+    at = min(range(len(probe)), key=lambda j: abs(probe[j] - factor))
+    return probe[max(0, at - 1) : at + 2]
+
+
 #: checks without a lower held-out error (by at least MIN_GAIN of it) before a layer's fit stops
 PATIENCE = 3
 

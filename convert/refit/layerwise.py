@@ -17,7 +17,7 @@ from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
 from mha2gqa.convert.layers import batched, each_layer, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
-from mha2gqa.convert.refit.fit import FitResult, fit_layer, solve_output, split_windows
+from mha2gqa.convert.refit.fit import FitResult, fit_layer, probe_near, solve_output, split_windows
 from mha2gqa.convert.refit.objective import Objective
 from mha2gqa.convert.refit.stops import after_attention, hooked, layer_output, reads_after_attention
 from mha2gqa.convert.refit.streams import Streams, dimension_scale, open_streams
@@ -107,11 +107,14 @@ def _refit_layer(
     by_name: dict[str, OutputTensor],
     work: Path,
     attention: torch.nn.Module | None,
+    last: float | None = None,
 ) -> FitResult:
     """Fit layer ``i``'s projections (its module ``layer``, materialized, the original stream already
     past it), write them to ``work`` and point ``by_name`` at them, and advance the converted stream
     through the layer as written. With ``attention`` (the layer's attention block) the fit reproduces
-    the original's residual stream after it (``st.targets``) and runs the layer only that far."""
+    the original's residual stream after it (``st.targets``) and runs the layer only that far. ``last``:
+    the learning rate the previous refitted layer went on with (the rates probed are near it:
+    :func:`probe_near`)."""
     s, dev = c.settings, st.dev
     converted = _ConvertedLayer(c, layer, i, prefix, st, by_name)
     weights, names = converted.weights, converted.names
@@ -131,7 +134,7 @@ def _refit_layer(
     scale = dimension_scale(target, fitted, st.per_call, st.ranks).to(dev)
     trainable = [r for r in weights.values if r[0] in s.refit_roles()]
     fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
-    fit_kw["autocast"] = st.autocast
+    fit_kw |= {"autocast": st.autocast, "probe": probe_near(None if last is None else last / s.refit_lr)}
     kw = {"per_call": st.per_call, "objective": Objective(normalize=True, scale=scale), "ranks": st.ranks}
     result = fit_layer(fitted_part, weights.values, trainable, targets, len(st.ids), **kw, **fit_kw)
     if "o" in trainable:
@@ -245,7 +248,8 @@ def refit(
             else:
                 t0 = time.perf_counter()
                 kept = work if resume is None else resume.folder
-                result = _refit_layer(c, layer, i, prefix, st, by_name, kept, attention)  # one layer at a time
+                last = next((r.lr for r in reversed(records) if r.lr is not None), None)
+                result = _refit_layer(c, layer, i, prefix, st, by_name, kept, attention, last)  # a layer at a time
                 records.append(_layer_record(i, result, time.perf_counter() - t0, log))
                 if resume is not None and st.ranks.main:  # after its tensors: a record says the layer is whole
                     resume.write_bytes(f"layer-{i}.json", json.dumps(dataclasses.asdict(records[-1])).encode())
