@@ -76,7 +76,8 @@ def main() -> None:
                     ratio = evaluate(str(folder), str(out.output), settings).headline.ppl_ratio
                     base = base or per_layer
                     row = (name, g, recipe, per_layer, base / per_layer, steps, seconds, ratio)
-                    print("  ".join(map(str, row)), flush=True)
+                    rates = " ".join(f"x{r.lr / out.facts.refit.lr:g}" for r in layers if r.lr is not None)
+                    print("  ".join(map(str, row)), f" rates: {rates}", flush=True)
                     rows.append(row)
     print(f"\n`svd --refit`, disjoint perplexity on {args.eval_tokens:,} held-out tokens; speed against the first\n")
     print("| model | KV heads | recipe | refit s per layer | faster | steps per layer | convert s | ratio |")

@@ -562,7 +562,7 @@ def test_the_default_refit_is_within_5_percent_of_the_reference_adam_refit(
     )
     monkeypatch.setattr(layerwise, "solve_output", lambda result, *args, **kw: result)
     fit = layerwise.fit_layer  # the reference as it was: Adam alone at --refit-lr, no rates probed
-    monkeypatch.setattr(layerwise, "fit_layer", lambda *args, **kw: fit(*args, **kw, probe=(1.0,)))
+    monkeypatch.setattr(layerwise, "fit_layer", lambda *args, **kw: fit(*args, **kw | {"probe": (1.0,)}))
     reference = convert_checkpoint(
         src, tmp_path / "ref", 1, **refit(calib_text, refit_steps=200, refit_batch=8, **sizes)
     )
