@@ -590,7 +590,7 @@ def _counts_page_faults() -> bool:
 #: measured in a fresh process: glibc serves a block from any free heap chunk that fits before it
 #: looks at the mmap threshold, so the heap an earlier test left behind would decide the outcome
 _FAULTS = """
-import json, resource, sys, torch
+import json, resource, torch
 from mha2gqa.core.memory import STEP_BLOCKS, map_large_allocations
 
 def faults(threshold, size, times=20):
