@@ -242,6 +242,35 @@ def test_a_layer_probes_the_rates_next_to_the_one_the_layer_before_went_on_with(
     assert probe_near(1.0) == (1.0, 3.0) and probe_near(9.0) == (3.0, 9.0) and probe_near(7.0) == (3.0, 9.0)
 
 
+def test_the_probe_holds_two_runs_at_most_and_keeps_the_first_best():
+    """The rate probe by hand: three rates whose held-out errors are 0.5, 0.2 and 0.2 (a tie) go on
+    with the second (``min``'s pick: the first best), and no more than two runs (the best so far and
+    the one running) are alive at any step: a run is a projection's values and Adam's two moments."""
+    import gc
+    import weakref
+
+    from mha2gqa.convert.refit.fit import _probe
+
+    alive: weakref.WeakSet = weakref.WeakSet()
+    most, errors = [0], iter([0.5, 0.2, 0.2])
+
+    def train(values, optimizer, chosen):
+        alive.add(optimizer)
+        values["w"].sum().backward()
+        optimizer.step()
+        gc.collect()
+        most[0] = max(most[0], len(alive))
+
+    start = {"w": torch.ones(3), "b": torch.zeros(3)}
+    error, factor, values, optimizer = _probe(
+        start, ["w"], 0.1, (1.0, 3.0, 9.0), [[0], [1]], train, lambda v: next(errors)
+    )
+    assert (error, factor, most[0]) == (0.2, 3.0, 2)
+    assert (
+        values["w"].grad is None and values["b"] is start["b"] and optimizer.param_groups[0]["params"][0] is values["w"]
+    )
+
+
 def test_the_refit_probes_near_the_previous_layers_rate(calib_text, tmp_path, monkeypatch):
     """Each refitted layer's fit is given the rates next to the one the layer before went on with (the
     first layer all of them): at --refit-lr 0.3 the x9 and x3 steps overshoot, every layer goes on at x1,
