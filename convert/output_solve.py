@@ -66,7 +66,14 @@ class NormalEquations:
         if self.bias:
             start = torch.cat([start, bias.double()[None]], 0)
         lam = ridge * float(self.gram.diagonal().mean())
-        eye = torch.eye(len(self.gram), dtype=self.gram.dtype, device=self.gram.device)
-        solved = torch.linalg.solve(self.gram + lam * eye, self.rhs + lam * start.to(self.gram.device)).T
+        rhs = torch.add(self.rhs, start.to(self.gram.device), alpha=lam)
+        del start
+        system = self.gram.clone()
+        system.diagonal().add_(lam)
+        factor, info = torch.linalg.cholesky_ex(system)  # positive definite where any input is not zero
+        del system
+        if int(info) != 0:  # all inputs zero (or not finite): no output depends on the weight, keep it
+            return weight, bias
+        solved = torch.cholesky_solve(rhs, factor).T
         w = solved[:, : weight.shape[1]].to(weight)
         return (w.contiguous(), solved[:, -1].to(bias).contiguous() if self.bias else None)

@@ -49,6 +49,16 @@ def test_the_solve_recovers_an_exact_projection_and_shrinks_to_the_start():
         NormalEquations(bias=False).solve(w0, None, 1.0)
 
 
+def test_inputs_all_zero_keep_the_start():
+    """No input ever non-zero: no output depends on the weight, the system is singular (its ridge is
+    a share of a zero diagonal), and the start comes back unchanged instead of a solver's error."""
+    eq = NormalEquations(bias=False)
+    eq.add(torch.zeros(8, 3), torch.randn(8, 2))
+    w0 = torch.randn(2, 3)
+    w, b = eq.solve(w0, None, 1.0)
+    assert b is None and torch.equal(w, w0)
+
+
 class _Block(torch.nn.Module):
     """An attention block stand-in: fixed mixing of its input, then ``o_proj`` (times ``gain``)."""
 

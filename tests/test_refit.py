@@ -242,33 +242,41 @@ def test_a_layer_probes_the_rates_next_to_the_one_the_layer_before_went_on_with(
     assert probe_near(1.0) == (1.0, 3.0) and probe_near(9.0) == (3.0, 9.0) and probe_near(7.0) == (3.0, 9.0)
 
 
-def test_the_probe_holds_two_runs_at_most_and_keeps_the_first_best():
+def test_the_probe_holds_one_run_at_a_time_and_keeps_the_first_best(tmp_path):
     """The rate probe by hand: three rates whose held-out errors are 0.5, 0.2 and 0.2 (a tie) go on
-    with the second (``min``'s pick: the first best), and no more than two runs (the best so far and
-    the one running) are alive at any step: a run is a projection's values and Adam's two moments."""
+    with the second (``min``'s pick: the first best). With a spill file one run is alive at a time (a
+    run: a projection's values and Adam's two moments; the best waits in the file), without one two;
+    the run that comes back from the file is the one kept in memory, to the bit, and so is its next
+    step (its moments, step count and learning rate)."""
     import gc
     import weakref
 
     from mha2gqa.convert.refit.fit import _probe
 
-    alive: weakref.WeakSet = weakref.WeakSet()
-    most, errors = [0], iter([0.5, 0.2, 0.2])
+    start = {"w": torch.linspace(-1, 2, 6), "b": torch.zeros(6)}
+    target = torch.randn(6, generator=torch.Generator().manual_seed(0))
 
     def train(values, optimizer, chosen):
         alive.add(optimizer)
-        values["w"].sum().backward()
+        ((values["w"] - target * chosen[0]) ** 2).sum().backward()
         optimizer.step()
         gc.collect()
         most[0] = max(most[0], len(alive))
 
-    start = {"w": torch.ones(3), "b": torch.zeros(3)}
-    error, factor, values, optimizer = _probe(
-        start, ["w"], 0.1, (1.0, 3.0, 9.0), [[0], [1]], train, lambda v: next(errors)
-    )
-    assert (error, factor, most[0]) == (0.2, 3.0, 2)
-    assert (
-        values["w"].grad is None and values["b"] is start["b"] and optimizer.param_groups[0]["params"][0] is values["w"]
-    )
+    runs = {}
+    for spill in (tmp_path / "probe-run.pt", None):
+        alive: weakref.WeakSet = weakref.WeakSet()
+        most, errors = [0], iter([0.5, 0.2, 0.2])
+        error, factor, values, optimizer = _probe(
+            start, ["w"], 0.1, (1.0, 3.0, 9.0), [[1], [2]], train, lambda v, e=errors: next(e), spill
+        )
+        assert (error, factor, most[0]) == (0.2, 3.0, 1 if spill else 2)
+        assert values["w"].grad is None and values["b"] is start["b"] and not (tmp_path / "probe-run.pt").exists()
+        train(values, optimizer, [3])
+        runs[spill is None] = values["w"].detach(), optimizer.state_dict()["state"][0]
+    (spilled, spilled_adam), (kept, kept_adam) = runs[False], runs[True]
+    assert torch.equal(spilled, kept) and not torch.equal(kept, start["w"])
+    assert all(torch.equal(spilled_adam[k], kept_adam[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
 def test_the_refit_probes_near_the_previous_layers_rate(calib_text, tmp_path, monkeypatch):

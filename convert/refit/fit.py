@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,6 +92,7 @@ def fit_layer(
     probe: tuple[float, ...] = PROBE,
     ranks: Ranks = ONE,
     autocast: torch.dtype | None = None,
+    spill: Path | None = None,
 ) -> FitResult:
     """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
     outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on ``objective``'s error
@@ -102,6 +104,7 @@ def fit_layer(
     ``probe``, from ``start`` on the same windows, and the one with the least held-out error goes on.
     Returns the best values, or ``start`` itself when no check lowered the held-out error (``kept``).
     With ``autocast`` (a dtype) the steps' forward runs under that autocast, the checks in float32.
+    ``spill``: a file the probe keeps its best run in while it tries the next (None: in memory).
     Several processes (``ranks``, each calling this) run their own windows (:meth:`Ranks.own`) of every
     step and check; gradients and held-out errors are summed, so every one takes the same steps."""
     fitted, held = split_windows(windows)
@@ -113,7 +116,7 @@ def fit_layer(
     every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
     train = partial(_train_step, forward, autocast=autocast, **common)
     first = [next(batches) for _ in range(min(every, steps))]  # the first check's steps, for every rate tried
-    now, factor, values, optimizer = _probe(start, trainable, lr, probe, first, train, heldout)
+    now, factor, values, optimizer = _probe(start, trainable, lr, probe, first, train, heldout, spill)
     best, best_values, stale, done = before, None, 0, len(first)
     while True:
         gained = now < best * (1 - MIN_GAIN)
@@ -131,23 +134,52 @@ def fit_layer(
     return FitResult(best_values, before, best, False, done, lr=lr * factor)
 
 
-def _probe(start, trainable: list[str], lr: float, probe: tuple[float, ...], first: list[list[int]], train, heldout):
+def _probe(
+    start, trainable: list[str], lr: float, probe: tuple[float, ...], first: list[list[int]], train, heldout, spill
+):
     """``(held-out error, factor, values, optimizer)`` of the best of the learning rates ``lr x`` each
     factor of ``probe``, each run from ``start`` on the batches ``first`` (the first best on a tie).
-    Holds two runs at most, the best so far and the one running, each without its gradients once
-    done: a run is values and Adam's two moments, ~0.6 GB for a 7B layer's projections."""
+    A run (a layer's projections and Adam's two moments: ~0.6 GB for a 7B layer) is freed when it
+    loses; the best so far waits in the file ``spill`` (None: in memory) while the next one runs, so
+    one run is held at a time, and comes back exactly as it was if it wins."""
     best = None
-    for factor in probe:
-        values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
-        optimizer = torch.optim.Adam(relative_steps(values, trainable, lr * factor), foreach=False)  # no temporaries
+    for n, factor in enumerate(probe):
+        values, optimizer = _run(start, trainable, lr * factor)
         for chosen in first:
             train(values, optimizer, chosen)
         optimizer.zero_grad(set_to_none=True)
-        run = (heldout(values), factor, values, optimizer)
-        if best is None or run[0] < best[0]:
-            best = run
-        del values, optimizer, run  # a run that lost is freed before the next one starts
+        error = heldout(values)
+        if best is None or error < best[0]:
+            best = (error, factor, values, optimizer)
+            if spill is not None and n + 1 < len(probe):
+                torch.save(
+                    {"values": {r: values[r].detach() for r in trainable}, "adam": optimizer.state_dict()}, spill
+                )
+                best = (error, factor, None, None)
+        del values, optimizer  # a run that lost is freed before the next one starts (or the best comes back)
+    if best[2] is None:
+        best = (best[0], best[1], *_spilled_run(spill, start, trainable, lr * best[1]))
     return best
+
+
+def _run(start, trainable: list[str], lr: float) -> tuple[dict[str, torch.Tensor], torch.optim.Adam]:
+    """A fit's values (``start``'s, the ``trainable`` ones copied to be fitted) and its Adam at the
+    relative learning rate ``lr`` (:func:`relative_steps`, from the start's sizes)."""
+    values = {r: t.clone().requires_grad_() if r in trainable else t for r, t in start.items()}
+    return values, torch.optim.Adam(relative_steps(values, trainable, lr), foreach=False)  # no temporaries
+
+
+def _spilled_run(spill, start, trainable: list[str], lr: float) -> tuple[dict[str, torch.Tensor], torch.optim.Adam]:
+    """The run :func:`_probe` left in the file ``spill`` (then removed), as it was: its values and
+    its Adam (moments, step counts and the learning rates set from ``start``)."""
+    kept = torch.load(spill, weights_only=True)
+    spill.unlink()
+    values, optimizer = _run(start, trainable, lr)
+    with torch.no_grad():
+        for r in trainable:
+            values[r].copy_(kept["values"][r])
+    optimizer.load_state_dict(kept["adam"])
+    return values, optimizer
 
 
 def _train_step(

@@ -135,6 +135,7 @@ def _refit_layer(
     trainable = [r for r in weights.values if r[0] in s.refit_roles()]
     fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
     fit_kw |= {"autocast": st.autocast, "probe": probe_near(None if last is None else last / s.refit_lr)}
+    fit_kw |= {"spill": st.work / "probe-run.pt"}  # the probe's best run while it tries the next
     kw = {"per_call": st.per_call, "objective": Objective(normalize=True, scale=scale), "ranks": st.ranks}
     result = fit_layer(fitted_part, weights.values, trainable, targets, len(st.ids), **kw, **fit_kw)
     if "o" in trainable:

@@ -116,6 +116,7 @@ class Streams:
     ranks: Ranks  # the processes sharing the windows (each holds its own windows' states)
     mine: list[int]  # this process's windows
     precision: str  # the fit steps' (and the calibration's) arithmetic: bf16 (autocast) or no (float32)
+    work: Path  # this process's scratch folder (spilled streams, the rate probe's best run)
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -158,4 +159,4 @@ def open_streams(c: Conversion, model, work: Path) -> Streams:
     per_call = max(1, call_tokens(dev) // seq_len)
     batch = min(refit_windows(s.refit_batch, seq_len), len(split_windows(len(ids))[0]))  # at most every fitted one
     original, converted, targets = streams["original"], streams["converted"], streams.get("targets")
-    return Streams(ids, kw, original, converted, per_call, batch, dev, targets, team, mine, s.refit_arithmetic())
+    return Streams(ids, kw, original, converted, per_call, batch, dev, targets, team, mine, s.refit_arithmetic(), work)
