@@ -36,7 +36,7 @@ from mha2gqa.core.conversion_record import (
 )
 from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.dtypes import BY_CODE
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, first_line
 from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
 from mha2gqa.core.families import Family
 from mha2gqa.core.output import staged_output
@@ -335,7 +335,7 @@ class _Checks:
         except Exception as e:  # transformers refuses the config: a bad value or type in it
             raise Mha2GqaError(
                 f"{what}/config.json: transformers cannot build this model from it "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                f"({type(e).__name__}: {first_line(e, 200)})"
             ) from None
         check_tensors(source, expected, what)
         check_tensors(output, expected_tensors(new_config), "converted model (internal error)")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.core.dtypes import BY_CODE, from_torch
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, first_line
 from mha2gqa.core.safetensors_io import TensorInfo, load_tensor, read_shard_index
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -132,7 +132,7 @@ def resolve_folder(
     except RevisionNotFoundError:
         raise Mha2GqaError(f"{src}: revision {revision!r} does not exist on the hub") from None
     except HfHubHTTPError as e:
-        raise Mha2GqaError(f"{src}: download failed: {str(e).splitlines()[0]}") from None
+        raise Mha2GqaError(f"{src}: download failed: {first_line(e)}") from None
     return folder.resolve(), src, folder.name
 
 
@@ -272,8 +272,7 @@ def _torch_load(path: Path) -> dict[str, Any]:
             "code when loaded; get a safetensors copy of the model from its publisher"
         ) from None
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise Mha2GqaError(f"{path}: cannot be read as a PyTorch checkpoint ({first})") from None
+        raise Mha2GqaError(f"{path}: cannot be read as a PyTorch checkpoint ({first_line(e)})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise Mha2GqaError(f"{path}: not a state dict of tensors")
     return state

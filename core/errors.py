@@ -45,3 +45,10 @@ def disk_full(e: BaseException) -> bool:
     import errno
 
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """``e``'s message as one line for a one-line error: its first non-blank line (cut to ``limit``
+    characters), or its type's name when it says nothing."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:limit]

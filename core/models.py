@@ -16,7 +16,7 @@ from mha2gqa.core.conversion_record import Facts, read_conversion_record
 from mha2gqa.core.devices import check_device_name, check_dtype_name
 from mha2gqa.core.dims import PER_LAYER_KEY
 from mha2gqa.core.dtypes import by_name, from_torch
-from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors
+from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors, first_line
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import UPTRAIN_RECORD
 
@@ -143,7 +143,7 @@ def load_model(
             cls = per_layer_class(causal_lm_class(AutoConfig.from_pretrained(folder)))
         model = cls.from_pretrained(folder, **kwargs)
     except (OSError, SafetensorError, *config_errors()) as e:
-        raise Mha2GqaError(f"{path}: cannot be loaded as a causal LM: {str(e).splitlines()[0]}") from None
+        raise Mha2GqaError(f"{path}: cannot be loaded as a causal LM: {first_line(e)}") from None
     if not device_map:
         model.to(device)
     return LoadedModel(path, model.eval(), folder)

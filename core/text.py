@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.errors import Mha2GqaError, SettingError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -97,9 +97,7 @@ def open_source(source: str, text_field: str, doc_split: str, setting: str):
         try:
             ds = datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split="train", **kwargs)
         except Exception as e:
-            raise SettingError(
-                setting, f"{{name}} {source}: cannot be read as {suffix[1:]}: {str(e).splitlines()[0]}"
-            ) from None
+            raise SettingError(setting, f"{{name}} {source}: cannot be read as {suffix[1:]}: {first_line(e)}") from None
         field = "text" if suffix == ".txt" else text_field
         split_used = doc_split if suffix == ".txt" else None
     else:
@@ -110,7 +108,7 @@ def open_source(source: str, text_field: str, doc_split: str, setting: str):
         except Exception as e:
             raise SettingError(
                 setting,
-                f"{{name}} {source}: cannot load it with datasets ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+                f"{{name}} {source}: cannot load it with datasets ({type(e).__name__}: {first_line(e, 200)})",
             ) from None
         field, split_used = text_field, None
     if field not in ds.column_names:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core.checkpoint import TOKENIZER_FILES, read_config, resolve_folder
-from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors
+from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors, first_line
 from mha2gqa.core.models import check_same_tokenizer, load_tokenizer
 from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
 from mha2gqa.eval.perplexity import (
@@ -137,7 +137,7 @@ def _max_positions(folder: Path) -> int | None:
     try:
         return getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
     except (OSError, *config_errors()) as e:
-        raise Mha2GqaError(f"{folder}: cannot read its config: {str(e).splitlines()[0]}") from None
+        raise Mha2GqaError(f"{folder}: cannot read its config: {first_line(e)}") from None
 
 
 def _attention_readable(folders: list[Path]) -> bool:

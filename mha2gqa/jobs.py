@@ -37,7 +37,7 @@ import yaml
 
 from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.settings import ConvertSettings
-from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.errors import Mha2GqaError, SettingError, first_line
 from mha2gqa.core.ranks import one_process
 from mha2gqa.core.recipe_file import DISTILL, REFIT, parse_recipe
 from mha2gqa.core.settings import Spec, check_value, from_mapping, setting, validate
@@ -174,7 +174,7 @@ def load_job(path: Path) -> Job:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise Mha2GqaError(f"{path}: cannot read the job file: {str(e).splitlines()[0]}") from None
+        raise Mha2GqaError(f"{path}: cannot read the job file: {first_line(e)}") from None
     try:
         return _parse(path, data)
     except SettingError as e:

@@ -78,6 +78,19 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _subprocess_temp(tmp_path_factory):
+    """The processes the tests start (torchrun's agents leave ``torchelastic_*`` folders) use a
+    temporary folder of this run's, which pytest removes with its old runs, not the machine's /tmp."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("subprocess-tmp"))
+    yield
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
+
+
 def tiny_config(family: str, **overrides):
     from transformers import AutoConfig
 

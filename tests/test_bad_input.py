@@ -260,3 +260,14 @@ def test_a_source_without_a_tokenizer_is_named_when_text_is_read(calib_text, tmp
         result, r"src: no tokenizer \(tokenizer.json, .* absent\): .* copy the original model's tokenizer", tmp_path
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_an_error_is_shown_by_its_first_line_or_its_type():
+    """What a library raised, quoted in a one-line error: its first non-blank line (cut when asked),
+    its type's name when its message is empty or blank (never an IndexError from an empty message)."""
+    from mha2gqa.core.errors import first_line
+
+    assert first_line(ValueError("\n  bad value  \nmore detail\n")) == "bad value"
+    assert first_line(ValueError("abcdef"), 3) == "abc"
+    assert first_line(ValueError()) == "ValueError"
+    assert first_line(OSError(" \n ")) == "OSError"

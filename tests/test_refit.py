@@ -279,6 +279,58 @@ def test_the_probe_holds_one_run_at_a_time_and_keeps_the_first_best(tmp_path):
     assert all(torch.equal(spilled_adam[k], kept_adam[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
+def _truncate(f):
+    f.write_bytes(f.read_bytes()[:100])
+
+
+def _retensor(f, where, change):
+    kept = torch.load(f, weights_only=True)
+    box = kept["values"] if where == "values" else kept["adam"]["state"][0]
+    key = "w" if where == "values" else where
+    box[key] = change(box[key])
+    torch.save(kept, f)
+
+
+SPILL_DAMAGE = {
+    "truncated": _truncate,
+    "not a pickle": lambda f: f.write_bytes(b"\x00not torch" * 10),
+    "removed": lambda f: f.unlink(),
+    "values of another shape": lambda f: _retensor(f, "values", lambda t: t[:3]),
+    "values NaN": lambda f: _retensor(f, "values", lambda t: t * float("nan")),
+    "values of another dtype": lambda f: _retensor(f, "values", lambda t: t.double()),
+    "a moment of another shape": lambda f: _retensor(f, "exp_avg", lambda t: t[:2]),
+    "no Adam": lambda f: torch.save({"values": torch.load(f, weights_only=True)["values"]}, f),
+}
+
+
+@pytest.mark.parametrize("damage", list(SPILL_DAMAGE))
+def test_a_damaged_probe_spill_is_one_line_naming_it(tmp_path, damage):
+    """The best probe run waits in a scratch file while the next rate runs: a file that does not read
+    back as that run (damaged, edited, removed) is one error naming it, never a traceback or a run
+    that goes on from wrong values; the file is gone afterwards."""
+    from mha2gqa.convert.refit.fit import _probe
+    from mha2gqa.core.errors import Mha2GqaError
+
+    spill = tmp_path / "probe-run.pt"
+    start = {"w": torch.linspace(-1, 2, 6)}
+
+    def train(values, optimizer, chosen):
+        (values["w"] ** 2).sum().backward()
+        optimizer.step()
+
+    def heldout(values, calls=[]):  # noqa: B006 - counts this test's calls
+        calls.append(1)
+        if len(calls) == 2:  # the first run is in the file: damage it while the second runs
+            SPILL_DAMAGE[damage](spill)
+        return [0.2, 0.5, 0.5][len(calls) - 1]
+
+    with pytest.raises(Mha2GqaError) as e:
+        _probe(start, ["w"], 0.1, (1.0, 3.0, 9.0), [[1]], train, heldout, spill)
+    message = str(e.value)
+    assert str(spill) in message and "\n" not in message and "convert again" in message
+    assert not spill.exists()
+
+
 def test_the_refit_probes_near_the_previous_layers_rate(calib_text, tmp_path, monkeypatch):
     """Each refitted layer's fit is given the rates next to the one the layer before went on with (the
     first layer all of them): at --refit-lr 0.3 the x9 and x3 steps overshoot, every layer goes on at x1,

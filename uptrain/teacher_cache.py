@@ -38,7 +38,7 @@ import torch
 
 from mha2gqa.core import typed
 from mha2gqa.core.cache import computed_with, entry_name, try_lock
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, first_line
 
 SCHEMA = "mha2gqa.teacher/1"
 MANIFEST = "manifest.json"
@@ -160,7 +160,7 @@ class TeacherCache:
                     meta = f.metadata() or {}
                     tensors = {k: f.get_tensor(k) for k in FIELDS}
             except (SafetensorError, OSError, KeyError) as e:
-                raise self._bad(path.name, f"not a teacher-cache chunk ({str(e).splitlines()[0][:120]})") from None
+                raise self._bad(path.name, f"not a teacher-cache chunk ({first_line(e, 120)})") from None
             if meta.get("sha256") != _digest(tensors):
                 raise self._bad(path.name, "its content changed since it was written")
             v, i, r = (tensors[k] for k in FIELDS)

@@ -4,6 +4,7 @@ solve (:func:`solve_output`). Knows nothing of models: a ``forward(values, windo
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -15,6 +16,7 @@ import torch
 from mha2gqa.convert.output_solve import RIDGES, NormalEquations
 from mha2gqa.convert.refit.objective import PLAIN, Objective
 from mha2gqa.convert.refit.stops import hooked, random_shift, unmoved
+from mha2gqa.core.errors import Mha2GqaError, first_line
 from mha2gqa.core.ranks import ONE, Ranks
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.core.steps import step_size
@@ -134,32 +136,43 @@ def fit_layer(
     return FitResult(best_values, before, best, False, done, lr=lr * factor)
 
 
+@dataclass
+class _ProbeRun:
+    """One learning rate's run in :func:`_probe`: its held-out error after the first check's steps,
+    its factor of the probe, and its values and Adam (None while it waits in the spill file)."""
+
+    error: float
+    factor: float
+    values: dict[str, torch.Tensor] | None
+    optimizer: torch.optim.Adam | None
+
+
 def _probe(
     start, trainable: list[str], lr: float, probe: tuple[float, ...], first: list[list[int]], train, heldout, spill
-):
+) -> tuple[float, float, dict[str, torch.Tensor], torch.optim.Adam]:
     """``(held-out error, factor, values, optimizer)`` of the best of the learning rates ``lr x`` each
     factor of ``probe``, each run from ``start`` on the batches ``first`` (the first best on a tie).
     A run (a layer's projections and Adam's two moments: ~0.6 GB for a 7B layer) is freed when it
     loses; the best so far waits in the file ``spill`` (None: in memory) while the next one runs, so
     one run is held at a time, and comes back exactly as it was if it wins."""
-    best = None
+    best: _ProbeRun | None = None
     for n, factor in enumerate(probe):
         values, optimizer = _run(start, trainable, lr * factor)
         for chosen in first:
             train(values, optimizer, chosen)
         optimizer.zero_grad(set_to_none=True)
         error = heldout(values)
-        if best is None or error < best[0]:
-            best = (error, factor, values, optimizer)
+        if best is None or error < best.error:
+            best = _ProbeRun(error, factor, values, optimizer)
             if spill is not None and n + 1 < len(probe):
                 torch.save(
                     {"values": {r: values[r].detach() for r in trainable}, "adam": optimizer.state_dict()}, spill
                 )
-                best = (error, factor, None, None)
+                best = _ProbeRun(error, factor, None, None)
         del values, optimizer  # a run that lost is freed before the next one starts (or the best comes back)
-    if best[2] is None:
-        best = (best[0], best[1], *_spilled_run(spill, start, trainable, lr * best[1]))
-    return best
+    if best.values is None:
+        best.values, best.optimizer = _spilled_run(spill, start, trainable, lr * best.factor)
+    return best.error, best.factor, best.values, best.optimizer
 
 
 def _run(start, trainable: list[str], lr: float) -> tuple[dict[str, torch.Tensor], torch.optim.Adam]:
@@ -171,15 +184,36 @@ def _run(start, trainable: list[str], lr: float) -> tuple[dict[str, torch.Tensor
 
 def _spilled_run(spill, start, trainable: list[str], lr: float) -> tuple[dict[str, torch.Tensor], torch.optim.Adam]:
     """The run :func:`_probe` left in the file ``spill`` (then removed), as it was: its values and
-    its Adam (moments, step counts and the learning rates set from ``start``)."""
-    kept = torch.load(spill, weights_only=True)
-    spill.unlink()
+    its Adam (moments, step counts and the learning rates set from ``start``). A file that does not
+    read back as that run (damaged, edited or removed while the conversion ran) is one error naming it."""
     values, optimizer = _run(start, trainable, lr)
-    with torch.no_grad():
-        for r in trainable:
-            values[r].copy_(kept["values"][r])
-    optimizer.load_state_dict(kept["adam"])
+    try:
+        kept = torch.load(spill, weights_only=True)
+        with torch.no_grad():
+            for r in trainable:
+                values[r].copy_(_same_shape(kept["values"][r], values[r]))
+        optimizer.load_state_dict(kept["adam"])
+        for param, state in optimizer.state.items():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                _same_shape(state[moment], param)
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, TypeError, IndexError, pickle.UnpicklingError) as e:
+        raise Mha2GqaError(
+            f"{spill}: the refit's scratch copy of a probe run does not read back "
+            f"({type(e).__name__}: {first_line(e, 200)}); it was damaged or removed while the conversion ran: "
+            "convert again"
+        ) from None
+    finally:
+        spill.unlink(missing_ok=True)
     return values, optimizer
+
+
+def _same_shape(kept: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``kept``, checked to be a finite tensor of ``like``'s shape and dtype (ValueError if not)."""
+    if not isinstance(kept, torch.Tensor) or kept.shape != like.shape or kept.dtype != like.dtype:
+        raise ValueError(f"a tensor is not {tuple(like.shape)} {like.dtype}")
+    if not torch.isfinite(kept).all():
+        raise ValueError("a tensor holds NaN or infinite values")
+    return kept
 
 
 def _train_step(
