@@ -126,7 +126,7 @@ class Guard:
                 streams = nxt
         if self.reference is None:
             self.reference = streams[keys.pop("")]
-        return {name: self._figures(streams[key]) for name, key in keys.items()}
+        return self._figures({name: streams[key] for name, key in keys.items()})
 
     def _view(self, weights: Weights, layer: torch.nn.Module, i: int, prefix: str) -> dict[str, torch.Tensor]:
         """Layer ``i``'s parameters from ``weights`` in the source module's shapes (:func:`source_view`)."""
@@ -140,20 +140,26 @@ class Guard:
         self.as_tuple = isinstance(out, tuple)
         return out[0] if self.as_tuple else out
 
-    def _figures(self, hidden: list[torch.Tensor]) -> GuardScore:
-        """Mean per-token KL(original || candidate) and top-1 agreement over the guard windows."""
+    def _figures(self, candidates: Mapping[str, list[torch.Tensor]]) -> dict[str, GuardScore]:
+        """Each candidate's mean per-token KL(original || candidate) and top-1 agreement over the guard
+        windows, from its last hidden states (one ``[1, T, hidden]`` a window); the original's
+        log-probabilities are computed once a window for all of them."""
         from mha2gqa.convert.layers import model_head, skeleton
 
         if self._head is None:
             with torch.inference_mode():
                 self._head = model_head(skeleton(self.ckpt), self.ckpt, self.device)
-        kl = same = 0.0
-        for ref_h, h in zip(self.reference, hidden, strict=True):  # the head runs under no_grad
+        sums = {name: [0.0, 0.0] for name in candidates}  # KL, top-1 matches
+        for w, ref_h in enumerate(self.reference):  # the head runs under no_grad
             ref = torch.log_softmax(self._head(ref_h, self.as_tuple), -1)
-            got = torch.log_softmax(self._head(h, self.as_tuple), -1)
-            kl += float((ref.exp() * (ref - got)).sum())
-            same += float((ref.argmax(-1) == got.argmax(-1)).sum())
-        return score_of(kl, same, sum(h.shape[0] * h.shape[1] for h in hidden))
+            probs, top = ref.exp(), ref.argmax(-1)
+            for name, hidden in candidates.items():
+                got = torch.log_softmax(self._head(hidden[w], self.as_tuple), -1)
+                sums[name][0] += float((probs * (ref - got)).sum())
+                sums[name][1] += float((top == got.argmax(-1)).sum())
+                del got
+        tokens = sum(h.shape[0] * h.shape[1] for h in self.reference)
+        return {name: score_of(kl, same, tokens) for name, (kl, same) in sums.items()}
 
 
 def score_of(kl: float, same: float, tokens: int) -> GuardScore:

@@ -112,6 +112,36 @@ def test_the_guard_measures_what_stock_transformers_computes_on_the_written_mode
     assert published.kl > 0  # a real loss measured, not a copy of the original
 
 
+def test_candidates_scored_together_score_as_each_alone_to_the_bit(calib_text, tmp_path):
+    """The guard scores several candidates in one walk (the original's log-probabilities computed once
+    a window for all of them): each one's figures are those it gets scored alone, to the bit, and
+    what stock transformers computes on its written model; the original itself scores KL 0, top-1 1."""
+    from mha2gqa.convert.guard import Guard, Weights, guard_windows
+    from mha2gqa.convert.prepare import prepare
+    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.core.checkpoint import open_checkpoint
+
+    src = source("llama", calib_text, tmp_path / "src")
+    c = prepare(src, tmp_path / "unused", ConvertSettings(num_kv_heads=1))
+    ids, _, _ = guard_windows(src, str(calib_text), 64)
+    n = c.dims.num_layers
+    plans = {"original": [None] * n}
+    for g, method in ((2, "mean"), (1, "svd")):
+        text = {"calibration": str(calib_text)} if method == "svd" else {}
+        out = convert_checkpoint(src, tmp_path / f"g{g}", g, method, progress=False, **text)
+        ckpt = open_checkpoint(str(out.output))
+        plans[f"g{g}"] = [Weights(f"g{g}", ckpt.load, set(ckpt.tensors), (g,) * n)] * n
+    together = Guard(c.ckpt, c.family, c.dims, ids, torch.device("cpu")).score(plans)
+    for name, plan in plans.items():
+        alone = Guard(c.ckpt, c.family, c.dims, ids, torch.device("cpu")).score({name: plan})[name]
+        assert alone == together[name], name
+    assert (together["original"].kl, together["original"].top1) == (0.0, 1.0)
+    for g in (2, 1):  # what stock transformers computes on each written model
+        kl, top1 = _independent(src, tmp_path / f"g{g}", calib_text, 64)
+        assert kl > 0 and together[f"g{g}"].kl == pytest.approx(kl, rel=1e-4)
+        assert together[f"g{g}"].top1 == pytest.approx(top1)
+
+
 def test_a_refit_that_makes_the_model_worse_is_undone_and_every_output_says_so(calib_text, tmp_path, monkeypatch):
     src = source("llama", calib_text, tmp_path / "src", attention_bias=False)
     _shuffle_refit_targets(monkeypatch)
