@@ -50,6 +50,14 @@ def trim() -> None:
 STEP_BLOCKS = 8 << 20
 
 
+#: Tokens a loss over ``[tokens, vocab]`` logits (the distillation's top-K KL, a teacher's top-K form)
+#: takes at a time: its float32 temporaries are ``LOGIT_ROWS x vocab`` (6 MiB at a 49,152 vocabulary,
+#: under :data:`STEP_BLOCKS`: reused from the heap), never copies of the whole logits (200 MB for two
+#: windows of 512 tokens there). The distillation's loss and gradient: 0.40x the time of the formula
+#: over the whole logits (benchmarks/distill_loss.py).
+LOGIT_ROWS = 32
+
+
 def map_large_allocations(threshold: int = 1 << 20) -> None:
     """Serve every allocation of ``threshold`` bytes or more with its own ``mmap`` (glibc), so a freed
     tensor goes back to the OS at once, and keep up to twice that free at the heap's top (glibc's own

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from mha2gqa.core.memory import LOGIT_ROWS
 from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.agreement import Agreement
@@ -171,11 +172,24 @@ def top_k_form(logits: torch.Tensor, ids: torch.Tensor, k: int) -> dict[str, tor
     """The original's next-token distributions kept as their ``k`` most likely tokens and one bucket
     for the rest: ``values`` ``[n, k]`` float32 log-probabilities (sorted), ``indices`` ``[n, k]``,
     ``rest`` ``[n]`` the log of the remaining mass, and ``target`` ``[n]`` the exact log-probability
-    of the correct token. 8k + 8 bytes per token instead of vocab x dtype bytes."""
-    lo = torch.log_softmax(logits.float(), -1)
-    values, indices = lo.topk(min(k, lo.shape[-1]), -1)
-    rest = lo.scatter(-1, indices, float("-inf")).logsumexp(-1)
-    return {"values": values, "indices": indices.int(), "rest": rest, "target": lo.gather(1, ids[:, None])[:, 0]}
+    of the correct token. 8k + 8 bytes per token instead of vocab x dtype bytes. Taken
+    :data:`~mha2gqa.core.memory.LOGIT_ROWS` tokens at a time (each token's figures are its own row's)."""
+    n, vocab = logits.shape
+    k = min(k, vocab)
+    out = {
+        "values": torch.empty(n, k, device=logits.device),
+        "indices": torch.empty(n, k, dtype=torch.int32, device=logits.device),
+        "rest": torch.empty(n, device=logits.device),
+        "target": torch.empty(n, device=logits.device),
+    }
+    for start in range(0, n, LOGIT_ROWS):
+        rows = slice(start, start + LOGIT_ROWS)
+        lo = torch.log_softmax(logits[rows].float(), -1)
+        values, indices = lo.topk(k, -1)
+        out["values"][rows], out["indices"][rows] = values, indices
+        out["target"][rows] = lo.gather(1, ids[rows, None])[:, 0]
+        out["rest"][rows] = lo.scatter_(-1, indices, float("-inf")).logsumexp(-1)
+    return out
 
 
 def _compare_top_k(

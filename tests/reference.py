@@ -66,3 +66,17 @@ def reference_convert(
             for j in range(groups):
                 out[names[j]] = pool([state[n] for n in names[j * per : (j + 1) * per]])
     return out
+
+
+def top_k_distillation_formula(student, values, indices, rest, temperature: float = 1.0) -> torch.Tensor:
+    """The top-K distillation (``mha2gqa.uptrain.objectives.distillation_top_k``) written as its formula
+    over the whole ``[..., vocab]`` logits, for autograd to differentiate: the loss and gradient the
+    library's row-by-row analytic version must give (and what it replaced, for its benchmark)."""
+    ls = torch.log_softmax(student.to(torch.promote_types(student.dtype, torch.float32)) / temperature, -1)
+    idx = indices.long()
+    loss = (values.exp() * (values - ls.gather(-1, idx))).sum(-1)
+    if idx.shape[-1] < ls.shape[-1]:
+        tail = ls.scatter(-1, idx, float("-inf")).logsumexp(-1)
+        r = rest.clamp(min=-1e4)
+        loss = loss + r.exp() * (r - tail)
+    return loss.mean() * temperature**2

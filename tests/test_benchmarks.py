@@ -72,3 +72,15 @@ def test_ctranslate2_check_runs_a_conversion_with_the_kv_heads_written():
         line = rows[(case, model)]
         assert f"| {kv} |" in line and "100% of" in line, line
         assert float(line.split("|")[4].split()[0]) < 1e-3  # the logits agree with transformers
+
+
+def test_the_distillation_loss_benchmark_times_both_and_finds_them_equal():
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "distill_loss.py"), "--rounds", "1", "--tokens", "40", "--vocab", "300"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("float32", "bfloat16"))]
+    assert [r[0] for r in rows] == ["float32", "bfloat16"]
+    assert all(float(r[4]) < 1e-5 and float(r[5]) < 1e-5 for r in rows)  # the same loss and gradient

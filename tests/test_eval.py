@@ -471,3 +471,30 @@ def test_top_k_reference_keeps_ppl_and_same_top_exact_and_bounds_kl_from_below(t
     assert not any("lower bounds" in line for line in summary_lines(exact))
     with pytest.raises(SettingError, match="--load-both"):
         evaluate(str(src), str(pooled), EvalSettings(**kw, reference_top_k=4, load_both=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_top_k_form_taken_row_by_row_is_the_whole_logits_form_to_the_bit(dtype):
+    """The original's top-k form (the reference cache's, the teacher cache's) is taken a few tokens at a
+    time (bounded temporaries): each token's values, indices, rest and target are those of the formula
+    over the whole logits, to the bit, across chunk boundaries and with k above the vocabulary."""
+    from mha2gqa.core.memory import LOGIT_ROWS
+    from mha2gqa.eval.perplexity import top_k_form
+
+    g = torch.Generator().manual_seed(0)
+    n = 2 * LOGIT_ROWS + 5
+    logits = (torch.randn(n, 300, generator=g) * 4).to(dtype)
+    ids = torch.randint(0, 300, (n,), generator=g)
+    for k in (8, 1000):
+        lo = torch.log_softmax(logits.float(), -1)
+        values, indices = lo.topk(min(k, 300), -1)
+        whole = {
+            "values": values,
+            "indices": indices.int(),
+            "rest": lo.scatter(-1, indices, float("-inf")).logsumexp(-1),
+            "target": lo.gather(1, ids[:, None])[:, 0],
+        }
+        form = top_k_form(logits, ids, k)
+        assert form.keys() == whole.keys()
+        for name, t in whole.items():
+            assert form[name].dtype == t.dtype and torch.equal(form[name], t), name

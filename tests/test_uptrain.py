@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 from conftest import FIXTURES, llama_with_tokenizer, load, requires_fixtures, save, story_text
+from reference import top_k_distillation_formula
 from safetensors.torch import load_file
 
 from mha2gqa.cli import main
@@ -81,6 +83,36 @@ def test_distillation_matches_hand_computed_kl():
     assert distillation(s, t).item() == pytest.approx(float((p * (p / q).log()).sum()), rel=1e-6)
     p2, q2 = torch.softmax(t[0, 0] / 2, -1), torch.softmax(s[0, 0] / 2, -1)
     assert distillation(s, t, 2.0).item() == pytest.approx(4 * float((p2 * (p2 / q2).log()).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "vocab", "k"), [(70, 50, 7), (33, 9, 9), (5, 300, 1)])  # 2 x tokens: 4, 3, 1 chunks
+def test_top_k_distillation_and_its_gradient_are_the_formulas(dtype, tokens, vocab, k):
+    """The top-K distillation, taken :data:`ROWS` tokens at a time with its analytic gradient, gives
+    the loss and the gradient autograd gives of its formula: token counts across and inside a chunk,
+    K below and equal to the vocabulary (no bucket), temperatures, a teacher's rest that underflowed,
+    float64, float32 and bfloat16 logits (the gradient in the logits' dtype)."""
+    from mha2gqa.uptrain.objectives import distillation_top_k
+
+    g = torch.Generator().manual_seed(tokens + k)
+    teacher = torch.log_softmax(torch.randn(2, tokens, vocab, generator=g, dtype=torch.float64) * 3, -1)
+    values, indices = teacher.topk(k, -1)
+    rest = torch.log1p(-values.exp().sum(-1).clamp(max=1 - 1e-12))
+    rest[0, 0] = -math.inf  # a tail with no mass
+    student = (torch.randn(2, tokens, vocab, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_()
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-5}[dtype]
+    for temperature in (1.0, 2.5):
+        args = (values.float(), indices.to(torch.int32), rest.float(), temperature)
+        if dtype is torch.float64:
+            args = (values, indices, rest, temperature)
+        ours = distillation_top_k(student, *args)
+        (grad,) = torch.autograd.grad(ours, student)
+        ref = top_k_distillation_formula(student, *args)
+        (ref_grad,) = torch.autograd.grad(ref, student)
+        assert ours.dtype == ref.dtype and grad.dtype == dtype
+        torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=tol * 10, atol=tol * 10)
+        assert float(ref.detach()) > 0
 
 
 def test_distillation_gradient_matches_autograd_of_the_formula():

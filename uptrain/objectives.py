@@ -6,8 +6,13 @@ Both return the *mean over scored tokens*, so gradient accumulation and data-par
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
+
+from mha2gqa.core.memory import LOGIT_ROWS
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -57,15 +62,79 @@ def distillation_top_k(
     log-probabilities ``values`` and their token ``indices`` ``[B, T, K]``, and ``rest`` ``[B, T]``,
     the log of the mass outside them. The KL is taken over the K tokens plus one bucket for the rest,
     which (log-sum inequality) is the exact KL minus ``p_rest * KL(teacher's tail || student's tail)``:
-    never more than the exact KL, equal to it when K is the vocabulary (no bucket then)."""
-    ls = F.log_softmax(_wide(student) / temperature, -1)
-    idx = indices.long()
-    loss = (values.exp() * (values - ls.gather(-1, idx))).sum(-1)
-    if idx.shape[-1] < ls.shape[-1]:
-        tail = ls.scatter(-1, idx, float("-inf")).logsumexp(-1)
+    never more than the exact KL, equal to it when K is the vocabulary (no bucket then). Computed
+    :data:`~mha2gqa.core.memory.LOGIT_ROWS` tokens at a time, with its analytic gradient
+    (:class:`_TopKDistillation`)."""
+    k = indices.shape[-1]
+    return _TopKDistillation.apply(
+        student.flatten(0, -2),
+        values.detach().reshape(-1, k),
+        indices.detach().reshape(-1, k).long(),
+        rest.detach().reshape(-1),
+        temperature,
+    )
+
+
+def _rows(student: torch.Tensor, temperature: float) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(rows, x)``: :data:`~mha2gqa.core.memory.LOGIT_ROWS` tokens of ``student`` ``[N, V]`` at a
+    time, ``x / T`` in float32 (or wider), a copy of their own (the steps below change it in place)."""
+    wide = torch.promote_types(student.dtype, torch.float32)
+    for start in range(0, student.shape[0], LOGIT_ROWS):
+        rows = slice(start, start + LOGIT_ROWS)
+        x = student[rows].to(wide, copy=True)
+        yield rows, x if temperature == 1.0 else x.div_(temperature)
+
+
+class _TopKDistillation(torch.autograd.Function):
+    """``T^2 * mean_tokens [sum_k p_k (v_k - ls_k) + R (r - tail)]``, with ``ls = log_softmax(s / T)``
+    at the teacher's K tokens, ``p = exp(values)``, ``R = exp(rest)``, ``tail`` the student's log-mass
+    outside them; its gradient for the student's scaled logits ``x`` is, with ``q = softmax(x)`` and
+    ``S = sum_k p_k + R``: ``S q_j - p_j`` at the K tokens and ``S q_j - R exp(x_j - tail_x)`` outside
+    (``tail_x = tail + logsumexp(x)``), times ``T / N``."""
+
+    @staticmethod
+    def forward(ctx, student, values, indices, rest, temperature: float) -> torch.Tensor:
+        n, vocab = student.shape
+        bucket = indices.shape[-1] < vocab
+        like = {"dtype": torch.promote_types(student.dtype, torch.float32), "device": student.device}
+        lse, picked, tail = (
+            torch.empty(n, **like),
+            torch.empty(values.shape, **like),
+            torch.full((n,), -math.inf, **like),
+        )
+        values, rest = values.to(lse.dtype), rest.to(lse.dtype)
+        for rows, x in _rows(student.detach(), temperature):
+            lse[rows] = torch.logsumexp(x, -1)
+            picked[rows] = x.gather(-1, indices[rows])
+            if bucket:
+                tail[rows] = torch.logsumexp(x.scatter_(-1, indices[rows], float("-inf")), -1)
+        p = values.exp()
+        loss = (p * (values - (picked - lse[:, None]))).sum(-1)
         r = rest.clamp(min=-1e4)  # a tail that underflowed to zero mass adds nothing (and no NaN)
-        loss = loss + r.exp() * (r - tail)
-    return loss.mean() * temperature**2
+        if bucket:
+            loss = loss + r.exp() * (r - (tail - lse))
+        ctx.save_for_backward(student, indices, p, picked, lse, tail, r)
+        ctx.temperature, ctx.bucket = temperature, bucket
+        return loss.mean() * temperature**2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        student, indices, p, picked, lse, tail, r = ctx.saved_tensors
+        temperature = ctx.temperature
+        big_r = r.exp() if ctx.bucket else torch.zeros_like(r)
+        total = p.sum(-1) + big_r  # S: the teacher's mass, 1 up to its rounding
+        scale = grad.to(lse.dtype) * temperature / student.shape[0]
+        out = torch.empty_like(student)
+        for rows, x in _rows(student.detach(), temperature):
+            s, lse_r = total[rows, None], lse[rows, None]
+            if ctx.bucket:
+                outside = x.scatter(-1, indices[rows], float("-inf")).sub_(tail[rows, None]).exp_()
+                x.sub_(lse_r).exp_().mul_(s).sub_(outside.mul_(big_r[rows, None]))
+            else:
+                x.sub_(lse_r).exp_().mul_(s)
+            x.scatter_(-1, indices[rows], s * (picked[rows] - lse_r).exp() - p[rows])
+            out[rows] = x.mul_(scale)
+        return out, None, None, None, None
 
 
 def combined(
