@@ -238,7 +238,11 @@ def test_families_beyond_llama_refit_and_distill_on_two_ranks_as_one_process(fam
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert worst <= 1e-5, worst
+    # DDP's averaged gradients round apart from one process's sums, and Adam makes a gradient near zero
+    # a visible share of a step (here lr x RMS ~3e-4): phi3's one element in 1.5M worst, 5.5e-6 with the
+    # distillation's loss over the whole logits and 1.03e-5 taken 32 tokens at a time (each a rounding
+    # draw); a wrong split of windows or a missed reduction moves weights by whole steps
+    assert worst <= 3e-5, worst
     guards = [json.loads((d / "mha2gqa_conversion.json").read_text())["conversion"]["guard"] for d in (one, two)]
     stages = [[(s["stage"], s["outcome"], s["detail"].split(":")[0]) for s in g["stages"]] for g in guards]
     assert stages[0] == stages[1] and [s[0] for s in stages[0]] == ["merge", "refit", "distill"]
