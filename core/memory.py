@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -56,6 +57,12 @@ STEP_BLOCKS = 8 << 20
 #: windows of 512 tokens there). The distillation's loss and gradient: 0.40x the time of the formula
 #: over the whole logits (benchmarks/distill_loss.py).
 LOGIT_ROWS = 32
+
+
+def logit_rows(n: int) -> Iterator[slice]:
+    """The row slices of ``n`` tokens, :data:`LOGIT_ROWS` at a time (the last one may be shorter)."""
+    for start in range(0, n, LOGIT_ROWS):
+        yield slice(start, start + LOGIT_ROWS)
 
 
 def map_large_allocations(threshold: int = 1 << 20) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from mha2gqa.core.memory import LOGIT_ROWS
+from mha2gqa.core.memory import logit_rows
 from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.agreement import Agreement
@@ -182,8 +182,7 @@ def top_k_form(logits: torch.Tensor, ids: torch.Tensor, k: int) -> dict[str, tor
         "rest": torch.empty(n, device=logits.device),
         "target": torch.empty(n, device=logits.device),
     }
-    for start in range(0, n, LOGIT_ROWS):
-        rows = slice(start, start + LOGIT_ROWS)
+    for rows in logit_rows(n):
         lo = torch.log_softmax(logits[rows].float(), -1)
         values, indices = lo.topk(k, -1)
         out["values"][rows], out["indices"][rows] = values, indices

@@ -478,11 +478,14 @@ def test_a_top_k_form_taken_row_by_row_is_the_whole_logits_form_to_the_bit(dtype
     """The original's top-k form (the reference cache's, the teacher cache's) is taken a few tokens at a
     time (bounded temporaries): each token's values, indices, rest and target are those of the formula
     over the whole logits, to the bit, across chunk boundaries and with k above the vocabulary."""
-    from mha2gqa.core.memory import LOGIT_ROWS
+    from mha2gqa.core.memory import LOGIT_ROWS, logit_rows
     from mha2gqa.eval.perplexity import top_k_form
 
     g = torch.Generator().manual_seed(0)
     n = 2 * LOGIT_ROWS + 5
+    for m in (0, 1, LOGIT_ROWS, n):  # the slices cover every token once, in order, none empty
+        covered = [i for rows in logit_rows(m) for i in range(m)[rows]]
+        assert covered == list(range(m)) and all(r.start < m for r in logit_rows(m))
     logits = (torch.randn(n, 300, generator=g) * 4).to(dtype)
     ids = torch.randint(0, 300, (n,), generator=g)
     for k in (8, 1000):

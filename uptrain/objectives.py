@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from mha2gqa.core.memory import LOGIT_ROWS
+from mha2gqa.core.memory import logit_rows
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,8 +79,7 @@ def _rows(student: torch.Tensor, temperature: float) -> Iterator[tuple[slice, to
     """``(rows, x)``: :data:`~mha2gqa.core.memory.LOGIT_ROWS` tokens of ``student`` ``[N, V]`` at a
     time, ``x / T`` in float32 (or wider), a copy of their own (the steps below change it in place)."""
     wide = torch.promote_types(student.dtype, torch.float32)
-    for start in range(0, student.shape[0], LOGIT_ROWS):
-        rows = slice(start, start + LOGIT_ROWS)
+    for rows in logit_rows(student.shape[0]):
         x = student[rows].to(wide, copy=True)
         yield rows, x if temperature == 1.0 else x.div_(temperature)
 

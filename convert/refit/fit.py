@@ -191,11 +191,11 @@ def _spilled_run(spill, start, trainable: list[str], lr: float) -> tuple[dict[st
         kept = torch.load(spill, weights_only=True)
         with torch.no_grad():
             for r in trainable:
-                values[r].copy_(_same_shape(kept["values"][r], values[r]))
+                values[r].copy_(_checked_like(kept["values"][r], values[r]))
         optimizer.load_state_dict(kept["adam"])
         for param, state in optimizer.state.items():
             for moment in ("exp_avg", "exp_avg_sq"):
-                _same_shape(state[moment], param)
+                _checked_like(state[moment], param)
     except (OSError, EOFError, RuntimeError, ValueError, KeyError, TypeError, IndexError, pickle.UnpicklingError) as e:
         raise Mha2GqaError(
             f"{spill}: the refit's scratch copy of a probe run does not read back "
@@ -207,7 +207,7 @@ def _spilled_run(spill, start, trainable: list[str], lr: float) -> tuple[dict[st
     return values, optimizer
 
 
-def _same_shape(kept: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _checked_like(kept: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``kept``, checked to be a finite tensor of ``like``'s shape and dtype (ValueError if not)."""
     if not isinstance(kept, torch.Tensor) or kept.shape != like.shape or kept.dtype != like.dtype:
         raise ValueError(f"a tensor is not {tuple(like.shape)} {like.dtype}")
