@@ -74,6 +74,16 @@ def test_ctranslate2_check_runs_a_conversion_with_the_kv_heads_written():
         assert float(line.split("|")[4].split()[0]) < 1e-3  # the logits agree with transformers
 
 
+def test_the_attention_step_benchmark_times_every_arithmetic_and_their_gradients_agree():
+    args = ["--rounds", "1", "--windows", "1", "--heads", "2", "--tokens", "64", "--head-dim", "16"]
+    script = str(BENCHMARKS / "attention_step.py")
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.rsplit(None, 4) for line in proc.stdout.splitlines() if line.startswith(("float32", "bf"))]
+    assert [r[0] for r in rows] == ["float32", "bfloat16", "bf16, f32 backward"]
+    assert float(rows[0][4]) == 0.0 and all(float(r[4]) < 0.05 for r in rows)  # bf16 rounding, not another result
+
+
 def test_the_distillation_loss_benchmark_times_both_and_finds_them_equal():
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "distill_loss.py"), "--rounds", "1", "--tokens", "40", "--vocab", "300"],
