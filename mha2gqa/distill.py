@@ -160,6 +160,7 @@ class DistillSettings:
             min_lr_ratio=1.0,
             save_every=max(1, -(-self.distill_steps // DISTILL_CHECKPOINTS)),  # what --resume continues from
             save_total_limit=1,
+            guard="off",  # the conversion's stage guard judges the distillation, on its own held-out windows
             resume=convert.resume,
             seed=convert.seed,
             device=convert.device,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,12 +125,11 @@ def _link_files(folder: Path, to: Path) -> None:
     tmp = to.with_name(to.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    from mha2gqa.uptrain.checkpoints import link_or_copy
+
     for path in folder.iterdir():
         if path.is_file():
-            try:
-                os.link(path, tmp / path.name)
-            except OSError:
-                shutil.copyfile(path, tmp / path.name)
+            link_or_copy(path, tmp / path.name)
     shutil.rmtree(to, ignore_errors=True)
     tmp.rename(to)
 

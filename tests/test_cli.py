@@ -57,6 +57,22 @@ def test_demo_runs_the_whole_pipeline_offline(tmp_path, monkeypatch):
     assert again.exit_code == 0 and "training the demo" not in again.output  # cached
 
 
+def test_a_jobs_uptraining_that_hurts_is_undone_and_its_row_says_so(tmp_path, monkeypatch):
+    """A job's uptraining at a learning rate that wrecks the model: its guard publishes the conversion as
+    it was, the row is labelled undone and scores what the conversion scores, and the log says why."""
+    from mha2gqa.jobs import DemoRequest, run_job
+
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
+    job = DemoRequest(steps=3, num_kv_heads=(2,), methods=("svd",), uptrain_steps=4).job()
+    job.uptrain = {**job.uptrain, "lr": 1.0, "eval_every": 2}
+    lines: list[str] = []
+    result = run_job(job, tmp_path / "run", log=lines.append)
+    converted, uptrained = result.rows
+    assert (converted.method, uptrained.method) == ("svd", "svd+uptrain (undone)")
+    assert (uptrained.kl_mean, uptrained.top1) == (converted.kl_mean, converted.top1)
+    assert any("guard: undone - held-out KL" in line for line in lines)
+
+
 def test_every_waiting_stage_of_a_job_says_so_within_5_seconds(tmp_path, monkeypatch):
     """A job logs each stage as it starts (conversion, uptraining set-up and evaluations, each
     evaluation's scoring, attention and samples, the report, comparison by comparison), so no line

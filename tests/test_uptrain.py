@@ -619,3 +619,97 @@ def test_default_evaluation_is_scaled_to_the_run_and_an_expensive_one_is_said():
     short = eval_budget(1, 64, 1, 256, teacher_trains=False, teacher_scores=False, asked=None, available=10**6)
     assert short.tokens == 256  # one window at least
     assert eval_budget(30, 2048, 3, 256, False, False, None, available=700).tokens == 512  # what there is, whole
+
+
+# ---- the guard: the published model is the best the held-out evaluations scored -----------------
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(Path(folder) / "model.safetensors")
+
+
+def test_guard_undoes_a_run_that_hurts_and_fail_or_off_say_otherwise(models, tmp_path):
+    """A learning rate of 1 wrecks the student: the guard publishes it as given (bit for bit), and
+    the record, card and summary say undone; ``fail`` refuses to publish; ``off`` publishes the wreck."""
+    hurt = dict(objective="kd", teacher=str(models["parent"]), lr=1.0, max_steps=6, eval_every=3)
+    out = tmp_path / "on"
+    result = uptrain(str(models["student"]), _settings(models, out, **hurt), log=_quiet)
+    guard = result.guard
+    assert guard.outcome == "undone" and guard.step == 0 and guard.figure == "KL" and guard.last > guard.before
+    assert guard.before == result.evals[0].kl_mean and guard.published == guard.before
+    student = _weights(models["student"])
+    published = _weights(out)
+    assert published.keys() == student.keys() and all(torch.equal(published[k], student[k]) for k in student)
+    record = UptrainRecord.read(out)
+    assert record.guard == guard and record.steps == 0 and record.last_eval == result.evals[0]
+    assert "| guard | undone - held-out KL" in (out / "README.md").read_text()
+    assert "guard: undone - held-out KL" in result.summary()
+    assert (out / "mha2gqa_conversion.json").is_file() and isinstance(read_log(out)[-1], RunEnd)
+
+    failed = tmp_path / "fail"
+    with pytest.raises(Mha2GqaError, match=r"did not help: undone - held-out KL .* no final model is written"):
+        uptrain(str(models["student"]), _settings(models, failed, guard="fail", **hurt), log=_quiet)
+    assert not (failed / "config.json").exists() and checkpoint_dirs(failed)
+
+    off = tmp_path / "off"
+    unguarded = uptrain(str(models["student"]), _settings(models, off, guard="off", **hurt), log=_quiet)
+    assert unguarded.guard is None and UptrainRecord.read(off).steps == 6
+    assert not torch.equal(
+        _weights(off)["model.layers.0.self_attn.k_proj.weight"], student["model.layers.0.self_attn.k_proj.weight"]
+    )
+
+
+def test_guard_keeps_an_earlier_checkpoint_across_a_resume(models, tmp_path, monkeypatch):
+    """Held-out scores that are best at step 3 of 12 (a run that passed its best): the pruning spares
+    step 3's checkpoint through a stop and a resume, and its model is what the run publishes."""
+    from mha2gqa.uptrain import guard as guard_module
+
+    scores = {0: 5.0, 3: 1.0, 6: 3.0, 9: 4.0, 12: 2.0}
+    monkeypatch.setattr(guard_module.Figure, "of", lambda self, ev: scores[ev.step])
+    common = dict(max_steps=12, eval_every=3, save_total_limit=1)
+    out = tmp_path / "run"
+    uptrain(str(models["student"]), _settings(models, out, stop_after=6, **common), log=_quiet)
+    assert [s for s, _ in checkpoint_dirs(out)] == [3, 6]
+    step3 = _weights(checkpoint_dirs(out)[0][1])
+    result = uptrain(str(models["student"]), _settings(models, out, resume=True, **common), log=_quiet)
+    assert [s for s, _ in checkpoint_dirs(out)] == [3, 12]
+    assert result.guard.outcome == "kept in part" and (result.guard.step, result.guard.published) == (3, 1.0)
+    assert (result.guard.before, result.guard.last) == (5.0, 2.0)
+    published = _weights(out)
+    assert all(torch.equal(published[k], step3[k]) for k in step3)
+    record = UptrainRecord.read(out)
+    assert record.steps == 3 and record.last_eval.step == 3 and record.guard == result.guard
+    assert "| guard | step 3 of 12 kept - held-out perplexity 5 -> 2; step 3: 1 |" in (out / "README.md").read_text()
+
+
+def test_guard_chooses_by_the_runs_objective():
+    """Hand-made evaluations: ce compares perplexity, kd the KL, mix the weighted sum; no KL measured
+    (a cached teacher): perplexity; not finite: the worst; ties to the earlier model; no step 0: None."""
+    from mha2gqa.uptrain.guard import Figure, best_so_far, choose
+
+    def ev(step, ppl, kl=None):
+        return RunEval(step=step, tokens=0, nll=math.log(ppl), ppl=ppl, eval_tokens=64, kl_mean=kl)
+
+    evals = [ev(0, 10.0, 0.5), ev(2, 12.0, 0.2), ev(4, 9.0, 0.3)]
+    assert choose(evals, 4, [2], Figure("ce")).outcome == "kept"  # perplexity 9 < 10 < 12
+    kd = choose(evals, 4, [2], Figure("kd"))
+    assert (kd.outcome, kd.step, kd.figure, kd.before, kd.last) == ("kept in part", 2, "KL", 0.5, 0.3)
+    assert choose(evals, 4, [], Figure("kd")).step == 4  # step 2's model was not kept
+    mix = choose(evals, 4, [2], Figure("mix", 0.5))  # 0.5 ln(ppl) + 0.5 KL: 1.401, 1.342, 1.249
+    assert mix.step == 4 and mix.before == pytest.approx(0.5 * math.log(10) + 0.25)
+    cached = [ev(0, 10.0), ev(4, 11.0)]
+    assert choose(cached, 4, [], Figure("kd")).outcome == "undone"
+    assert choose(cached, 4, [], Figure("kd")).figure == "perplexity"
+    assert choose([ev(0, 10.0), ev(4, 10.0)], 4, [], Figure("ce")).outcome == "undone"  # no better: undone
+    assert choose([ev(0, 10.0), ev(4, math.inf)], 4, [], Figure("ce")).last == math.inf
+    assert choose([ev(4, 9.0)], 4, [], Figure("ce")) is None
+    assert best_so_far(evals, Figure("kd")) == 2 and best_so_far(evals[:1], Figure("kd")) is None
+
+
+def test_guard_fail_without_held_out_text_is_refused(models, tmp_path):
+    student, text = str(models["student"]), str(models["text"])
+    argv = [student, "--data", text, "--seq-len", "32", "--max-steps", "2", "-q", "--guard", "fail"]
+    assert "--guard fail judges the run on held-out text: give --eval-data" in _cli_error(
+        [*argv, "--output", str(tmp_path / "g")]
+    )
+    assert not (tmp_path / "g").exists()

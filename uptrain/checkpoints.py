@@ -150,9 +150,11 @@ def save_checkpoint(
     files: dict[str, str],
     keep: int,
     sharded: Callable[[Path], None] | None = None,
+    spare: int | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` (collective call).
-    ``sharded``: the model is FSDP-sharded, and this writes each process's optimizer shard."""
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` and that of step ``spare``
+    (collective call). ``sharded``: the model is FSDP-sharded, and this writes each process's optimizer
+    shard."""
     root = output / CHECKPOINTS
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"
@@ -166,8 +168,9 @@ def save_checkpoint(
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
             publish(tmp, final, overwrite=True, what="checkpoint")
     if accelerator.is_main_process:
-        for _, old in checkpoint_dirs(output)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        for at, old in checkpoint_dirs(output)[:-keep] if keep > 0 else []:
+            if at != spare:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
@@ -248,17 +251,15 @@ def _move_in(tmp: Path, output: Path) -> None:
     tmp.rmdir()
 
 
-def final_from_checkpoint(checkpoint: Path, output: Path) -> None:
+def final_from_checkpoint(checkpoint: Path, output: Path, files: dict[str, str] | None = None) -> None:
     """Replace the final model in ``output`` by checkpoint ``checkpoint``'s (an earlier step chosen
     over the last; main process): its Hugging Face files, not the run state, with the floating weights
-    cast to the source's dtype as :func:`save_final` casts them, moved in with ``config.json`` last.
-    Memory: one weight file at a time."""
+    cast to the source's dtype as :func:`save_final` casts them, plus ``files`` (name -> text, e.g. the
+    records as published), moved in with ``config.json`` last. Memory: one weight file at a time."""
     source = read_state(checkpoint).get("source_dtype")
     dtype = by_name(source).torch if source else None
-    tmp = output / FINAL_TMP
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+
+    def fill(tmp: Path) -> None:
         sizes = {}
         for path in sorted(checkpoint.iterdir()):
             if path.is_dir() or path.name == STATE_NAME or _RUN_STATE.match(path.name):
@@ -268,6 +269,41 @@ def final_from_checkpoint(checkpoint: Path, output: Path) -> None:
             else:
                 shutil.copyfile(path, tmp / path.name)
         _retype(tmp, dtype, sum(sizes.values()))
+
+    _replace_final(output, fill, files or {})
+
+
+def final_from_student(student: Path, output: Path, files: dict[str, str]) -> None:
+    """Replace the final model in ``output`` by the student's files as given (a run the guard undid;
+    main process): every file of the folder ``student`` (hard links where the disk allows) but its run
+    log, plus ``files`` (name -> text: the records saying so), moved in with ``config.json`` last."""
+
+    def fill(tmp: Path) -> None:
+        for path in sorted(Path(student).iterdir()):
+            if path.is_file() and path.name not in (UPTRAIN_LOG, *files):
+                link_or_copy(path.resolve(), tmp / path.name)
+
+    _replace_final(output, fill, files)
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``src`` hard-linked as ``dst``, copied where the disk cannot link."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _replace_final(output: Path, fill: Callable[[Path], None], files: dict[str, str]) -> None:
+    """The final model in ``output`` replaced by what ``fill(tmp)`` writes into a temporary folder
+    beside it, plus ``files``; the old final's files (not the run log) removed only once it is whole."""
+    tmp = output / FINAL_TMP
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -17,6 +17,7 @@ from mha2gqa.core.conversion_record import ConversionRecord
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_RECORD, now, version
 from mha2gqa.core.runlog import RunEval
+from mha2gqa.uptrain.guard import UptrainGuard
 
 UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
 
@@ -24,7 +25,8 @@ UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
 @dataclass(frozen=True)
 class UptrainRecord:
     """One uptraining run up to ``steps``: the student, the run's settings (the ``--resume`` identity),
-    what was trained, and the first and last held-out evaluations (log records)."""
+    what was trained, and the first and last held-out evaluations (log records). In a published model,
+    ``steps`` is the step of the model ``guard`` chose (0: the student as given), not the run's last."""
 
     student: str
     settings: dict[str, Any]
@@ -36,6 +38,7 @@ class UptrainRecord:
     mixed_precision: str
     first_eval: RunEval | None = None
     last_eval: RunEval | None = None
+    guard: UptrainGuard | None = None  # --guard's decision that published this model (None: off, unmeasured)
     mha2gqa_version: str = dataclasses.field(default_factory=version)
     created: str = dataclasses.field(default_factory=now)
     schema: str = UPTRAIN_SCHEMA
@@ -110,6 +113,8 @@ class UptrainRecord:
             if ev.ppl_ratio is not None:
                 line += f", ×{ev.ppl_ratio:.3f} the teacher, KL {ev.kl_mean:.4f}"
             rows.append(("held-out", line))
+        if self.guard is not None:
+            rows.append(("guard", self.guard.line()))
         table = "\n".join(f"| {k} | {v} |" for k, v in rows)
         text = (
             "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"

@@ -9,6 +9,7 @@ from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import names_where, setting, validate
 from mha2gqa.core.text import DOC_SPLITS, check_text_source
+from mha2gqa.uptrain.guard import GUARDS
 
 OBJECTIVES = ("ce", "kd", "mix")
 TRAINABLE = ("all", "attention", "kv")
@@ -85,6 +86,14 @@ class UptrainSettings:
     eval_data: str | None = setting(
         None, help="Held-out text evaluated periodically (perplexity; KL with --teacher).", job=False
     )
+    guard: str = setting(
+        "on",
+        help="on: the model published is the best of those the --eval-data evaluations scored by the run's "
+        "objective (ce: perplexity; kd: KL to --teacher; mix: both, weighted; perplexity where no KL is measured): "
+        "the student as given where the run did not lower it (undone), or an earlier step's; fail: a run that did "
+        "not lower it fails; off: the last step's model, unchecked.",
+        choices=GUARDS,
+    )
     eval_every: int | None = setting(None, help="Steps between evaluations [default: a tenth of the run].", minimum=1)
     eval_tokens: int | None = setting(
         None,
@@ -97,7 +106,9 @@ class UptrainSettings:
         None, help="Windows per evaluation forward [default: the micro-batch].", minimum=1
     )
     save_every: int | None = setting(None, help="Steps between checkpoints [default: --eval-every].", minimum=1)
-    save_total_limit: int = setting(2, help="Checkpoints kept (the newest).", minimum=1)
+    save_total_limit: int = setting(
+        2, help="Checkpoints kept (the newest, and the one --guard scored best).", minimum=1
+    )
     log_every: int = setting(10, help="Steps between train records in the log.", minimum=1)
     stop_after: int | None = setting(
         None,
@@ -167,6 +178,8 @@ class UptrainSettings:
             raise SettingError("teacher_only", "{name} fills the cache of --teacher-top-k K: give K")
         if self.cpu_offload and self.sharding != "fsdp":
             raise SettingError("cpu_offload", "{name} offloads FSDP shards: add --sharding fsdp")
+        if self.guard == "fail" and not self.eval_data:
+            raise SettingError("guard", "{name} fail judges the run on held-out text: give --eval-data")
         if self.max_steps and self.max_tokens:
             raise SettingError("max_steps", "give {name} or --max-tokens, not both")
         return self

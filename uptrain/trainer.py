@@ -18,14 +18,23 @@ from typing import Any
 
 import torch
 
-from mha2gqa.core.conversion_record import read_conversion_record
+from mha2gqa.core.conversion_record import UNDONE, read_conversion_record
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_LOG, now
 from mha2gqa.core.runlog import RunEnd, RunEval, RunLog, RunResume, RunStart, read_log
 from mha2gqa.core.signals import check as check_signals
-from mha2gqa.uptrain.checkpoints import check_output, prepare_output, save_checkpoint, save_final
+from mha2gqa.uptrain.checkpoints import (
+    check_output,
+    checkpoint_dirs,
+    final_from_checkpoint,
+    final_from_student,
+    prepare_output,
+    save_checkpoint,
+    save_final,
+)
 from mha2gqa.uptrain.data import WindowOrder
+from mha2gqa.uptrain.guard import Figure, UptrainGuard, best_so_far, choose
 from mha2gqa.uptrain.prepare import Uptraining, check_resume, prepare, resume_point
 from mha2gqa.uptrain.record import UptrainRecord
 from mha2gqa.uptrain.settings import UptrainSettings
@@ -48,6 +57,7 @@ class UptrainResult:
     teacher_cache: Path | None = None  # set when the run was only the teacher pass (--teacher-only)
     processes: int = 1
     sharded: bool = False  # --sharding fsdp: parameters, gradients and optimizer state sharded over the processes
+    guard: UptrainGuard | None = None  # --guard's decision on the finished run (None: off, or nothing measured)
 
     def summary(self) -> str:
         if self.teacher_cache is not None:
@@ -64,6 +74,8 @@ class UptrainResult:
             line += f"; held-out perplexity {first.ppl:.4f} (step {first.step}) -> {last.ppl:.4f}"
             if last.ppl_ratio is not None:
                 line += f" (x{last.ppl_ratio:.3f} the teacher, KL {last.kl_mean:.4f})"
+        if self.guard is not None:
+            line += f"; guard: {self.guard.line()}"
         return line
 
 
@@ -185,6 +197,8 @@ class _Trainer:
             f"{s.batch_size} on {acc.num_processes} x {acc.device} "
             f"({'full precision' if acc.mixed_precision == 'no' else acc.mixed_precision + ' mixed precision'})"
         )
+        if s.guard != "off" and not up.eval_windows:
+            self.say("note: no --eval-data: --guard cannot check the run; the last step's model is published unchecked")
         if up.max_positions and up.seq_len < up.max_positions:
             self.say(
                 f"note: training windows of {up.seq_len} tokens do not reach positions {up.seq_len}-"
@@ -212,9 +226,10 @@ class _Trainer:
         )
         self.say(f"step {step:,}/{self.up.total:,}: held-out perplexity {record.ppl:.3f}{against}")
 
-    def model_files(self, step: int) -> dict[str, str]:
-        """Model card, uptraining record and conversion record of the model at ``step``."""
-        evals = self.evals
+    def model_files(self, step: int, guard: UptrainGuard | None = None) -> dict[str, str]:
+        """Model card, uptraining record and conversion record of the model at ``step`` (``guard``: the
+        guard's decision that publishes it)."""
+        evals = [ev for ev in self.evals if ev.step <= step]
         record = UptrainRecord(
             student=self.student,
             settings=self.up.run,
@@ -226,6 +241,7 @@ class _Trainer:
             mixed_precision=str(self.acc.mixed_precision),
             first_eval=evals[0] if evals else None,
             last_eval=evals[-1] if evals else None,
+            guard=guard,
         )
         return record.files(self.conv_record, self.up.student_folder)
 
@@ -250,6 +266,7 @@ class _Trainer:
             self.model_files(step),
             self.s.save_total_limit,
             (lambda folder: save_optimizer(self.model, self.optimizer, folder)) if self.s.sharded else None,
+            spare=best_so_far(self.evals, self.figure) if self.guarded_whole else None,
         )
         if self.watch is not None and step < self.up.total:
             self.watch(step, folder)
@@ -323,9 +340,21 @@ class _Trainer:
         bar.close()
         return step
 
+    @property
+    def figure(self) -> Figure:
+        """What the guard compares: the run's objective on the held-out text."""
+        return Figure(self.s.objective, self.s.kd_weight)
+
+    @property
+    def guarded_whole(self) -> bool:
+        """The guard may publish an earlier checkpoint: it is on, and checkpoints hold whole models (not
+        LoRA adapters)."""
+        return self.s.guard != "off" and not self.s.lora_rank
+
     def finish(self, step: int) -> UptrainResult:
         up = self.up
         complete = step >= up.total
+        guard = self.judge(step) if complete else None
         result = UptrainResult(
             self.output,
             step,
@@ -336,12 +365,47 @@ class _Trainer:
             time.perf_counter() - self.started,
             processes=self.acc.num_processes,
             sharded=self.s.sharded,
+            guard=guard,
         )
         if complete:
-            dtype = by_name(up.source_dtype).torch if up.source_dtype else None
-            save_final(self.acc, self.model, up.tokenizer, self.output, dtype, self.model_files(step), self.s.sharded)
+            self.publish(step, guard)
             self.log.write(RunEnd(step, step * self.tokens_per_step, now(), result.seconds))
         return result
+
+    def judge(self, step: int) -> UptrainGuard | None:
+        """The guard's decision on the run ended at ``step`` (made on the main process, given to every
+        one; None: off, or nothing measured); ``--guard fail`` raises where the run did not help."""
+        from mha2gqa.core.ranks import ranks
+
+        if self.s.guard == "off":
+            return None
+        kept = lambda: [at for at, _ in checkpoint_dirs(self.output)] if self.guarded_whole else []  # noqa: E731
+        guard = ranks().decide(lambda: choose(self.evals, step, kept(), self.figure))
+        if guard is None:
+            return None
+        if guard.outcome == UNDONE and self.s.guard == "fail":
+            raise Mha2GqaError(
+                f"uptrain: the run did not help: {guard.line()}; with --guard fail no final model is written "
+                f"(the checkpoints stay in {self.output}; --guard on publishes the student as given)"
+            )
+        self.say(f"uptrain guard: {guard.line()}")
+        return guard
+
+    def publish(self, step: int, guard: UptrainGuard | None) -> None:
+        """The final model into the output folder: the last step's, or the one ``guard`` chose (an
+        earlier checkpoint's, or the student as given)."""
+        at = guard.step if guard is not None else step
+        files = self.model_files(at, guard)
+        if at == step:
+            dtype = by_name(self.up.source_dtype).torch if self.up.source_dtype else None
+            save_final(self.acc, self.model, self.up.tokenizer, self.output, dtype, files, self.s.sharded)
+            return
+        if self.main:
+            if at == 0:
+                final_from_student(self.up.student_folder, self.output, files)
+            else:
+                final_from_checkpoint(dict(checkpoint_dirs(self.output))[at], self.output, files)
+        self.acc.wait_for_everyone()
 
 
 def run_uptrain(plan: UptrainPlan, watch: Watch | None = None) -> UptrainResult:
