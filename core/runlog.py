@@ -119,13 +119,22 @@ class RunResume:
 
 @dataclass(frozen=True)
 class RunEnd:
-    """The run finished all its steps and wrote its final model."""
+    """The run finished all its steps and wrote its final model: the model of step ``published`` (the
+    guard's choice: 0 is the student as given; None: the last step's), and the guard's ``guard`` line."""
 
     TYPE: ClassVar[str] = "end"
     step: int
     tokens: int
     created: str
     seconds: float
+    published: int | None = None
+    guard: str | None = None
+
+    def check(self, where: str) -> RunEnd:
+        """A step the run could have published: none after its last."""
+        if self.published is not None and not 0 <= self.published <= self.step:
+            raise typed.RecordError(f"{where}.published is {self.published}, not a step from 0 to {self.step}")
+        return self
 
 
 LogRecord = RunStart | RunTrain | RunEval | RunResume | RunEnd
@@ -137,13 +146,15 @@ RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (RunStart, RunTrain, R
 #: JSON keys that are Python keywords, and back
 _RENAMED = {"from": "from_"}
 _JSON_KEYS = {v: k for k, v in _RENAMED.items()}
+#: fields left out of a record's JSON when None (a run without the guard writes its end as before it)
+_UNSET = ("published", "guard")
 
 
 def to_json(record: LogRecord) -> dict[str, Any]:
     """The JSON object of ``record``: ``type`` first, a train record's parts beside its loss."""
     data = dataclasses.asdict(record)
     parts = data.pop("parts", {})
-    data = {_JSON_KEYS.get(k, k): v for k, v in data.items()}
+    data = {_JSON_KEYS.get(k, k): v for k, v in data.items() if not (k in _UNSET and v is None)}
     return {"type": record.TYPE, **data, **parts}
 
 
@@ -162,7 +173,7 @@ def from_json(data: Any, where: str) -> LogRecord:
         data["parts"] = {k: v for k, v in data.items() if k not in known}
     where = f"{where} ({cls.TYPE})"
     record = typed.read(cls, data, where)
-    if isinstance(record, RunStart):
+    if isinstance(record, (RunStart, RunEnd)):
         return record.check(where)
     for name in _FINITE.get(cls.TYPE, ()):  # a number the run could not have written: tampered or damaged
         value = getattr(record, name)
@@ -244,6 +255,11 @@ class RunHistory:
     @property
     def evals(self) -> list[RunEval]:
         return [r for r in self.records if isinstance(r, RunEval)]
+
+    @property
+    def end(self) -> RunEnd | None:
+        """The record of the finished run (None: it has not finished)."""
+        return next((r for r in self.records if isinstance(r, RunEnd)), None)
 
     @property
     def trains(self) -> list[RunTrain]:

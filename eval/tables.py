@@ -421,7 +421,7 @@ def sweep_table(rows: list[SweepRow]) -> Table:
 
 def recovery_table(runs: list[RunHistory]) -> Table:
     """One row per uptraining run: what trained, how long, and held-out quality before -> after."""
-    t = Table(["run", "objective", "trains", "steps", "tokens", "held-out PPL", "vs teacher", "KL"])
+    t = Table(["run", "objective", "trains", "steps", "tokens", "held-out PPL", "vs teacher", "KL", "published"])
     for run in runs:
         start, steps = run.start, run.steps
         row = [
@@ -439,5 +439,18 @@ def recovery_table(runs: list[RunHistory]) -> Table:
             row.append(f"{kls[0]:.4f} → {kls[1]:.4f}" if None not in kls else "")
         else:
             row += ["(no --eval-data)", "", ""]
-        t.add(*row)
+        t.add(*row, _published(run))
     return t
+
+
+def _published(run: RunHistory) -> str:
+    """Which step's model the run published as the guard chose: ``step 30: kept``, ``step 10 of 30:
+    the best``, ``step 0: undone`` (the student as given), or ``step 30`` unguarded."""
+    end = run.end
+    if end is None:
+        return "(not finished)"
+    if end.published is None:
+        return f"step {end.step:,}"
+    if end.published == 0:
+        return "step 0: undone (the student)"
+    return f"step {end.published:,}" + (": kept" if end.published == end.step else f" of {end.step:,}: the best")

@@ -17,7 +17,8 @@ from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.core.devices import PRECISIONS
 from mha2gqa.core.errors import Mha2GqaError
-from mha2gqa.core.runlog import RunEnd, RunEval, RunStart, RunTrain, read_log, to_json
+from mha2gqa.core.runlog import RunEnd, RunEval, RunHistory, RunStart, RunTrain, read_log, to_json
+from mha2gqa.eval.tables import recovery_table
 from mha2gqa.uptrain import UptrainSettings, uptrain
 from mha2gqa.uptrain.checkpoints import checkpoint_dirs
 from mha2gqa.uptrain.data import WindowOrder, pack_windows
@@ -644,7 +645,17 @@ def test_guard_undoes_a_run_that_hurts_and_fail_or_off_say_otherwise(models, tmp
     assert record.guard == guard and record.steps == 0 and record.last_eval == result.evals[0]
     assert "| guard | undone - held-out KL" in (out / "README.md").read_text()
     assert "guard: undone - held-out KL" in result.summary()
-    assert (out / "mha2gqa_conversion.json").is_file() and isinstance(read_log(out)[-1], RunEnd)
+    assert (out / "mha2gqa_conversion.json").is_file()
+    end = read_log(out)[-1]  # the log says which model the run published, and the report shows it
+    assert isinstance(end, RunEnd) and (end.step, end.published, end.guard) == (6, 0, guard.line())
+    assert "| step 0: undone (the student) |" in recovery_table([RunHistory.read(out)]).markdown()
+    log = out / "uptrain_log.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([*lines[:-1], lines[-1].replace('"published": 0', '"published": 7')]) + "\n")
+    with pytest.raises(
+        Mha2GqaError, match=r"uptrain_log.jsonl: line \d+ \(end\).published is 7, not a step from 0 to 6"
+    ):
+        read_log(out)
 
     failed = tmp_path / "fail"
     with pytest.raises(Mha2GqaError, match=r"did not help: undone - held-out KL .* no final model is written"):
@@ -654,6 +665,8 @@ def test_guard_undoes_a_run_that_hurts_and_fail_or_off_say_otherwise(models, tmp
     off = tmp_path / "off"
     unguarded = uptrain(str(models["student"]), _settings(models, off, guard="off", **hurt), log=_quiet)
     assert unguarded.guard is None and UptrainRecord.read(off).steps == 6
+    assert "published" not in json.loads((off / "uptrain_log.jsonl").read_text().splitlines()[-1])
+    assert "| step 6 |" in recovery_table([RunHistory.read(off)]).markdown()
     assert not torch.equal(
         _weights(off)["model.layers.0.self_attn.k_proj.weight"], student["model.layers.0.self_attn.k_proj.weight"]
     )
@@ -680,6 +693,7 @@ def test_guard_keeps_an_earlier_checkpoint_across_a_resume(models, tmp_path, mon
     record = UptrainRecord.read(out)
     assert record.steps == 3 and record.last_eval.step == 3 and record.guard == result.guard
     assert "| guard | step 3 of 12 kept - held-out perplexity 5 -> 2; step 3: 1 |" in (out / "README.md").read_text()
+    assert "| step 3 of 12: the best |" in recovery_table([RunHistory.read(out)]).markdown()
 
 
 def test_guard_chooses_by_the_runs_objective():

@@ -369,7 +369,8 @@ class _Trainer:
         )
         if complete:
             self.publish(step, guard)
-            self.log.write(RunEnd(step, step * self.tokens_per_step, now(), result.seconds))
+            published, line = (guard.step, guard.line()) if guard is not None else (None, None)
+            self.log.write(RunEnd(step, step * self.tokens_per_step, now(), result.seconds, published, line))
         return result
 
     def judge(self, step: int) -> UptrainGuard | None:
