@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from mha2gqa.convert.groupings import GROUPINGS, get_grouping
 from mha2gqa.convert.methods import METHODS, get_method
+from mha2gqa.core.conversion_record import GUARD_MODES
 from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_device_name
 from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.errors import SettingError
@@ -26,8 +27,6 @@ _METHODS_HELP = "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
 #: --refit's Adam learning rate, relative to each projection's RMS (SmolLM2-135M's projections, RMS 0.05-0.4,
 #: median ~0.2, took an absolute 3e-3 well: docs/methods.md, "Steps sized to the model")
 REFIT_LR = 0.015
-#: what the stage guard does with a stage that makes the model worse (``--guard``; mha2gqa.convert.guard)
-GUARD_MODES = ("undo", "fail", "off")
 #: held-out calibration windows the stage guard scores on (of the calibration window each)
 GUARD_WINDOWS = 4
 

@@ -131,6 +131,9 @@ class GuardScore:
         return f"KL {'inf' if self.kl is None else f'{self.kl:.4g}'}, top-1 {self.top1:.1%}"
 
 
+#: what a model-level guard does with a stage that does not make the model better (``convert --guard``,
+#: ``uptrain --guard``): undo it (publish the model before it), fail, or not measure
+GUARD_MODES = ("undo", "fail", "off")
 #: :attr:`GuardStage.outcome`: the stage's weights are published
 KEPT = "kept"
 #: :attr:`GuardStage.outcome`: the stage made the model worse, so the model before it is published

@@ -24,10 +24,6 @@ from dataclasses import dataclass
 from mha2gqa.core.conversion_record import KEPT, KEPT_IN_PART, UNDONE
 from mha2gqa.core.runlog import RunEval
 
-#: --guard: publish the best evaluated model (undoing a run that did not help), fail where the run did
-#: not help, or publish the last step's model unchecked
-GUARDS = ("on", "fail", "off")
-
 
 @dataclass(frozen=True)
 class UptrainGuard:

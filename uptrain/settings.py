@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mha2gqa.core.conversion_record import GUARD_MODES
 from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_device_name
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import names_where, setting, validate
 from mha2gqa.core.text import DOC_SPLITS, check_text_source
-from mha2gqa.uptrain.guard import GUARDS
 
 OBJECTIVES = ("ce", "kd", "mix")
 TRAINABLE = ("all", "attention", "kv")
@@ -87,12 +87,12 @@ class UptrainSettings:
         None, help="Held-out text evaluated periodically (perplexity; KL with --teacher).", job=False
     )
     guard: str = setting(
-        "on",
-        help="on: the model published is the best of those the --eval-data evaluations scored by the run's "
+        "undo",
+        help="undo: the model published is the best of those the --eval-data evaluations scored by the run's "
         "objective (ce: perplexity; kd: KL to --teacher; mix: both, weighted; perplexity where no KL is measured): "
         "the student as given where the run did not lower it (undone), or an earlier step's; fail: a run that did "
         "not lower it fails; off: the last step's model, unchecked.",
-        choices=GUARDS,
+        choices=GUARD_MODES,
     )
     eval_every: int | None = setting(None, help="Steps between evaluations [default: a tenth of the run].", minimum=1)
     eval_tokens: int | None = setting(
