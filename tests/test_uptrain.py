@@ -644,6 +644,12 @@ def test_guard_undoes_a_run_that_hurts_and_fail_or_off_say_otherwise(models, tmp
     record = UptrainRecord.read(out)
     assert record.guard == guard and record.steps == 0 and record.last_eval == result.evals[0]
     assert "| guard | undone - held-out KL" in (out / "README.md").read_text()
+    for field, value, said in (("outcome", "improved", "outcome 'improved'"), ("step", 4, "step 4 cannot be published"),
+                               ("before", float("nan"), "a figure is not a non-negative number")):  # fmt: skip
+        tampered = json.loads(record.to_json())
+        tampered["uptrain"]["guard"][field] = value
+        with pytest.raises(Mha2GqaError, match=f"x.json: damaged uptraining record \\(uptrain.guard: {said}"):
+            UptrainRecord.from_dict(tampered, "x.json")
     assert "guard: undone - held-out KL" in result.summary()
     assert (out / "mha2gqa_conversion.json").is_file()
     end = read_log(out)[-1]  # the log says which model the run published, and the report shows it

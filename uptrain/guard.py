@@ -39,6 +39,17 @@ class UptrainGuard:
     published: float
     steps: int  # the run's last step
 
+    def problem(self) -> str | None:
+        """What makes this decision one no run could have made (a tampered record), or None."""
+        if self.outcome not in (KEPT, KEPT_IN_PART, UNDONE):
+            return f"outcome {self.outcome!r} is not one of {KEPT}, {KEPT_IN_PART}, {UNDONE}"
+        step = {KEPT: self.steps, UNDONE: 0}.get(self.outcome)
+        if not 0 <= self.step <= self.steps or (step is not None and self.step != step):
+            return f"step {self.step} cannot be published as {self.outcome} by a run of {self.steps} steps"
+        if any(math.isnan(x) or x < 0 for x in (self.before, self.last, self.published)):
+            return "a figure is not a non-negative number"
+        return None
+
     def line(self) -> str:
         """``undone - held-out KL 0.011 -> 0.022: the student is published as given`` (terminal, card)."""
         moved = f"held-out {self.figure} {_f(self.before)} -> {_f(self.last)}"

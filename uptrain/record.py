@@ -60,9 +60,12 @@ class UptrainRecord:
             raise Mha2GqaError(f"{where}: schema {data.get('schema')!r} is not {UPTRAIN_SCHEMA}")
         flat = {**data["uptrain"], **{k: data[k] for k in ("mha2gqa_version", "created", "schema") if k in data}}
         try:
-            return typed.read(cls, flat, "uptrain")
+            record = typed.read(cls, flat, "uptrain")
         except typed.RecordError as e:
             raise Mha2GqaError(f"{where}: damaged uptraining record ({e})") from None
+        if record.guard is not None and (problem := record.guard.problem()):
+            raise Mha2GqaError(f"{where}: damaged uptraining record (uptrain.guard: {problem})")
+        return record
 
     @classmethod
     def read(cls, folder: Path) -> UptrainRecord:
