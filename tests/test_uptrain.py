@@ -664,7 +664,9 @@ def test_guard_undoes_a_run_that_hurts_and_fail_or_off_say_otherwise(models, tmp
         read_log(out)
 
     failed = tmp_path / "fail"
-    with pytest.raises(Mha2GqaError, match=r"did not help: undone - held-out KL .* no final model is written"):
+    with pytest.raises(
+        Mha2GqaError, match=r"did not help \(held-out KL .* -> .*\); with --guard fail no final model is written"
+    ):
         uptrain(str(models["student"]), _settings(models, failed, guard="fail", **hurt), log=_quiet)
     assert not (failed / "config.json").exists() and checkpoint_dirs(failed)
 

@@ -50,9 +50,14 @@ class UptrainGuard:
             return "a figure is not a non-negative number"
         return None
 
+    @property
+    def moved(self) -> str:
+        """``held-out KL 0.011 -> 0.022``: the figure at the start and at the run's last step."""
+        return f"held-out {self.figure} {_f(self.before)} -> {_f(self.last)}"
+
     def line(self) -> str:
         """``undone - held-out KL 0.011 -> 0.022: the student is published as given`` (terminal, card)."""
-        moved = f"held-out {self.figure} {_f(self.before)} -> {_f(self.last)}"
+        moved = self.moved
         if self.outcome == KEPT:
             return f"kept - {moved}"
         if self.outcome == UNDONE:

@@ -386,7 +386,7 @@ class _Trainer:
             return None
         if guard.outcome == UNDONE and self.s.guard == "fail":
             raise Mha2GqaError(
-                f"uptrain: the run did not help: {guard.line()}; with --guard fail no final model is written "
+                f"uptrain: the run did not help ({guard.moved}); with --guard fail no final model is written "
                 f"(the checkpoints stay in {self.output}; --guard undo publishes the student as given)"
             )
         self.say(f"uptrain guard: {guard.line()}")
