@@ -5,7 +5,9 @@ conversion against the source, renders one report over all of them and checks th
 source ``demo`` is the embedded model (trained once, cached, from the ``demo`` section); its data
 ``demo-heldout`` is the held-out CPython pydoc topics and ``demo-train`` (calibration, uptraining)
 the training topics. With an ``uptrain`` section every conversion is also uptrained (the source as
-teacher, the eval data held out), evaluated in turn, and the report gains the recovery curves.
+teacher), evaluated in turn, and the report gains the recovery curves. The uptraining's evaluations and
+its guard read the last tokens of its own data (``heldout_tokens``, :data:`UPTRAIN_HELDOUT` unless the
+section says; never trained on), not the job's eval text: that text stays for the job's scores alone.
 
 Each section is the settings dataclass of its command (:class:`ConvertSettings`,
 :class:`EvalSettings`, :class:`UptrainSettings`, :class:`GateSettings`, :class:`DemoSettings`), so
@@ -55,6 +57,11 @@ RECIPES = tuple(m + r + d for r in ("", REFIT) for d in ("", DISTILL) for m in M
 RECOMMENDED = "svd" + REFIT
 
 _TOP = ("name", "source", "demo", "convert", "eval", "uptrain", "gates", "report", "output_dir")
+
+
+#: tokens at the end of a job's uptraining data held out for its evaluations and guard, unless its
+#: ``uptrain`` section gives ``heldout_tokens`` (or ``eval_tokens``: as many as an evaluation reads)
+UPTRAIN_HELDOUT = 8192
 
 
 @dataclass
@@ -487,14 +494,13 @@ def _uptrain_stage(
     student: Path, out: Path, up: dict[str, Any], teacher: str, settings: EvalSettings, tag: str, log
 ) -> bool:
     """Uptrain a job's conversion ``student`` into ``out`` with ``up`` (distilling from the source,
-    evaluated on the job's text); returns whether the uptraining's guard undid it (``out`` then holds
+    evaluated on the held-out tail of its data); returns whether the uptraining's guard undid it (``out`` then holds
     the conversion as it was)."""
     from mha2gqa.core.conversion_record import UNDONE
     from mha2gqa.uptrain import uptrain
 
-    s = UptrainSettings(
-        **up, output=str(out), teacher=teacher, eval_data=settings.data, overwrite=True, progress=settings.progress
-    )
+    s = UptrainSettings(**up, output=str(out), teacher=teacher, overwrite=True, progress=settings.progress)
+    s = dataclasses.replace(s, heldout_tokens=s.heldout_tokens or s.eval_tokens or UPTRAIN_HELDOUT)
     result = uptrain(str(student), s, log=lambda m: log(m, f"  {tag}: "))
     log(f"uptrained {tag}: {result.summary()}")
     return result.guard is not None and result.guard.outcome == UNDONE

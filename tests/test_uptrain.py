@@ -735,3 +735,29 @@ def test_guard_fail_without_held_out_text_is_refused(models, tmp_path):
         [*argv, "--output", str(tmp_path / "g")]
     )
     assert not (tmp_path / "g").exists()
+
+
+def test_heldout_tokens_evaluate_on_the_datas_tail_and_never_train_on_it(models, tmp_path):
+    """``--heldout-tokens N``: the last N tokens of --data are the evaluation (and guard) text, and no
+    training window reads them; with --eval-data, or more than the text can spare, one-line errors."""
+    from mha2gqa.uptrain.prepare import prepare
+
+    held = prepare(
+        str(models["student"]), _settings(models, tmp_path / "h", eval_data=None, heldout_tokens=256), 1, _quiet
+    )
+    whole = prepare(str(models["student"]), _settings(models, tmp_path / "w", eval_data=None), 1, _quiet)
+    total = held.store.total
+    assert whole.store.total == total and not whole.eval_windows
+    assert held.num_windows == (total - 256 - 1) // 32 and held.num_windows * 32 + 1 <= total - 256
+    tail = torch.from_numpy(held.store.tokens(total - 256, 256))
+    windows = torch.cat([ids for ids, _ in held.eval_windows])
+    assert len(held.eval_windows) >= 1 and torch.equal(windows, tail[: windows.numel()])
+    student, text = str(models["student"]), str(models["text"])
+    base = [student, "--data", text, "--seq-len", "32", "--max-steps", "2", "-q"]
+    assert "--heldout-tokens evaluates on --data's last tokens: give it or --eval-data" in _cli_error(
+        [*base, "--output", str(tmp_path / "a"), "--heldout-tokens", "64", "--eval-data", str(models["held"])]
+    )
+    assert f"--heldout-tokens {total:,} leaves 0 of --data's {total:,} tokens" in _cli_error(
+        [*base, "--output", str(tmp_path / "b"), "--heldout-tokens", str(total)]
+    )
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -4,8 +4,9 @@ Uptraining can make a model worse where the user will use it (a learning rate ri
 wrecks another; a few steps on one text can move a model away from its teacher on another: in the
 demo job, 30 steps made a refitted model's held-out KL 0.011 -> 0.022). So, like ``convert``'s stage
 guard (:mod:`mha2gqa.convert.guard`), a run proves at the model level that it helped: every
-evaluation on ``--eval-data`` scores the model of its step by the run's own objective
-(:class:`Figure`: the perplexity for ``ce``, the KL to ``--teacher`` for ``kd``), and the model published is the best of the student as given (step 0), the
+evaluation on ``--eval-data`` (or ``--heldout-tokens``, the last tokens of ``--data``) scores the model
+of its step by the run's own objective (:class:`Figure`: the perplexity for ``ce``, the KL to
+``--teacher`` for ``kd``), and the model published is the best of the student as given (step 0), the
 last step's, and every evaluated step whose checkpoint the run kept (the checkpoint pruning spares
 it). A run whose best is step 0 is *undone*: the student is published as it was, and the record, the
 model card and the terminal say so (``--guard fail`` fails instead; ``--guard off`` publishes the

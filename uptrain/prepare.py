@@ -82,8 +82,14 @@ def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining
     root = Path(s.data_cache) if s.data_cache else cache_root() / "tokens"
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else len(tokenizer)
     store = token_store(root, tokenizer, student_folder, s.data, s.text_field, s.doc_split, log, vocab_size=vocab)
-    available = min(store.total, s.data_tokens or store.total)
+    trainable = store.total - (s.heldout_tokens or 0)  # the held-out tail is never trained on
+    available = min(trainable, s.data_tokens or trainable)
     num_windows = max((available - 1) // seq_len, 0)  # windows overlap by one token: none reads past `available`
+    if num_windows < 1 and s.heldout_tokens:
+        raise Mha2GqaError(
+            f"--heldout-tokens {s.heldout_tokens:,} leaves {max(trainable, 0):,} of --data's {store.total:,} tokens, "
+            f"too few for one training window of {seq_len}; hold out fewer or give more text"
+        )
     if num_windows < 1:
         raise Mha2GqaError(
             f"--data {s.data}: {available} tokens, too little text for one training window of {seq_len} tokens; "
@@ -92,7 +98,7 @@ def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining
     total = _total_steps(s, seq_len, num_windows)
     eval_every = s.eval_every or max(1, total // 10)
     live_teacher = teacher_folder is not None and not s.teacher_top_k
-    eval_windows, eval_tokens = _heldout(tokenizer, s, eval_seq_len, total, eval_every, live_teacher, log)
+    eval_windows, eval_tokens = _heldout(tokenizer, s, store, (eval_seq_len, total, eval_every), live_teacher, log)
     run = {
         **asdict(s),
         "seq_len": seq_len,
@@ -158,19 +164,26 @@ def _total_steps(s: UptrainSettings, seq_len: int, num_windows: int) -> int:
 
 
 def _heldout(
-    tokenizer, s: UptrainSettings, seq_len: int, total: int, every: int, live_teacher: bool, log
+    tokenizer, s: UptrainSettings, store: TokenStore, sizes: tuple[int, int, int], live_teacher: bool, log
 ) -> tuple[list[torch.Tensor], int | None]:
     """The held-out windows (``[seq_len]`` token ids each) and how many tokens they hold: as many as
     ``--eval-tokens`` asks, else what keeps evaluation near its share of the run (said); none without
-    ``--eval-data``."""
+    ``--eval-data`` or ``--heldout-tokens`` (then ``store``'s last tokens). ``sizes``: the evaluation
+    window, the run's steps and the steps between evaluations."""
     from mha2gqa.eval.perplexity import disjoint_windows
 
-    if not s.eval_data:
+    seq_len, total, every = sizes
+    if s.heldout_tokens:
+        held = s.heldout_tokens
+        ids = torch.from_numpy(store.tokens(store.total - held, min(held, s.eval_tokens or MAX_EVAL_TOKENS)))
+        where = f"--heldout-tokens {held:,}"
+    elif s.eval_data:
+        ids, where = _tokens(tokenizer, "eval_data", s, s.eval_tokens or MAX_EVAL_TOKENS), f"--eval-data {s.eval_data}"
+    else:
         return [], s.eval_tokens
-    ids = _tokens(tokenizer, "eval_data", s, s.eval_tokens or MAX_EVAL_TOKENS)
     if ids.numel() < seq_len:
         raise Mha2GqaError(
-            f"--eval-data {s.eval_data}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
+            f"{where}: {ids.numel()} tokens, fewer than one window of {seq_len}; "
             "give more text or a smaller --eval-seq-len"
         )
     budget = eval_budget(

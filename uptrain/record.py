@@ -112,7 +112,8 @@ class UptrainRecord:
             ("data", f"`{s['data']}`"),
         ]
         if ev := self.last_eval:
-            line = f"perplexity {ev.ppl:.4f} on `{s['eval_data']}` ({ev.eval_tokens:,} tokens)"
+            text = f"`{s['eval_data']}`" if s.get("eval_data") else f"the last tokens of `{s['data']}` (held out)"
+            line = f"perplexity {ev.ppl:.4f} on {text} ({ev.eval_tokens:,} tokens)"
             if ev.ppl_ratio is not None:
                 line += f", ×{ev.ppl_ratio:.3f} the teacher, KL {ev.kl_mean:.4f}"
             rows.append(("held-out", line))

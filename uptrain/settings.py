@@ -86,6 +86,13 @@ class UptrainSettings:
     eval_data: str | None = setting(
         None, help="Held-out text evaluated periodically (perplexity; KL with --teacher).", job=False
     )
+    heldout_tokens: int | None = setting(
+        None,
+        help="Hold the last N tokens of --data out of training and evaluate on them instead of --eval-data (a "
+        "validation text for --guard that is neither trained on nor the text you test on).",
+        minimum=1,
+        identity=True,
+    )
     guard: str = setting(
         "undo",
         help="undo: the model published is the best of those the --eval-data evaluations scored by the run's "
@@ -178,8 +185,10 @@ class UptrainSettings:
             raise SettingError("teacher_only", "{name} fills the cache of --teacher-top-k K: give K")
         if self.cpu_offload and self.sharding != "fsdp":
             raise SettingError("cpu_offload", "{name} offloads FSDP shards: add --sharding fsdp")
-        if self.guard == "fail" and not self.eval_data:
+        if self.guard == "fail" and not (self.eval_data or self.heldout_tokens):
             raise SettingError("guard", "{name} fail judges the run on held-out text: give --eval-data")
+        if self.eval_data and self.heldout_tokens:
+            raise SettingError("heldout_tokens", "{name} evaluates on --data's last tokens: give it or --eval-data")
         if self.max_steps and self.max_tokens:
             raise SettingError("max_steps", "give {name} or --max-tokens, not both")
         return self
