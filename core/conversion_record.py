@@ -225,7 +225,9 @@ class Facts:
         the method, ``/similarity`` grouping, ``/per-layer(...)`` counts (``auto``: allocated from
         calibration; more than :data:`RECIPE_LAYERS` layers: their average), ``+refit``; e.g.
         ``svd+refit``, ``svd/per-layer(4,1,2)+refit``, ``svd/per-layer(auto, avg 2)``; ``+refit(undone)``
-        where the stage guard undid it, ``+refit(in part)`` where it kept the first layers' refit."""
+        where the stage guard undid it, ``+refit(in part)`` where it kept the first layers' refit;
+        ``+distill(undone)`` where it undid ``--distill`` (a kept one's model is named by its
+        uptraining record: :attr:`~mha2gqa.core.model_info.ModelInfo.recipe`)."""
         name = self.method + ("" if self.grouping == "contiguous" else f"/{self.grouping}")
         counts = self.num_kv_heads_per_layer
         if counts:
@@ -235,16 +237,16 @@ class Facts:
             name += f"/per-layer({'auto, ' if self.per_layer_allocation else ''}{shown})"
         elif (allocated := self.guard.stage("allocation") if self.guard else None) and allocated.outcome == UNDONE:
             name += "/per-layer(auto, undone)"  # allocated, then undone by the stage guard: uniform counts
-        return name + self._stage_name("refit", self.refit is not None)
+        distill = self.guard.stage("distill") if self.guard else None
+        undone = self._stage_name("distill", True) if distill and distill.outcome == UNDONE else ""
+        return name + self._stage_name("refit", self.refit is not None) + undone
 
     def _stage_name(self, stage: str, ran: bool) -> str:
         """``+refit``, ``+refit(undone)`` or ``+refit(in part)``: a stage that ran, as the guard published it."""
         if not ran:
             return ""
         seen = self.guard.stage(stage) if self.guard else None
-        if seen is None or seen.outcome == KEPT:
-            return f"+{stage}"
-        return f"+{stage}({'undone' if seen.outcome == UNDONE else 'in part'})"
+        return stage_name(stage, seen.outcome if seen else None)
 
     @property
     def kv_heads_after(self) -> str:
@@ -257,6 +259,14 @@ class Facts:
         their places)."""
         found = self.source_kv_heads_per_kv_head_by_layer or {}
         return {int(layer): groups for layer, groups in found.items() if groups}
+
+
+def stage_name(stage: str, outcome: str | None) -> str:
+    """The recipe's name for a stage that ran: ``+refit`` (kept, or not judged: ``outcome`` None),
+    ``+refit(undone)`` (the guard published the model before it) or ``+refit(in part)``."""
+    if outcome in (None, KEPT):
+        return f"+{stage}"
+    return f"+{stage}({'undone' if outcome == UNDONE else 'in part'})"
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from mha2gqa.core.conversion_record import Facts
+from mha2gqa.core.conversion_record import KEPT, KEPT_IN_PART, UNDONE, Facts, stage_name
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 
 #: Fields a description leaves out when they are None (a model that has none of them).
-_OPTIONAL = ("kv_heads_per_layer", "config_sha256", "conversion")
+_OPTIONAL = ("kv_heads_per_layer", "config_sha256", "conversion", "uptrain_outcome")
 
 
 @dataclass
@@ -33,6 +33,9 @@ class ModelInfo:
     config_sha256: str | None = None
     conversion: Facts | None = None
     uptrained: bool = False
+    #: ``uptrain --guard``'s decision on it (None: not uptrained, or not judged): an undone run
+    #: published the student as given, "kept in part" an earlier step's model
+    uptrain_outcome: Literal[KEPT, KEPT_IN_PART, UNDONE] | None = None
     kv_heads_per_layer: list[int] | None = None  # a per-layer checkpoint's count of each layer
 
     def __post_init__(self) -> None:
@@ -43,9 +46,10 @@ class ModelInfo:
     @property
     def recipe(self) -> str:
         """The conversion's recipe (:attr:`Facts.recipe`), ``+uptrain`` when the model was uptrained
-        after it; empty for a model that was not converted."""
+        after it (``+uptrain(undone)``: the guard published the model as it was before; ``+uptrain(in
+        part)``: an earlier step's); empty for a model that was not converted."""
         recipe = self.conversion.recipe if self.conversion else ""
-        return f"{recipe}+uptrain" if recipe and self.uptrained else recipe
+        return recipe + stage_name("uptrain", self.uptrain_outcome) if recipe and self.uptrained else recipe
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -60,6 +60,10 @@ def value(annotation: Any, data: Any, where: str) -> Any:
         return value(options[-1], data, where)
     if dataclasses.is_dataclass(annotation):
         return read(annotation, data, where)
+    if origin is typing.Literal:
+        if isinstance(data, bool) or data not in args:
+            raise RecordError(f"{where} is {data!r:.40}, not one of {', '.join(map(repr, args))}")
+        return data
     if origin is list or origin is tuple:
         if not isinstance(data, list):
             raise RecordError(f"{where} is not a list")

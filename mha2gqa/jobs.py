@@ -451,16 +451,14 @@ def _run_job(
             model_dir = out / "models" / tag
             conv = _convert_stage(job, source, model_dir, g, method, calibration, progress, log)
             log(f"converted {tag}: {conv.summary()}")
-            stages = [(tag, method, model_dir, "")]
+            stages = [(tag, method, model_dir)]
             if up:
                 up_dir = out / "models" / f"{tag}-uptrained"
-                undone = _uptrain_stage(model_dir, up_dir, up, source, settings, tag, log)
-                stages.append((f"{tag}-uptrained", f"{method}+uptrain", up_dir, " (undone)" if undone else ""))
+                _uptrain_stage(model_dir, up_dir, up, source, settings, tag, log)
+                stages.append((f"{tag}-uptrained", f"{method}+uptrain", up_dir))
                 runs.append(up_dir)
-            for stage_tag, label, stage_dir, note in stages:
-                path, row, ok = _evaluate_stage(
-                    source, stage_dir, stage_tag, (label, note), g, conv, settings, job, out, log
-                )
+            for stage_tag, label, stage_dir in stages:
+                path, row, ok = _evaluate_stage(source, stage_dir, stage_tag, label, g, conv, settings, job, out, log)
                 paths.append(path)
                 rows.append(row)
                 passed &= ok
@@ -492,25 +490,23 @@ def _convert_stage(job: Job, source: str, dst: Path, g, recipe: str, calibration
 
 def _uptrain_stage(
     student: Path, out: Path, up: dict[str, Any], teacher: str, settings: EvalSettings, tag: str, log
-) -> bool:
+) -> None:
     """Uptrain a job's conversion ``student`` into ``out`` with ``up`` (distilling from the source,
-    evaluated on the held-out tail of its data); returns whether the uptraining's guard undid it (``out`` then holds
-    the conversion as it was)."""
-    from mha2gqa.core.conversion_record import UNDONE
+    evaluated on the held-out tail of its data, which its guard chooses on: an undone run leaves the
+    conversion as it was, and its results name it ``+uptrain(undone)``)."""
     from mha2gqa.uptrain import uptrain
 
     s = UptrainSettings(**up, output=str(out), teacher=teacher, overwrite=True, progress=settings.progress)
     s = dataclasses.replace(s, heldout_tokens=s.heldout_tokens or s.eval_tokens or UPTRAIN_HELDOUT)
     result = uptrain(str(student), s, log=lambda m: log(m, f"  {tag}: "))
     log(f"uptrained {tag}: {result.summary()}")
-    return result.guard is not None and result.guard.outcome == UNDONE
 
 
 def _evaluate_stage(
     source: str,
     model_dir: Path,
     tag: str,
-    label: tuple[str, str],
+    label: str,
     g: int,
     conv,
     settings,
@@ -520,7 +516,7 @@ def _evaluate_stage(
 ) -> tuple[Path, SweepRow, bool]:
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
     returns the results path, the summary row and whether its gates passed. ``label``: the recipe where
-    the model's records do not name one, and what the row adds to it (an undone uptraining)."""
+    the model's records do not name one."""
     from mha2gqa.eval.outcome import EvalRequest
     from mha2gqa.eval.tables import SweepRow, task_cell, verdict_cell
 
@@ -532,7 +528,7 @@ def _evaluate_stage(
     p = typed.headline
     row = SweepRow(
         tag=tag,
-        method=(typed.converted.recipe or label[0]) + label[1],
+        method=typed.converted.recipe or label,
         num_kv_heads=heads_tag(g, ","),
         original_ppl=p.original.ppl,
         converted_ppl=p.converted.ppl,

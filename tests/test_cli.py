@@ -68,7 +68,7 @@ def test_a_jobs_uptraining_that_hurts_is_undone_and_its_row_says_so(tmp_path, mo
     lines: list[str] = []
     result = run_job(job, tmp_path / "run", log=lines.append)
     converted, uptrained = result.rows
-    assert (converted.method, uptrained.method) == ("svd", "svd+uptrain (undone)")
+    assert (converted.method, uptrained.method) == ("svd", "svd+uptrain(undone)")
     assert (uptrained.kl_mean, uptrained.top1) == (converted.kl_mean, converted.top1)
     assert any("guard: undone - held-out KL" in line for line in lines)
 

@@ -19,7 +19,7 @@ from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.convert.guard import prefix_cuts, score_of
 from mha2gqa.convert.settings import GUARD_WINDOWS
-from mha2gqa.core.conversion_record import KEPT, MEASURED, UNDONE
+from mha2gqa.core.conversion_record import KEPT, MEASURED, UNDONE, read_conversion_record
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 
 
@@ -231,6 +231,7 @@ def test_a_distillation_that_makes_the_model_worse_is_undone(tmp_path):
     assert [t.split(":")[0] for t in tries] == ["--distill-lr 0.1", "--distill-lr 0.0333", "--distill-lr 0.0111"]
     assert "not below either (step " in tries[-1], tries  # with each checkpoint's KL
     assert "distill: undone - held-out KL" in (dst / "README.md").read_text()
+    assert read_conversion_record(dst).conversion.recipe == "mean+distill(undone)"  # as every table names it
     failed = CliRunner().invoke(
         main, [*common[:2], str(tmp_path / "failed"), *common[2:], *calibration, *distill, "--guard", "fail"]
     )

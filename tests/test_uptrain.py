@@ -15,9 +15,14 @@ from safetensors.torch import load_file
 
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
+from mha2gqa.core import typed
 from mha2gqa.core.devices import PRECISIONS
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.model_info import ModelInfo
+from mha2gqa.core.models import load_model
+from mha2gqa.core.records import UPTRAIN_RECORD
 from mha2gqa.core.runlog import RunEnd, RunEval, RunHistory, RunStart, RunTrain, read_log, to_json
+from mha2gqa.core.uptrain_guard import published_outcome
 from mha2gqa.eval.tables import recovery_table
 from mha2gqa.uptrain import UptrainSettings, uptrain
 from mha2gqa.uptrain.checkpoints import checkpoint_dirs
@@ -652,6 +657,17 @@ def test_guard_undoes_a_run_that_hurts_and_fail_or_off_say_otherwise(models, tmp
             UptrainRecord.from_dict(tampered, "x.json")
     assert "guard: undone - held-out KL" in result.summary()
     assert (out / "mha2gqa_conversion.json").is_file()
+    info = load_model(str(out), torch.device("cpu"), torch.float32).describe()  # as results and tables name it
+    assert (info.uptrain_outcome, info.recipe) == ("undone", "mean+uptrain(undone)")
+    assert typed.read(ModelInfo, json.loads(json.dumps(info.to_dict())), "m") == info
+    with pytest.raises(Mha2GqaError, match=r"m.uptrain_outcome is 'improved', not one of 'kept', 'kept in part'"):
+        typed.read(ModelInfo, {**info.to_dict(), "uptrain_outcome": "improved"}, "m")
+    tampered = json.loads((out / UPTRAIN_RECORD).read_text())
+    tampered["uptrain"]["guard"]["outcome"] = "improved"
+    (tmp_path / "tampered").mkdir()
+    (tmp_path / "tampered" / UPTRAIN_RECORD).write_text(json.dumps(tampered))
+    with pytest.raises(Mha2GqaError, match=r"tampered/mha2gqa_uptrain.json: damaged uptraining record \(uptrain"):
+        published_outcome(tmp_path / "tampered")
     end = read_log(out)[-1]  # the log says which model the run published, and the report shows it
     assert isinstance(end, RunEnd) and (end.step, end.published, end.guard) == (6, 0, guard.line())
     assert "| step 0: undone (the student) |" in recovery_table([RunHistory.read(out)]).markdown()
@@ -673,6 +689,7 @@ def test_guard_undoes_a_run_that_hurts_and_fail_or_off_say_otherwise(models, tmp
     off = tmp_path / "off"
     unguarded = uptrain(str(models["student"]), _settings(models, off, guard="off", **hurt), log=_quiet)
     assert unguarded.guard is None and UptrainRecord.read(off).steps == 6
+    assert published_outcome(off) is None and published_outcome(tmp_path) is None  # not judged; no record
     assert "published" not in json.loads((off / "uptrain_log.jsonl").read_text().splitlines()[-1])
     assert "| step 6 |" in recovery_table([RunHistory.read(off)]).markdown()
     assert not torch.equal(
@@ -702,6 +719,8 @@ def test_guard_keeps_an_earlier_checkpoint_across_a_resume(models, tmp_path, mon
     assert record.steps == 3 and record.last_eval.step == 3 and record.guard == result.guard
     assert "| guard | step 3 of 12 kept - held-out perplexity 5 -> 2; step 3: 1 |" in (out / "README.md").read_text()
     assert "| step 3 of 12: the best |" in recovery_table([RunHistory.read(out)]).markdown()
+    assert published_outcome(out) == "kept in part"
+    assert load_model(str(out), torch.device("cpu"), torch.float32).describe().recipe.endswith("+uptrain(in part)")
 
 
 def test_guard_chooses_by_the_runs_objective():

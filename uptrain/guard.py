@@ -24,50 +24,7 @@ from dataclasses import dataclass
 
 from mha2gqa.core.conversion_record import KEPT, KEPT_IN_PART, UNDONE
 from mha2gqa.core.runlog import RunEval
-
-
-@dataclass(frozen=True)
-class UptrainGuard:
-    """The guard's decision on a finished run: the figure it compared (``KL`` or ``perplexity`` on
-    ``--eval-data``), the student's (step 0), the last step's, and the step whose model is published
-    (0: the student as given) with its figure."""
-
-    outcome: str  # KEPT (the last step's), KEPT_IN_PART (an earlier step's) or UNDONE (the student)
-    figure: str
-    before: float
-    last: float
-    step: int
-    published: float
-    steps: int  # the run's last step
-
-    def problem(self) -> str | None:
-        """What makes this decision one no run could have made (a tampered record), or None."""
-        if self.outcome not in (KEPT, KEPT_IN_PART, UNDONE):
-            return f"outcome {self.outcome!r} is not one of {KEPT}, {KEPT_IN_PART}, {UNDONE}"
-        step = {KEPT: self.steps, UNDONE: 0}.get(self.outcome)
-        if not 0 <= self.step <= self.steps or (step is not None and self.step != step):
-            return f"step {self.step} cannot be published as {self.outcome} by a run of {self.steps} steps"
-        if any(math.isnan(x) or x < 0 for x in (self.before, self.last, self.published)):
-            return "a figure is not a non-negative number"
-        return None
-
-    @property
-    def moved(self) -> str:
-        """``held-out KL 0.011 -> 0.022``: the figure at the start and at the run's last step."""
-        return f"held-out {self.figure} {_f(self.before)} -> {_f(self.last)}"
-
-    def line(self) -> str:
-        """``undone - held-out KL 0.011 -> 0.022: the student is published as given`` (terminal, card)."""
-        moved = self.moved
-        if self.outcome == KEPT:
-            return f"kept - {moved}"
-        if self.outcome == UNDONE:
-            return f"undone - {moved}: the student is published as given"
-        return f"step {self.step} of {self.steps} kept - {moved}; step {self.step}: {_f(self.published)}"
-
-
-def _f(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.4g}"
+from mha2gqa.core.uptrain_guard import UptrainGuard
 
 
 @dataclass(frozen=True)

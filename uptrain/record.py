@@ -17,7 +17,7 @@ from mha2gqa.core.conversion_record import ConversionRecord
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_RECORD, now, version
 from mha2gqa.core.runlog import RunEval
-from mha2gqa.uptrain.guard import UptrainGuard
+from mha2gqa.core.uptrain_guard import UptrainGuard, checked
 
 UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
 
@@ -63,8 +63,7 @@ class UptrainRecord:
             record = typed.read(cls, flat, "uptrain")
         except typed.RecordError as e:
             raise Mha2GqaError(f"{where}: damaged uptraining record ({e})") from None
-        if record.guard is not None and (problem := record.guard.problem()):
-            raise Mha2GqaError(f"{where}: damaged uptraining record (uptrain.guard: {problem})")
+        checked(record.guard, where)
         return record
 
     @classmethod

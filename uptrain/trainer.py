@@ -24,6 +24,7 @@ from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_LOG, now
 from mha2gqa.core.runlog import RunEnd, RunEval, RunLog, RunResume, RunStart, read_log
 from mha2gqa.core.signals import check as check_signals
+from mha2gqa.core.uptrain_guard import UptrainGuard
 from mha2gqa.uptrain.checkpoints import (
     check_output,
     checkpoint_dirs,
@@ -34,7 +35,7 @@ from mha2gqa.uptrain.checkpoints import (
     save_final,
 )
 from mha2gqa.uptrain.data import WindowOrder
-from mha2gqa.uptrain.guard import Figure, UptrainGuard, best_so_far, choose
+from mha2gqa.uptrain.guard import Figure, best_so_far, choose
 from mha2gqa.uptrain.prepare import Uptraining, check_resume, prepare, resume_point
 from mha2gqa.uptrain.record import UptrainRecord
 from mha2gqa.uptrain.settings import UptrainSettings

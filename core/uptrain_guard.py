@@ -1,0 +1,95 @@
+"""What ``uptrain --guard`` decided about a published model (:class:`UptrainGuard`, part of the
+uptraining record ``mha2gqa_uptrain.json``), and reading that decision back from a model folder, as
+the results name the model (``+uptrain(undone)``: :attr:`~mha2gqa.core.model_info.ModelInfo.recipe`).
+The decision itself is made in :mod:`mha2gqa.uptrain.guard`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from mha2gqa.core.conversion_record import KEPT, KEPT_IN_PART, UNDONE
+from mha2gqa.core.errors import Mha2GqaError
+
+
+@dataclass(frozen=True)
+class UptrainGuard:
+    """The guard's decision on a finished run: the figure it compared (``KL`` or ``perplexity`` on
+    ``--eval-data``), the student's (step 0), the last step's, and the step whose model is published
+    (0: the student as given) with its figure."""
+
+    outcome: str  # KEPT (the last step's), KEPT_IN_PART (an earlier step's) or UNDONE (the student)
+    figure: str
+    before: float
+    last: float
+    step: int
+    published: float
+    steps: int  # the run's last step
+
+    def problem(self) -> str | None:
+        """What makes this decision one no run could have made (a tampered record), or None."""
+        if self.outcome not in (KEPT, KEPT_IN_PART, UNDONE):
+            return f"outcome {self.outcome!r} is not one of {KEPT}, {KEPT_IN_PART}, {UNDONE}"
+        step = {KEPT: self.steps, UNDONE: 0}.get(self.outcome)
+        if not 0 <= self.step <= self.steps or (step is not None and self.step != step):
+            return f"step {self.step} cannot be published as {self.outcome} by a run of {self.steps} steps"
+        if any(math.isnan(x) or x < 0 for x in (self.before, self.last, self.published)):
+            return "a figure is not a non-negative number"
+        return None
+
+    @property
+    def moved(self) -> str:
+        """``held-out KL 0.011 -> 0.022``: the figure at the start and at the run's last step."""
+        return f"held-out {self.figure} {_f(self.before)} -> {_f(self.last)}"
+
+    def line(self) -> str:
+        """``undone - held-out KL 0.011 -> 0.022: the student is published as given`` (terminal, card)."""
+        moved = self.moved
+        if self.outcome == KEPT:
+            return f"kept - {moved}"
+        if self.outcome == UNDONE:
+            return f"undone - {moved}: the student is published as given"
+        return f"step {self.step} of {self.steps} kept - {moved}; step {self.step}: {_f(self.published)}"
+
+
+def _f(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.4g}"
+
+
+def checked(guard: UptrainGuard | None, where: str) -> UptrainGuard | None:
+    """``guard`` as read from the record ``where``; one no run could have made: one error naming it."""
+    if guard is not None and (problem := guard.problem()):
+        raise Mha2GqaError(f"{where}: damaged uptraining record (uptrain.guard: {problem})")
+    return guard
+
+
+@dataclass(frozen=True)
+class _Run:
+    guard: UptrainGuard | None = None
+
+
+@dataclass(frozen=True)
+class _Published:
+    """The part of an uptraining record :func:`published_outcome` reads (the rest is the uptrain layer's)."""
+
+    uptrain: _Run
+
+
+def published_outcome(folder: Path) -> str | None:
+    """The guard's outcome on the uptrained model in ``folder`` (KEPT, KEPT_IN_PART or UNDONE), from its
+    uptraining record; None where it has none, or its run was not guarded (``--guard off``, no
+    held-out text, ``convert --distill``'s own run, judged by the conversion's guard). A damaged
+    record: one error naming it."""
+    from mha2gqa.core import typed
+    from mha2gqa.core.records import UPTRAIN_RECORD, read_record_json
+
+    path = Path(folder) / UPTRAIN_RECORD
+    data = read_record_json(path, "uptrain the model again")
+    if data is None:
+        return None
+    try:
+        guard = typed.read(_Published, data, "record").uptrain.guard
+    except typed.RecordError as e:
+        raise Mha2GqaError(f"{path}: damaged uptraining record ({e})") from None
+    return None if guard is None else checked(guard, str(path)).outcome
