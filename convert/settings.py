@@ -152,7 +152,8 @@ class ConvertSettings:
     )
     refit_precision: str = setting(
         "auto",
-        help="Arithmetic of --refit's calibration pass and Adam steps (its hidden states, held-out checks and "
+        help="Arithmetic of --refit's calibration pass, Adam steps and the layers' passes over its hidden states "
+        "outside the converted attention (the states themselves, that attention, the held-out checks and "
         "closed-form solve, and the guard, stay float32): " + PRECISION_HELP,
         choices=PRECISIONS,
     )
@@ -263,8 +264,8 @@ class ConvertSettings:
 
     def refit_arithmetic(self) -> str:
         """``--refit-precision`` as this machine runs it: ``bf16`` (autocast) or ``no`` (float32), for the
-        calibration pass that starts the refit and its Adam steps (:func:`~mha2gqa.core.models.resolve_precision`;
-        ``no`` without ``--refit``)."""
+        calibration pass that starts the refit, its Adam steps and its stream passes outside the converted
+        attention (:func:`~mha2gqa.core.models.resolve_precision`; ``no`` without ``--refit``)."""
         from mha2gqa.core.models import arithmetic
 
         return arithmetic(self.refit_precision, self.device) if self.refit else "no"

@@ -88,7 +88,7 @@ def refit_summary(refit: Refit) -> str:
 
 
 #: what the card adds to a refit run in bf16 (:attr:`Refit.precision`)
-BF16_REFIT = ", calibration and Adam steps in bf16 autocast"
+BF16_REFIT = ", calibration, Adam steps and stream passes (attention in float32) in bf16 autocast"
 
 
 def _head_sharing(conv: Facts) -> str:

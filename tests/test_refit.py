@@ -108,41 +108,56 @@ def test_refit_steps_under_bf16_autocast_fit_as_well_and_say_so(calib_text, tmp_
     assert after["bf16"] != after["no"]  # the autocast ran
     for bf16, f32, before in zip(after["bf16"], after["no"], [r.loss_before for r in runs["no"].layers], strict=True):
         assert bf16 < 0.8 * before and abs(bf16 - f32) <= 0.1 * f32
-    assert "calibration and Adam steps in bf16 autocast" in (tmp_path / "bf16" / "README.md").read_text()
+    assert (
+        "calibration, Adam steps and stream passes (attention in float32) in bf16 autocast"
+        in (tmp_path / "bf16" / "README.md").read_text()
+    )
     assert "bf16 autocast" not in (tmp_path / "no" / "README.md").read_text()
 
 
-def test_a_refits_calibration_runs_in_its_arithmetic_and_its_streams_in_float32(calib_text, tmp_path, monkeypatch):
+def test_a_refits_calibration_and_streams_run_in_its_arithmetic_with_attention_in_float32(
+    calib_text, tmp_path, monkeypatch
+):
     """The calibration pass that starts a refit runs under the refit's autocast, as its steps do (the
-    states stay float32); the layers' passes over its streams are float32 under either arithmetic, so
-    an exact merge's streams stay equal (test_an_exact_conversion_stays_exact); a conversion without
-    --refit calibrates in float32."""
+    states stay float32); the layers' passes over its streams too, except the converted layer's
+    attention block, float32 under either arithmetic, so an exact merge's streams stay equal
+    (test_an_exact_conversion_stays_exact); a conversion without --refit calibrates in float32."""
     import mha2gqa.convert.calibration.streaming as streaming
-    from mha2gqa.convert.refit.streams import HiddenStates
+    from mha2gqa.convert.refit.streams import Streams
 
     seen: list[tuple[str, torch.dtype | None, torch.dtype]] = []
-    advance, calibrate = HiddenStates.advance, streaming._advance
+    products: set[tuple[bool, torch.dtype]] = set()  # (inside the attention block, a Linear's output dtype)
+    inside = [False]
+    advance, calibrate, linear = Streams.advance, streaming._advance, torch.nn.Linear.forward
 
-    def streams(self, runs, step, dev):
-        advance(self, runs, lambda x, w: _recorded(step(x, w)), dev)
-        seen.append(("streams", None, self.data.dtype))
+    def streams(self, stream, step, exact):
+        hooks = [exact.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True)),
+                 exact.register_forward_hook(lambda *a: inside.__setitem__(0, False))] if exact else []  # fmt: skip
+        monkeypatch.setattr(torch.nn.Linear, "forward", lambda m, x: _product(linear(m, x)))
+        advance(self, stream, step, exact)
+        monkeypatch.setattr(torch.nn.Linear, "forward", linear)
+        for hook in hooks:
+            hook.remove()
+        seen.append(("streams", None, stream.data.dtype))
 
-    def _recorded(out: torch.Tensor) -> torch.Tensor:
-        assert out.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+    def _product(out: torch.Tensor) -> torch.Tensor:
+        products.add((inside[0], out.dtype))
         return out
 
     def calibration(layer, states, bar, autocast=None):
         calibrate(layer, states, bar, autocast)
         seen.append(("calibration", autocast, states[0][0].dtype))
 
-    monkeypatch.setattr(HiddenStates, "advance", streams)
+    monkeypatch.setattr(Streams, "advance", streams)
     monkeypatch.setattr(streaming, "_advance", calibration)
     src = source("llama", calib_text, tmp_path / "src")
     for precision, dtype in (("no", None), ("bf16", torch.bfloat16)):
         seen.clear()
+        products.clear()
         kw = refit(calib_text, "svd", refit_steps=4, refit_precision=precision)
         convert_checkpoint(src, tmp_path / precision, 1, **kw)
         assert sorted(seen) == [("calibration", dtype, torch.float32)] * 2 + [("streams", None, torch.float32)] * 4
+        assert products == {(True, torch.float32), (False, dtype or torch.float32)}
     seen.clear()
     convert_checkpoint(src, tmp_path / "svd", 1, **calibrated(calib_text, "svd"))
     assert seen == [("calibration", None, torch.float32)] * 2

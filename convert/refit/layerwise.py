@@ -54,13 +54,16 @@ def _attention_module(c: Conversion, by_name: Mapping[str, OutputTensor], i: int
 
 
 def _advance_original(
-    source_layer: Callable[[torch.Tensor, list[int]], torch.Tensor], st: Streams, attention: torch.nn.Module | None
+    source_layer: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    st: Streams,
+    attention: torch.nn.Module | None,
+    exact: torch.nn.Module | None,
 ) -> None:
-    """Run the original stream through the source layer (``source_layer(states, windows)``); with
-    ``attention`` (its attention block), keep the residual stream after it, ``x + a``, in
-    ``st.targets`` on the way."""
+    """Run the original stream through the source layer (``source_layer(states, windows)``; ``exact``: what
+    runs in float32, :meth:`Streams.advance`); with ``attention`` (its attention block), keep the
+    residual stream after it, ``x + a``, in ``st.targets`` on the way."""
     if attention is None:
-        st.original.advance(st.every, source_layer, st.dev)
+        st.advance(st.original, source_layer, exact)
         return
     seen: list[torch.Tensor] = []
 
@@ -70,7 +73,14 @@ def _advance_original(
         return y
 
     with hooked(attention, lambda module, args, out: seen.append(layer_output(out))):
-        st.original.advance(st.every, step, st.dev)
+        st.advance(st.original, step, exact)
+
+
+def _exact_part(c: Conversion, layer, i: int, prefix: str, by_name: Mapping[str, OutputTensor]) -> torch.nn.Module:
+    """What of converted layer ``i`` (its source module ``layer``) the streams run in float32: its
+    attention block (the whole layer where the block has no module of its own)."""
+    path = _attention_module(c, by_name, i, prefix)
+    return layer.get_submodule(path) if path else layer
 
 
 class _ConvertedLayer:
@@ -143,7 +153,7 @@ def _refit_layer(
         result = solve_output(result, fitted_part, o_proj=o_proj, targets=targets, windows=len(st.ids), **kw)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
     written = LayerWeights(out, converted.layout, converted.shape).values  # as stored: what the next layer reads
-    st.converted.advance(st.every, partial(converted, written), dev)
+    st.advance(st.converted, partial(converted, written), _exact_part(c, layer, i, prefix, by_name))
     if st.ranks.main:  # the other processes (the same values) write nothing
         _spill_layer(out, work / f"layer-{i}.safetensors", by_name)
     return result
@@ -175,7 +185,7 @@ def _resumed_layer(
         raise ResumeDamaged(
             f"{path}: holds NaN or infinite values (damaged or edited); pass --remove-stale to start over"
         )
-    st.converted.advance(st.every, partial(converted, converted.weights.values), st.dev)
+    st.advance(st.converted, partial(converted, converted.weights.values), _exact_part(c, layer, i, prefix, by_name))
     return record
 
 
@@ -232,18 +242,18 @@ def refit(
                 return layer_output(layer(h, **batched(st.kw, len(w))))
 
             changed = c.targets[i] != c.dims.num_kv_heads
+            exact = _exact_part(c, layer, i, prefix, by_name) if changed else None
             attention = None
             if changed and s.refit_target == "attention":
-                path = _attention_module(c, by_name, i, prefix)
-                attention = layer.get_submodule(path) if path else None
+                attention = None if exact is layer else exact
                 one = st.mine[:1]
                 first = st.original[one].to(st.dev)
                 if attention is None or not reads_after_attention(partial(source_layer, w=one), attention, first):
                     attention = None
                     whole.append(i)
-            _advance_original(source_layer, st, attention)
+            _advance_original(source_layer, st, attention, exact)
             if not changed:  # an exact copy, run as it is
-                st.converted.advance(st.every, source_layer, st.dev)
+                st.advance(st.converted, source_layer, None)
             elif i in done:
                 records.append(_resumed_layer(c, layer, i, prefix, st, by_name, resume))
             else:
