@@ -162,7 +162,7 @@ class Streams:
         products) has the same shapes and weights in the source's layer and the converted one, so two
         streams that an exact merge leaves equal stay equal (bf16 products of the source's and the
         converted attention's shapes round apart: such a layer's held-out error is then 0, and it is not
-        fitted), and every stream pass of a layer takes about half the time of float32's."""
+        fitted), and a layer's pass over the streams takes about 0.6 of float32's time (SmolLM2-135M)."""
         with autocast_outside(self.dev, self.autocast, exact):
             stream.advance(self.every, step, self.dev)
 
