@@ -238,7 +238,7 @@ class Facts:
         elif (allocated := self.guard.stage("allocation") if self.guard else None) and allocated.outcome == UNDONE:
             name += "/per-layer(auto, undone)"  # allocated, then undone by the stage guard: uniform counts
         distill = self.guard.stage("distill") if self.guard else None
-        undone = self._stage_name("distill", True) if distill and distill.outcome == UNDONE else ""
+        undone = stage_name("distill", UNDONE) if distill and distill.outcome == UNDONE else ""
         return name + self._stage_name("refit", self.refit is not None) + undone
 
     def _stage_name(self, stage: str, ran: bool) -> str:

@@ -117,14 +117,15 @@ def _refit_layer(
     by_name: dict[str, OutputTensor],
     work: Path,
     attention: torch.nn.Module | None,
+    exact: torch.nn.Module,
     last: float | None = None,
 ) -> FitResult:
     """Fit layer ``i``'s projections (its module ``layer``, materialized, the original stream already
     past it), write them to ``work`` and point ``by_name`` at them, and advance the converted stream
-    through the layer as written. With ``attention`` (the layer's attention block) the fit reproduces
-    the original's residual stream after it (``st.targets``) and runs the layer only that far. ``last``:
-    the learning rate the previous refitted layer went on with (the rates probed are near it:
-    :func:`probe_near`)."""
+    through the layer as written (``exact``: what of it runs in float32, :func:`_exact_part`). With
+    ``attention`` (the layer's attention block) the fit reproduces the original's residual stream after
+    it (``st.targets``) and runs the layer only that far. ``last``: the learning rate the previous
+    refitted layer went on with (the rates probed are near it: :func:`probe_near`)."""
     s, dev = c.settings, st.dev
     converted = _ConvertedLayer(c, layer, i, prefix, st, by_name)
     weights, names = converted.weights, converted.names
@@ -153,18 +154,26 @@ def _refit_layer(
         result = solve_output(result, fitted_part, o_proj=o_proj, targets=targets, windows=len(st.ids), **kw)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
     written = LayerWeights(out, converted.layout, converted.shape).values  # as stored: what the next layer reads
-    st.advance(st.converted, partial(converted, written), _exact_part(c, layer, i, prefix, by_name))
+    st.advance(st.converted, partial(converted, written), exact)
     if st.ranks.main:  # the other processes (the same values) write nothing
         _spill_layer(out, work / f"layer-{i}.safetensors", by_name)
     return result
 
 
 def _resumed_layer(
-    c: Conversion, layer, i: int, prefix: str, st: Streams, by_name: dict[str, OutputTensor], resume: ResumeFolder
+    c: Conversion,
+    layer,
+    i: int,
+    prefix: str,
+    st: Streams,
+    by_name: dict[str, OutputTensor],
+    resume: ResumeFolder,
+    exact: torch.nn.Module,
 ) -> RefitLayer:
     """Layer ``i`` as a stopped run fitted it (``--resume``): its tensors read from the resume folder,
     ``by_name`` pointed at them, the converted stream advanced through them exactly as the run that
-    fitted them advanced it; returns the layer's record as that run wrote it."""
+    fitted them advanced it (``exact`` in float32: :func:`_exact_part`); returns the layer's record as that
+    run wrote it."""
     from safetensors import SafetensorError
 
     from mha2gqa.core.typed import RecordError, read
@@ -185,7 +194,7 @@ def _resumed_layer(
         raise ResumeDamaged(
             f"{path}: holds NaN or infinite values (damaged or edited); pass --remove-stale to start over"
         )
-    st.advance(st.converted, partial(converted, converted.weights.values), _exact_part(c, layer, i, prefix, by_name))
+    st.advance(st.converted, partial(converted, converted.weights.values), exact)
     return record
 
 
@@ -255,12 +264,12 @@ def refit(
             if not changed:  # an exact copy, run as it is
                 st.advance(st.converted, source_layer, None)
             elif i in done:
-                records.append(_resumed_layer(c, layer, i, prefix, st, by_name, resume))
+                records.append(_resumed_layer(c, layer, i, prefix, st, by_name, resume, exact))
             else:
                 t0 = time.perf_counter()
                 kept = work if resume is None else resume.folder
                 last = next((r.lr for r in reversed(records) if r.lr is not None), None)
-                result = _refit_layer(c, layer, i, prefix, st, by_name, kept, attention, last)  # a layer at a time
+                result = _refit_layer(c, layer, i, prefix, st, by_name, kept, attention, exact, last)  # one at a time
                 records.append(_layer_record(i, result, time.perf_counter() - t0, log))
                 if resume is not None and st.ranks.main:  # after its tensors: a record says the layer is whole
                     resume.write_bytes(f"layer-{i}.json", json.dumps(dataclasses.asdict(records[-1])).encode())
