@@ -119,7 +119,8 @@ class FinalKL:
     advanced while each later layer is loaded); at the end the model's head turns each stream into
     next-token distributions, and the cost is the mean KL(original || merged) per token. Unlike the
     layer-level costs it sees how a layer's error grows, or fades, through the layers after it.
-    Memory: one ``[T, hidden]`` float32 stream per window, layer and count below the source's; time:
+    Memory: one ``[T, hidden]`` float32 stream per window, layer and count below the source's (the
+    head's logits a block of tokens at a time: :func:`~mha2gqa.convert.layers.next_token_kl`); time:
     the later layers run once more per stream, and the head once per stream and window."""
 
     def __init__(self, windows: int) -> None:
@@ -162,16 +163,16 @@ class FinalKL:
         follow) costs 1 at every count below ``n``, as with the output cost."""
         import torch
 
+        from mha2gqa.convert.layers import next_token_kl
+
         out = [{n: 0.0} | {g: 1.0 for g in candidates if g != n} for _ in range(num_layers)]  # 1: fresh K/V
         if not self.streams:  # nothing merged to follow (fresh K/V)
             return out
-        reference = [torch.log_softmax(logits(h, self.as_tuple), -1) for h in self.original]
         sums = torch.zeros(len(self.streams), 2, dtype=torch.float64)  # (KL, tokens) per stream, summed over processes
-        for n, hidden in enumerate(self.streams.values()):
-            for ref, h in zip(reference, hidden, strict=True):
-                got = torch.log_softmax(logits(h, self.as_tuple), -1)
-                sums[n, 0] += (ref.exp() * (ref - got)).sum().item()
-                sums[n, 1] += ref.shape[0] * ref.shape[1]
+        streams = list(self.streams.values())
+        for w, original in enumerate(self.original):  # the original's log-probabilities once a block of tokens
+            sums[:, 0] += next_token_kl(logits, self.as_tuple, original, [s[w] for s in streams])[:, 0]
+            sums[:, 1] += original.shape[0] * original.shape[1]
         self.team.sum(sums)
         for ((layer, g), _), (kl, tokens) in zip(self.streams.items(), sums.tolist(), strict=True):
             out[layer][g] = max(kl / tokens, 0.0)

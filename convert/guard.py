@@ -15,7 +15,8 @@ Streamed like the rest of the conversion: the original model is walked layer by 
 (:func:`~mha2gqa.convert.layers.each_layer`), each candidate runs every layer through the source
 module with its own tensors (:mod:`~mha2gqa.convert.layer_view`), and candidates that agree on a
 prefix of layers share its computation (one stream per distinct prefix). Memory: one layer, the
-model's head, and ``[T, hidden]`` float32 per window and live stream."""
+model's head, ``[T, hidden]`` float32 per window and live stream, and the logits of one call of the
+head (:data:`~mha2gqa.core.memory.HEAD_BLOCK`, whatever the windows' length)."""
 
 from __future__ import annotations
 
@@ -142,24 +143,19 @@ class Guard:
 
     def _figures(self, candidates: Mapping[str, list[torch.Tensor]]) -> dict[str, GuardScore]:
         """Each candidate's mean per-token KL(original || candidate) and top-1 agreement over the guard
-        windows, from its last hidden states (one ``[1, T, hidden]`` a window); the original's
-        log-probabilities are computed once a window for all of them."""
-        from mha2gqa.convert.layers import model_head, skeleton
+        windows, from its last hidden states (one ``[1, T, hidden]`` a window), through the model's
+        head a block of tokens at a time (:func:`~mha2gqa.convert.layers.next_token_kl`)."""
+        from mha2gqa.convert.layers import model_head, next_token_kl, skeleton
 
         if self._head is None:
             with torch.inference_mode():
                 self._head = model_head(skeleton(self.ckpt), self.ckpt, self.device)
-        sums = {name: [0.0, 0.0] for name in candidates}  # KL, top-1 matches
+        names = list(candidates)
+        sums = torch.zeros(len(names), 2, dtype=torch.float64)  # KL, top-1 matches
         for w, ref_h in enumerate(self.reference):  # the head runs under no_grad
-            ref = torch.log_softmax(self._head(ref_h, self.as_tuple), -1)
-            probs, top = ref.exp(), ref.argmax(-1)
-            for name, hidden in candidates.items():
-                got = torch.log_softmax(self._head(hidden[w], self.as_tuple), -1)
-                sums[name][0] += float((probs * (ref - got)).sum())
-                sums[name][1] += float((top == got.argmax(-1)).sum())
-                del got
+            sums += next_token_kl(self._head, self.as_tuple, ref_h, [candidates[n][w] for n in names])
         tokens = sum(h.shape[0] * h.shape[1] for h in self.reference)
-        return {name: score_of(kl, same, tokens) for name, (kl, same) in sums.items()}
+        return {name: score_of(kl, same, tokens) for name, (kl, same) in zip(names, sums.tolist(), strict=True)}
 
 
 def score_of(kl: float, same: float, tokens: int) -> GuardScore:

@@ -285,7 +285,20 @@ class _Emit(torch.nn.Module):
         return (self.hidden,) if self.as_tuple else self.hidden
 
 
-def model_head(model, ckpt, device) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+@dataclass(frozen=True)
+class ModelHead:
+    """What turns the last decoder layer's output into logits (:func:`model_head`): called as
+    ``head(hidden [1, T, hidden], as_tuple)`` -> logits ``[1, T, vocab]`` float32, a function of each
+    token's hidden state alone; ``vocab``: the logits' width."""
+
+    logits: Callable[[torch.Tensor, bool], torch.Tensor]
+    vocab: int
+
+    def __call__(self, hidden: torch.Tensor, as_tuple: bool) -> torch.Tensor:
+        return self.logits(hidden, as_tuple)
+
+
+def model_head(model, ckpt, device) -> ModelHead:
     """What turns the last decoder layer's output into logits: everything of ``model`` (a
     :func:`skeleton`) outside its decoder layers loaded from ``ckpt`` (the output projection tied to
     the embeddings where the config ties them), as a function of ``(hidden [1, T, hidden], as_tuple)``
@@ -319,4 +332,58 @@ def model_head(model, ckpt, device) -> Callable[[torch.Tensor, bool], torch.Tens
         finally:
             setattr(base, attr, layers)
 
+    return ModelHead(logits, head.weight.shape[0])
+
+
+def next_token_kl(
+    head: ModelHead, as_tuple: bool, original: torch.Tensor, candidates: list[torch.Tensor]
+) -> torch.Tensor:
+    """``[len(candidates), 2]`` float64: each candidate's KL(original || candidate) summed over one
+    window's tokens, and its tokens whose top-1 is the original's, from the last decoder layer's
+    outputs (``original`` and each candidate ``[1, T, hidden]``) through ``head``. The streams go
+    through the head together, a block of each one's tokens per call, at most
+    :func:`~mha2gqa.core.memory.head_rows` tokens a call (more calls where even one token of every
+    stream is more). Memory: one call's logits, turned into log-probabilities in place (and the
+    original's block where a block takes more calls), never a window's whole logits."""
+    from mha2gqa.core.memory import head_rows, logit_rows
+
+    streams = [original, *candidates]
+    rows = max(1, head_rows(head.vocab) // len(streams))  # each stream's tokens in a block
+    size = max(1, head_rows(head.vocab) // rows)  # streams in a call
+    out = torch.zeros(len(candidates), 2, dtype=torch.float64, device=original.device)
+    for block in logit_rows(original.shape[1], rows):
+        ref = None  # the original's log-probabilities [rows, vocab], from the block's first call
+        for first in range(0, len(streams), size):
+            part = [s[:, block] for s in streams[first : first + size]]
+            ref = _block_kl(head, as_tuple, part, ref, out[max(first - 1, 0) :], size < len(streams))
+    return out.cpu()
+
+
+def _block_kl(
+    head: ModelHead, as_tuple: bool, hidden: list[torch.Tensor], ref: torch.Tensor | None, out: torch.Tensor, keep: bool
+) -> torch.Tensor:
+    """One call of the head over ``hidden`` (each ``[1, rows, hidden]``; the original's first where
+    ``ref`` is None): adds each candidate's KL and top-1 matches to its row of ``out`` (in order);
+    returns ``ref``, a tensor of its own where ``keep`` (later calls read it: the logits are freed)."""
+    from mha2gqa.core.memory import logit_rows
+
+    lp = _log_probs(head(torch.cat(hidden, 1), as_tuple)[0])
+    parts = lp.split(hidden[0].shape[1])
+    if ref is None:
+        ref, parts = parts[0].clone() if keep else parts[0], parts[1:]
+    probs, top = ref.exp(), ref.argmax(-1)
+    for n, got in enumerate(parts):
+        for rows in logit_rows(ref.shape[0]):  # sum_v p (log p - log q): a dot product per token
+            out[n, 0] += torch.linalg.vecdot(probs[rows], ref[rows] - got[rows]).sum(dtype=torch.float64)
+        out[n, 1] += (top == got.argmax(-1)).sum()
+    return ref
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits [rows, vocab], -1)`` in place, a few rows at a time (no second tensor of
+    the logits' size)."""
+    from mha2gqa.core.memory import logit_rows
+
+    for rows in logit_rows(logits.shape[0]):
+        logits[rows] = torch.log_softmax(logits[rows], -1)
     return logits

@@ -59,10 +59,27 @@ STEP_BLOCKS = 8 << 20
 LOGIT_ROWS = 32
 
 
-def logit_rows(n: int) -> Iterator[slice]:
-    """The row slices of ``n`` tokens, :data:`LOGIT_ROWS` at a time (the last one may be shorter)."""
-    for start in range(0, n, LOGIT_ROWS):
-        yield slice(start, start + LOGIT_ROWS)
+#: Bytes of the float32 logits of one call of the model's head in a model-level KL (the stage guard,
+#: ``--allocation-cost logits``): the original's and the candidates' hidden states go through the head
+#: together, a block of each one's tokens, up to this many logits a call: 1,365 tokens at a 49,152
+#: vocabulary, 441 at Qwen2's 151,936, whatever the windows' length and the candidates' number. Wide
+#: enough that the head's matrix product runs near its best (1.9 ms a token at 512-1,024 tokens a call
+#: at Qwen2's shape on this CPU, 2.5 at 220, 3.5 at 55; benchmarks/head_blocks.py); whole windows, one
+#: stream at a time, took five ``[T, vocab]`` temporaries: 1.5 GB at Qwen2's vocabulary and 512
+#: tokens, 6.9 GB at 2,048.
+HEAD_BLOCK = 256 << 20
+
+
+def logit_rows(n: int, size: int = LOGIT_ROWS) -> Iterator[slice]:
+    """The row slices of ``n`` tokens, ``size`` (:data:`LOGIT_ROWS`) at a time (the last one may be
+    shorter)."""
+    for start in range(0, n, size):
+        yield slice(start, start + size)
+
+
+def head_rows(vocab: int) -> int:
+    """Tokens of a :data:`HEAD_BLOCK` of float32 logits ``vocab`` wide (at least one)."""
+    return max(1, HEAD_BLOCK // (4 * vocab))
 
 
 def map_large_allocations(threshold: int = 1 << 20) -> None:

@@ -94,3 +94,12 @@ def test_the_distillation_loss_benchmark_times_both_and_finds_them_equal():
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("float32", "bfloat16"))]
     assert [r[0] for r in rows] == ["float32", "bfloat16"]
     assert all(float(r[4]) < 1e-5 and float(r[5]) < 1e-5 for r in rows)  # the same loss and gradient
+
+
+def test_the_head_blocks_benchmark_measures_both_ways_to_the_same_figures():
+    cmd = [sys.executable, str(BENCHMARKS / "head_blocks.py"), "--tokens", "40", "--rounds", "1", "--hidden", "64"]
+    proc = subprocess.run([*cmd, "--vocab", "300", "--candidates", "2"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] == ["40"]]
+    assert len(rows) == 1 and float(rows[0][1]) > 0 and float(rows[0][2]) > 0
+    assert float(rows[0][-1]) < 1e-5  # the same KL and top-1 sums, a block at a time

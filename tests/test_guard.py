@@ -344,3 +344,36 @@ def test_layers_of_two_kinds_in_one_family_are_measured_as_the_model_runs_them(c
     kl, top1 = _independent(src, out.output, calib_text, 64)
     published = out.facts.guard.stages[-1].published
     assert published.kl == pytest.approx(kl, rel=1e-3, abs=1e-5) and published.top1 == pytest.approx(top1, abs=2e-3)
+
+
+def test_the_models_head_runs_a_block_of_tokens_at_a_time_to_the_same_figures(calib_text, tmp_path, monkeypatch):
+    """The stage guard and the ``logits`` allocation cost turn hidden states into next-token
+    distributions a block of tokens at a time (``[rows, vocab]`` temporaries, never a window's whole
+    logits: 2.5 GB a tensor at Qwen2's vocabulary and 4,096 tokens): at 5 tokens a call of the head
+    (64-token windows, more streams than 5) the guard's figures and the allocation's costs are those
+    of the whole windows at once."""
+    from mha2gqa.convert.layers import ModelHead
+
+    src = source("llama", calib_text, tmp_path / "src", num_hidden_layers=4)
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "progress": False}
+    kw |= {"per_layer": "auto", "allocation_cost": "logits"}
+    whole = convert_checkpoint(src, tmp_path / "whole", 2, "svd", **kw)
+    widths: list[int] = []
+    call = ModelHead.__call__
+
+    def recorded(self, hidden: torch.Tensor, as_tuple: bool) -> torch.Tensor:
+        widths.append(hidden.shape[1])
+        return call(self, hidden, as_tuple)
+
+    monkeypatch.setattr(ModelHead, "__call__", recorded)
+    monkeypatch.setattr("mha2gqa.core.memory.HEAD_BLOCK", 4 * 300 * 5)  # float32 x vocab 300 x 5 tokens
+    blocks = convert_checkpoint(src, tmp_path / "blocks", 2, "svd", **kw)
+    assert widths and max(widths) <= 5  # calibration windows and guard windows alike: 64 tokens
+    costs = blocks.record.conversion.per_layer_allocation.costs
+    for layer, by_count in whole.record.conversion.per_layer_allocation.costs.items():
+        assert costs[layer] == pytest.approx(by_count, rel=1e-5, abs=1e-9), layer
+    stages, before = blocks.facts.guard.stages, whole.facts.guard.stages
+    assert [(s.stage, s.outcome) for s in stages] == [(s.stage, s.outcome) for s in before]
+    for stage, was in zip(stages, before, strict=True):  # the whole-window figures: stock transformers' (above)
+        assert stage.published.kl == pytest.approx(was.published.kl, rel=1e-5) and stage.published.kl > 0
+        assert stage.published.top1 == was.published.top1
