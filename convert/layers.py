@@ -328,7 +328,9 @@ def model_head(model, ckpt, device) -> ModelHead:
         setattr(base, attr, torch.nn.ModuleList([_Emit(hidden, as_tuple, layers[-1])]))
         try:
             ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
-            return model(input_ids=ids, use_cache=False).logits.float()
+            # position 0 for every token: the tokens are rows of several windows (past a learned position
+            # table's length, GPT-BigCode's); the layers they would reach are replaced
+            return model(input_ids=ids, position_ids=ids, use_cache=False).logits.float()
         finally:
             setattr(base, attr, layers)
 
