@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core.errors import SettingError
-from mha2gqa.core.memory import trim
+from mha2gqa.core.memory import head_rows, logit_rows, trim
 from mha2gqa.core.ranks import ONE, Ranks
 
 
@@ -347,11 +347,10 @@ def next_token_kl(
     :func:`~mha2gqa.core.memory.head_rows` tokens a call (more calls where even one token of every
     stream is more). Memory: one call's logits, turned into log-probabilities in place (and the
     original's block where a block takes more calls), never a window's whole logits."""
-    from mha2gqa.core.memory import head_rows, logit_rows
-
     streams = [original, *candidates]
-    rows = max(1, head_rows(head.vocab) // len(streams))  # each stream's tokens in a block
-    size = max(1, head_rows(head.vocab) // rows)  # streams in a call
+    per_call = head_rows(head.vocab)
+    rows = max(1, per_call // len(streams))  # each stream's tokens in a block
+    size = max(1, per_call // rows)  # streams in a call
     out = torch.zeros(len(candidates), 2, dtype=torch.float64, device=original.device)
     for block in logit_rows(original.shape[1], rows):
         ref = None  # the original's log-probabilities [rows, vocab], from the block's first call
@@ -367,8 +366,6 @@ def _block_kl(
     """One call of the head over ``hidden`` (each ``[1, rows, hidden]``; the original's first where
     ``ref`` is None): adds each candidate's KL and top-1 matches to its row of ``out`` (in order);
     returns ``ref``, a tensor of its own where ``keep`` (later calls read it: the logits are freed)."""
-    from mha2gqa.core.memory import logit_rows
-
     lp = _log_probs(head(torch.cat(hidden, 1), as_tuple)[0])
     parts = lp.split(hidden[0].shape[1])
     if ref is None:
@@ -384,8 +381,6 @@ def _block_kl(
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits [rows, vocab], -1)`` in place, a few rows at a time (no second tensor of
     the logits' size)."""
-    from mha2gqa.core.memory import logit_rows
-
     for rows in logit_rows(logits.shape[0]):
         logits[rows] = torch.log_softmax(logits[rows], -1)
     return logits

@@ -65,8 +65,8 @@ LOGIT_ROWS = 32
 #: vocabulary, 441 at Qwen2's 151,936, whatever the windows' length and the candidates' number. Wide
 #: enough that the head's matrix product runs near its best (1.9 ms a token at 512-1,024 tokens a call
 #: at Qwen2's shape on this CPU, 2.5 at 220, 3.5 at 55; benchmarks/head_blocks.py); whole windows, one
-#: stream at a time, took five ``[T, vocab]`` temporaries: 1.5 GB at Qwen2's vocabulary and 512
-#: tokens, 6.9 GB at 2,048.
+#: stream at a time, took about five ``[T, vocab]`` temporaries: 1,264 MiB added to the peak at Qwen2's
+#: vocabulary and 512 tokens, 5,771 MiB at 2,048 (152 and 153 MiB now, 6 candidates).
 HEAD_BLOCK = 256 << 20
 
 
