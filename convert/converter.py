@@ -115,6 +115,7 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
         # a refit starts better from the values' principal subspace than from the output-weighted
         # code (docs/methods.md, "The value code weighted by o_proj")
         weigh_values=not s.refit,
+        weighted_aside=s.refit and source.method.weighs_values,  # the merge the refit must beat (the guard)
         autocast=autocast_dtype(s.refit_arithmetic()),  # a refit's calibration runs in its arithmetic
     )
 
@@ -361,13 +362,15 @@ def _write(
     make_record: Callable[..., ConversionRecord],
     guard: Any = None,
     resume: ResumeFolder | None = None,
+    alone: list[OutputTensor] | None = None,
 ) -> ConversionRecord:
     """Refit (``--refit``) and write the converted checkpoint into a staged folder beside its
     destination, then rename it into place; returns the record as written (with its output files).
     The refit's own files (fitted layers, spilled hidden states) live in the staged folder until the
     shards are written, so a failure or a signal leaves nothing behind but the fitted layers, kept
     for ``--resume`` in ``resume`` (the caller's, which it removes once its own output is published;
-    else DST's own, removed here once DST is)."""
+    else DST's own, removed here once DST is). ``alone``: the method's merge without the refit, where
+    the refit starts from another (:func:`_merge_alone`), scored by the guard beside it."""
     ckpt, s = source.ckpt, source.settings
     new_config, modeling, serving_form = _output_config(source)
     owned = resume is None and source.fingerprint is not None
@@ -385,7 +388,7 @@ def _write(
         guarded = None
         if guard is not None:
             checks.wait()
-            tensors, guarded = guard.conversion(source, merged, (tensors, refitted) if refitted else None, log)
+            tensors, guarded = guard.conversion(source, merged, (tensors, refitted) if refitted else None, log, alone)
         record = make_record(tensors, refitted, serving_form, guarded)
         written = write_checkpoint(
             tmp, tensors, s.max_shard_size, progress=s.progress, fsync=s.fsync, after_each=checks.poll
@@ -403,6 +406,16 @@ def _write(
         (tmp / "README.md").write_text(model_card(record), encoding="utf-8")
         write_recipe(tmp, recipe_name(s.method, s.refit, False), {"convert": s.recipe()})
     return record
+
+
+def _merge_alone(c: Conversion, stats: Any) -> list[OutputTensor] | None:
+    """The merge ``--method`` publishes without ``--refit`` where a refit starts from another (``svd``:
+    the output-weighted value code, the refit the plain principal subspace), for the stage guard to
+    hold the refit to: the recipe is never worse than the method alone. None where they are one."""
+    weighted = stats.weighted() if stats is not None and c.settings.refit else None
+    if weighted is None:
+        return None
+    return tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, weighted, c.settings.seed)
 
 
 def _refit_alongside(c: Conversion, tensors: list[OutputTensor], resume: ResumeFolder | None) -> None:
@@ -452,7 +465,8 @@ def run(
     if not ranks().main:  # several processes: each refits its share of the windows; rank 0 writes
         _refit_alongside(c, tensors, resume)
         return None
-    record = _write(c, tensors, partial(_record, c, stats, calibration, allocation), guard, resume)
+    alone = _merge_alone(c, stats) if guard is not None else None
+    record = _write(c, tensors, partial(_record, c, stats, calibration, allocation), guard, resume, alone)
     return ConversionResult(c.dst.absolute(), record, time.perf_counter() - start, guard)
 
 

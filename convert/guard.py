@@ -50,6 +50,9 @@ from mha2gqa.core.signals import check as check_signals
 #: refit prefixes scored (the refitted layers in this many runs; each prefix ends one)
 PREFIX_CHECKS = 4
 
+#: how the record names the method's merge without the refit, where the refit starts from another
+ALONE = "the merge without --refit (output-weighted value code)"
+
 
 @dataclass(frozen=True)
 class Weights:
@@ -158,6 +161,17 @@ class Guard:
         return {name: score_of(kl, same, tokens) for name, (kl, same) in zip(names, sums.tolist(), strict=True)}
 
 
+def _merge_stage(scores: Mapping[str, GuardScore]) -> GuardStage:
+    """The merge's :class:`GuardStage`: the better of the refit's start (``merge``) and the method's
+    merge without the refit (``alone``, where scored), which later stages must beat."""
+    start, alone = scores["merge"], scores.get("alone")
+    if alone is None:
+        return GuardStage("merge", MEASURED, start, start)
+    if alone.loss < start.loss:
+        return GuardStage("merge", MEASURED, alone, alone, detail=f"{ALONE}; the refit's start: {start}")
+    return GuardStage("merge", MEASURED, start, start, detail=f"the refit's start; {ALONE}: {alone}")
+
+
 def score_of(kl: float, same: float, tokens: int) -> GuardScore:
     """The :class:`GuardScore` of ``kl`` summed over ``tokens`` tokens, ``same`` of them with the
     original's top token: a KL that is not finite (a candidate that overflowed) is recorded as None,
@@ -233,15 +247,25 @@ class GuardRun:
         self._say(log, stage)
         return kept
 
-    def conversion(self, c, merged: list[OutputTensor], refitted: tuple[list[OutputTensor], Refit] | None, log):
-        """Score the merge and the refit (each prefix of :func:`prefix_cuts`) in one walk; returns the
-        tensors to publish (the refit up to its best prefix, or the merge) and the guard's record."""
+    def conversion(
+        self,
+        c,
+        merged: list[OutputTensor],
+        refitted: tuple[list[OutputTensor], Refit] | None,
+        log,
+        alone: list[OutputTensor] | None = None,
+    ):
+        """Score the merge, the method's merge without the refit where that is another (``alone``:
+        ``svd``'s output-weighted code, where the refit starts from the plain one) and the refit (each
+        prefix of :func:`prefix_cuts`) in one walk; returns the tensors to publish (the refit up to its
+        best prefix, or the better merge) and the guard's record. The refit must beat the better merge."""
         if self.ids is None:
             return refitted[0] if refitted else merged, self.record()
         self._start(c)
         n = c.dims.num_layers
         plans = {"merge": self._merged(c, merged, "merge")}
-        merged_by_name = _computed(merged)[0]
+        if alone is not None and refitted:
+            plans["alone"] = self._merged(c, alone, "alone")
         cuts: list[int] = []
         if refitted:
             tensors, rec = refitted
@@ -252,22 +276,26 @@ class GuardRun:
             for cut in cuts:
                 plans[cut] = [refit if i in fitted and i <= cut else plans["merge"][i] for i in range(n)]
         scores = self.guard.score(plans)
-        self.stages.append(GuardStage("merge", MEASURED, scores["merge"], scores["merge"]))
+        self.stages.append(_merge_stage(scores))
         self._say(log, self.stages[-1])
+        start = alone if "alone" in scores and scores["alone"].loss < scores["merge"].loss else merged
         if not refitted:
             return merged, self.record()
-        stage, published = self._refit_stage(scores, cuts, fitted)
+        stage, published = self._refit_stage(scores, cuts, fitted, self.stages[-1].published)
         self.stages.append(stage)
         self._say(log, stage)
-        if stage.outcome == UNDONE:
-            return merged, self.record()
+        if published < 0:  # undone, or no layer refitted: the better merge
+            return start, self.record()
         undone = {i for i in fitted if i > published}
         names = {n for i in undone for n in attention_names(refit_by_name, c.family, i).values()}
+        merged_by_name = _computed(merged)[0]
         return [merged_by_name[t.name] if t.name in names else t for t in tensors], self.record()
 
-    def _refit_stage(self, scores: dict, cuts: list[int], fitted: list[int]) -> tuple[GuardStage, int]:
-        """The refit's :class:`GuardStage` and the last layer whose refit is published."""
-        before = scores["merge"]
+    def _refit_stage(
+        self, scores: dict, cuts: list[int], fitted: list[int], before: GuardScore
+    ) -> tuple[GuardStage, int]:
+        """The refit's :class:`GuardStage` against the merge it must beat (``before``) and the last
+        layer whose refit is published (-1: none)."""
         if not cuts:  # every layer kept its merge: the refit changed nothing
             return GuardStage("refit", KEPT, before, before, before, "no layer's refit lowered its error"), -1
         whole = scores[cuts[-1]]

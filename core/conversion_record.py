@@ -158,8 +158,9 @@ class GuardStage:
     def line(self) -> str:
         """``refit: undone - held-out KL 0.41 -> 0.97, top-1 ...`` (terminal, card, report)."""
         if self.before is None:
-            return f"{self.stage}: {self.outcome} - held-out {self.after}"
-        text = f"{self.stage}: {self.outcome} - held-out {self.before} -> {self.after}"
+            text = f"{self.stage}: {self.outcome} - held-out {self.after}"
+        else:
+            text = f"{self.stage}: {self.outcome} - held-out {self.before} -> {self.after}"
         if self.outcome == KEPT_IN_PART:
             text += f"; published {self.published}"
         return text + (f" ({self.detail})" if self.detail else "")

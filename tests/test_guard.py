@@ -166,6 +166,35 @@ def test_a_refit_that_makes_the_model_worse_is_undone_and_every_output_says_so(c
     assert not (tmp_path / "failed").exists() and not list(tmp_path.glob(".failed*"))
 
 
+def test_an_undone_refit_publishes_svd_alone_where_its_merge_is_the_better(calib_text, tmp_path, monkeypatch):
+    """With ``--refit``, ``svd`` merges from the values' principal subspace (a refit's better start);
+    alone it publishes the output-weighted code. Here every value dimension ``o_proj`` reads least is
+    made 16x louder (``v`` x 16, ``o`` / 16: the same function), which the plain code chases and the
+    weighted one sees through. A refit forced to hurt is undone to the better merge: the very tensors
+    of ``--method svd`` alone, so the recipe is never worse than it; the merge's line says which."""
+    model = random_model(tiny_config("llama", vocab_size=300, attention_bias=False), seed=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            heads, d = model.config.num_attention_heads, layer.self_attn.head_dim
+            loud = torch.ones(d).index_fill_(0, torch.arange(d // 2), 16.0).repeat(heads)  # MHA: head h reads head h
+            layer.self_attn.v_proj.weight.mul_(loud[:, None])
+            layer.self_attn.o_proj.weight.div_(loud)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "progress": False}
+    alone = convert_checkpoint(src, tmp_path / "alone", 1, "svd", **kw)
+    _shuffle_refit_targets(monkeypatch)
+    undone = convert_checkpoint(
+        src, tmp_path / "undone", 1, "svd", refit=True, refit_steps=30, refit_precision="no", **kw
+    )
+    merge, refit = undone.facts.guard.stages
+    assert refit.outcome == UNDONE and refit.before == merge.published == alone.facts.guard.stages[0].after
+    start = float(merge.detail.split("the refit's start: KL ")[1].split(",")[0])
+    assert merge.detail.startswith("the merge without --refit") and start > 1.1 * merge.after.kl, merge.detail
+    a, b = read_all(alone.output), read_all(undone.output)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert f"guard: merge: measured - held-out {merge.after} (the merge without --refit" in undone.summary()
+
+
 def test_a_refit_that_helps_is_kept_and_guard_off_measures_nothing(calib_text, tmp_path):
     src = source("llama", calib_text, tmp_path / "src", attention_bias=False)
     kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "refit": True, "progress": False}

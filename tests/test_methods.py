@@ -454,6 +454,31 @@ def test_calibration_records_each_query_heads_output_gram(calib_text, tmp_path):
     assert all(s.o_gram is None for s in plain.layers.values())  # a refit's start: the principal subspace
 
 
+@pytest.mark.parametrize("grouping", ["contiguous", "similarity"])
+def test_a_refits_statistics_keep_the_weighted_value_code_aside(calib_text, tmp_path, grouping):
+    """A refit starts from the values' principal subspace, and the stage guard holds it to ``svd``'s
+    output-weighted code: one calibration pass gives both, each the very code its own pass gives
+    (compacted and not, regrouped too), and statistics without one aside have no weighted form."""
+    from mha2gqa.convert.calibration.streaming import collect
+
+    model = random_model(tiny_config("llama", vocab_size=300), seed=3)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    args, kw = (src, 2, str(calib_text), 128, 32), {"device": "cpu", "grouping": grouping}
+    weighted, plain = collect(*args, **kw), collect(*args, weigh_values=False, **kw)
+    assert plain.weighted() is None and weighted.weighted() is None  # nothing kept aside
+    for compact in (True, False):
+        both = collect(*args, weigh_values=False, weighted_aside=True, compact=compact, **kw)
+        aside = both.weighted()
+        d = both.head_dim
+        for i in both.layers:
+            assert both.layers[i].perm == weighted.layers[i].perm == aside.layers[i].perm
+            for j in range(2):
+                for got, want in ((both, plain), (aside, weighted)):
+                    (ea, da), (eb, db) = got.layers[i].value_code(j, d), want.layers[i].value_code(j, d)
+                    torch.testing.assert_close(da @ ea.T, db @ eb.T)
+                    torch.testing.assert_close(ea.T @ ea, eb.T @ eb)  # the encoder's scale too
+
+
 def test_compact_statistics_keep_what_the_merges_read(calib_text, tmp_path):
     """Compacted per-layer statistics (eigenbasis and first block-row instead of the Grams) give the
     same subspaces and Procrustes inputs, and the same converted model, as the full Grams."""

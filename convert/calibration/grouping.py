@@ -77,4 +77,4 @@ def regroup(full: LayerStats, groups: list[list[int]], num_heads: int) -> LayerS
     kp = torch.stack([full.k_plane_gram[0][:, g][:, :, g] for g in groups])
     q = full.q_plane_energy[rows(r, perm)]
     o = full.o_gram[rows(r, perm)] if full.o_gram is not None else None
-    return LayerStats(v, kp, kr, q, full.tokens, perm=perm, o_gram=o)
+    return LayerStats(v, kp, kr, q, full.tokens, perm=perm, o_gram=o, plain_code=full.plain_code)

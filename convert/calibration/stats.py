@@ -18,7 +18,7 @@ Here ``d`` is head_dim, ``R`` the rotary dims (``d * partial_rotary_factor``), `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,12 +52,16 @@ class LayerStats:
     tokens: int = 0
     perm: list[int] | None = None  # source KV heads in their new order (similarity grouping)
     o_gram: torch.Tensor | None = None  # [H, d, d] float64 (None: values weighted equally)
+    #: the value code is the principal subspace even with ``o_gram`` (a refit's start); the output-weighted
+    #: one (``svd`` alone's) is kept beside it, in ``weighted`` once compacted (:meth:`as_weighted`)
+    plain_code: bool = False
     # What the merges read, kept instead of the Grams once a layer is done (see compact):
     v_basis: torch.Tensor | None = None  # [G, s*d, d] the shared value code's encoder (svd)
     v_decode: torch.Tensor | None = None  # [G, s*d, d] each head's values from the code (svd)
     v_row: torch.Tensor | None = None  # [G, d, s*d] first block-row, sum_t v_ref v_h^T (aligned)
     k_rest_basis: torch.Tensor | None = None
     k_rest_row: torch.Tensor | None = None
+    weighted: tuple[torch.Tensor, torch.Tensor] | None = None  # the output-weighted code's, kept aside
 
     def sums(self) -> tuple[torch.Tensor, ...]:
         """The running sums :func:`accumulate` adds each batch to (the token count aside): what
@@ -71,6 +75,9 @@ class LayerStats:
             codes = [self.value_code(j, head_dim) for j in range(self.v_gram.shape[0])]
             self.v_basis = torch.stack([c[0] for c in codes])
             self.v_decode = torch.stack([c[1] for c in codes])
+            if self.plain_code and self.o_gram is not None:
+                aside = [self.weighted_code(j, head_dim) for j in range(self.v_gram.shape[0])]
+                self.weighted = torch.stack([c[0] for c in aside]), torch.stack([c[1] for c in aside])
             self.v_row = self.v_gram[:, :head_dim].clone()
             self.k_rest_basis = top_eigvecs(self.k_rest_gram, rest) if rest else self.k_rest_gram[..., :0]
             self.k_rest_row = self.k_rest_gram[:, :rest].clone()
@@ -85,13 +92,26 @@ class LayerStats:
         principal directions, encode = decode)."""
         if self.v_basis is not None:  # compacted: both kept
             return self.v_basis[j], self.v_decode[j]
-        if self.o_gram is None:
+        if self.o_gram is None or self.plain_code:
             top = top_eigvecs(self.v_gram[j], d)
             return top, top
+        return self.weighted_code(j, d)
+
+    def weighted_code(self, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group ``j``'s output-weighted value code (:func:`output_weighted_code`, from ``v_gram`` and ``o_gram``)."""
         s = self.v_gram.shape[-1] // d
         r = self.o_gram.shape[0] // (self.v_gram.shape[0] * s)
         per_head = self.o_gram[j * s * r : (j + 1) * s * r].reshape(s, r, d, d).sum(1)  # [s, d, d]
         return output_weighted_code(self.v_gram[j], per_head)
+
+    def as_weighted(self) -> LayerStats | None:
+        """These statistics with the output-weighted value code where the code is the plain one and
+        the weighted one was kept aside (``plain_code``); None where there is none."""
+        if not self.plain_code or (self.o_gram is None and self.weighted is None):
+            return None
+        if self.v_basis is None:  # not compacted: value_code weighs by o_gram
+            return replace(self, plain_code=False)
+        return replace(self, v_basis=self.weighted[0], v_decode=self.weighted[1], weighted=None, plain_code=False)
 
     def value_row(self, j: int, d: int) -> torch.Tensor:
         """``[d, s*d]``: ``sum_t v_ref v_h^T`` for every head ``h`` of group ``j``."""
@@ -145,6 +165,16 @@ class CalibrationStats:
     layers: dict[int, LayerStats] = field(default_factory=dict)
     tokens: int = 0
     source: str = ""
+
+    def weighted(self) -> CalibrationStats | None:
+        """These statistics with every layer's output-weighted value code (the merge ``svd`` publishes
+        without ``--refit``) where a refit's plain code stands in them and the weighted one was kept
+        aside (:meth:`LayerStats.as_weighted`); None where no layer has one."""
+        layers = {i: layer.as_weighted() for i, layer in self.layers.items()}
+        if all(layer is None for layer in layers.values()):
+            return None
+        swapped = {i: layer or self.layers[i] for i, layer in layers.items()}
+        return replace(self, layers=swapped)
 
 
 def _planes(x: torch.Tensor, rot: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ def collect(
     on_layer=None,
     weigh_values: bool = True,
     autocast: torch.dtype | None = None,
+    weighted_aside: bool = False,
 ) -> CalibrationStats:
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads (one count, one per layer,
     or None: nothing kept) from the first ``tokens`` tokens of ``data`` in windows of ``seq_len``,
@@ -51,10 +52,10 @@ def collect(
     recorded as ``perm``); ``compact`` keeps only what the merges read. ``on_layer(layer, full, run)``
     sees each layer's all-heads statistics and the loaded layer (:class:`LayerRun`) before they are
     cut. ``weigh_values``: record each layer's output-projection Gram (``svd`` then picks the value code
-    that loses least through ``o_proj``; without: the values' principal subspace); ``autocast``: the
-    dtype the layers run under. Every process of a launcher must call it (:func:`_start`)."""
+    that loses least through ``o_proj``; without: the values' principal subspace; ``weighted_aside``:
+    that code kept beside it, :meth:`CalibrationStats.weighted`); ``autocast``: the dtype the layers
+    run under. Every process of a launcher must call it (:func:`_start`)."""
     from mha2gqa.core.capture import capturing
-    from mha2gqa.core.families import find_family
     from mha2gqa.core.progress import bar as progress_bar
 
     ckpt, model, dims, windows, states, dev, team = _start(
@@ -65,8 +66,7 @@ def collect(
     stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
     split = grouping.reorders or per_layer is not None or on_layer is not None
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
-    family = find_family(ckpt.config) if weigh_values else None
-    o_proj = family.o_proj + ".weight" if family is not None else None  # {layer} to fill
+    o_proj = _output_projection(ckpt) if weigh_values or weighted_aside else None
     desc, quiet = f"calibrating {dims.num_layers} layers on {windows.numel():,} tokens", not progress or not team.main
     bar = progress_bar(total=dims.num_layers * len(states), unit="window", desc=desc, disable=quiet)
     recording = [True]  # off while a cost runs a layer again with merged weights
@@ -79,7 +79,7 @@ def collect(
         for i, layer, prefix in each_layer(model, ckpt, dev, dtype=None):  # as stored, run in float32
             inputs = [h for h, _ in states] if on_layer is not None else None
             _advance(layer, states, bar, autocast)
-            _gathered(full, i, team, ckpt, o_proj, dims)
+            _gathered(full, i, team, ckpt, o_proj, dims, plain=not weigh_values)
             if on_layer is not None:  # before the weights go: a cost may run the layer again
                 recording[0] = False
                 with float32_on_call(layer):
@@ -124,13 +124,24 @@ def _start(source, device: str, allow_pickle: bool, data: str, tokens: int, seq_
     return ckpt, model, dims, windows, states, dev, team
 
 
-def _gathered(full: CalibrationStats, i: int, team: Ranks, ckpt: Checkpoint, o_proj: str | None, dims) -> None:
+def _output_projection(ckpt: Checkpoint) -> str:
+    """The name of each layer's output projection weight (``{layer}`` to fill)."""
+    from mha2gqa.core.families import find_family
+
+    return find_family(ckpt.config).o_proj + ".weight"
+
+
+def _gathered(
+    full: CalibrationStats, i: int, team: Ranks, ckpt: Checkpoint, o_proj: str | None, dims, plain: bool
+) -> None:
     """Layer ``i`` read by every process: its sums added over the processes, and its output
-    projection's Gram (``o_proj``, ``{layer}`` to fill: how each value direction reaches the output)."""
+    projection's Gram (``o_proj``, ``{layer}`` to fill: how each value direction reaches the output;
+    ``plain``: kept aside, the code staying the principal subspace)."""
     if team.size > 1:
         _summed(full.layers[i], team)
     if o_proj is not None and i in full.layers:
         full.layers[i].o_gram = _output_gram(ckpt, o_proj.format(layer=i), dims)
+        full.layers[i].plain_code = plain
 
 
 def _summed(entry: LayerStats, team: Ranks) -> None:

@@ -57,6 +57,9 @@ class Method:
     layerwise: ClassVar[bool] = False
     #: K/V are made anew rather than from the source heads
     fresh: ClassVar[bool] = False
+    #: its value code weighs each direction by how the output projection passes it on; a refit starts
+    #: from the plain principal subspace instead, with this merge kept beside it for the stage guard
+    weighs_values: ClassVar[bool] = False
 
     def merge_layer(self, w: Layer, stats: Any, *, shape: HeadShape) -> Layer:
         """One layer's projections (heads already permuted into their groups) merged to
@@ -99,6 +102,7 @@ class FreshInit(Method):
 
 class SvdMerge(Method):
     layerwise: ClassVar[bool] = True
+    weighs_values: ClassVar[bool] = True
 
     def merge_layer(self, w: Layer, stats: Any, *, shape: HeadShape) -> Layer:
         from mha2gqa.convert.methods.svd import svd_merge_layer
