@@ -23,6 +23,7 @@ from mha2gqa.core.families import Family
 from mha2gqa.core.output import check_destination
 from mha2gqa.core.resume import ResumeFolder
 from mha2gqa.core.retarget import find_retarget
+from mha2gqa.core.settings import check_window
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | 
                 "calibration (--method mean, first, random or aligned; contiguous groups)",
             )
         s.check_calibration()
+        if s.calibration_seq_len:
+            check_window("calibration_seq_len", s.calibration_seq_len, ckpt.config.get("max_position_embeddings"))
         if s.refit:
             _check_refit_windows(s, ckpt.config.get("max_position_embeddings"))
     if (s.refit and conversion.changes) or later is not None:  # a stopped run's work: continued, never dropped

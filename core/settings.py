@@ -79,6 +79,16 @@ def check_switched(obj: Any, switch: str, *others: str) -> None:
 
 
 @cache
+def check_window(name: str, seq_len: int, positions: int | None) -> None:
+    """A window of ``seq_len`` tokens (the setting ``name``'s) fits the model's ``positions`` (None:
+    no limit known), else one error naming the setting: never cut to fit behind the user's back."""
+    if positions and seq_len > positions:
+        raise SettingError(
+            name,
+            f"{{name}} {seq_len} is longer than the model's {positions} positions; use {{name}} {positions} or less",
+        )
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -15,6 +15,7 @@ import torch
 from mha2gqa.core.checkpoint import TOKENIZER_FILES, read_config, resolve_folder
 from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors, first_line
 from mha2gqa.core.models import check_same_tokenizer, load_tokenizer
+from mha2gqa.core.settings import check_window
 from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
 from mha2gqa.eval.perplexity import (
     Window,
@@ -76,11 +77,7 @@ def prepare(original: str, converted: str | None, s: EvalSettings) -> Evaluation
     limits = [p for p in map(_max_positions, folders) if p]
     max_pos = min(limits) if limits else None
     seq_len = s.window(max_pos)
-    if max_pos and seq_len > max_pos:
-        raise SettingError(
-            "seq_len",
-            f"{{name}} {seq_len} is longer than the model's {max_pos} positions; use {{name}} {max_pos} or less",
-        )
+    check_window("seq_len", seq_len, max_pos)
     stride = s.stride or max(seq_len // 2, 1)
     if not 1 <= stride <= seq_len:
         raise SettingError("stride", f"{{name}} {stride} must be between 1 and --seq-len {seq_len}")

@@ -329,6 +329,8 @@ def test_bad_eval_values(pair, tmp_path, args, pattern):
         (["--max-tokens", "-1"], "--max-tokens must be at least 1"),
         (["--kd-weight", "1.5"], "--kd-weight must be at most 1"),
         (["--seed", "-3"], "--seed must be at least 0"),
+        (["--seq-len", "65"], "--seq-len 65 is longer than the model's 64 positions; use --seq-len 64 or less"),
+        (["--eval-seq-len", "65"], "--eval-seq-len 65 is longer than the model's 64 positions"),
     ],
 )
 def test_bad_uptrain_values(pair, tmp_path, args, pattern):
@@ -336,6 +338,16 @@ def test_bad_uptrain_values(pair, tmp_path, args, pattern):
     out = tmp_path / "run"
     assert_refused(run_cli("uptrain", conv, "--data", text, "--output", out, "-q", *args), pattern, tmp_path)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("refit", [[], ["--refit"]])
+def test_a_calibration_window_longer_than_the_model_is_refused_not_cut(pair, tmp_path, refit):
+    """As eval's and uptrain's windows are: a length the user gave is never quietly made another."""
+    mha, _, text = pair
+    args = ["convert", mha, tmp_path / "out", "-g", 2, "--method", "svd", "--calibration", text, *refit]
+    want = "--calibration-seq-len 65 is longer than the model's 64 positions; use --calibration-seq-len 64 or less"
+    assert_refused(run_cli(*args, "--calibration-seq-len", 65), want, tmp_path)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("size", ["5XB", "0", "-1", "nan", "1e400GB"])

@@ -15,6 +15,7 @@ import torch
 from mha2gqa.core.cache import cache_root
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError, SettingError
+from mha2gqa.core.settings import check_window
 from mha2gqa.uptrain.checkpoints import checkpoint_dirs, read_state
 from mha2gqa.uptrain.eval_budget import MAX_EVAL_TOKENS, WARN_SHARE, eval_budget
 from mha2gqa.uptrain.settings import RUN_FIELDS, UptrainSettings
@@ -56,9 +57,8 @@ def _sizes(s: UptrainSettings, max_pos: int | None, processes: int) -> tuple[int
     positions and the batch's split over ``--grad-accum`` and the processes."""
     seq_len = s.window(max_pos)
     eval_seq_len = s.eval_seq_len or seq_len
-    for flag, n in (("--seq-len", seq_len), ("--eval-seq-len", eval_seq_len)):
-        if max_pos and n > max_pos:
-            raise Mha2GqaError(f"{flag} {n} is longer than the model's {max_pos} positions")
+    for name, n in (("seq_len", seq_len), ("eval_seq_len", eval_seq_len)):
+        check_window(name, n, max_pos)
     per_step = s.grad_accum * processes
     if s.batch_size % per_step:
         raise SettingError(
