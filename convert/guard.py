@@ -255,41 +255,44 @@ class GuardRun:
         log,
         alone: list[OutputTensor] | None = None,
     ):
-        """Score the merge, the method's merge without the refit where that is another (``alone``:
-        ``svd``'s output-weighted code, where the refit starts from the plain one) and the refit (each
-        prefix of :func:`prefix_cuts`) in one walk; returns the tensors to publish (the refit up to its
-        best prefix, or the better merge) and the guard's record. The refit must beat the better merge."""
+        """Score the merge and the method's merge without the refit where that is another (``alone``:
+        ``svd``'s output-weighted code, where the refit starts from the plain one), then the refit at
+        each prefix of :func:`prefix_cuts`, the layers after it from the better merge; returns the
+        tensors to publish (the refit up to its best prefix, or the better merge) and the guard's
+        record. The refit must beat the better merge."""
         if self.ids is None:
             return refitted[0] if refitted else merged, self.record()
         self._start(c)
-        n = c.dims.num_layers
         plans = {"merge": self._merged(c, merged, "merge")}
         if alone is not None and refitted:
             plans["alone"] = self._merged(c, alone, "alone")
-        cuts: list[int] = []
-        if refitted:
-            tensors, rec = refitted
-            refit_by_name, refit_names = _computed(tensors)
-            refit = Weights("refit", planned(refit_by_name, c.ckpt), refit_names, tuple(c.targets))
-            fitted = [r.layer for r in rec.layers if not r.kept]
-            cuts = prefix_cuts(fitted)
-            for cut in cuts:
-                plans[cut] = [refit if i in fitted and i <= cut else plans["merge"][i] for i in range(n)]
-        scores = self.guard.score(plans)
-        self.stages.append(_merge_stage(scores))
+        merges = self.guard.score(plans)
+        self.stages.append(_merge_stage(merges))
         self._say(log, self.stages[-1])
-        start = alone if "alone" in scores and scores["alone"].loss < scores["merge"].loss else merged
         if not refitted:
             return merged, self.record()
+        better = "alone" if "alone" in merges and merges["alone"].loss < merges["merge"].loss else "merge"
+        tensors, rec = refitted
+        refit_by_name, refit_names = _computed(tensors)
+        refit = Weights("refit", planned(refit_by_name, c.ckpt), refit_names, tuple(c.targets))
+        fitted = [r.layer for r in rec.layers if not r.kept]
+        cuts = prefix_cuts(fitted)
+        n = c.dims.num_layers  # up to the cut, a layer the refit left merged is the merge later layers were fitted on
+        prefixes = {
+            cut: [refit if i in fitted and i <= cut else plans["merge" if i <= cut else better][i] for i in range(n)]
+            for cut in cuts
+        }
+        scores = self.guard.score(prefixes) if prefixes else {}
         stage, published = self._refit_stage(scores, cuts, fitted, self.stages[-1].published)
         self.stages.append(stage)
         self._say(log, stage)
+        start = alone if better == "alone" else merged
         if published < 0:  # undone, or no layer refitted: the better merge
             return start, self.record()
-        undone = {i for i in fitted if i > published}
-        names = {n for i in undone for n in attention_names(refit_by_name, c.family, i).values()}
-        merged_by_name = _computed(merged)[0]
-        return [merged_by_name[t.name] if t.name in names else t for t in tensors], self.record()
+        changed = [i for i in range(published + 1, n) if plans["merge"][i] is not None]
+        after = {name for i in changed for name in attention_names(refit_by_name, c.family, i).values()}
+        start_by_name = _computed(start)[0]
+        return [start_by_name[t.name] if t.name in after else t for t in tensors], self.record()
 
     def _refit_stage(
         self, scores: dict, cuts: list[int], fitted: list[int], before: GuardScore

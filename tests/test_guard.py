@@ -19,7 +19,7 @@ from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.convert.guard import prefix_cuts, score_of
 from mha2gqa.convert.settings import GUARD_WINDOWS
-from mha2gqa.core.conversion_record import KEPT, MEASURED, UNDONE, read_conversion_record
+from mha2gqa.core.conversion_record import KEPT, KEPT_IN_PART, MEASURED, UNDONE, read_conversion_record
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 
 
@@ -166,20 +166,28 @@ def test_a_refit_that_makes_the_model_worse_is_undone_and_every_output_says_so(c
     assert not (tmp_path / "failed").exists() and not list(tmp_path.glob(".failed*"))
 
 
-def test_an_undone_refit_publishes_svd_alone_where_its_merge_is_the_better(calib_text, tmp_path, monkeypatch):
-    """With ``--refit``, ``svd`` merges from the values' principal subspace (a refit's better start);
-    alone it publishes the output-weighted code. Here every value dimension ``o_proj`` reads least is
-    made 16x louder (``v`` x 16, ``o`` / 16: the same function), which the plain code chases and the
-    weighted one sees through. A refit forced to hurt is undone to the better merge: the very tensors
-    of ``--method svd`` alone, so the recipe is never worse than it; the merge's line says which."""
-    model = random_model(tiny_config("llama", vocab_size=300, attention_bias=False), seed=0)
+def _loud_values(layers: int = 2, seed: int = 0):
+    """A tiny Llama whose value dimensions that ``o_proj`` reads least are 16x louder (``v`` x 16,
+    ``o`` / 16: the same function), which a plain value code chases and the output-weighted one sees through."""
+    model = random_model(
+        tiny_config("llama", vocab_size=300, attention_bias=False, num_hidden_layers=layers), seed=seed
+    )
     with torch.no_grad():
         for layer in model.model.layers:
             heads, d = model.config.num_attention_heads, layer.self_attn.head_dim
             loud = torch.ones(d).index_fill_(0, torch.arange(d // 2), 16.0).repeat(heads)  # MHA: head h reads head h
             layer.self_attn.v_proj.weight.mul_(loud[:, None])
             layer.self_attn.o_proj.weight.div_(loud)
-    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    return model
+
+
+def test_an_undone_refit_publishes_svd_alone_where_its_merge_is_the_better(calib_text, tmp_path, monkeypatch):
+    """With ``--refit``, ``svd`` merges from the values' principal subspace (a refit's better start);
+    alone it publishes the output-weighted code. Here every value dimension ``o_proj`` reads least is
+    made 16x louder (``v`` x 16, ``o`` / 16: the same function), which the plain code chases and the
+    weighted one sees through. A refit forced to hurt is undone to the better merge: the very tensors
+    of ``--method svd`` alone, so the recipe is never worse than it; the merge's line says which."""
+    src = with_tokenizer(_loud_values(), tmp_path / "src", calib_text)
     kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "progress": False}
     alone = convert_checkpoint(src, tmp_path / "alone", 1, "svd", **kw)
     _shuffle_refit_targets(monkeypatch)
@@ -193,6 +201,41 @@ def test_an_undone_refit_publishes_svd_alone_where_its_merge_is_the_better(calib
     a, b = read_all(alone.output), read_all(undone.output)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert f"guard: merge: measured - held-out {merge.after} (the merge without --refit" in undone.summary()
+
+
+def test_a_refit_kept_in_part_takes_the_layers_after_it_from_the_better_merge(calib_text, tmp_path, monkeypatch):
+    """The last two of four layers refitted against other windows' targets: the refit is published up
+    to layer 1, and layers 2-3 are the better merge's (here ``svd`` alone's, the very tensors), not the
+    refit's start."""
+    import mha2gqa.convert.refit.layerwise as refit_module
+
+    src = with_tokenizer(_loud_values(layers=4), tmp_path / "src", calib_text)
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "progress": False}
+    alone = read_all(convert_checkpoint(src, tmp_path / "alone", 1, "svd", **kw).output)
+    good = refit_module.fit_layer, refit_module.solve_output
+    _shuffle_refit_targets(monkeypatch)
+    bad, calls = (refit_module.fit_layer, refit_module.solve_output), {"fit": 0, "solve": 0}
+
+    def by_layer(what: str, n: int):  # layers 0-1 fitted as they are, 2-3 against shuffled targets
+        def call(*args, **kwargs):
+            calls[what] += 1
+            return (good if calls[what] <= 2 else bad)[n](*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(refit_module, "fit_layer", by_layer("fit", 0))
+    monkeypatch.setattr(refit_module, "solve_output", by_layer("solve", 1))
+    out = convert_checkpoint(src, tmp_path / "part", 1, "svd", refit=True, refit_steps=30, refit_precision="no", **kw)
+    merge, refit = out.facts.guard.stages
+    assert refit.outcome == KEPT_IN_PART and "layers up to 1" in refit.detail, refit.line()
+    assert refit.published.loss < merge.published.loss and merge.detail.startswith("the merge without --refit")
+    got = read_all(out.output)
+    for name in got:
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        if (layer is not None and layer >= 2) or ".self_attn." not in name:
+            assert torch.equal(got[name], alone[name]), name
+        elif name.endswith(("v_proj.weight", "o_proj.weight")):
+            assert not torch.equal(got[name], alone[name]), name  # refitted
 
 
 def test_a_refit_that_helps_is_kept_and_guard_off_measures_nothing(calib_text, tmp_path):
