@@ -115,7 +115,7 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
         # a refit starts better from the values' principal subspace than from the output-weighted
         # code (docs/methods.md, "The value code weighted by o_proj")
         weigh_values=not s.refit,
-        weighted_aside=s.refit and source.method.weighs_values,  # the merge the refit must beat (the guard)
+        weighted_aside=s.refit and source.method.weighs_values and s.guard != "off",  # the merge the guard holds it to
         autocast=autocast_dtype(s.refit_arithmetic()),  # a refit's calibration runs in its arithmetic
     )
 
@@ -412,7 +412,7 @@ def _merge_alone(c: Conversion, stats: Any) -> list[OutputTensor] | None:
     """The merge ``--method`` publishes without ``--refit`` where a refit starts from another (``svd``:
     the output-weighted value code, the refit the plain principal subspace), for the stage guard to
     hold the refit to: the recipe is never worse than the method alone. None where they are one."""
-    weighted = stats.weighted() if stats is not None and c.settings.refit else None
+    weighted = stats.weighted() if stats is not None else None  # kept aside only for a guarded refit
     if weighted is None:
         return None
     return tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, weighted, c.settings.seed)

@@ -161,15 +161,15 @@ class Guard:
         return {name: score_of(kl, same, tokens) for name, (kl, same) in zip(names, sums.tolist(), strict=True)}
 
 
-def _merge_stage(scores: Mapping[str, GuardScore]) -> GuardStage:
-    """The merge's :class:`GuardStage`: the better of the refit's start (``merge``) and the method's
-    merge without the refit (``alone``, where scored), which later stages must beat."""
+def _better_merge(scores: Mapping[str, GuardScore]) -> tuple[str, GuardStage]:
+    """``(which, the merge's GuardStage)``: the better of the refit's start (``merge``) and the
+    method's merge without the refit (``alone``, where scored), which later stages must beat."""
     start, alone = scores["merge"], scores.get("alone")
     if alone is None:
-        return GuardStage("merge", MEASURED, start, start)
+        return "merge", GuardStage("merge", MEASURED, start, start)
     if alone.loss < start.loss:
-        return GuardStage("merge", MEASURED, alone, alone, detail=f"{ALONE}; the refit's start: {start}")
-    return GuardStage("merge", MEASURED, start, start, detail=f"the refit's start; {ALONE}: {alone}")
+        return "alone", GuardStage("merge", MEASURED, alone, alone, detail=f"{ALONE}; the refit's start: {start}")
+    return "merge", GuardStage("merge", MEASURED, start, start, detail=f"the refit's start; {ALONE}: {alone}")
 
 
 def score_of(kl: float, same: float, tokens: int) -> GuardScore:
@@ -266,12 +266,11 @@ class GuardRun:
         plans = {"merge": self._merged(c, merged, "merge")}
         if alone is not None and refitted:
             plans["alone"] = self._merged(c, alone, "alone")
-        merges = self.guard.score(plans)
-        self.stages.append(_merge_stage(merges))
-        self._say(log, self.stages[-1])
+        better, stage = _better_merge(self.guard.score(plans))
+        self.stages.append(stage)
+        self._say(log, stage)
         if not refitted:
             return merged, self.record()
-        better = "alone" if "alone" in merges and merges["alone"].loss < merges["merge"].loss else "merge"
         tensors, rec = refitted
         refit_by_name, refit_names = _computed(tensors)
         refit = Weights("refit", planned(refit_by_name, c.ckpt), refit_names, tuple(c.targets))

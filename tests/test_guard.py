@@ -238,15 +238,24 @@ def test_a_refit_kept_in_part_takes_the_layers_after_it_from_the_better_merge(ca
             assert not torch.equal(got[name], alone[name]), name  # refitted
 
 
-def test_a_refit_that_helps_is_kept_and_guard_off_measures_nothing(calib_text, tmp_path):
+def test_a_refit_that_helps_is_kept_and_guard_off_measures_nothing(calib_text, tmp_path, monkeypatch):
+    import mha2gqa.convert.calibration.streaming as streaming
+
     src = source("llama", calib_text, tmp_path / "src", attention_bias=False)
     kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "refit": True, "progress": False}
+    collect, asides = streaming.collect, []
+
+    def spy(*args, **options):  # svd alone's code is kept aside only for the guard to score
+        asides.append(options["weighted_aside"])
+        return collect(*args, **options)
+
+    monkeypatch.setattr(streaming, "collect", spy)
     kept = convert_checkpoint(src, tmp_path / "kept", 1, "svd", **kw)
     merge, refit = kept.facts.guard.stages
     assert refit.outcome == KEPT and refit.published == refit.after and refit.after.loss < merge.after.loss
     assert "guard: refit: kept - held-out KL" in kept.summary() and kept.facts.recipe == "svd+refit"
     off = convert_checkpoint(src, tmp_path / "off", 1, "svd", guard="off", **kw)
-    assert off.facts.guard is None and "guard" not in off.summary()
+    assert off.facts.guard is None and "guard" not in off.summary() and asides == [True, False]
     a, b = read_all(kept.output), read_all(off.output)  # kept whole: the same tensors as without the guard
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
