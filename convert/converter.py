@@ -45,6 +45,7 @@ from mha2gqa.core.ranks import ranks
 from mha2gqa.core.recipe_file import recipe_name, write_recipe
 from mha2gqa.core.records import CONVERSION_RECORD, now, version
 from mha2gqa.core.resume import ResumeFolder, resumable
+from mha2gqa.core.text_ref import portable_name, text_ref
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,9 @@ def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
     if not s.calibration:  # a layer method that works from the weights alone (aligned)
         return None, Calibration(None, 0, source.dims.rotary, weights_only=True)
     stats = _collect(source, source.targets if source.per_layer else source.targets[0])
-    return stats, Calibration(s.calibration, stats.tokens, stats.rotary_dim)
+    return stats, Calibration(
+        portable_name(s.calibration), stats.tokens, stats.rotary_dim, text=text_ref(s.calibration)
+    )
 
 
 def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
@@ -288,7 +291,7 @@ def _record(
         refit=refitted,
         guard=guard,
     )
-    settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")}
+    settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")} | s.recipe()  # portable
     return ConversionRecord(
         mha2gqa_version=version(),
         created=now(),
@@ -405,6 +408,8 @@ def _write(
         (tmp / CONVERSION_RECORD).write_text(record.to_json(), encoding="utf-8")
         (tmp / "README.md").write_text(model_card(record), encoding="utf-8")
         write_recipe(tmp, recipe_name(s.method, s.refit, False), {"convert": s.recipe()})
+    if resume is None:  # DST published by a run that keeps no work: nothing stopped is left beside it
+        ResumeFolder.discard(source.dst)
     return record
 
 

@@ -368,11 +368,12 @@ def open_guard(c, data: str | None):
     import dataclasses
 
     from mha2gqa.convert.settings import calibration_window
+    from mha2gqa.core.dims import max_positions
 
     s = c.settings
     if s.guard == "off" or not data or not c.changes:
         return c, None
-    seq_len = calibration_window(s.calibration_seq_len, c.ckpt.config.get("max_position_embeddings"))
+    seq_len = calibration_window(s.calibration_seq_len, max_positions(c.ckpt.config))
     ids, before, where = guard_windows(c.ckpt.folder, data, seq_len)
     run = GuardRun(s.guard, ids, before, where)
     if ids is None or s.calibration_tokens <= before:

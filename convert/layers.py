@@ -139,7 +139,7 @@ def each_layer(
     the refit walk the model by."""
     from mha2gqa.core.capture import decoder_layers
 
-    layers, attr = decoder_layers(model)
+    layers, _, attr = decoder_layers(model)  # a native class: its base model holds them
     for i, layer in enumerate(layers):
         prefix = f"{model.base_model_prefix}.{attr}.{i}."
         materialize(layer, ckpt, prefix, device, dtype, model)
@@ -187,7 +187,7 @@ def _load_outside_layers(model, ckpt, device, dtype: torch.dtype | None) -> list
     from mha2gqa.core.capture import decoder_layers
 
     base, prefix = model.base_model, f"{model.base_model_prefix}."
-    _, attr = decoder_layers(model)
+    _, _, attr = decoder_layers(model)
     others = [(n, c) for n, c in base.named_children() if n != attr]
     for name, child in others:
         materialize(child, ckpt, f"{prefix}{name}.", device, dtype=dtype, model=model)
@@ -203,16 +203,16 @@ def first_layer_inputs(model, ckpt, windows: torch.Tensor, device) -> list[tuple
     from mha2gqa.core.capture import decoder_layers
 
     base = model.base_model
-    layers, attr = decoder_layers(model)
+    layers, holder, attr = decoder_layers(model)
     others = _load_outside_layers(model, ckpt, device, dtype=None)
     catchers = [_Catch(i, i == len(layers) - 1, layer) for i, layer in enumerate(layers)]
-    setattr(base, attr, torch.nn.ModuleList(catchers))
+    setattr(holder, attr, torch.nn.ModuleList(catchers))
     try:
         for w in windows:
             with contextlib.suppress(_Stop):
                 base(w[None], use_cache=False)
     finally:
-        setattr(base, attr, layers)
+        setattr(holder, attr, layers)
     for child in others:
         release(child)
     types = getattr(model.config, "layer_types", None) or [None] * len(layers)
@@ -307,8 +307,7 @@ def model_head(model, ckpt, device) -> ModelHead:
     like apply as they do in the model. Memory: the embeddings and the output projection."""
     from mha2gqa.core.capture import decoder_layers
 
-    base = model.base_model
-    layers, attr = decoder_layers(model)
+    layers, holder, attr = decoder_layers(model)
     _load_outside_layers(model, ckpt, device, dtype=torch.float32)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
@@ -325,14 +324,14 @@ def model_head(model, ckpt, device) -> ModelHead:
 
     @torch.no_grad()
     def logits(hidden: torch.Tensor, as_tuple: bool) -> torch.Tensor:
-        setattr(base, attr, torch.nn.ModuleList([_Emit(hidden, as_tuple, layers[-1])]))
+        setattr(holder, attr, torch.nn.ModuleList([_Emit(hidden, as_tuple, layers[-1])]))
         try:
             ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
             # position 0 for every token: the tokens are rows of several windows (past a learned position
             # table's length, GPT-BigCode's); the layers they would reach are replaced
             return model(input_ids=ids, position_ids=ids, use_cache=False).logits.float()
         finally:
-            setattr(base, attr, layers)
+            setattr(holder, attr, layers)
 
     return ModelHead(logits, head.weight.shape[0])
 

@@ -17,7 +17,7 @@ from mha2gqa.convert.retarget_view import RetargetedCheckpoint, retargeted
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.architecture import resolve
 from mha2gqa.core.checkpoint import Checkpoint, open_checkpoint
-from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.dims import AttentionDims, max_positions
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.families import Family
 from mha2gqa.core.output import check_destination
@@ -121,9 +121,9 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | 
             )
         s.check_calibration()
         if s.calibration_seq_len:
-            check_window("calibration_seq_len", s.calibration_seq_len, ckpt.config.get("max_position_embeddings"))
+            check_window("calibration_seq_len", s.calibration_seq_len, max_positions(ckpt.config))
         if s.refit:
-            _check_refit_windows(s, ckpt.config.get("max_position_embeddings"))
+            _check_refit_windows(s, max_positions(ckpt.config))
     if (s.refit and conversion.changes) or later is not None:  # a stopped run's work: continued, never dropped
         fingerprint = resume_fingerprint(ckpt, s) | ({"later stage": later} if later is not None else {})
         conversion = dataclasses.replace(conversion, fingerprint=fingerprint)
@@ -132,6 +132,8 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | 
         raise SettingError(
             "resume", "{name}: this conversion keeps no work to continue (--refit and --distill do); drop {name}"
         )
+    else:  # a stopped run's work beside DST: publishing another output into DST would strand it
+        ResumeFolder.check(dst, {}, False, s.remove_stale)
     return conversion
 
 

@@ -52,7 +52,7 @@ def refit_windows(given: int | None, window: int) -> int:
 #: the others are the machine's and the run's (device, progress, overwrite...)
 RECIPE_FIELDS = (
     *("num_kv_heads", "num_kv_heads_per_layer", "per_layer", "allocation_cost", "kv_budget", "method", "grouping"),
-    *("calibration", "calibration_tokens", "calibration_seq_len"),
+    *("calibration", "calibration_sha256", "calibration_tokens", "calibration_seq_len"),
     *("refit", "refit_params", "refit_steps", "refit_target", "refit_lr", "refit_batch", "refit_tokens"),
     "refit_precision",
     *("guard", "seed", "max_shard_size"),
@@ -103,6 +103,10 @@ class ConvertSettings:
         None,
         help="Calibration text for svd / aligned / similarity grouping "
         "(a file or a datasets name, as for eval --data).",
+    )
+    calibration_sha256: str | None = setting(
+        None,
+        help="The sha256 the --calibration file must have (a recipe file's: the text the model was made with).",
     )
     calibration_tokens: int = setting(
         32768, help="Calibration tokens (the first N of the text; 32,768: see docs/methods.md).", minimum=1
@@ -217,6 +221,7 @@ class ConvertSettings:
         self.per_layer_heads()
         check_device_name(self.device)
         check_text_source(self.calibration, "calibration")
+        self._check_calibration_sha256()
         try:
             parse_size(self.max_shard_size)
         except Exception as e:
@@ -236,6 +241,23 @@ class ConvertSettings:
             )
         return self
 
+    def _check_calibration_sha256(self) -> None:
+        """``calibration_sha256`` (a recipe's): the --calibration file is that very text."""
+        from mha2gqa.core.text_ref import text_sha256
+
+        if self.calibration_sha256 is None:
+            return
+        if not self.calibration:
+            raise SettingError("calibration_sha256", "{name} checks --calibration: pass the text it names")
+        found = text_sha256(self.calibration)
+        if found != self.calibration_sha256:
+            what = f"has sha256 {found[:12]}..." if found else "is not a local file"
+            raise SettingError(
+                "calibration_sha256",
+                f"--calibration {self.calibration} {what}, not the text {{name}} names "
+                f"({self.calibration_sha256[:12]}..., the text the recipe was made with): pass that text",
+            )
+
     def _check_refit(self) -> None:
         self.refit_roles()
         try:
@@ -253,13 +275,15 @@ class ConvertSettings:
         return method.calibration != "none" or grouping.calibration != "none" or self.per_layer == "auto" or self.refit
 
     def recipe(self) -> dict:
-        """The settings that shape the output (:data:`RECIPE_FIELDS`), a local calibration file as an
-        absolute path (so the recipe runs from any folder)."""
-        from pathlib import Path
+        """The settings that shape the output (:data:`RECIPE_FIELDS`), portable: a local calibration
+        file by its name and sha256 (never the path of this machine; ``--recipe`` finds it in the
+        current folder or beside the recipe file, and refuses a text of another sha256)."""
+        from mha2gqa.core.text_ref import portable_name, text_sha256
 
         out = {name: getattr(self, name) for name in RECIPE_FIELDS}
-        if self.calibration and Path(self.calibration).exists():
-            out["calibration"] = str(Path(self.calibration).resolve())
+        if self.calibration:
+            out["calibration"] = portable_name(self.calibration)
+            out["calibration_sha256"] = text_sha256(self.calibration)
         return out
 
     def refit_arithmetic(self) -> str:

@@ -82,16 +82,21 @@ def capturing(model: Any, recorder: Callable[..., None]) -> Iterator[None]:
         model.set_attn_implementation(previous)
 
 
-#: Attribute names of the decoder-layer list in transformers' base models (``layers``; ``h`` in
-#: GPT-2-style classes: GPTBigCode, Falcon).
-LAYER_LISTS = ("layers", "h")
+#: Where transformers' base models hold their decoder-layer list (``layers``; ``h`` in GPT-2-style
+#: classes: GPTBigCode, Falcon; ``decoder.layers`` in OPT's).
+LAYER_LISTS = ("layers", "h", "decoder.layers")
 
 
-def decoder_layers(model: Any) -> tuple[Any, str]:
-    """The decoder layers of a causal LM and the attribute of its base model that holds them."""
+def decoder_layers(model: Any) -> tuple[Any, Any, str]:
+    """``(the decoder layers of a causal LM, the module that holds them, its attribute naming them)``:
+    ``setattr(holder, name, other)`` swaps them."""
     base = model.base_model
-    for name in LAYER_LISTS:
-        layers = getattr(base, name, None)
+    for path in LAYER_LISTS:
+        *outer, name = path.split(".")
+        holder = base
+        for part in outer:
+            holder = getattr(holder, part, None)
+        layers = getattr(holder, name, None) if holder is not None else None
         if layers is not None:
-            return layers, name
+            return layers, holder, name
     raise AttributeError(f"{type(base).__name__} has none of {LAYER_LISTS}")

@@ -4,6 +4,7 @@ ends with this one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import yaml
@@ -114,15 +115,33 @@ def _allocation_summary(allocation) -> str:
     )
 
 
+def front_matter(base_model: str | None, tags: list[str]) -> str:
+    """The card's YAML metadata: ``base_model`` only where it is a Hugging Face model id (a local
+    folder's name would link to another model), the library and the tags."""
+    front = {"base_model": base_model} if base_model else {}
+    front |= {"library_name": "transformers", "tags": ["mha2gqa", "gqa", "grouped-query-attention", *tags]}
+    return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
+
+
+def _calibration_row(calibration) -> str:
+    """The calibration text by name (never a path), with its sha256 where it is a file."""
+    sha = calibration.text.sha256 if calibration.text else None
+    return f"`{calibration.data}`" + (f" (sha256 `{sha[:16]}`…)" if sha else "") + f", {calibration.tokens:,} tokens"
+
+
+def _without_sketches(conv: Facts) -> Facts:
+    """``conv`` with its texts' line sketches left out: they are for ``eval``, in the record, not for a reader."""
+
+    def bare(step):
+        return dataclasses.replace(step, text=dataclasses.replace(step.text, lines="")) if step and step.text else step
+
+    return dataclasses.replace(conv, calibration=bare(conv.calibration), refit=bare(conv.refit))
+
+
 def model_card(record: ConversionRecord) -> str:
     """A Hugging Face model card describing the conversion in ``record``."""
     src, conv = record.source, record.conversion
     base = src.name
-    front = {
-        "base_model": base,
-        "library_name": "transformers",
-        "tags": ["mha2gqa", "gqa", "grouped-query-attention", record.family],
-    }
     rows = [
         ("source", f"`{base}`" + (f" @ `{src.revision}`" if src.revision else "")),
         ("family", record.family),
@@ -145,7 +164,7 @@ def model_card(record: ConversionRecord) -> str:
         rows.append(("per-layer allocation", _allocation_summary(conv.per_layer_allocation)))
     calibration = conv.calibration
     if calibration and calibration.data:
-        rows.insert(4, ("calibration", f"`{calibration.data}` ({calibration.tokens:,} tokens)"))
+        rows.insert(4, ("calibration", _calibration_row(calibration)))
     if conv.refit:
         rows.append(("refit", refit_summary(conv.refit)))
     if conv.guard:
@@ -159,11 +178,12 @@ def model_card(record: ConversionRecord) -> str:
         "recovers most of a merge's loss; evaluate with `mha2gqa eval` (on text unlike the calibration text too) "
         "before use."
     )
+    facts = _without_sketches(conv).to_dict()
     return (
-        "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
-        f"# {base} as grouped-query attention ({conv.kv_heads_after} KV heads)\n\n"
+        front_matter(src.repo_id, [record.family])
+        + f"# {base} as grouped-query attention ({conv.kv_heads_after} KV heads)\n\n"
         + (_PER_LAYER_NOTE + _serving(conv) if conv.num_kv_heads_per_layer else "")
         + _retargeted(conv)
         + f"{changes(conv)}\n\n{quality}\n\n| setting | value |\n|---|---|\n{table}\n\n"
-        f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(conv.to_dict(), indent=2)}\n```\n"
+        f"Exact settings: `{CONVERSION_RECORD}`.\n\n```json\n{json.dumps(facts, indent=2)}\n```\n"
     )

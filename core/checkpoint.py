@@ -94,6 +94,11 @@ def _finite(tensor: Any) -> bool:
     return bool(tensor.amax().isfinite() & tensor.amin().isfinite())
 
 
+def hub_id(name: str) -> str | None:
+    """``name`` where it reads as a Hugging Face hub id (``org/name``, or a canonical ``gpt2``), else None."""
+    return name if _REPO_ID.match(name) and not name.startswith((".", "/", "~")) else None
+
+
 def resolve_folder(
     src: str, revision: str | None = None, allow_pickle: bool = False
 ) -> tuple[Path, str | None, str | None]:

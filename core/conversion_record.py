@@ -17,6 +17,7 @@ from typing import Any
 from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import CONVERSION_RECORD, read_record_json
+from mha2gqa.core.text_ref import TextRef
 
 CONVERSION_SCHEMA = "mha2gqa.conversion/1"
 
@@ -27,12 +28,14 @@ RECIPE_LAYERS = 8
 
 @dataclass(frozen=True)
 class Calibration:
-    """What a calibrated method read (``data`` None: from the weights alone)."""
+    """What a calibrated method read (``data`` None: from the weights alone): the text by its
+    portable name (a file's name, never its path), with its sha256 and line sketch in ``text``."""
 
     data: str | None
     tokens: int
     rotary_dim: int | None = None
     weights_only: bool = False
+    text: TextRef | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class Refit:
     #: the arithmetic of its calibration pass and Adam steps: ``bf16`` (autocast) or ``no`` (float32;
     #: records before the choice; before 2026-11-28's evening ``bf16`` was the steps only)
     precision: str = "no"
+    #: the text ``data`` names (sha256, line sketch); None in records before portable names
+    text: TextRef | None = None
 
 
 @dataclass(frozen=True)

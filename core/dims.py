@@ -21,6 +21,21 @@ def config_value(config: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+#: Config keys that give a model's positions, as families spell them (GPT-2 and GPT-BigCode: ``n_positions``).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+def max_positions(config: Any) -> int | None:
+    """The positions a model can read (a ``config.json`` dict or a config object), as its family spells
+    them (:data:`POSITION_KEYS`); None when the config names none. OPT's table holds two rows more (its
+    offset): ``max_position_embeddings`` is what it reads. Every window a stage cuts must fit this."""
+    for key in POSITION_KEYS:
+        value = config_value(config, key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def _positive_int(config: Any, key: str) -> int:
     value = config_value(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -14,7 +14,7 @@ from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.checkpoint import read_config, resolve_folder
 from mha2gqa.core.conversion_record import Facts, read_conversion_record
 from mha2gqa.core.devices import check_device_name, check_dtype_name
-from mha2gqa.core.dims import PER_LAYER_KEY
+from mha2gqa.core.dims import PER_LAYER_KEY, max_positions
 from mha2gqa.core.dtypes import by_name, from_torch
 from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors, first_line
 from mha2gqa.core.model_info import ModelInfo
@@ -108,7 +108,7 @@ class LoadedModel:
             num_kv_heads=dims.num_kv_heads,
             kv_heads_per_layer=list(dims.kv_heads_per_layer) if dims.kv_heads_per_layer else None,
             head_dim=dims.head_dim,
-            max_positions=getattr(cfg, "max_position_embeddings", None),
+            max_positions=max_positions(cfg),
             parameters=sum(p.numel() for p in self.model.parameters()),
             dtype=str(dtype).removeprefix("torch."),
             kv_cache_bytes_per_token=dims.kv_cache_bytes_per_token(None, from_torch(dtype).bytes),

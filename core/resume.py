@@ -92,6 +92,12 @@ class ResumeFolder:
                     f"{_short(fingerprint.get(key))}); run without --resume and with --remove-stale to start over"
                 )
 
+    @staticmethod
+    def discard(dst: Path) -> None:
+        """``dst`` is published by a run that keeps no work: a stopped run's folder beside it (which
+        :meth:`check` let through: empty, or ``--remove-stale``) is stale, and goes with it."""
+        shutil.rmtree(resume_folder(Path(dst)), ignore_errors=True)
+
     def path(self, name: str) -> Path:
         return self.folder / name
 

@@ -16,6 +16,7 @@ import torch
 
 from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.bench_record import BenchModel, BenchRecord, BenchRun, KvCache, Speedup, Spread
+from mha2gqa.core.dims import max_positions
 from mha2gqa.core.text_table import Table
 from mha2gqa.eval.settings import BenchSettings
 
@@ -101,7 +102,7 @@ def run_bench(original: str, converted: str | None, s: BenchSettings) -> BenchRe
         if path is None:
             continue
         loaded = load_model(path, dev, dt)
-        prompt, new = s.lengths(getattr(loaded.model.config, "max_position_embeddings", None))
+        prompt, new = s.lengths(max_positions(loaded.model.config))
         figures = bench_model(loaded.model, prompt, new, s.repeats, s.warmup, s.batch_size)
         models[name] = dataclasses.replace(figures, path=path)
         del loaded

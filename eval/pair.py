@@ -19,9 +19,8 @@ from mha2gqa.core.conversion_record import read_conversion_record
 from mha2gqa.core.dims import config_value
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.text import TextData, load_text
+from mha2gqa.core.text_ref import TextRef, compared_lines
 
-#: Lines shorter than this are not compared (blank lines, headings and boilerplate repeat anyway).
-MIN_LINE = 40
 #: Share of the evaluation text's lines found in the calibration text above which it is flagged.
 FLAG_SHARE = 0.01
 
@@ -94,11 +93,6 @@ class Overlap:
         return {**asdict(self), "flagged": self.flagged}
 
 
-def compared_lines(documents: list[str]) -> set[str]:
-    """The lines of ``documents`` that overlap is measured on: stripped, at least :data:`MIN_LINE` long."""
-    return {line.strip() for doc in documents for line in doc.splitlines() if len(line.strip()) >= MIN_LINE}
-
-
 def _training_text(folder: Path) -> str | None:
     """The ``--data`` an uptraining run (or ``convert --distill``) of the model in ``folder`` trained on,
     from its uptraining record (None: none, or it names no text)."""
@@ -113,36 +107,56 @@ def _training_text(folder: Path) -> str | None:
 
 def calibration_overlap(data: TextData, source: str, converted_folder: Path, text_field: str) -> Overlap | None:
     """How much of the evaluation text ``data`` (read from ``source``) the conversion in
-    ``converted_folder`` was calibrated or refitted on; None when it read no text (or the text is
-    no longer where it was)."""
+    ``converted_folder`` was calibrated or refitted on (from the record's sha256 and line sketch of
+    the text, on any machine; a record before them: from the file it names, where it still is), or
+    trained on; None when it read no text."""
     record = read_conversion_record(converted_folder)
     facts = record.conversion if record else None
     if facts is None:
         return None
-    texts: dict[str, str] = {}  # text -> what read it; a refit usually reads the calibration text: once
+    texts: dict[
+        str, tuple[str, TextRef | None]
+    ] = {}  # text -> what read it; a refit usually reads the calibration text
     if facts.refit is not None:
-        texts[facts.refit.data] = "refit"
+        texts[facts.refit.data] = ("refit", facts.refit.text)
     if facts.calibration is not None and facts.calibration.data:
-        texts.setdefault(facts.calibration.data, "calibration")
+        texts.setdefault(facts.calibration.data, ("calibration", facts.calibration.text))
     trained = _training_text(converted_folder)  # convert --distill, or an uptraining run: it read text too
     if trained:
-        texts.setdefault(trained, "training")
+        texts.setdefault(trained, ("training", None))
     found: Overlap | None = None
     mine = compared_lines(data.documents)
-    here = Path(source).expanduser()
-    for text, use in texts.items():
-        path = Path(text).expanduser()
-        if text == source or (path.is_file() and here.is_file() and path.resolve() == here.resolve()):
-            return Overlap(text, use, True, 1.0, len(mine))
-        if not path.is_file():
-            continue  # a dataset name, or moved since: nothing here to compare with
-        try:
-            theirs = load_text(text, text_field, setting=use)
-        except Mha2GqaError:
-            continue
-        if "".join(theirs.documents) == "".join(data.documents):
-            return Overlap(text, use, True, 1.0, len(mine))
-        share = len(mine & compared_lines(theirs.documents)) / len(mine) if mine else 0.0
-        if found is None or share > found.share:
-            found = Overlap(text, use, False, share, len(mine))
+    for text, (use, ref) in texts.items():
+        got = (
+            _against_ref(ref, text, use, source, mine)
+            if ref
+            else _against_file(text, use, source, data, mine, text_field)
+        )
+        if got is not None and got.same:
+            return got
+        if got is not None and (found is None or got.share > found.share):
+            found = got
     return found
+
+
+def _against_ref(ref: TextRef, text: str, use: str, source: str, mine: set[str]) -> Overlap:
+    if ref.same_as(source):
+        return Overlap(text, use, True, 1.0, len(mine))
+    return Overlap(text, use, False, ref.share_of(mine), len(mine))
+
+
+def _against_file(text: str, use: str, source: str, data: TextData, mine: set[str], text_field: str) -> Overlap | None:
+    """The evaluation text against the file a record names by its path (None: moved, or a dataset name)."""
+    path, here = Path(text).expanduser(), Path(source).expanduser()
+    if text == source or (path.is_file() and here.is_file() and path.resolve() == here.resolve()):
+        return Overlap(text, use, True, 1.0, len(mine))
+    if not path.is_file():
+        return None  # a dataset name, or moved since: nothing here to compare with
+    try:
+        theirs = load_text(text, text_field, setting=use)
+    except Mha2GqaError:
+        return None
+    if "".join(theirs.documents) == "".join(data.documents):
+        return Overlap(text, use, True, 1.0, len(mine))
+    share = len(mine & compared_lines(theirs.documents)) / len(mine) if mine else 0.0
+    return Overlap(text, use, False, share, len(mine))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core.checkpoint import TOKENIZER_FILES, read_config, resolve_folder
+from mha2gqa.core.dims import max_positions
 from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors, first_line
 from mha2gqa.core.models import check_same_tokenizer, load_tokenizer
 from mha2gqa.core.settings import check_window
@@ -132,7 +133,7 @@ def _max_positions(folder: Path) -> int | None:
     from transformers import AutoConfig
 
     try:
-        return getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+        return max_positions(AutoConfig.from_pretrained(folder))
     except (OSError, *config_errors()) as e:
         raise Mha2GqaError(f"{folder}: cannot read its config: {first_line(e)}") from None
 

@@ -74,6 +74,10 @@ def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | No
         if unknown:
             raise click.BadParameter(f"{value}: {name}.{unknown[0]} is not a setting a recipe holds", ctx, param)
     values = {k: v for section in sections.values() for k, v in section.items() if v is not None}
+    text = values.get("calibration")
+    beside = Path(value).parent / str(text)
+    if isinstance(text, str) and not Path(text).expanduser().exists() and beside.is_file():
+        values["calibration"] = str(beside)  # a recipe names its text by file name: here, or beside it
     ctx.default_map = {**(ctx.default_map or {}), **values}
 
 

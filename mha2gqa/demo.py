@@ -58,7 +58,7 @@ def cpython_text(heldout_fraction: float) -> tuple[str, str]:
     repeat a line of the training topics are dropped: the held-out text is really unseen."""
     from pydoc_data.topics import topics
 
-    from mha2gqa.eval.pair import compared_lines
+    from mha2gqa.core.text_ref import compared_lines
 
     docs = [topics[k].strip() for k in sorted(topics)]
     total = sum(map(len, docs))

@@ -28,6 +28,7 @@ from typing import Any
 
 from mha2gqa.convert.settings import ConvertSettings, calibration_window
 from mha2gqa.core.devices import PRECISION_HELP, PRECISIONS
+from mha2gqa.core.dims import max_positions
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, launched, under_launcher
 from mha2gqa.core.settings import check_switched, setting, validate
@@ -258,7 +259,7 @@ def _distil(
     from mha2gqa.uptrain import uptrain
 
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
-    positions = conversion.ckpt.config.get("max_position_embeddings")
+    positions = max_positions(conversion.ckpt.config)
     settings = d.uptrain_settings(s, teacher, out, positions, tokens)
     if tokens is not None:
         return distil_backing_off(student, settings, team, judge, log, d.distill_backoff)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.core.architecture import dims_of, resolve
-from mha2gqa.core.dims import AttentionDims, config_value
+from mha2gqa.core.dims import AttentionDims, config_value, max_positions
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.expressions import evaluate_expression
@@ -32,8 +32,6 @@ class Gpu:
 
 #: Tokens per sequence ``plan`` and ``inspect`` size for, when the model allows as many.
 PLAN_WINDOW = 4096
-#: Config keys that give a model's positions, as families spell them (GPT-2: ``n_positions``).
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 
 #: Presets for ``plan --gpu``; each figure is from the vendor's datasheet named beside it.
 GPUS: dict[str, Gpu] = {
@@ -226,8 +224,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     tied = bool(config_value(config, "tie_word_embeddings", dict(family.parameter_defaults).get("tie_word_embeddings")))
     vocab = config_value(config, "vocab_size")
     lookup = 0 if tied or not isinstance(vocab, int) else vocab * dims.hidden_size
-    positions = next((config_value(source, k) for k in POSITION_KEYS if config_value(source, k)), None)
-    positions = positions if isinstance(positions, int) and not isinstance(positions, bool) else None
+    positions = max_positions(source)
     return ModelShape(family.family, arch.name, dims, params, per_head, dtype, lookup, converts_as, positions)
 
 

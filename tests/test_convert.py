@@ -198,7 +198,8 @@ def test_card_and_record_describe_the_conversion(tiny_checkpoint, tmp_path):
     import yaml
 
     meta = yaml.safe_load(front)
-    assert meta["library_name"] == "transformers" and meta["base_model"] == src.name
+    assert meta["library_name"] == "transformers" and "base_model" not in meta  # a local folder: no model id
+    assert f"# {src.name} as grouped-query attention" in card
     assert "mha2gqa" in meta["tags"]
     record = json.loads((result.output / "mha2gqa_conversion.json").read_text())
     conv = record["conversion"]

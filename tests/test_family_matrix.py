@@ -132,3 +132,82 @@ def test_every_family_runs_every_feature_or_refuses_it_in_one_line(variant, feat
         assert len(str(e).splitlines()) == 1 and str(e).strip(), str(e)
         return
     _check(tmp_path / "out", g, list(result.kv_heads_per_layer), VARIANTS[variant][0])
+
+
+#: families whose positions are a learned table, as their configs spell them (GPT-2 and GPT-BigCode:
+#: ``n_positions``; OPT: two rows more than ``max_position_embeddings``), each at fewer positions (64)
+#: than the stages' default windows (512): every window a stage or the guard cuts must fit them (issue 68)
+LEARNED_POSITIONS: dict[str, dict] = {
+    "gpt2": dict(n_embd=32, n_head=4, n_layer=2, n_positions=64),
+    "opt": dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, max_position_embeddings=64,
+                word_embed_proj_dim=32),
+    "gpt_bigcode": dict(n_embd=32, n_head=4, n_layer=2, n_positions=64, multi_query=False),
+}  # fmt: skip
+
+#: the stages at their default windows: the merge (guarded), the refit (guarded) and the distillation
+DEFAULT_WINDOW_STAGES: dict[str, dict] = {
+    "svd": {},
+    "refit": {"refit": True, "refit_steps": 4},
+    "refit+distill": {"refit": True, "refit_steps": 4, "distill": True, "distill_steps": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def learned_sources(tmp_path_factory, calib_text):
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("learned")
+    made = {}
+
+    def source(kind: str):
+        if kind not in made:
+            config = AutoConfig.for_model(kind, vocab_size=300, **LEARNED_POSITIONS[kind])
+            made[kind] = with_tokenizer(random_model(config, seed=4), root / kind, calib_text)
+        return made[kind]
+
+    return source
+
+
+@pytest.mark.parametrize("stage", sorted(DEFAULT_WINDOW_STAGES))
+@pytest.mark.parametrize("kind", sorted(LEARNED_POSITIONS))
+def test_learned_position_families_convert_to_one_kv_head_at_the_default_windows(
+    kind, stage, learned_sources, calib_text, tmp_path
+):
+    """``-g 1 --method svd`` with the guard on and no ``--calibration-seq-len``: the statistics, the
+    refit's streams, the guard and the distillation all cut windows the model's positions hold."""
+    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.distill import DistillSettings, convert_and_distill, split_options
+
+    kw = {"method": "svd", "calibration": str(calib_text), "calibration_tokens": 1024, **DEFAULT_WINDOW_STAGES[stage]}
+    convert, distill = split_options(kw)
+    s = ConvertSettings(num_kv_heads=1, progress=False, **convert)
+    d = DistillSettings(**distill).check(s)
+    lines: list[str] = []
+    if d.distill:
+        result, _ = convert_and_distill(str(learned_sources(kind)), tmp_path / "out", s, d, log=lines.append)
+        assert any(line.startswith("guard: distill:") for line in lines), lines
+    else:
+        result = convert_checkpoint(learned_sources(kind), tmp_path / "out", 1, progress=False, **convert)
+    assert result.guard is not None and result.guard.stages[0].stage == "merge", result.guard  # the guard ran
+    _check(tmp_path / "out", 1, list(result.kv_heads_per_layer), "gpt_bigcode")
+
+
+@pytest.mark.parametrize("kind", sorted(LEARNED_POSITIONS))
+def test_eval_and_uptrain_of_learned_position_families_fit_their_default_windows(
+    kind, learned_sources, calib_text, tmp_path
+):
+    """``eval`` and ``uptrain`` with no ``--seq-len`` read windows of the model's 64 positions; one more
+    than the model holds is refused in one line naming the setting."""
+    from mha2gqa.eval.harness import evaluate
+    from mha2gqa.eval.settings import EvalSettings
+    from mha2gqa.uptrain import UptrainSettings, uptrain
+
+    src = learned_sources(kind)
+    out = convert_checkpoint(src, tmp_path / "g1", 1, "mean", progress=False).output
+    results = evaluate(str(src), str(out), EvalSettings(data=str(calib_text), max_tokens=512, progress=False))
+    assert results.protocols["disjoint"].settings["seq_len"] == 64, results.protocols["disjoint"]
+    kw = dict(data=str(calib_text), teacher=str(src), objective="kd", max_steps=1, batch_size=1, progress=False)
+    done = uptrain(str(out), UptrainSettings(output=str(tmp_path / "up"), **kw), log=lambda *_: None)
+    assert done.steps == 1 and done.tokens == 64, done
+    with pytest.raises(Mha2GqaError, match="longer than the model's 64 positions"):
+        uptrain(str(out), UptrainSettings(output=str(tmp_path / "up2"), seq_len=65, **kw), log=lambda *_: None)

@@ -174,6 +174,28 @@ def test_a_killed_process_resumes(setup, tmp_path):
     assert not resume_folder(dst).exists() and not list(tmp_path.glob(".out.*"))
 
 
+def test_another_conversion_into_a_killed_runs_dst_never_strands_its_kept_work(setup, tmp_path):
+    """SIGKILL mid-refit, then another conversion (``--method mean``, which keeps no work) into the same
+    DST: refused in one line while the kept work is there; with ``--remove-stale`` it publishes DST and
+    nothing is left beside it; the killed run's ``--resume`` then refuses in one line (DST exists)."""
+    dst = tmp_path / "out"
+    refit = ["-g", "1", "--method", "svd", "--calibration", str(setup["text"]), "--calibration-tokens", "1024"]
+    refit += ["--refit", "--refit-steps", "12", "-q"]
+    args = [sys.executable, "-m", "mha2gqa.cli", "convert", str(setup["src"]), str(dst)]
+    killed_once([*args, *refit], (resume_folder(dst) / "layer-0.json").exists)
+    assert not dst.exists() and resume_folder(dst).exists()
+    mean = ["convert", str(setup["src"]), str(dst), "-g", "1", "--method", "mean", "-q"]
+    kept = CliRunner().invoke(main, mean)
+    assert kept.exit_code == 1 and len(kept.output.strip().splitlines()) == 1, kept.output
+    assert "finished work of a stopped conversion" in kept.output and not dst.exists()
+    over = CliRunner().invoke(main, [*mean, "--remove-stale"])
+    assert over.exit_code == 0, over.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # DST, and nothing beside it
+    again = CliRunner().invoke(main, [*args[3:], *refit, "--resume"])
+    assert again.exit_code != 0 and len(again.output.strip().splitlines()) == 1, again.output
+    assert "exists" in again.output and "Traceback" not in again.output
+
+
 def test_kept_work_that_was_damaged_is_refused_naming_the_file(setup, tmp_path, monkeypatch):
     import torch
     from safetensors.torch import load_file, save_file

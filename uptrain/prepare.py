@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core.cache import cache_root
-from mha2gqa.core.dims import AttentionDims
+from mha2gqa.core.dims import AttentionDims, max_positions
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.settings import check_window
 from mha2gqa.uptrain.checkpoints import checkpoint_dirs, read_state
@@ -75,7 +75,7 @@ def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining
     student_folder, _, _ = resolve_folder(student)
     config = read_config(student_folder)
     family = _trained_family(config, s.train)
-    max_pos = config.get("max_position_embeddings")
+    max_pos = max_positions(config)
     seq_len, eval_seq_len, per_step = _sizes(s, max_pos, processes)
     tokenizer = load_tokenizer(student_folder)
     teacher_folder = _teacher_folder(s, tokenizer, student)

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mha2gqa.core import typed
-from mha2gqa.core.cards import model_card
+from mha2gqa.core.cards import front_matter, model_card
+from mha2gqa.core.checkpoint import hub_id
 from mha2gqa.core.conversion_record import ConversionRecord
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_RECORD, now, version
 from mha2gqa.core.runlog import RunEval
+from mha2gqa.core.text_ref import portable_name
 from mha2gqa.core.uptrain_guard import UptrainGuard, checked
 
 UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
@@ -92,11 +92,8 @@ class UptrainRecord:
     def card(self, conversion: ConversionRecord | None) -> str:
         """The model card (README.md) of the uptrained model: the uptraining, then the conversion."""
         base, s = Path(self.student).name, self.settings
-        front = {
-            "base_model": base,
-            "library_name": "transformers",
-            "tags": ["mha2gqa", "gqa", "grouped-query-attention", "uptrained"],
-        }
+        origin = conversion.source.repo_id if conversion else None  # the MHA model it comes from
+        student = None if Path(self.student).expanduser().exists() else hub_id(self.student)
         teacher = f" (teacher `{Path(s['teacher']).name}`)" if s.get("teacher") else ""
         rows = [
             ("student", f"`{base}`"),
@@ -108,10 +105,11 @@ class UptrainRecord:
                 f"AdamW lr {s['lr']:g}{' × each parameter’s RMS' if s.get('lr_relative') else ''}, "
                 f"warm-up {self.warmup_steps}, cosine to {s['min_lr_ratio']:g}× lr",
             ),
-            ("data", f"`{s['data']}`"),
+            ("data", f"`{portable_name(s['data'])}`"),
         ]
         if ev := self.last_eval:
-            text = f"`{s['eval_data']}`" if s.get("eval_data") else f"the last tokens of `{s['data']}` (held out)"
+            held = f"the last tokens of `{portable_name(s['data'])}` (held out)"
+            text = f"`{portable_name(s['eval_data'])}`" if s.get("eval_data") else held
             line = f"perplexity {ev.ppl:.4f} on {text} ({ev.eval_tokens:,} tokens)"
             if ev.ppl_ratio is not None:
                 line += f", ×{ev.ppl_ratio:.3f} the teacher, KL {ev.kl_mean:.4f}"
@@ -120,8 +118,8 @@ class UptrainRecord:
             rows.append(("guard", self.guard.line()))
         table = "\n".join(f"| {k} | {v} |" for k, v in rows)
         text = (
-            "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n"
-            f"# {base}, uptrained\n\nA grouped-query-attention model uptrained with `mha2gqa uptrain`.\n\n"
+            front_matter(origin or student, ["uptrained"])
+            + f"# {base}, uptrained\n\nA grouped-query-attention model uptrained with `mha2gqa uptrain`.\n\n"
             f"| setting | value |\n|---|---|\n{table}\n\nExact settings and evaluations: `{UPTRAIN_RECORD}`.\n"
         )
         if conversion:

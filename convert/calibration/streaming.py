@@ -23,6 +23,7 @@ from mha2gqa.convert.layers import (
 )
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
+from mha2gqa.core.dims import max_positions
 from mha2gqa.core.ranks import Ranks, ranks
 from mha2gqa.core.signals import check as check_signals
 
@@ -117,7 +118,7 @@ def _start(source, device: str, allow_pickle: bool, data: str, tokens: int, seq_
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
     model = skeleton(ckpt)
     dims = dims_of(model.config)
-    seq_len = calibration_window(seq_len, getattr(model.config, "max_position_embeddings", None))
+    seq_len = calibration_window(seq_len, max_positions(model.config))
     windows = calibration_ids(ckpt.folder, data, tokens, seq_len, text_field).to(dev)
     team = ranks()
     states = first_layer_inputs(model, ckpt, team.share(windows, f"--calibration {data}"), dev)

@@ -33,6 +33,7 @@ from mha2gqa.core.conversion_record import (
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.memory import STEP_BLOCKS, map_large_allocations
 from mha2gqa.core.resume import ResumeDamaged, ResumeFolder
+from mha2gqa.core.text_ref import portable_name, text_ref
 
 
 def _spilled(path: Path, name: str) -> torch.Tensor:
@@ -296,7 +297,8 @@ def _refit_record(s, st: Streams, records: list[RefitLayer], whole: list[int]) -
     """The refit's record: its settings as run and each refitted layer's."""
     fitted, held = split_windows(len(st.ids))
     return Refit(
-        data=s.calibration,
+        data=portable_name(s.calibration),
+        text=text_ref(s.calibration),
         tokens=st.ids.numel(),
         windows=len(fitted),
         heldout_windows=len(held),

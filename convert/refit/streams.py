@@ -17,6 +17,7 @@ from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.refit.fit import chunks, split_windows
 from mha2gqa.convert.refit.objective import normalized, scale_of
 from mha2gqa.convert.settings import calibration_window, refit_windows
+from mha2gqa.core.dims import max_positions
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, ranks
 from mha2gqa.core.signals import check as check_signals
@@ -179,7 +180,7 @@ def open_streams(c: Conversion, model, work: Path) -> Streams:
     from mha2gqa.core.models import resolve_device
 
     s, dev = c.settings, resolve_device(c.settings.device)
-    seq_len = calibration_window(s.calibration_seq_len, getattr(model.config, "max_position_embeddings", None))
+    seq_len = calibration_window(s.calibration_seq_len, max_positions(model.config))
     ids = calibration_ids(c.ckpt.folder, s.calibration, min(s.refit_tokens, s.calibration_tokens), seq_len)
     if len(ids) < 2:
         raise SettingError(
