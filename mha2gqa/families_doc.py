@@ -11,7 +11,8 @@ END = "<!-- end of the feature table -->"
 
 #: column -> what it runs
 COLUMNS = {
-    "mean / first / random / aligned": "no calibration",
+    "mean / first / random": "no calibration",
+    "aligned": "optional calibration, keys linear in the input",
     "svd": "calibration, keys linear in the input",
     "--grouping similarity": "calibration, heads that can be reordered",
     "--refit, --distill": "calibration, after any method the family takes",
@@ -33,8 +34,10 @@ def _cells(family) -> list[str | None]:
         return calibration or (norms if why else None)
 
     per_layer = family.per_layer_refusal
+    aligned = incompatibility(get_method("aligned"), get_grouping("contiguous"), family)
     return [
         None,
+        norms if aligned else None,  # from the weights alone where the attention bypasses the interface
         merge("svd", "contiguous"),
         merge("mean", "similarity"),
         calibration,

@@ -136,3 +136,42 @@ def test_parameter_terms_use_the_model_class_defaults_for_absent_switches():
         k: v for k, v in json.loads(config.to_json_string()).items() if k not in ("tie_word_embeddings", "use_bias")
     }
     assert count_parameters(bare, fam) == meta_parameters(config)
+
+
+def _table_cells(family: str) -> dict[str, str]:
+    """docs/families.md's feature-table row of ``family``: column heading -> ``yes`` / ``no (n)``."""
+    from pathlib import Path
+
+    from mha2gqa.families_doc import BEGIN, END
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "families.md").read_text(encoding="utf-8")
+    page = page[page.index(BEGIN) : page.index(END)]
+    rows = [[c.strip() for c in line.strip(" |").split(" | ")] for line in page.splitlines() if line.startswith("| ")]
+    head = next(r for r in rows if r[0] == "family")
+    row = next(r for r in rows if r[0] == family)
+    return {h.split(" (")[0].strip(): c.strip() for h, c in zip(head, row, strict=True)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_the_family_tables_method_cells_are_what_convert_does(family, tiny_checkpoint, calib_text, tmp_path):
+    """Each method cell of the families page says yes exactly where ``convert`` takes the method on the
+    family's checkpoint, and no where it refuses it in one line (checked before any model loads)."""
+    from mha2gqa.convert.prepare import prepare
+    from mha2gqa.convert.settings import ConvertSettings
+    from mha2gqa.core.families import families
+
+    src = tiny_checkpoint(family)
+    g = 1 if families()[family].flag_only else 2
+    cells = _table_cells(family)
+    for column, method, grouping in (("aligned", "aligned", "contiguous"), ("svd", "svd", "contiguous"),
+                                     ("--grouping similarity", "mean", "similarity")):  # fmt: skip
+        settings = ConvertSettings(num_kv_heads=g, method=method, grouping=grouping, calibration=str(calib_text))
+        if method == "aligned" and not families()[family].attention_interface:
+            settings = ConvertSettings(num_kv_heads=g, method=method)  # from the weights alone
+        try:
+            prepare(str(src), tmp_path / f"{method}-{grouping}", settings.check())
+            took = True
+        except Mha2GqaError as e:
+            assert len(str(e).splitlines()) == 1, str(e)
+            took = False
+        assert (cells[column] == "yes") == took, (family, column, cells[column])
