@@ -22,6 +22,7 @@ from mha2gqa.convert.retarget_view import retarget_record
 from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
 from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
 from mha2gqa.convert.tensor_sources import rewritten, tensor_sources
+from mha2gqa.core.cache_layers import SIZING_WINDOW
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
 from mha2gqa.core.conversion_record import (
@@ -33,8 +34,9 @@ from mha2gqa.core.conversion_record import (
     Refit,
     Source,
     StageGuard,
+    WindowedCache,
 )
-from mha2gqa.core.dims import contiguous_groups
+from mha2gqa.core.dims import contiguous_groups, max_positions
 from mha2gqa.core.dtypes import BY_CODE
 from mha2gqa.core.errors import Mha2GqaError, first_line
 from mha2gqa.core.expected_tensors import check_tensors, expected_tensors
@@ -83,6 +85,8 @@ class ConversionResult:
             lines += (
                 f"\n  per-layer auto: chose {chose}, {sum(allocation.chosen)} of {allocation.budget_kv_heads} KV heads"
             )
+        if f.windowed_cache:
+            lines += f"\n  KV cache {f.windowed_cache.line()}"
         if guard:
             lines += "".join(f"\n  guard: {stage.line()}" for stage in guard.stages) or f"\n  guard: {guard.where}"
         return (
@@ -290,6 +294,7 @@ def _record(
         serving_form=serving_form,
         refit=refitted,
         guard=guard,
+        windowed_cache=_windowed_cache(source, targets, esize),
     )
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")} | s.recipe()  # portable
     return ConversionRecord(
@@ -411,6 +416,17 @@ def _write(
     if resume is None:  # DST published by a run that keeps no work: nothing stopped is left beside it
         ResumeFolder.discard(source.dst)
     return record
+
+
+def _windowed_cache(source: Conversion, targets, esize: int) -> WindowedCache | None:
+    """A model whose layers keep different spans: its cache at :data:`SIZING_WINDOW` tokens (or its
+    positions), before and after (None: every layer holds every token, bytes/token says it all)."""
+    dims = source.dims
+    if not dims.windowed:
+        return None
+    tokens = min(SIZING_WINDOW, max_positions(source.ckpt.config) or SIZING_WINDOW)
+    before, after = (dims.kv_cache_bytes(tokens, g, esize) for g in (None, targets))
+    return WindowedCache(tokens, before, after, dims.window_note())
 
 
 def _merge_alone(c: Conversion, stats: Any) -> list[OutputTensor] | None:

@@ -157,6 +157,7 @@ def model_card(record: ConversionRecord) -> str:
             f"{conv.kv_cache_bytes_per_token_before:,} → {conv.kv_cache_bytes_per_token_after:,} bytes "
             f"({conv.kv_cache_dtype})",
         ),
+        *([("KV cache a sequence", conv.windowed_cache.line())] if conv.windowed_cache else []),
         ("head sharing", _head_sharing(conv)),
         ("mha2gqa", record.mha2gqa_version),
     ]

@@ -187,6 +187,24 @@ class StageGuard:
 
 
 @dataclass(frozen=True)
+class WindowedCache:
+    """The KV cache of a model whose layers keep different spans of the sequence (sliding windows,
+    shared caches), at ``tokens`` tokens, before and after: bytes per token alone would overstate it."""
+
+    tokens: int
+    bytes_before: int
+    bytes_after: int
+    note: str  # which layers keep what, in words
+
+    def line(self) -> str:
+        mib = 2**20
+        return (
+            f"at {self.tokens:,} tokens: {self.bytes_before / mib:,.2f} -> {self.bytes_after / mib:,.2f} MiB "
+            f"a sequence ({self.note})"
+        )
+
+
+@dataclass(frozen=True)
 class Facts:
     """What the conversion did: method, grouping, shapes before and after, KV bytes."""
 
@@ -216,6 +234,7 @@ class Facts:
     serving_form: str | None = None
     refit: Refit | None = None
     guard: StageGuard | None = None
+    windowed_cache: WindowedCache | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -66,6 +66,9 @@ class AttentionDims:
     #: the only counts the model's class can hold, when not every divisor (GPTBigCode: 1 or H),
     #: with the reason
     kv_choices: tuple[tuple[int, ...], str] | None = None
+    #: per layer, the most tokens its KV cache holds (None: every token; a sliding window's ``w - 1``;
+    #: 0: none of its own), where some layer holds fewer than all (:mod:`mha2gqa.core.cache_layers`)
+    cache_spans: tuple[int | None, ...] | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> AttentionDims:
@@ -117,6 +120,40 @@ class AttentionDims:
         if isinstance(num_kv_heads, int):
             num_kv_heads = (num_kv_heads,) * self.num_layers
         return kv_bytes_per_token(num_kv_heads, self.head_dim, bytes_per_element)
+
+    def kv_cache_bytes(
+        self, tokens: int, num_kv_heads: int | Sequence[int] | None = None, bytes_per_element: int = 2
+    ) -> int:
+        """The KV cache one sequence of ``tokens`` tokens holds, as transformers' dynamic cache keeps it:
+        each layer's K and V for the tokens it holds (all of them, or a sliding window's last ``w - 1``);
+        ``num_kv_heads`` as for :meth:`kv_cache_bytes_per_token`."""
+        if num_kv_heads is None:
+            num_kv_heads = self.kv_heads_per_layer or self.num_kv_heads
+        if isinstance(num_kv_heads, int):
+            num_kv_heads = (num_kv_heads,) * self.num_layers
+        spans = self.cache_spans
+        held = [tokens if not spans or spans[i] is None else min(tokens, spans[i]) for i in range(self.num_layers)]
+        return sum(2 * g * self.head_dim * bytes_per_element * n for g, n in zip(num_kv_heads, held, strict=True))
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer's cache holds fewer than every token (sliding or chunked windows, shared caches)."""
+        return self.cache_spans is not None
+
+    def window_note(self) -> str:
+        """In words, which layers hold fewer tokens: ``"15 of 18 layers keep their last 511 tokens"``."""
+        if not self.cache_spans:
+            return ""
+        parts = {}
+        for span in self.cache_spans:
+            if span is not None:
+                parts[span] = parts.get(span, 0) + 1
+        said = [
+            f"{n} of {self.num_layers} layers "
+            + (f"keep their last {s:,} tokens" if s else "keep no cache of their own")
+            for s, n in sorted(parts.items(), reverse=True)
+        ]
+        return "; ".join(said)
 
     def valid_kv_heads(self) -> list[int]:
         """The KV-head counts this model converts to: divisors of its current count, largest first."""

@@ -17,12 +17,21 @@ _BINOPS = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
 }
-_CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+_CMPOPS = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+}
 
 
 def evaluate_expression(expr: str, config: dict[str, Any]) -> Any:
     """A config expression: source keys (``rope_parameters.rope_theta`` reads into a dict; a missing
-    key is None), numbers, strings, ``+ - * / //``, ``or``, ``and``, ``not``, ``== != is`` and
+    key is None), numbers, strings, ``+ - * / // %``, ``or``, ``and``, ``not``, ``== != is < <= > >=`` and
     ``x if c else y``. Nothing else parses, so a definition cannot run code."""
 
     def ev(node: ast.AST) -> Any:

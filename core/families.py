@@ -15,6 +15,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from mha2gqa.core.expressions import check_expression
+
 _TOP_KEYS = {
     "family",
     "description",
@@ -29,6 +31,7 @@ _TOP_KEYS = {
     "refuse_when",
     "serving",
     "attention_interface",
+    "cache_layers",
 }
 _ATTN_KEYS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "qkv_layout"}
 #: Row layouts of a fused qkv projection: ``stacked`` ``[q (H·d); k (G·d); v (G·d)]`` (Phi-3, GPT-2's
@@ -109,6 +112,9 @@ class Family:
     #: its attention runs through transformers' attention interface, where calibration and the
     #: attention comparisons read q/k/v (Falcon's does not)
     attention_interface: bool = True
+    #: which layers slide when the config lists no ``layer_types``, as its transformers config computes
+    #: them: ``(("gate", expr), ("sliding", expr of the config and layer))`` (:mod:`~mha2gqa.core.cache_layers`)
+    cache_layers: tuple[tuple[str, str], ...] = ()
 
     @property
     def fused(self) -> bool:
@@ -215,6 +221,7 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
     kv = data.get("kv_heads", {"key": "num_key_value_heads"})
     if not isinstance(kv, dict) or set(kv) - {"key", "key_when", "flag"} or not (kv.get("key") or kv.get("flag")):
         raise fail("'kv_heads' takes 'key' (and 'key_when') and/or 'flag'")
+    cache_layers = _parse_cache_layers(data.get("cache_layers", {}), fail)
     refuse = data.get("refuse_when", [])
     if not all(isinstance(r, dict) and set(r) == {"when", "reason"} and isinstance(r["when"], dict) for r in refuse):
         raise fail("each 'refuse_when' entry needs exactly 'when' ({config key: value}) and 'reason'")
@@ -238,8 +245,23 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
         refuse_when=tuple((tuple(sorted(r["when"].items())), r["reason"]) for r in refuse),
         serving=data.get("serving", ""),
         attention_interface=bool(data.get("attention_interface", True)),
+        cache_layers=tuple(sorted(cache_layers.items())),
         **norms,
     )
+
+
+def _parse_cache_layers(spec: Any, fail) -> dict[str, str]:
+    """``cache_layers``: ``sliding`` (and ``gate``), expressions of the config (and ``layer``)."""
+    keys = set(spec) if isinstance(spec, dict) else {None}
+    if (
+        keys - {"gate", "sliding"}
+        or (keys and "sliding" not in keys)
+        or not all(isinstance(e, str) for e in spec.values())
+    ):
+        raise fail("'cache_layers' takes 'sliding' (and 'gate'): expressions of the config (and 'layer')")
+    for expr in spec.values():
+        check_expression(expr, fail)
+    return spec
 
 
 def _parse_norm(key: str, spec: Any, fail) -> NormSpec:

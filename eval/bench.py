@@ -44,14 +44,17 @@ def _timed_generate(model, prompt: torch.Tensor, new_tokens: int):
 
 
 def cache_bytes(cache) -> tuple[int, int]:
-    """(bytes of all key and value tensors, cached tokens) of a transformers cache."""
+    """(bytes of all key and value tensors, the sequence's tokens) of a transformers cache (a sliding
+    layer holds fewer tokens than the sequence: its length is the cache's, not the layer's)."""
     total = 0
     tokens = 0
     for layer in cache.layers:
+        if layer.keys is None:  # a layer that keeps no cache of its own
+            continue
         for t in (layer.keys, layer.values):
             total += t.numel() * t.element_size()
-        tokens = layer.keys.shape[-2]
-    return total, tokens
+        tokens = max(tokens, layer.keys.shape[-2])
+    return total, max(tokens, int(cache.get_seq_length()))
 
 
 @torch.inference_mode()
@@ -77,7 +80,7 @@ def bench_model(
     measured, tokens = cache_bytes(cache)
     dims = dims_of(model.config)
     element = next(iter(cache.layers)).keys.element_size()
-    planned = dims.kv_cache_bytes_per_token(None, element) * tokens * batch_size  # per-layer counts too
+    planned = dims.kv_cache_bytes(tokens, None, element) * batch_size  # per-layer counts and sliding windows too
     return BenchModel(
         num_kv_heads=dims.num_kv_heads,
         decode_tokens_per_second=Spread.of(decode),

@@ -57,9 +57,9 @@ def inspect_model(model: str, seq_len: int | None, batch_size: int, revision: st
     shape = model_shape(load_config(model, revision))
     seq_len = settings.window(shape.max_positions)
     info = describe(shape)
-    info["kv_cache_bytes"] = {k: v * seq_len * batch_size for k, v in info["kv_cache_bytes_per_token"].items()}
-    info.update(seq_len=seq_len, batch_size=batch_size)
     d = shape.dims
+    info["kv_cache_bytes"] = {k: d.kv_cache_bytes(seq_len, None, by_name(k).bytes) * batch_size for k in KV_DTYPES}
+    info.update(seq_len=seq_len, batch_size=batch_size)
     moved = f"converted as {shape.converts_as}, " if shape.converts_as else ""
     lines = [
         f"{model}: {shape.architecture} ({moved}family {shape.family}), {shape.parameters:,} parameters "
@@ -70,7 +70,16 @@ def inspect_model(model: str, seq_len: int | None, batch_size: int, revision: st
     table = Table(["KV dtype", "bytes/token", f"KV cache @ {seq_len} x {batch_size}"])
     for name in KV_DTYPES:
         table.add(name, f"{info['kv_cache_bytes_per_token'][name]:,}", format_bytes(info["kv_cache_bytes"][name]))
-    return Report(info, lines + table.text(indent="  ") + [f"  {n}" for n in shape.length_note(seq_len)])
+    windows = [f"  {window_line(d)}"] if d.windowed else []
+    return Report(info, lines + table.text(indent="  ") + windows + [f"  {n}" for n in shape.length_note(seq_len)])
+
+
+def window_line(dims) -> str:
+    """What the cache figures count for a model with sliding or cache-less layers."""
+    return (
+        f"{dims.window_note()}: the cache at N tokens counts each layer's tokens as transformers keeps "
+        "them; bytes/token is a full-attention layer's rate"
+    )
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,8 @@ class CapacityPlan:
         hw = f"{gpu.name}: {format_bytes(gpu.memory)}" + (f", {gpu.bandwidth / 1e12:.3g} TB/s" if gpu.bandwidth else "")
         head = f"{self.model}: {self.shape.dims.num_heads} query heads, {s.seq_len}-token sequences"
         out = [f"{head}, {hw}, {s.dtype} KV cache", *self.shape.length_note(s.seq_len)]
+        if self.shape.dims.windowed:
+            out.append(f"  {window_line(self.shape.dims)}")
         table = Table(
             ["KV heads", "KV bytes/token", "KV/sequence", "weights", "sequences that fit"]
             + (["tok/s @1", "tok/s/seq @max", "tok/s total @max", "prefill"] if speed else [])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.core.architecture import dims_of, resolve
+from mha2gqa.core.cache_layers import SIZING_WINDOW
 from mha2gqa.core.dims import AttentionDims, config_value, max_positions
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError
@@ -31,7 +32,7 @@ class Gpu:
 
 
 #: Tokens per sequence ``plan`` and ``inspect`` size for, when the model allows as many.
-PLAN_WINDOW = 4096
+PLAN_WINDOW = SIZING_WINDOW
 
 #: Presets for ``plan --gpu``; each figure is from the vendor's datasheet named beside it.
 GPUS: dict[str, Gpu] = {
@@ -249,15 +250,26 @@ def _meta_counts(config: dict[str, Any], family: Family, dims: AttentionDims) ->
 @dataclass
 class PlanRow:
     num_kv_heads: float  # KV heads per layer (on average, for a per-layer plan)
-    kv_bytes_per_token: int
-    kv_bytes_per_sequence: int
+    kv_bytes_per_token: int  # every layer's K and V of one token (a full-attention layer's rate)
+    kv_bytes_per_sequence: int  # the cache one sequence of the plan's length holds (sliding layers: their window)
     weights_bytes: int
     max_sequences: int
     kv_heads_per_layer: list[int] | None = None  # a per-layer plan's count of each layer
+    #: each layer's K and V bytes of one token, and the most tokens it holds (None: all), for
+    #: :meth:`kv_bytes` at any context
+    layer_bytes: list[int] | None = None
+    layer_spans: list[int | None] | None = None
 
     @property
     def label(self) -> str:
         return ",".join(map(str, self.kv_heads_per_layer)) if self.kv_heads_per_layer else str(self.num_kv_heads)
+
+    def kv_bytes(self, tokens: float) -> float:
+        """The KV cache one sequence holds at ``tokens`` of context (each layer up to its window)."""
+        if not self.layer_bytes:
+            return self.kv_bytes_per_token * tokens
+        spans = self.layer_spans or [None] * len(self.layer_bytes)
+        return sum(b * (tokens if s is None else min(tokens, s)) for b, s in zip(self.layer_bytes, spans, strict=True))
 
 
 def capacity_rows(
@@ -283,7 +295,12 @@ def capacity_rows(
     for g, per_token, heads in options:
         weights = round(shape.parameters_at(g)) * weights_bytes_per_param
         free = gpu_memory - weights
-        rows.append(PlanRow(g, per_token, per_token * seq_len, weights, max(free // (per_token * seq_len), 0), heads))
+        counts = heads or [int(g)] * d.num_layers
+        sequence = d.kv_cache_bytes(seq_len, counts, element)
+        layer_bytes = [2 * c * d.head_dim * element for c in counts]
+        spans = list(d.cache_spans) if d.cache_spans else None
+        fit = max(free // sequence, 0) if sequence else 0
+        rows.append(PlanRow(g, per_token, sequence, weights, fit, heads, layer_bytes if spans else None, spans))
     return rows
 
 
@@ -317,8 +334,8 @@ class Throughput:
 
 def decode_step_seconds(row: PlanRow, batch: int, mean_context: float, bandwidth: float) -> float:
     """One decode step reads every weight once and each sequence's KV cache at its context:
-    ``(weights + batch x KV bytes/token x mean_context) / bandwidth``."""
-    return (row.weights_bytes + batch * row.kv_bytes_per_token * mean_context) / bandwidth
+    ``(weights + batch x KV bytes at mean_context) / bandwidth`` (sliding layers read their window)."""
+    return (row.weights_bytes + batch * row.kv_bytes(mean_context)) / bandwidth
 
 
 def prefill_flops(shape: ModelShape, num_kv_heads: int, tokens: int) -> float:
