@@ -13,12 +13,13 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 
 #: Fields a description leaves out when they are None (a model that has none of them).
-_OPTIONAL = ("kv_heads_per_layer", "config_sha256", "conversion", "uptrain_outcome")
+_OPTIONAL = ("kv_heads_per_layer", "config_sha256", "conversion", "uptrain_outcome", "kv_cache_dtype", "cache_spans")
 
 
 @dataclass
 class ModelInfo:
-    """One evaluated model: what it is and its KV cache per token in the evaluated dtype."""
+    """One evaluated model: what it is, and its KV cache per token in the checkpoint's dtype
+    (``kv_cache_dtype``, the one ``convert`` reports; results before it: the evaluated ``dtype``)."""
 
     path: str
     num_layers: int
@@ -37,11 +38,33 @@ class ModelInfo:
     #: published the student as given, "kept in part" an earlier step's model
     uptrain_outcome: Literal[KEPT, KEPT_IN_PART, UNDONE] | None = None
     kv_heads_per_layer: list[int] | None = None  # a per-layer checkpoint's count of each layer
+    #: the checkpoint's dtype, in which the KV bytes are counted (None: results before it, the evaluated dtype)
+    kv_cache_dtype: str | None = None
+    #: per layer, the most tokens its cache holds (None: all): sliding windows (:mod:`~mha2gqa.core.cache_layers`)
+    cache_spans: list[int | None] | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes_per_token is None:  # files from before the field was recorded
-            dims = AttentionDims(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, 0)
-            self.kv_cache_bytes_per_token = dims.kv_cache_bytes_per_token(None, by_name(self.dtype).bytes)
+            self.kv_cache_bytes_per_token = self._dims().kv_cache_bytes_per_token(None, self.kv_element)
+
+    def _dims(self) -> AttentionDims:
+        per_layer = tuple(self.kv_heads_per_layer) if self.kv_heads_per_layer else None
+        spans = tuple(self.cache_spans) if self.cache_spans and len(self.cache_spans) == self.num_layers else None
+        return AttentionDims(
+            self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, 0,
+            kv_heads_per_layer=per_layer, cache_spans=spans,
+        )  # fmt: skip
+
+    @property
+    def kv_element(self) -> int:
+        """Bytes of one KV element in the dtype the KV figures are counted in."""
+        return by_name(self.kv_cache_dtype or self.dtype).bytes
+
+    def kv_cache_bytes(self, tokens: int) -> int:
+        """The KV cache one sequence of ``tokens`` tokens holds (sliding layers: their window)."""
+        if not self.cache_spans:
+            return self.kv_cache_bytes_per_token * tokens
+        return self._dims().kv_cache_bytes(tokens, None, self.kv_element)
 
     @property
     def recipe(self) -> str:

@@ -100,6 +100,7 @@ class LoadedModel:
         dims = dims_of(cfg)
         dtype = next(self.model.parameters()).dtype
         config_file = self.folder / "config.json"
+        stored = _stored_dtype(config_file) or from_torch(dtype)  # the KV figures in the checkpoint's dtype, as convert
         return ModelInfo(
             path=self.path,
             architecture=(getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
@@ -111,12 +112,24 @@ class LoadedModel:
             max_positions=max_positions(cfg),
             parameters=sum(p.numel() for p in self.model.parameters()),
             dtype=str(dtype).removeprefix("torch."),
-            kv_cache_bytes_per_token=dims.kv_cache_bytes_per_token(None, from_torch(dtype).bytes),
+            kv_cache_bytes_per_token=dims.kv_cache_bytes_per_token(None, stored.bytes),
+            kv_cache_dtype=stored.name,
+            cache_spans=list(dims.cache_spans) if dims.cache_spans else None,
             config_sha256=hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.is_file() else None,
             conversion=self.conversion(),
             uptrained=(self.folder / UPTRAIN_RECORD).is_file(),
             uptrain_outcome=published_outcome(self.folder),
         )
+
+
+def _stored_dtype(config_file: Path):
+    """The checkpoint's dtype as its ``config.json`` names it (``dtype``; ``torch_dtype`` before), or None."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        named = config.get("dtype") or config.get("torch_dtype")
+        return by_name(str(named)) if named else None
+    except (OSError, ValueError, AttributeError, Mha2GqaError):
+        return None
 
 
 def load_model(

@@ -232,14 +232,18 @@ def quality_vs_kv(points: list[tuple[str, float, float]]) -> bytes:
     plt, fig = _figure(8.0, 3.6)
     ax = fig.add_subplot()
     methods = sorted({m for m, _, _ in points}, key=lambda m: (m.endswith("+uptrain"), m))
-    for i, method in enumerate(methods):
-        xs, ys = zip(*sorted((x, y) for m, x, y in points if m == method), strict=True)
+    series: dict[tuple, list[str]] = {}  # recipes with the very same points share one line, named together
+    for method in methods:
+        series.setdefault(tuple(sorted((x, y) for m, x, y in points if m == method)), []).append(method)
+    for i, (line, names) in enumerate(series.items()):
+        xs, ys = zip(*line, strict=True)
+        dashed = all(n.endswith("+uptrain") for n in names)
         ax.plot(
             [x * 100 for x in xs],
             ys,
-            "osD^v<>p"[i % 8] + ("--" if method.endswith("+uptrain") else "-"),
+            "osD^v<>p"[i % 8] + ("--" if dashed else "-"),
             color=OKABE_ITO[i % len(OKABE_ITO)],
-            label=method or "(unknown)",
+            label=" = ".join(n or "(unknown)" for n in names),
         )
     ax.axhline(1.0, ls=":", color=OKABE_ITO[7], lw=1, label="original (MHA)")
     ax.set_xlabel("KV cache per token, % of the original")

@@ -88,17 +88,37 @@ def figures(r: Results, scales: dict[str, tuple[float, float]] | None = None) ->
 
 
 def quality_chart(results: list[Results]) -> bytes | None:
-    """Perplexity ratio against KV share, one line per recipe (pairs only)."""
-    points = [
+    """Perplexity ratio against KV share, one line per recipe (pairs only): :func:`quality_points`."""
+    points = quality_points(results)
+    return plots.quality_vs_kv(points) if points else None
+
+
+def quality_points(results: list[Results]) -> list[tuple[str, float, float]]:
+    """``(series, KV share, perplexity ratio)`` of each pair; results against different originals or
+    texts are drawn apart (each series named with its basis), never joined in one line."""
+    bases = list(dict.fromkeys(r.basis for r in results))
+    return [
         (
-            r.converted.recipe,
+            r.converted.recipe + (f" [{r.basis_line}]" if len(bases) > 1 else ""),
             r.converted.kv_cache_bytes_per_token / r.original.kv_cache_bytes_per_token,
             r.headline.ppl_ratio,
         )
         for r in results
         if r.converted is not None and r.headline.ppl_ratio is not None
     ]
-    return plots.quality_vs_kv(points) if points else None
+
+
+def bases_lines(results: list[Results]) -> list[str]:
+    """What the report joins: one line per basis (original, text, tokens) and the results on it; a
+    warning first where there is more than one (their figures are not comparable)."""
+    groups: dict[tuple, list[Results]] = {}
+    for r in results:
+        groups.setdefault(r.basis, []).append(r)
+    if len(groups) == 1:
+        return [f"every result: {results[0].basis_line}"]
+    lines = [f"these {len(results)} results are measured on {len(groups)} different bases: compare within one"]
+    lines += [f"{rs[0].basis_line}: {', '.join(r.title for r in rs)}" for rs in groups.values()]
+    return lines
 
 
 CSS = """
@@ -111,7 +131,7 @@ td:first-child,th:first-child,td.text,th.text{text-align:left}img{max-width:100%
 .fail{color:#A3142E;font-weight:bold}.not-valid{color:#333;font-weight:bold}
 .verdict{padding:.6em 1em;border-radius:6px;font-weight:bold;margin:1em 0;border-left:8px solid}
 .verdict.pass{background:#DDF2E3;border-color:#117733}.verdict.borderline{background:#FFF1C7;border-color:#DDAA33}
-.verdict.fail{background:#F9DDE3;border-color:#BB2244}.verdict.not-valid{background:#E6E6E6;border-color:#555;
+.verdict.fail{background:#F9DDE3;border-color:#BB2244}.verdict.mixed{background:#EEF4FA;border-color:#0072B2}.verdict.not-valid{background:#E6E6E6;border-color:#555;
 border-left-style:dashed}
 .wide{overflow-x:auto}details{border:1px solid #ddd;border-radius:6px;padding:.3em .8em;margin:.8em 0}
 summary{cursor:pointer;font-size:1.15em;font-weight:600;padding:.3em 0}nav a{margin-right:1em}ul.worst{font-size:.92em}
@@ -119,9 +139,9 @@ summary{cursor:pointer;font-size:1.15em;font-weight:600;padding:.3em 0}nav a{mar
 
 
 def _meta(r: Results) -> str:
-    d, dev = r.data, r.device
+    dev = r.device
     return (
-        f"data {d.source} ({d.stream_tokens:,} tokens) · device {dev.type} {dev.dtype} · "
+        f"device {dev.type} {dev.dtype} · "
         f"mha2gqa {r.versions.get('mha2gqa', '?')}, transformers {r.versions.get('transformers', '?')} · "
         f"{r.created}"
     )
@@ -190,9 +210,10 @@ def _verdict(results: list[Results]) -> list[tuple[str, str]]:
         worst_tier = max(counts, key=SHOWN.index)
         tally = ", ".join(f"{counts[t]} {t}" for t in SHOWN if counts[t])
         best = min(judged, key=lambda rv: (SHOWN.index(rv[1].shown), rv[0].headline.ppl_ratio or 1))[0]
-        lines.append(
-            (_css(worst_tier), f"Verdicts: {tally} (worst: {worst_tier}; best: {best.title}, {verdict_cell(best)})")
-        )
+        if len(counts) == 1:  # every comparison in one tier: the page is that colour
+            lines.append((_css(worst_tier), f"Verdicts: {tally}"))
+        else:  # a sweep: its best result first, the tally after, in no tier's colour
+            lines.append(("mixed", f"Best: {best.title}, {verdict_cell(best)}. Verdicts: {tally}"))
     gated = [r for r in results if r.gates]
     if gated:
         failed = [f"{r.title} ({gate_cell(r).removeprefix('FAIL: ')})" for r in gated if not r.gates.passed]
@@ -283,6 +304,10 @@ class _Page:
     def overview(self, results: list[Results], runs) -> None:
         if results:
             self.html.append(f'<p class="meta">{html.escape(_meta(results[0]))}</p>')
+            joined = bases_lines(results)
+            css = "meta" if len(joined) == 1 else "verdict borderline"
+            self.html += [f'<p class="{css}">{html.escape(line)}</p>' for line in joined]
+            self.md += [f"_{line}_" for line in joined] + [""]
         flagged: dict[str, list[str]] = {}
         for r in results:
             if r.overlap_warning:

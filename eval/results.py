@@ -361,6 +361,21 @@ class Results:
         return "; ".join(parts)
 
     @property
+    def basis(self) -> tuple[str, str, int]:
+        """What its figures are measured against: ``(the original, the evaluation text, its tokens)``;
+        results of different bases are not comparable with each other."""
+        text = self.data.sha256 or self.data.source
+        return (self.original.config_sha256 or self.original.path, text, self.data.stream_tokens)
+
+    @property
+    def basis_line(self) -> str:
+        """The basis in words: ``original X; data Y (N tokens)``."""
+        return (
+            f"original {Path(self.original.path).name}; data {Path(self.data.source).name} "
+            f"({self.data.stream_tokens:,} tokens)"
+        )
+
+    @property
     def title(self) -> str:
         if self.converted is None:
             return Path(self.original.path).name

@@ -135,15 +135,20 @@ def attention_table(r: Results) -> Table | None:
 
 
 def kv_rows(r: Results) -> list[list[str]]:
-    """KV cache per token (as recorded) and per sequence for each model, and the saving."""
+    """KV cache per token and per sequence for each model in its checkpoint's dtype (the one ``convert``
+    reports; the evaluated dtype named where it differs; sliding layers counted at their window), and
+    the saving."""
     lens = _seq_lens(r)
     rows = []
     for name, m in r.models.items():
-        per_token = m.kv_cache_bytes_per_token
-        rows.append([name, kv_heads(m), m.dtype, f"{per_token:,}"] + [format_bytes(per_token * n) for n in lens])
+        stored = m.kv_cache_dtype or m.dtype
+        dtype = stored if stored == m.dtype else f"{stored} (evaluated in {m.dtype})"
+        sizes = [format_bytes(m.kv_cache_bytes(n)) for n in lens]
+        rows.append([name, kv_heads(m), dtype, f"{m.kv_cache_bytes_per_token:,}", *sizes])
     if r.converted is not None:
-        a, c = r.original.kv_cache_bytes_per_token, r.converted.kv_cache_bytes_per_token
-        rows.append(["saving", "", "", f"{1 - c / a:.1%}"] + [f"{1 - c / a:.1%}"] * len(lens))
+        a, c = r.original, r.converted
+        saving = [f"{1 - c.kv_cache_bytes(n) / a.kv_cache_bytes(n):.1%}" for n in lens]
+        rows.append(["saving", "", "", f"{1 - c.kv_cache_bytes_per_token / a.kv_cache_bytes_per_token:.1%}", *saving])
     return rows
 
 

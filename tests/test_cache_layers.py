@@ -120,3 +120,35 @@ def test_inspect_plan_convert_and_bench_give_the_cache_transformers_holds(name, 
     assert windowed is not None and windowed.tokens == 64  # the model's positions, under 4,096
     assert windowed.bytes_after == _measured(load_model(str(out), torch.device("cpu"), torch.float32).model, 64)
     assert "KV cache a sequence" in (out / "README.md").read_text()
+
+
+def test_the_reports_kv_bytes_are_the_checkpoints_and_follow_the_windows(tmp_path):
+    """A bf16 checkpoint with sliding layers, evaluated in float32: the results count its KV cache in
+    bf16 (what ``convert`` printed), name the evaluated dtype beside it, and size each sequence as the
+    cache holds it."""
+    from mha2gqa.convert import convert_checkpoint
+    from mha2gqa.core.conversion_record import read_conversion_record
+    from mha2gqa.core.models import load_model
+    from mha2gqa.demo import build_tokenizer
+    from mha2gqa.eval.harness import evaluate
+    from mha2gqa.eval.settings import EvalSettings
+    from mha2gqa.eval.tables import kv_rows
+
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(f"the cat {i % 7} sat on the mat and ran {i % 5} times" for i in range(300)))
+    tok = build_tokenizer(text.read_text(), 300)
+    model = random_model(tiny_config("mistral", vocab_size=len(tok), sliding_window=8)).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    tok.save_pretrained(tmp_path / "src")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "g2", 2, "mean", progress=False).output
+    facts = read_conversion_record(out).conversion
+    settings = EvalSettings(data=str(text), max_tokens=256, seq_len=32, dtype="float32", progress=False)
+    results = evaluate(str(tmp_path / "src"), str(out), settings)
+    original, converted = results.models["original"], results.models["converted"]
+    assert converted.dtype == "float32" and converted.kv_cache_dtype == "bfloat16"
+    assert (original.kv_cache_bytes_per_token, converted.kv_cache_bytes_per_token) == (
+        facts.kv_cache_bytes_per_token_before, facts.kv_cache_bytes_per_token_after)  # fmt: skip
+    rows = {row[0]: row for row in kv_rows(results)}
+    assert rows["converted"][2] == "bfloat16 (evaluated in float32)"
+    fp32 = load_model(str(out), torch.device("cpu"), torch.float32).model
+    assert converted.kv_cache_bytes(64) * 2 == _measured(fp32, 64)  # bf16: half the float32 cache's bytes

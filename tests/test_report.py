@@ -551,3 +551,31 @@ def test_report_refuses_a_results_file_holding_numbers_eval_never_writes(field, 
     (line,) = result.output.strip().splitlines()
     assert line.startswith(f"Error: {damaged}: ") and re.search(pattern, line), line
     assert "eval never writes" in line and not (tmp_path / "r.html").exists()
+
+
+def test_a_report_says_what_it_joins_and_draws_apart_what_it_cannot(pair, tmp_path):
+    """Results against another original or another text: the header names each basis and warns, the
+    quality chart draws them as separate series; one basis reads as one line; recipes with the very
+    same points share one line of the chart (named together), so none hides under another."""
+    import copy
+
+    from mha2gqa.eval.report import bases_lines, quality_points, render
+    from mha2gqa.eval.results import Results
+
+    out = tmp_path / "r.json"
+    assert CliRunner().invoke(main, eval_args(pair, "--output", str(out), "-q")).exit_code == 0
+    record = json.loads(out.read_text())
+    same = Results.from_dict(record, "a.json")
+    other = copy.deepcopy(record)
+    other["data"] |= {"source": "/elsewhere/stories.txt", "sha256": "0" * 64, "stream_tokens": 999}
+    moved = Results.from_dict(other, "b.json")
+    assert bases_lines([same, same]) == [f"every result: {same.basis_line}"]
+    lines = bases_lines([same, moved])
+    assert (
+        lines[0].startswith("these 2 results are measured on 2 different bases")
+        and "stories.txt (999 tokens)" in lines[2]
+    )
+    series = {name for name, _, _ in quality_points([same, moved])}
+    assert len(series) == 2 and any("stories.txt" in name for name in series)
+    page = render([same, moved], tmp_path / "r.html")["html"].read_text()
+    assert "different bases: compare within one" in page and "stories.txt (999 tokens)" in page
