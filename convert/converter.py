@@ -80,6 +80,10 @@ class ConversionResult:
             else (str(f.num_kv_heads_after))
         )
         guard, allocation, lines = f.guard, f.per_layer_allocation, ""
+        if not f.changed:
+            lines += (
+                f"\n  {f.num_kv_heads_after} KV heads is the model's own count: nothing merged, a byte-for-byte copy"
+            )
         if allocation:
             chose = ",".join(map(str, allocation.chosen))
             lines += (

@@ -120,10 +120,7 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | 
                 "calibration (--method mean, first, random or aligned; contiguous groups)",
             )
         s.check_calibration()
-        if s.calibration_seq_len:
-            check_window("calibration_seq_len", s.calibration_seq_len, max_positions(ckpt.config))
-        if s.refit:
-            _check_refit_windows(s, max_positions(ckpt.config))
+        _check_windows(s, ckpt)
     if (s.refit and conversion.changes) or later is not None:  # a stopped run's work: continued, never dropped
         fingerprint = resume_fingerprint(ckpt, s) | ({"later stage": later} if later is not None else {})
         conversion = dataclasses.replace(conversion, fingerprint=fingerprint)
@@ -161,6 +158,43 @@ def resume_fingerprint(ckpt: Checkpoint, s: ConvertSettings) -> dict:
         "recipe": s.recipe(),
         "mha2gqa version": version(),
     } | ({"refit error": NORMALIZED_ERROR, "refit arithmetic": s.refit_arithmetic()} if s.refit else {})
+
+
+def _check_windows(s: ConvertSettings, ckpt: Checkpoint) -> None:
+    """The calibration window fits the model's positions, and the text holds the windows the stages
+    need (one; two with --refit), before any weight loads."""
+    positions = max_positions(ckpt.config)
+    if s.calibration_seq_len:
+        check_window("calibration_seq_len", s.calibration_seq_len, positions)
+    if s.refit:
+        _check_refit_windows(s, positions)
+    if s.calibration and s.reads_calibration and Path(s.calibration).expanduser().is_file():
+        _check_text_length(s, ckpt, positions)
+
+
+#: Characters of a local calibration text tokenized to count its first windows before any weight
+#: loads (per token needed: far more than any tokenizer's tokens take); a text cut there that still
+#: counts too few is left to the calibration pass, which tokenizes it whole.
+CHARS_PER_TOKEN_BOUND = 64
+
+
+def _check_text_length(s: ConvertSettings, ckpt: Checkpoint, positions: int | None) -> None:
+    """A local calibration text too short for the stages' windows, refused in one line now, with the
+    count the calibration pass would find (the same join and BOS: :func:`~mha2gqa.core.text.token_stream`)."""
+    from mha2gqa.convert.settings import calibration_window
+    from mha2gqa.core.models import load_tokenizer
+    from mha2gqa.core.text import load_text
+
+    window = calibration_window(s.calibration_seq_len, positions)
+    need = window * (2 if s.refit else 1)
+    text = "\n\n".join(load_text(s.calibration, setting="calibration").documents)
+    cut = text[: need * CHARS_PER_TOKEN_BOUND]
+    tokenizer = load_tokenizer(ckpt.folder)
+    count = len(tokenizer(cut, add_special_tokens=False, verbose=False)["input_ids"])
+    count += tokenizer.bos_token_id is not None
+    if count < need and len(cut) == len(text):
+        windows = "two windows (--refit holds one out)" if s.refit else "one window"
+        raise SettingError("calibration", f"{{name}} {s.calibration}: {count} tokens, fewer than {windows} of {window}")
 
 
 def _check_refit_windows(s: ConvertSettings, positions: int | None) -> None:

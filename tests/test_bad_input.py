@@ -271,3 +271,29 @@ def test_an_error_is_shown_by_its_first_line_or_its_type():
     assert first_line(ValueError("abcdef"), 3) == "abc"
     assert first_line(ValueError()) == "ValueError"
     assert first_line(OSError(" \n ")) == "OSError"
+
+
+@pytest.mark.parametrize("refit", [False, True])
+def test_a_calibration_text_too_short_is_refused_before_any_weight_loads(refit, tmp_path, monkeypatch):
+    """Fewer tokens than the stages' windows (one; two with --refit): one line, before the model's
+    skeleton is built or a tensor read, with the count the calibration pass would find."""
+    from conftest import llama_with_tokenizer, story_text
+
+    import mha2gqa.convert.calibration.streaming as streaming
+    import mha2gqa.convert.layers as layers
+    import mha2gqa.convert.refit.layerwise as layerwise
+
+    src = llama_with_tokenizer(tmp_path / "src", story_text(tmp_path / "t.txt"), max_positions=64)
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat on the mat")
+
+    def no(*_, **__):
+        raise AssertionError("the model was built before the text was checked")
+
+    for module in (layers, streaming, layerwise):
+        monkeypatch.setattr(module, "skeleton", no)
+    args = ["convert", str(src), str(tmp_path / "o"), "-g", "1", "--method", "svd", "--calibration", str(short)]
+    result = CliRunner().invoke(main, [*args, *(["--refit"] if refit else [])])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    windows = "two windows (--refit holds one out)" if refit else "one window"
+    assert f"tokens, fewer than {windows} of 64" in result.output and not (tmp_path / "o").exists()

@@ -89,6 +89,7 @@ def test_same_head_count_is_a_byte_exact_copy(family, sharded, tiny_checkpoint, 
         )
     assert torch.equal(logits(load(src), IDS), logits(load(result.output), IDS))
     assert (len(result.record.output.files) > 1) == sharded
+    assert f"{g} KV heads is the model's own count: nothing merged, a byte-for-byte copy" in result.summary()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

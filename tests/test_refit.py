@@ -72,6 +72,23 @@ def test_an_exact_conversion_stays_exact(calib_text, tmp_path, method="first"):
     torch.testing.assert_close(logits(load(out.output), IDS), logits(model, IDS), atol=1e-5, rtol=1e-5)
 
 
+def test_an_svd_merge_exact_to_float_rounding_is_not_refitted(calib_text, tmp_path, capsys):
+    """``svd`` of equalised heads is exact to float rounding (1e-13, not 0): the refit says so and
+    spends no steps on it; the output keeps the original's logits."""
+    from mha2gqa.convert.refit.fit import EXACT_ERROR
+
+    model = random_model(tiny_config("llama", vocab_size=300), seed=1)
+    equalise_groups(model, "llama", 2)
+    src = with_tokenizer(model, tmp_path / "src", calib_text)
+    capsys.readouterr()
+    out = convert_checkpoint(src, tmp_path / "refit", 2, **{**refit(calib_text, "svd"), "progress": True})
+    layers = out.facts.refit.layers
+    assert all(r.steps == 0 and r.kept and 0 < r.loss_before <= EXACT_ERROR for r in layers), layers
+    said = capsys.readouterr().err
+    assert said.count("the merge is exact: not refitted") == 2, said
+    torch.testing.assert_close(logits(load(out.output), IDS), logits(model, IDS), atol=1e-5, rtol=1e-5)
+
+
 def test_refit_lowers_every_layers_held_out_error_and_the_output_error(calib_text, tmp_path):
     src = source("llama", calib_text, tmp_path / "src")
     plain = convert_checkpoint(src, tmp_path / "plain", 1, "mean", progress=False).output

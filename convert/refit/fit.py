@@ -67,6 +67,16 @@ class FitResult:
     lr: float | None = None  # the relative learning rate the fit went on with (of those probed)
 
 
+#: A held-out error at most this (the error relative to the stream's size, squared) is float rounding:
+#: the merge is exact there, and the refit leaves it as it is (a lossy merge's is 1e-5 and more).
+EXACT_ERROR = 1e-10
+
+
+def is_exact(error: float) -> bool:
+    """A merge whose held-out ``error`` is float rounding (:data:`EXACT_ERROR`): nothing to refit."""
+    return error <= EXACT_ERROR
+
+
 def chunks(indices: list[int], size: int) -> list[list[int]]:
     """``indices`` in consecutive runs of ``size`` (the last may be shorter)."""
     return [indices[j : j + size] for j in range(0, len(indices), size)]
@@ -113,7 +123,7 @@ def fit_layer(
     common = {"targets": targets, "per_call": per_call, "objective": objective, "ranks": ranks}
     heldout = partial(heldout_error, forward, windows=held, **common)
     before = heldout(start)
-    if before == 0.0 or not trainable:  # exact, or nothing to fit: nothing moves
+    if is_exact(before) or not trainable:  # exact (to float rounding), or nothing to fit: nothing moves
         return FitResult(start, before, before, True, 0)
     every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
     train = partial(_train_step, forward, autocast=autocast, **common)
@@ -304,7 +314,7 @@ def solve_output(
     ``result``'s held-out error. A bias of ``o_proj`` that ``result`` does not hold stays as it is.
     Several processes (``ranks``) gather the equations on their own windows and sum them."""
     has_bias = "o_bias" in result.values
-    if result.loss_before == 0.0 or "o" not in result.values or type(o_proj) is not torch.nn.Linear:
+    if is_exact(result.loss_before) or "o" not in result.values or type(o_proj) is not torch.nn.Linear:
         return result  # exact, not fitted, or not a plain linear map (a transposed Conv1D, a quantized one)
     if has_bias and o_proj.bias is None:
         return result

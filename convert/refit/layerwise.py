@@ -17,7 +17,7 @@ from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
 from mha2gqa.convert.layers import batched, each_layer, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
-from mha2gqa.convert.refit.fit import FitResult, fit_layer, probe_near, solve_output, split_windows
+from mha2gqa.convert.refit.fit import FitResult, fit_layer, is_exact, probe_near, solve_output, split_windows
 from mha2gqa.convert.refit.objective import Objective
 from mha2gqa.convert.refit.stops import after_attention, hooked, layer_output, reads_after_attention
 from mha2gqa.convert.refit.streams import Streams, dimension_scale, open_streams
@@ -319,7 +319,8 @@ def _layer_record(i: int, result, seconds: float, log: Callable[[str], None] | N
     if log is not None:
         log(
             f"layer {i}: held-out error {result.loss_before:.4g} -> {result.loss_after:.4g}"
-            + (" (kept the merged weights)" if result.kept else "")
+            + (" (the merge is exact: not refitted)" if is_exact(result.loss_before) else "")
+            + (" (kept the merged weights)" if result.kept and not is_exact(result.loss_before) else "")
             + f", {result.steps} steps"
             + (f" at lr {result.lr:g}" if result.lr is not None else "")
             + (f", {O_SOLVED} (ridge {result.ridge:g})" if result.ridge is not None else "")
