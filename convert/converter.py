@@ -202,7 +202,7 @@ def _guard_allocation(c: Conversion, planned: tuple[Any, Any, list[OutputTensor]
     tensors = tensor_sources(
         uniform.ckpt, uniform.family, dims, uniform.targets, uniform.method, stats, c.settings.seed
     )
-    log = _log if c.settings.progress else None
+    log = c.stage_log(_log)
     if ranks().decide(lambda: guard.allocation(c, planned[2], uniform, tensors, log)):  # scored on rank 0
         return (c, *planned)
     return uniform, stats, calibration, tensors
@@ -390,7 +390,7 @@ def _write(
         resume = ResumeFolder.open(source.dst, source.fingerprint, s.resume, s.remove_stale)
     staged = staged_output(source.dst, s.overwrite, source.inputs, remove_stale=s.remove_stale)
     with resumable(resume if owned else None), _Checks(ckpt, tensors, new_config) as checks, staged as tmp:
-        refitted, log = None, _log if s.progress else None
+        refitted, log = None, source.stage_log(_log)
         merged = tensors
         if s.refit and source.changes:
             from mha2gqa.convert.refit import refit

@@ -8,6 +8,7 @@ so a mistake is reported before torch loads."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,13 @@ class Conversion:
     #: what a resumed refit must share with the stopped one (:func:`resume_fingerprint`), taken from the
     #: run as asked: ``--per-layer auto`` rewrites the settings once it has chosen
     fingerprint: dict | None = None
+    #: where the stages' lines go (each refitted layer, the guard's decisions) when the caller hears
+    #: them itself (a job's log); None: the terminal, with ``progress``
+    log: Callable[[str], None] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def stage_log(self, default: Callable[[str], None]) -> Callable[[str], None] | None:
+        """Who hears the stages' lines: :attr:`log`, else ``default`` with ``progress``, else nobody."""
+        return self.log or (default if self.settings.progress else None)
 
     @property
     def per_layer(self) -> bool:

@@ -480,8 +480,8 @@ def _convert_stage(job: Job, source: str, dst: Path, g, recipe: str, calibration
 
     how = dataclasses.replace(job.convert_settings(g, recipe, calibration), progress=progress)
     distill = job.distill_settings(recipe, how)
-    if distill is None:
-        return run_conversion(prepare(source, dst, how))
+    if distill is None:  # each refitted layer and each guard decision said in the job's log as it comes
+        return run_conversion(dataclasses.replace(prepare(source, dst, how), log=lambda m: log(m, "  ")))
     from mha2gqa.distill import convert_and_distill
 
     converted, _ = convert_and_distill(source, dst, how, distill, log=lambda m: log(m, "  "))

@@ -73,6 +73,23 @@ def test_a_jobs_uptraining_that_hurts_is_undone_and_its_row_says_so(tmp_path, mo
     assert any("guard: undone - held-out KL" in line for line in lines)
 
 
+def test_a_jobs_refit_says_each_layer_and_the_guards_decisions_in_its_log(tmp_path, monkeypatch):
+    """A job's conversion with ``--refit`` is not silent: each refitted layer and each decision of the
+    stage guard reach the job's log (the demo's terminal) as they come, with its progress bars off."""
+    from mha2gqa.jobs import DemoRequest, run_job
+
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path))
+    job = DemoRequest(steps=3, num_kv_heads=(2,), methods=("svd+refit",), uptrain_steps=0).job()
+    job.convert = {**job.convert, "refit_steps": 4}
+    lines: list[str] = []
+    run_job(job, tmp_path / "run", log=lines.append)
+    layers = [line for line in lines if line.startswith("  layer ") and "held-out error" in line]
+    assert len(layers) == 4, lines  # the demo model's 4 layers, one line each
+    assert any(line.startswith("  guard: refit:") for line in lines), lines
+    converted = next(i for i, line in enumerate(lines) if line.startswith("converted svd+refit-g2"))
+    assert all(lines.index(line) < converted for line in layers)  # said while it ran, not after
+
+
 def test_every_waiting_stage_of_a_job_says_so_within_5_seconds(tmp_path, monkeypatch):
     """A job logs each stage as it starts (conversion, uptraining set-up and evaluations, each
     evaluation's scoring, attention and samples, the report, comparison by comparison), so no line

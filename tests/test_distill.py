@@ -128,6 +128,8 @@ def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path
     """``convert --refit --distill`` writes its recipe beside the model; ``convert --recipe`` and a job
     file whose recipe is ``svd+refit+distill`` with the same settings make the same bytes (issue 47).
     A command-line option still wins over the file's."""
+    import hashlib
+
     import yaml
 
     from mha2gqa.core.recipe_file import RECIPE_FILE
@@ -137,7 +139,10 @@ def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path
     assert first.exit_code == 0, first.output
     recipe = tmp_path / "first" / RECIPE_FILE
     written = yaml.safe_load(recipe.read_text())
-    assert written["recipe"] == "svd+refit+distill" and written["convert"]["calibration"] == str(src["text"].resolve())
+    assert (
+        written["recipe"] == "svd+refit+distill" and written["convert"]["calibration"] == src["text"].name
+    )  # portable
+    assert written["convert"]["calibration_sha256"] == hashlib.sha256(src["text"].read_bytes()).hexdigest()
     assert written["distill"] == {
         "distill": True,
         "distill_steps": 3,
@@ -146,7 +151,10 @@ def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path
         "distill_precision": "auto",
         "distill_backoff": True,
     }
-    again = CliRunner().invoke(main, ["convert", str(src["model"]), str(tmp_path / "again"), "--recipe", str(recipe)])
+    text = ["--calibration", str(src["text"])]  # the recipe names its text; here it is elsewhere than the recipe
+    again = CliRunner().invoke(
+        main, ["convert", str(src["model"]), str(tmp_path / "again"), "--recipe", str(recipe), *text]
+    )
     assert again.exit_code == 0, again.output
     model = (tmp_path / "first" / "model.safetensors").read_bytes()
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == model
@@ -154,6 +162,7 @@ def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path
     job = tmp_path / "job.yaml"
     convert = {**{k: v for k, v in written["convert"].items() if v is not None}, "methods": ["svd+refit+distill"]}
     convert = {k: v for k, v in convert.items() if k not in ("method", "refit")} | {"distill_steps": 3}
+    convert["calibration"] = str(src["text"])  # a job file names its own text
     evaluation = {"data": str(src["text"]), "seq_len": 32, "max_tokens": 256, "attention": False, "samples": 0}
     spec = {"source": str(src["model"]), "convert": convert, "report": False, "eval": evaluation}
     job.write_text(yaml.safe_dump(spec))
@@ -162,7 +171,8 @@ def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path
     made = tmp_path / "run" / "models" / "svd+refit+distill-g1" / "model.safetensors"
     assert made.read_bytes() == model
     changed = CliRunner().invoke(
-        main, ["convert", str(src["model"]), str(tmp_path / "c"), "--recipe", str(recipe), "--distill-steps", "1"]
+        main,
+        ["convert", str(src["model"]), str(tmp_path / "c"), "--recipe", str(recipe), *text, "--distill-steps", "1"],
     )
     assert (
         changed.exit_code == 0
