@@ -104,3 +104,41 @@ def test_the_family_feature_table_is_generated_from_the_refusals():
     page = text("docs/families.md")
     block = page[page.index(BEGIN) : page.index(END) + len(END)] + "\n"
     assert block == feature_table(), "run: python -m mha2gqa.families_doc and paste it into docs/families.md"
+
+
+#: the packages docs/architecture.md lays out, as their folders in the checkout
+PACKAGES = ("core", "convert", "eval", "serving", "uptrain", "mha2gqa")
+
+
+def _tree_blocks(page: str) -> dict[str, str]:
+    """The architecture tree's text under each top-level folder (``core/``, ``convert/``...)."""
+    tree = page[page.index("```\npyproject.toml") :]
+    tree = tree[: tree.index("\n```", 4)]
+    blocks: dict[str, list[str]] = {}
+    current = None
+    for line in tree.splitlines():
+        head = re.match(r"^(\w+)/\s", line)
+        if head:
+            current = head.group(1)
+        if current:
+            blocks.setdefault(current, []).append(line)
+    return {k: "\n".join(v) for k, v in blocks.items()}
+
+
+def test_the_architecture_page_names_every_module_and_no_module_that_is_gone():
+    """Drift-tested like docs/options.md: every module of every package is named in its package's part
+    of the tree (or by its path), and every ``name.py`` the page names exists."""
+    page = text("docs/architecture.md")
+    blocks = _tree_blocks(page)
+    unnamed = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if path.name == "__init__.py" or rel in page:
+                continue
+            if not re.search(rf"(?<![\w/]){re.escape(path.name)}\b", blocks.get(package, "")):
+                unnamed.append(rel)
+    assert not unnamed, f"docs/architecture.md does not name {unnamed}"
+    existing = {p.name for folder in (*PACKAGES, "benchmarks", "tests") for p in (ROOT / folder).rglob("*.py")}
+    gone = sorted({n for n in re.findall(r"(?<![\w/])(\w+\.py)\b", page)} - existing)
+    assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
