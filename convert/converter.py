@@ -106,27 +106,23 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
     """The streamed calibration pass over the conversion's text (statistics for ``groups`` KV heads;
     ``on_layer`` sees each layer; under a launcher the windows are split across the processes, every
     one calling this; see :func:`~mha2gqa.convert.calibration.streaming.collect`)."""
-    from mha2gqa.convert.calibration.streaming import collect
+    from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
     from mha2gqa.core.models import autocast_dtype
 
     s = source.settings
-    return collect(
-        source.ckpt,
-        groups,
-        s.calibration,
-        s.calibration_tokens,
-        s.calibration_seq_len,
+    text = CalibrationText(s.calibration, s.calibration_tokens, s.calibration_seq_len)
+    options = PassOptions(
         s.device,
         grouping=source.grouping,
         allow_pickle=s.allow_pickle,
         progress=s.progress,
-        on_layer=on_layer,
         # a refit starts better from the values' principal subspace than from the output-weighted
         # code (docs/methods.md, "The value code weighted by o_proj")
         weigh_values=not s.refit,
         weighted_aside=s.refit and source.method.weighs_values and s.guard != "off",  # the merge the guard holds it to
         autocast=autocast_dtype(s.refit_arithmetic()),  # a refit's calibration runs in its arithmetic
     )
+    return collect(source.ckpt, groups, text, options, on_layer=on_layer)
 
 
 def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:

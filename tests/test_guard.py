@@ -47,11 +47,14 @@ def _shuffle_refit_targets(monkeypatch) -> None:
     def other(targets, n):
         return lambda w: targets([(j + n // 2) % n for j in w])
 
-    def fit_layer(forward, start, trainable, targets, windows, **kw):
-        return fit(forward, start, trainable, other(targets, windows), windows, **kw)
+    def shuffled(data):
+        return dataclasses.replace(data, targets=other(data.targets, data.windows))
 
-    def solve_output(result, forward, *, targets, windows, **kw):
-        return solve(result, forward, targets=other(targets, windows), windows=windows, **kw)
+    def fit_layer(forward, start, trainable, data, how):
+        return fit(forward, start, trainable, shuffled(data), how)
+
+    def solve_output(result, forward, data, o_proj):
+        return solve(result, forward, shuffled(data), o_proj)
 
     monkeypatch.setattr(refit_module, "fit_layer", fit_layer)
     monkeypatch.setattr(refit_module, "solve_output", solve_output)
@@ -246,7 +249,7 @@ def test_a_refit_that_helps_is_kept_and_guard_off_measures_nothing(calib_text, t
     collect, asides = streaming.collect, []
 
     def spy(*args, **options):  # svd alone's code is kept aside only for the guard to score
-        asides.append(options["weighted_aside"])
+        asides.append(args[3].weighted_aside)
         return collect(*args, **options)
 
     monkeypatch.setattr(streaming, "collect", spy)

@@ -293,7 +293,7 @@ def test_layer_streamed_calibration_equals_a_whole_model_pass(family, calib_text
     """Differential: statistics gathered layer by layer from the shards equal those of the loaded
     model run end to end (embedding scaling, partial rotary, fused qkv, biases included)."""
     from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
-    from mha2gqa.convert.calibration.streaming import collect
+    from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
     from mha2gqa.convert.layers import calibration_ids
     from mha2gqa.core.capture import capturing
 
@@ -305,7 +305,9 @@ def test_layer_streamed_calibration_equals_a_whole_model_pass(family, calib_text
     model.save_pretrained(tmp_path / "sharded", max_shard_size="30KB")  # streamed across shards too
     build_tokenizer(calib_text.read_text(), 300).save_pretrained(tmp_path / "sharded")
     groups = model.config.num_key_value_heads // 2
-    streamed = collect(tmp_path / "sharded", groups, str(calib_text), 256, 32, device="cpu", compact=False)
+    streamed = collect(
+        tmp_path / "sharded", groups, CalibrationText(str(calib_text), 256, 32), PassOptions("cpu", compact=False)
+    )
     ref = CalibrationStats(groups, streamed.head_dim, streamed.rotary_dim)
     with torch.no_grad(), capturing(model, lambda layer, q, k, v, *_: accumulate(ref, layer, q, k, v)):
         for w in calibration_ids(src, str(calib_text), 256, 32):
@@ -364,7 +366,7 @@ def test_streamed_calibration_of_a_bf16_checkpoint_runs_layers_in_float32(family
     """bf16 weights: embeddings are looked up as stored, layers and RoPE tables run in float32, so
     the statistics match a float32 pass over the same (upcast) weights."""
     from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
-    from mha2gqa.convert.calibration.streaming import collect
+    from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
     from mha2gqa.convert.layers import calibration_ids
     from mha2gqa.core.capture import capturing
     from mha2gqa.demo import build_tokenizer
@@ -372,7 +374,7 @@ def test_streamed_calibration_of_a_bf16_checkpoint_runs_layers_in_float32(family
     model = random_model(tiny_config(family, vocab_size=300), seed=4).to(torch.bfloat16)
     src = save(model, tmp_path / "bf16")
     build_tokenizer(calib_text.read_text(), 300).save_pretrained(src)
-    streamed = collect(src, 2, str(calib_text), 128, 32, device="cpu", compact=False)
+    streamed = collect(src, 2, CalibrationText(str(calib_text), 128, 32), PassOptions("cpu", compact=False))
     ref_model = load(src)  # float32, RoPE tables computed afresh (a .float() of the bf16 model would keep bf16 ones)
     ref = CalibrationStats(2, streamed.head_dim, streamed.rotary_dim)
     with torch.no_grad(), capturing(ref_model, lambda layer, q, k, v, *_: accumulate(ref, layer, q, k, v)):
@@ -439,18 +441,20 @@ def test_output_weighted_value_code_loses_least_as_the_output_projection_sees_it
 
 
 def test_calibration_records_each_query_heads_output_gram(calib_text, tmp_path):
-    from mha2gqa.convert.calibration.streaming import collect
+    from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
 
     model = random_model(tiny_config("llama", vocab_size=300), seed=3)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
-    stats = collect(src, 2, str(calib_text), 128, 32, device="cpu", compact=False)
+    stats = collect(src, 2, CalibrationText(str(calib_text), 128, 32), PassOptions("cpu", compact=False))
     dims = dims_of(model.config)
     for i, layer in enumerate(model.model.layers):
         want = output_gram(layer.self_attn.o_proj.weight.detach(), dims.num_heads, dims.head_dim)
         torch.testing.assert_close(stats.layers[i].o_gram, want)
-    small = collect(src, 2, str(calib_text), 128, 32, device="cpu")
+    small = collect(src, 2, CalibrationText(str(calib_text), 128, 32), PassOptions("cpu"))
     assert all(s.o_gram is None and s.v_decode is not None for s in small.layers.values())
-    plain = collect(src, 2, str(calib_text), 128, 32, device="cpu", compact=False, weigh_values=False)
+    plain = collect(
+        src, 2, CalibrationText(str(calib_text), 128, 32), PassOptions("cpu", compact=False, weigh_values=False)
+    )
     assert all(s.o_gram is None for s in plain.layers.values())  # a refit's start: the principal subspace
 
 
@@ -459,15 +463,15 @@ def test_a_refits_statistics_keep_the_weighted_value_code_aside(calib_text, tmp_
     """A refit starts from the values' principal subspace, and the stage guard holds it to ``svd``'s
     output-weighted code: one calibration pass gives both, each the very code its own pass gives
     (compacted and not, regrouped too), and statistics without one aside have no weighted form."""
-    from mha2gqa.convert.calibration.streaming import collect
+    from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
 
     model = random_model(tiny_config("llama", vocab_size=300), seed=3)
     src = with_tokenizer(model, tmp_path / "src", calib_text)
-    args, kw = (src, 2, str(calib_text), 128, 32), {"device": "cpu", "grouping": grouping}
-    weighted, plain = collect(*args, **kw), collect(*args, weigh_values=False, **kw)
+    args, kw = (src, 2, CalibrationText(str(calib_text), 128, 32)), {"device": "cpu", "grouping": grouping}
+    weighted, plain = collect(*args, PassOptions(**kw)), collect(*args, PassOptions(weigh_values=False, **kw))
     assert plain.weighted() is None and weighted.weighted() is None  # nothing kept aside
     for compact in (True, False):
-        both = collect(*args, weigh_values=False, weighted_aside=True, compact=compact, **kw)
+        both = collect(*args, PassOptions(weigh_values=False, weighted_aside=True, compact=compact, **kw))
         aside = both.weighted()
         d = both.head_dim
         for i in both.layers:
@@ -482,12 +486,12 @@ def test_a_refits_statistics_keep_the_weighted_value_code_aside(calib_text, tmp_
 def test_compact_statistics_keep_what_the_merges_read(calib_text, tmp_path):
     """Compacted per-layer statistics (eigenbasis and first block-row instead of the Grams) give the
     same subspaces and Procrustes inputs, and the same converted model, as the full Grams."""
-    from mha2gqa.convert.calibration.streaming import collect
+    from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
 
     model = random_model(tiny_config("phi", vocab_size=300), seed=21)  # partial rotary: rest dims too
     src = with_tokenizer(model, tmp_path / "src", calib_text)
-    full = collect(src, 2, str(calib_text), 256, 32, device="cpu", compact=False)
-    small = collect(src, 2, str(calib_text), 256, 32, device="cpu")
+    full = collect(src, 2, CalibrationText(str(calib_text), 256, 32), PassOptions("cpu", compact=False))
+    small = collect(src, 2, CalibrationText(str(calib_text), 256, 32), PassOptions("cpu"))
     d, rest = full.head_dim, full.head_dim - full.rotary_dim
     for layer, a in small.layers.items():
         b = full.layers[layer]

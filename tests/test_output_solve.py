@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mha2gqa.convert.output_solve import RIDGES, NormalEquations
-from mha2gqa.convert.refit import PLAIN, FitResult, Objective, heldout_error, solve_output, split_windows
+from mha2gqa.convert.refit import PLAIN, FitData, FitResult, Objective, heldout_error, solve_output, split_windows
 
 #: the refit's error with a weight for each of the 6 hidden dimensions
 NORMALIZED = Objective(normalize=True, scale=torch.linspace(0.5, 2, 6))
@@ -105,7 +105,7 @@ def test_the_solved_projection_lowers_the_heldout_error(layer, objective):
     output, its MLP reading the layer's input); by plain squares and by the refit's normalised error,
     each hidden dimension weighted (the tokens weighted as that error weighs them)."""
     block, forward, fit, kw = _setup(layer=layer, objective=objective)
-    solved = solve_output(fit, forward, windows=16, o_proj=block.o_proj, **kw)
+    solved = solve_output(fit, forward, FitData(windows=16, **kw), block.o_proj)
     assert solved.ridge in RIDGES and not solved.kept and solved.steps == fit.steps
     assert solved.loss_after < fit.loss_after / 10  # the outputs are within noise of a linear map
     assert solved.loss_after == heldout_error(forward, solved.values, windows=split_windows(16)[1], **kw)
@@ -114,18 +114,18 @@ def test_the_solved_projection_lowers_the_heldout_error(layer, objective):
 
 def test_no_solve_where_the_output_is_not_the_rest_plus_the_projections_or_nothing_was_fitted():
     block, forward, fit, kw = _setup(gain=2.0)  # the block scales o_proj's output
-    assert solve_output(fit, forward, windows=16, o_proj=block.o_proj, **kw) is fit
+    assert solve_output(fit, forward, FitData(windows=16, **kw), block.o_proj) is fit
     block, forward, fit, kw = _setup(layer="sequential")  # an MLP reads it
-    assert solve_output(fit, forward, windows=16, o_proj=block.o_proj, **kw) is fit
+    assert solve_output(fit, forward, FitData(windows=16, **kw), block.o_proj) is fit
     block, forward, fit, kw = _setup()
     exact = FitResult(fit.values, 0.0, 0.0, True, 0)
-    assert solve_output(exact, forward, windows=16, o_proj=block.o_proj, **kw) is exact
-    assert solve_output(fit, forward, windows=16, o_proj=block.mix_module, **kw) is fit  # not run
+    assert solve_output(exact, forward, FitData(windows=16, **kw), block.o_proj) is exact
+    assert solve_output(fit, forward, FitData(windows=16, **kw), block.mix_module) is fit  # not run
     block.o_proj.bias = None
     with_bias = FitResult(fit.values, 1.0, 0.5, False, 10)  # a fitted bias the module lacks
-    assert solve_output(with_bias, forward, windows=16, o_proj=block.o_proj, **kw) is with_bias
+    assert solve_output(with_bias, forward, FitData(windows=16, **kw), block.o_proj) is with_bias
     conv = torch.nn.Conv1d(5, 6, 1)  # not a plain linear map of its last dimension
-    assert solve_output(fit, forward, windows=16, o_proj=conv, **kw) is fit
+    assert solve_output(fit, forward, FitData(windows=16, **kw), conv) is fit
 
 
 def test_a_bias_the_fit_does_not_hold_stays_as_it_is():
@@ -139,5 +139,5 @@ def test_a_bias_the_fit_does_not_hold_stays_as_it_is():
 
     start = heldout_error(without_bias, fit.values, windows=split_windows(16)[1], **kw)
     fit = FitResult(fit.values, 2 * start, start, False, 10)
-    solved = solve_output(fit, without_bias, windows=16, o_proj=block.o_proj, **kw)
+    solved = solve_output(fit, without_bias, FitData(windows=16, **kw), block.o_proj)
     assert solved.ridge in RIDGES and "o_bias" not in solved.values and solved.loss_after < start / 2

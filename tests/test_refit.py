@@ -2,6 +2,7 @@
 is not kept, the streamed refit equals an in-memory reference, it is deterministic, every family
 that calibrates refits and loads, and bad settings are refused before any work."""
 
+import dataclasses
 import json
 
 import pytest
@@ -18,6 +19,8 @@ from mha2gqa.convert.layers import calibration_ids
 from mha2gqa.convert.output_solve import RIDGES
 from mha2gqa.convert.refit import (
     CALL_TOKENS,
+    FitData,
+    FitSteps,
     Objective,
     after_attention,
     call_tokens,
@@ -249,19 +252,19 @@ def test_fit_layer_keeps_the_best_held_out_values_and_stops_when_they_stop_falli
     def targets(w):
         return torch.cat([2 * xs[i] for i in w])
 
-    fit = fit_layer(forward, start, ["w"], targets, 8, steps=400, lr=0.05, batch=4, seed=0)
+    fit = fit_layer(forward, start, ["w"], FitData(targets, 8), FitSteps(400, 0.05, 4, 0))
     assert not fit.kept and abs(float(fit.values["w"]) - 2) < 1e-2 and fit.loss_before == 64.0
     assert fit.loss_after < 1e-2 and start["w"] == 1.0
     # the held-out window wants w = 0.5 while the fitted ones pull towards 2: every check is worse,
     # the fit stops after PATIENCE checks (one every 50 / CHECKS steps), but not before half its
     # steps, and keeps its start
     held_out_wants_half = lambda w: torch.cat([(0.5 if i == 7 else 2) * xs[i] for i in w])  # noqa: E731
-    worse = fit_layer(forward, start, ["w"], held_out_wants_half, 8, steps=50, lr=0.05, batch=4, seed=0)
+    worse = fit_layer(forward, start, ["w"], FitData(held_out_wants_half, 8), FitSteps(50, 0.05, 4, 0))
     assert worse.kept and worse.values is start and worse.steps == 25 and worse.loss_after == worse.loss_before
-    assert fit_layer(forward, start, [], targets, 8, steps=50, lr=0.05, batch=4, seed=0).steps == 0
+    assert fit_layer(forward, start, [], FitData(targets, 8), FitSteps(50, 0.05, 4, 0)).steps == 0
     # a fit that still gains, but by less than MIN_GAIN a check, stops at half its steps and keeps
     # its best values (not its start)
-    crawl = fit_layer(forward, start, ["w"], targets, 8, steps=50, lr=1e-5, batch=4, seed=0)
+    crawl = fit_layer(forward, start, ["w"], FitData(targets, 8), FitSteps(50, 1e-5, 4, 0))
     assert not crawl.kept and crawl.steps == 25 and crawl.loss_after < crawl.loss_before
 
 
@@ -373,7 +376,7 @@ def test_the_refit_probes_near_the_previous_layers_rate(calib_text, tmp_path, mo
     fit = layerwise.fit_layer
 
     def spy(*args, **kw):
-        seen.append(kw["probe"])
+        seen.append(args[4].probe)  # fit_layer(forward, start, trainable, data, how)
         return fit(*args, **kw)
 
     monkeypatch.setattr(layerwise, "fit_layer", spy)
@@ -398,7 +401,7 @@ def test_windows_batched_per_call_fit_as_one_at_a_time():
         return torch.tanh(xs[w] @ w_true)  # not reachable exactly: the fit moves every step
 
     fits = [
-        fit_layer(forward, start, ["w"], targets, 16, steps=40, lr=0.01, batch=8, seed=3, per_call=n) for n in (1, 3, 8)
+        fit_layer(forward, start, ["w"], FitData(targets, 16, per_call=n), FitSteps(40, 0.01, 8, 3)) for n in (1, 3, 8)
     ]
     for other in fits[1:]:
         assert other.steps == fits[0].steps and not other.kept
@@ -464,18 +467,13 @@ def _reference(
         normed = aim[fitted].double() / aim[fitted].double().pow(2).mean(-1, keepdim=True).sqrt()
         mean_square = normed.pow(2).mean((0, 1))
         scale = (1 / torch.maximum(mean_square, mean_square.mean())).float()  # loud dimensions: relative
+        batch = min(refit_windows(ConvertSettings.refit_batch, 32), len(split_windows(len(ids))[0]))
         fit = fit_layer(
             forward,
             start,
             list(start),
-            lambda w, t=aim: t[w],
-            len(ids),
-            steps=steps,
-            lr=lr,
-            batch=min(refit_windows(ConvertSettings.refit_batch, 32), len(split_windows(len(ids))[0])),
-            seed=seed * 1_000_003 + i,
-            per_call=per_call,
-            objective=Objective(normalize=True, scale=scale),
+            FitData(lambda w, t=aim: t[w], len(ids), per_call, Objective(normalize=True, scale=scale)),
+            FitSteps(steps, lr, batch, seed * 1_000_003 + i),
         )
         values = fit.values if target == "layer" else _solved_o(fit, forward, lc, aim, split_windows(len(ids)), scale)
         with torch.no_grad():
@@ -683,7 +681,9 @@ def test_the_default_refit_is_within_5_percent_of_the_reference_adam_refit(
     )
     monkeypatch.setattr(layerwise, "solve_output", lambda result, *args, **kw: result)
     fit = layerwise.fit_layer  # the reference as it was: Adam alone at --refit-lr, no rates probed
-    monkeypatch.setattr(layerwise, "fit_layer", lambda *args, **kw: fit(*args, **kw | {"probe": (1.0,)}))
+    monkeypatch.setattr(
+        layerwise, "fit_layer", lambda *args: fit(*args[:4], dataclasses.replace(args[4], probe=(1.0,)))
+    )
     reference = convert_checkpoint(
         src, tmp_path / "ref", 1, **refit(calib_text, refit_steps=200, refit_batch=8, **sizes)
     )

@@ -19,10 +19,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 
 STATS_SCRIPT = """
 import sys, torch
-from mha2gqa.convert.calibration.streaming import collect
+from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
 from mha2gqa.core.ranks import ranks
 src, text, out = sys.argv[1:4]
-stats = collect(src, 2, text, 1024, 64, device="cpu", compact=False)
+stats = collect(src, 2, CalibrationText(text, 1024, 64), PassOptions("cpu", compact=False))
 if ranks().main:
     torch.save({i: (l.v_gram, l.k_plane_gram, l.k_rest_gram, l.q_plane_energy, l.tokens, stats.tokens)
                 for i, l in stats.layers.items()}, out)
@@ -32,7 +32,7 @@ if ranks().main:
 FIT_SCRIPT = """
 import os, sys, torch
 import torch.distributed as dist
-from mha2gqa.convert.refit.fit import fit_layer, solve_output
+from mha2gqa.convert.refit.fit import FitData, FitSteps, fit_layer, solve_output
 from mha2gqa.convert.refit.objective import PLAIN
 from mha2gqa.core.ranks import ranks
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -48,9 +48,9 @@ def forward(values, windows):
     return x[windows] + torch.func.functional_call(o_proj, {"weight": values["o"]}, (h,))
 start = {"q": torch.eye(6), "o": torch.eye(6)}
 targets = lambda ws: y[ws]
-kw = {"per_call": 2, "objective": PLAIN, "ranks": team}
-result = fit_layer(forward, start, ["q", "o"], targets, 10, steps=12, lr=0.05, batch=4, seed=3, **kw)
-result = solve_output(result, forward, targets=targets, windows=10, o_proj=o_proj, **kw)
+data = FitData(targets, 10, per_call=2, objective=PLAIN, ranks=team)
+result = fit_layer(forward, start, ["q", "o"], data, FitSteps(12, 0.05, 4, 3))
+result = solve_output(result, forward, data, o_proj)
 assert seen == set(range(team.rank, 10, team.size)), (team.rank, sorted(seen))  # its own windows alone
 if team.main:
     torch.save({**result.values, "errors": torch.tensor([result.loss_before, result.loss_after]),

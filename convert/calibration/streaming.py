@@ -6,6 +6,7 @@ the whole model."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,47 +29,61 @@ from mha2gqa.core.ranks import Ranks, ranks
 from mha2gqa.core.signals import check as check_signals
 
 
+@dataclass(frozen=True)
+class CalibrationText:
+    """What a calibration pass reads: the first ``tokens`` tokens of ``data`` (a file or a ``datasets``
+    name; its ``text_field``) in windows of ``seq_len`` (None: the default window, cut to the model)."""
+
+    data: str
+    tokens: int
+    seq_len: int | None = None
+    text_field: str = "text"
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """How a calibration pass runs and what it keeps (see :func:`collect`)."""
+
+    device: str = "auto"
+    grouping: Grouping | str = "contiguous"
+    allow_pickle: bool = False
+    compact: bool = True
+    progress: bool = False
+    weigh_values: bool = True
+    autocast: torch.dtype | None = None
+    weighted_aside: bool = False
+
+
 @torch.inference_mode()
 def collect(
     source: Path | Checkpoint,
     groups: int | tuple[int, ...] | None,
-    data: str,
-    tokens: int,
-    seq_len: int | None = None,
-    device: str = "auto",
-    text_field: str = "text",
-    grouping: Grouping | str = "contiguous",
-    allow_pickle: bool = False,
-    compact: bool = True,
-    progress: bool = False,
+    text: CalibrationText,
+    options: PassOptions = PassOptions(),
     on_layer=None,
-    weigh_values: bool = True,
-    autocast: torch.dtype | None = None,
-    weighted_aside: bool = False,
 ) -> CalibrationStats:
     """Gather :class:`CalibrationStats` for merging into ``groups`` KV heads (one count, one per layer,
-    or None: nothing kept) from the first ``tokens`` tokens of ``data`` in windows of ``seq_len``,
-    layer by layer (the module doc). Per-layer counts and ``grouping="similarity"`` gather each layer
-    over all source heads first, then cut it into its groups (similarity: the least-residual groups,
-    recorded as ``perm``); ``compact`` keeps only what the merges read. ``on_layer(layer, full, run)``
-    sees each layer's all-heads statistics and the loaded layer (:class:`LayerRun`) before they are
-    cut. ``weigh_values``: record each layer's output-projection Gram (``svd`` then picks the value code
-    that loses least through ``o_proj``; without: the values' principal subspace; ``weighted_aside``:
-    that code kept beside it, :meth:`CalibrationStats.weighted`); ``autocast``: the dtype the layers
-    run under. Every process of a launcher must call it (:func:`_start`)."""
+    or None: nothing kept) from ``text``, layer by layer (the module doc), as ``options`` say. Per-
+    layer counts and ``grouping="similarity"`` gather each layer over all source heads first, then
+    cut it into its groups (similarity: the least-residual groups, recorded as ``perm``);
+    ``compact`` keeps only what the merges read. ``on_layer(layer, full, run)`` sees each layer's
+    all-heads statistics and the loaded layer (:class:`LayerRun`) before they are cut.
+    ``weigh_values``: record each layer's output-projection Gram (``svd`` then picks the value code
+    that loses least through ``o_proj``; without: the values' principal subspace;
+    ``weighted_aside``: that code kept beside it, :meth:`CalibrationStats.weighted`); ``autocast``:
+    the dtype the layers run under. Every process of a launcher must call it (:func:`_start`)."""
     from mha2gqa.core.capture import capturing
     from mha2gqa.core.progress import bar as progress_bar
 
-    ckpt, model, dims, windows, states, dev, team = _start(
-        source, device, allow_pickle, data, tokens, seq_len, text_field
-    )
-    grouping = get_grouping(grouping) if isinstance(grouping, str) else grouping
+    o = options
+    ckpt, model, dims, windows, states, dev, team = _start(source, o.device, o.allow_pickle, text)
+    grouping = get_grouping(o.grouping) if isinstance(o.grouping, str) else o.grouping
     per_layer = groups if isinstance(groups, tuple) else None
-    stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=data)
+    stats = CalibrationStats(max(per_layer) if per_layer else groups or 1, dims.head_dim, dims.rotary, source=text.data)
     split = grouping.reorders or per_layer is not None or on_layer is not None
     full = CalibrationStats(1, dims.head_dim, dims.rotary) if split else stats
-    o_proj = _output_projection(ckpt) if weigh_values or weighted_aside else None
-    desc, quiet = f"calibrating {dims.num_layers} layers on {windows.numel():,} tokens", not progress or not team.main
+    o_proj = _output_projection(ckpt) if o.weigh_values or o.weighted_aside else None
+    desc, quiet = f"calibrating {dims.num_layers} layers on {windows.numel():,} tokens", not o.progress or not team.main
     bar = progress_bar(total=dims.num_layers * len(states), unit="window", desc=desc, disable=quiet)
     recording = [True]  # off while a cost runs a layer again with merged weights
 
@@ -79,14 +94,14 @@ def collect(
     with capturing(model, record), bar:
         for i, layer, prefix in each_layer(model, ckpt, dev, dtype=None):  # as stored, run in float32
             inputs = [h for h, _ in states] if on_layer is not None else None
-            _advance(layer, states, bar, autocast)
-            _gathered(full, i, team, ckpt, o_proj, dims, plain=not weigh_values)
+            _advance(layer, states, bar, o.autocast)
+            _gathered(full, i, team, ckpt, o_proj, dims, plain=not o.weigh_values)
             if on_layer is not None:  # before the weights go: a cost may run the layer again
                 recording[0] = False
                 with float32_on_call(layer):
                     on_layer(i, full.layers[i], LayerRun(layer, inputs, states, prefix, team))
                 recording[0] = True
-            _keep(i, full, stats, per_layer[i] if per_layer else groups, grouping, dims, compact)
+            _keep(i, full, stats, per_layer[i] if per_layer else groups, grouping, dims, o.compact)
     stats.tokens = windows.numel()
     return stats
 
@@ -103,7 +118,7 @@ def _keep(i: int, full, stats, g: int | None, grouping: Grouping, dims, compact:
         stats.layers[i].compact(dims.head_dim, dims.head_dim - dims.rotary)
 
 
-def _start(source, device: str, allow_pickle: bool, data: str, tokens: int, seq_len: int | None, text_field: str):
+def _start(source, device: str, allow_pickle: bool, text: CalibrationText):
     """The checkpoint, its model on ``meta``, its dimensions, the calibration windows ``[n, T]``, what
     the first decoder layer receives for this process's windows, the device, and the processes
     (:class:`Ranks`). Under a launcher (``torchrun``) each process reads its share of the windows and
@@ -118,10 +133,10 @@ def _start(source, device: str, allow_pickle: bool, data: str, tokens: int, seq_
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), allow_pickle=allow_pickle)
     model = skeleton(ckpt)
     dims = dims_of(model.config)
-    seq_len = calibration_window(seq_len, max_positions(model.config))
-    windows = calibration_ids(ckpt.folder, data, tokens, seq_len, text_field).to(dev)
+    seq_len = calibration_window(text.seq_len, max_positions(model.config))
+    windows = calibration_ids(ckpt.folder, text.data, text.tokens, seq_len, text.text_field).to(dev)
     team = ranks()
-    states = first_layer_inputs(model, ckpt, team.share(windows, f"--calibration {data}"), dev)
+    states = first_layer_inputs(model, ckpt, team.share(windows, f"--calibration {text.data}"), dev)
     return ckpt, model, dims, windows, states, dev, team
 
 

@@ -88,23 +88,44 @@ def split_windows(n: int) -> tuple[list[int], list[int]]:
     return list(range(n - held)), list(range(n - held, n))
 
 
+@dataclass(frozen=True)
+class FitData:
+    """What a fit reads and how it scores: ``targets(windows)`` (``[len(windows), T, hidden]``) of the
+    ``windows`` windows in all, ``per_call`` windows a forward, ``objective``'s error, summed over the
+    processes ``ranks``."""
+
+    targets: Callable[[list[int]], torch.Tensor]
+    windows: int
+    per_call: int = 1
+    objective: Objective = PLAIN
+    ranks: Ranks = ONE
+
+    def scoring(self) -> dict[str, Any]:
+        """The keywords :func:`heldout_error` takes."""
+        return {"targets": self.targets, "per_call": self.per_call, "objective": self.objective, "ranks": self.ranks}
+
+
+@dataclass(frozen=True)
+class FitSteps:
+    """How a fit steps: ``steps`` Adam steps of ``batch`` windows (their order from ``seed``), each
+    tensor's rate ``lr`` times its RMS, the rates ``probe`` tries first, the forward under ``autocast``,
+    the probe's best run kept in ``spill`` (None: in memory)."""
+
+    steps: int
+    lr: float
+    batch: int
+    seed: int
+    probe: tuple[float, ...] = PROBE
+    autocast: torch.dtype | None = None
+    spill: Path | None = None
+
+
 def fit_layer(
     forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
     start: dict[str, torch.Tensor],
     trainable: list[str],
-    targets: Callable[[list[int]], torch.Tensor],
-    windows: int,
-    *,
-    steps: int,
-    lr: float,
-    batch: int,
-    seed: int,
-    per_call: int = 1,
-    objective: Objective = PLAIN,
-    probe: tuple[float, ...] = PROBE,
-    ranks: Ranks = ONE,
-    autocast: torch.dtype | None = None,
-    spill: Path | None = None,
+    data: FitData,
+    how: FitSteps,
 ) -> FitResult:
     """Fit the ``trainable`` entries of ``start`` so that ``forward(values, windows)`` (those windows'
     outputs ``[len(windows), T, hidden]``) matches ``targets(windows)``: Adam on ``objective``'s error
@@ -119,16 +140,16 @@ def fit_layer(
     ``spill``: a file the probe keeps its best run in while it tries the next (None: in memory).
     Several processes (``ranks``, each calling this) run their own windows (:meth:`Ranks.own`) of every
     step and check; gradients and held-out errors are summed, so every one takes the same steps."""
-    fitted, held = split_windows(windows)
-    common = {"targets": targets, "per_call": per_call, "objective": objective, "ranks": ranks}
-    heldout = partial(heldout_error, forward, windows=held, **common)
+    fitted, held = split_windows(data.windows)
+    heldout = partial(heldout_error, forward, windows=held, **data.scoring())
     before = heldout(start)
     if is_exact(before) or not trainable:  # exact (to float rounding), or nothing to fit: nothing moves
         return FitResult(start, before, before, True, 0)
-    every, batches = max(1, steps // CHECKS), _batches(fitted, batch, seed)
-    train = partial(_train_step, forward, autocast=autocast, **common)
+    steps, lr = how.steps, how.lr
+    every, batches = max(1, steps // CHECKS), _batches(fitted, how.batch, how.seed)
+    train = partial(_train_step, forward, data=data, autocast=how.autocast)
     first = [next(batches) for _ in range(min(every, steps))]  # the first check's steps, for every rate tried
-    now, factor, values, optimizer = _probe(start, trainable, lr, probe, first, train, heldout, spill)
+    now, factor, values, optimizer = _probe(start, trainable, lr, how.probe, first, train, heldout, how.spill)
     best, best_values, stale, done = before, None, 0, len(first)
     while True:
         gained = now < best * (1 - MIN_GAIN)
@@ -226,27 +247,17 @@ def _checked_like(kept: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return kept
 
 
-def _train_step(
-    forward,
-    values,
-    optimizer,
-    chosen: list[int],
-    *,
-    targets,
-    objective: Objective,
-    per_call: int,
-    ranks: Ranks,
-    autocast,
-) -> None:
+def _train_step(forward, values, optimizer, chosen: list[int], *, data: FitData, autocast) -> None:
     """One Adam step on the windows ``chosen`` (``per_call`` windows' graph at a time; this rank's
     own, the gradients then summed over the ranks), the forward under ``autocast`` (a dtype; None: none)."""
     check_signals()
     optimizer.zero_grad(set_to_none=True)
     device = next(iter(values.values())).device.type
-    for c in chunks(ranks.own(chosen), per_call):
+    ranks = data.ranks
+    for c in chunks(ranks.own(chosen), data.per_call):
         with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
             out = forward(values, c)
-        loss = torch.mean(objective.squares(out.float(), targets(c))) * (len(c) / len(chosen))
+        loss = torch.mean(data.objective.squares(out.float(), data.targets(c))) * (len(c) / len(chosen))
         loss.backward()
     if ranks.size > 1:
         _sum_gradients([p for group in optimizer.param_groups for p in group["params"]], ranks)
@@ -296,13 +307,8 @@ def heldout_error(
 def solve_output(
     result: FitResult,
     forward: Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor],
-    *,
-    targets: Callable[[list[int]], torch.Tensor],
-    windows: int,
-    per_call: int,
-    objective: Objective = PLAIN,
+    data: FitData,
     o_proj: torch.nn.Module,
-    ranks: Ranks = ONE,
 ) -> FitResult:
     """``result`` with the output projection (roles ``o``, ``o_bias``) solved in closed form given its
     other projections (:mod:`mha2gqa.convert.output_solve`), where what ``forward`` (as in
@@ -319,7 +325,8 @@ def solve_output(
     if has_bias and o_proj.bias is None:
         return result
     fixed = o_proj.bias if o_proj.bias is not None and not has_bias else None  # a bias the refit does not fit
-    fitted, held = split_windows(windows)
+    targets, per_call, objective, ranks = data.targets, data.per_call, data.objective, data.ranks
+    fitted, held = split_windows(data.windows)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     equations = NormalEquations(bias=has_bias)
     linear = True

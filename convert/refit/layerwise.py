@@ -17,7 +17,16 @@ from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
 from mha2gqa.convert.layers import batched, each_layer, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
-from mha2gqa.convert.refit.fit import FitResult, fit_layer, is_exact, probe_near, solve_output, split_windows
+from mha2gqa.convert.refit.fit import (
+    FitData,
+    FitResult,
+    FitSteps,
+    fit_layer,
+    is_exact,
+    probe_near,
+    solve_output,
+    split_windows,
+)
 from mha2gqa.convert.refit.objective import Objective
 from mha2gqa.convert.refit.stops import after_attention, hooked, layer_output, reads_after_attention
 from mha2gqa.convert.refit.streams import Streams, dimension_scale, open_streams
@@ -145,14 +154,17 @@ def _refit_layer(
 
     scale = dimension_scale(target, fitted, st.per_call, st.ranks).to(dev)
     trainable = [r for r in weights.values if r[0] in s.refit_roles()]
-    fit_kw = {"steps": s.refit_steps, "lr": s.refit_lr, "batch": st.batch, "seed": s.seed * 1_000_003 + i}
-    fit_kw |= {"autocast": st.autocast, "probe": probe_near(None if last is None else last / s.refit_lr)}
-    fit_kw |= {"spill": st.work / "probe-run.pt"}  # the probe's best run while it tries the next
-    kw = {"per_call": st.per_call, "objective": Objective(normalize=True, scale=scale), "ranks": st.ranks}
-    result = fit_layer(fitted_part, weights.values, trainable, targets, len(st.ids), **kw, **fit_kw)
+    how = FitSteps(
+        s.refit_steps, s.refit_lr, st.batch, s.seed * 1_000_003 + i,
+        probe=probe_near(None if last is None else last / s.refit_lr),
+        autocast=st.autocast,
+        spill=st.work / "probe-run.pt",  # the probe's best run while it tries the next
+    )  # fmt: skip
+    data = FitData(targets, len(st.ids), st.per_call, Objective(normalize=True, scale=scale), st.ranks)
+    result = fit_layer(fitted_part, weights.values, trainable, data, how)
     if "o" in trainable:
         o_proj = layer.get_submodule(names["o"][len(prefix) : -len(".weight")])
-        result = solve_output(result, fitted_part, o_proj=o_proj, targets=targets, windows=len(st.ids), **kw)
+        result = solve_output(result, fitted_part, data, o_proj)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
     written = LayerWeights(out, converted.layout, converted.shape).values  # as stored: what the next layer reads
     st.advance(st.converted, partial(converted, written), exact)
