@@ -153,14 +153,17 @@ def _table_cells(family: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
-def test_the_family_tables_method_cells_are_what_convert_does(family, tiny_checkpoint, calib_text, tmp_path):
+def test_the_family_tables_method_cells_are_what_convert_does(family, calib_text, tmp_path):
     """Each method cell of the families page says yes exactly where ``convert`` takes the method on the
     family's checkpoint, and no where it refuses it in one line (checked before any model loads)."""
+    from conftest import random_model
+    from test_methods import with_tokenizer
+
     from mha2gqa.convert.prepare import prepare
     from mha2gqa.convert.settings import ConvertSettings
     from mha2gqa.core.families import families
 
-    src = tiny_checkpoint(family)
+    src = with_tokenizer(random_model(tiny_config(family, vocab_size=300)), tmp_path / "src", calib_text)
     g = 1 if families()[family].flag_only else 2
     cells = _table_cells(family)
     for column, method, grouping in (("aligned", "aligned", "contiguous"), ("svd", "svd", "contiguous"),
