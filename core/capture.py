@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 IMPL = "mha2gqa_capture"
@@ -26,6 +27,23 @@ def soft_capped(scores: Any, cap: float | None) -> Any:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention call as the recorder sees it: ``q`` ``[B, H, T, d]``, ``k``/``v`` ``[B, G, T, d]``
+    post-RoPE, the ``mask``, ``scaling`` and ``window`` (sliding) it ran with, ``output`` the SDPA result
+    ``[B, T, H, d]``, ``module`` the attention module of decoder layer ``layer``."""
+
+    layer: int
+    q: Any
+    k: Any
+    v: Any
+    mask: Any
+    scaling: float | None
+    window: int | None
+    output: Any
+    module: Any
+
+
 def _capture_forward(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -35,7 +53,7 @@ def _capture_forward(module, query, key, value, attention_mask, **kwargs):
         out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if _recorder is not None:
         scaling, window = kwargs.get("scaling"), kwargs.get("sliding_window")
-        _recorder(module.layer_idx, query, key, value, attention_mask, scaling, window, out[0], module)
+        _recorder(AttentionCall(module.layer_idx, query, key, value, attention_mask, scaling, window, out[0], module))
     return out
 
 
@@ -66,10 +84,8 @@ def _register() -> None:
 
 @contextlib.contextmanager
 def capturing(model: Any, recorder: Callable[..., None]) -> Iterator[None]:
-    """Within the block, ``recorder(layer, q, k, v, mask, scaling, sliding_window, output, module)``
-    sees every attention call of ``model`` (which otherwise runs exactly as with SDPA): ``q``
-    ``[B, H, T, d]``, ``k``/``v`` ``[B, G, T, d]`` post-RoPE, ``output`` the SDPA result ``[B, T, H, d]``,
-    ``module`` the attention module."""
+    """Within the block, ``recorder(call)`` sees every attention call of ``model`` (which otherwise
+    runs exactly as with SDPA) as an :class:`AttentionCall`."""
     global _recorder
     _register()
     previous = model.config._attn_implementation

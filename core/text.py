@@ -23,6 +23,16 @@ DOC_SPLITS = {"file": "document", "paragraph": "paragraph", "line": "line"}
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
+@dataclass(frozen=True)
+class TextSource:
+    """Where a text comes from: a file or a ``datasets`` name ``source``, the ``text_field`` of its
+    rows, and how a ``.txt`` file splits into documents (``doc_split``: :data:`DOC_SPLITS`)."""
+
+    source: str
+    text_field: str = "text"
+    doc_split: str = "file"
+
+
 @dataclass
 class TextData:
     """Documents in order, and where they came from."""

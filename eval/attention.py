@@ -178,24 +178,33 @@ def _add_gram(gram: torch.Tensor, p: torch.Tensor) -> None:
         gram += (x @ x.T).double().cpu()
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """How a layer's attention scores are made: its ``mask``, ``scaling``, ``sliding_window`` and the
+    family's attention-logit ``softcap`` (None: none)."""
+
+    mask: torch.Tensor | None
+    scaling: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
 def compare_layer(
     orig: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    mask: torch.Tensor | None,
-    scaling: float,
-    sliding_window: int | None,
+    scoring: Scoring,
     sums: HeadSums,
     chunk: int = 128,
     projections: tuple[torch.Tensor, torch.Tensor] | None = None,
-    softcap: float | None = None,
 ) -> None:
-    """Add one layer's statistics to ``sums`` (``softcap``: the family's attention-logit soft cap).
+    """Add one layer's statistics to ``sums``, the scores made as ``scoring`` says.
 
     ``orig``/``conv``: ``(q [B,H,T,d], k [B,G,T,d], v [B,G,T,d])`` of each model; KV head ``j``
     serves query heads ``[j*H/G, (j+1)*H/G)`` as in ``repeat_kv``. ``projections``: both models'
     output projections as ``[H, hidden, d]`` (:func:`head_projections`), for the heads'
     contributions to the residual stream.
     """
+    mask, scaling, sliding_window, softcap = scoring.mask, scoring.scaling, scoring.sliding_window, scoring.softcap
     sums.contribution = projections is not None
     sums.kv_heads = conv[1].shape[1]
     (qo, ko, vo), (qc, kc, vc) = orig, conv
@@ -303,14 +312,14 @@ def record_attention(original: torch.nn.Module, batch: torch.Tensor, store: Laye
     name = _output_projection_name(original)
     pending: dict[int, tuple] = {}
 
-    def keep(layer, q, k, v, mask, scaling, window, _output, module):
-        tensors = {"q": q, "k": k, "v": v}
-        w_o = _output_weight(module, name)
+    def keep(call):
+        tensors = {"q": call.q, "k": call.k, "v": call.v}
+        w_o = _output_weight(call.module, name)
         if w_o is not None:
             tensors["o_weight"] = w_o
-        if mask is not None:
-            tensors["mask"] = mask
-        pending[layer] = (tensors, scaling, window)
+        if call.mask is not None:
+            tensors["mask"] = call.mask
+        pending[call.layer] = (tensors, call.scaling, call.window)
 
     def done(layer, hidden):
         check_signals()
@@ -351,8 +360,9 @@ def compare_attention(
     hidden_cos: dict[int, float] = {}
     hidden_orig: dict[int, torch.Tensor] = {}
 
-    def compare(layer, q, k, v, mask, scaling, window, _output, module):
+    def compare(call):
         check_signals()
+        layer, q, k, v, module = call.layer, call.q, call.k, call.v, call.module
         o, scaling_o, window_o = store.take(layer, q.device)
         if head_order and head_order.get(layer):
             o = reorder_heads(o, head_order[layer])
@@ -363,10 +373,8 @@ def compare_attention(
         if w_o is not None and w_c is not None:
             projections = (head_projections(w_o, heads), head_projections(w_c, heads).to(w_o.device))
         sums[layer] = HeadSums(heads)
-        compare_layer(
-            (o["q"], o["k"], o["v"]), (q, k, v), o.get("mask"), scaling_o, window_o, sums[layer], chunk, projections,
-            softcap_of(module),
-        )  # fmt: skip
+        scoring = Scoring(o.get("mask"), scaling_o, window_o, softcap_of(module))
+        compare_layer((o["q"], o["k"], o["v"]), (q, k, v), scoring, sums[layer], chunk, projections)
 
     def done(layer, hidden):
         ref = hidden_orig.pop(layer)

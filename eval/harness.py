@@ -92,9 +92,8 @@ def scored_pass(
     padding = None
     if state.num_processes > 1 and windows:  # as many forward passes on every process (FSDP's collectives)
         padding = (max(_gather(batch_count(mine, batch_size))), windows[0][0][None])
-    res = score_windows(
-        models, mine, batch_size, progress=progress and state.is_main_process, desc=desc, padding=padding, **replay
-    )
+    shown = (desc or "scoring") if progress and state.is_main_process else None
+    res = score_windows(models, mine, batch_size, progress=shown, padding=padding, **replay)
     parts = _gather((res.nll_sum, res.tokens, res.seconds, res.agreement))
     nll = [sum(p[0][i] for p in parts) for i in range(len(res.nll_sum))]
     tokens = sum(p[1] for p in parts)

@@ -237,14 +237,14 @@ def score_windows(
     windows: list[Window],
     batch_size: int = 1,
     chunk: int = 512,
-    progress: bool = False,
-    desc: str = "scoring",
+    progress: str | None = None,
     record: Record | None = None,
     replay: Replay | None = None,
     padding: tuple[int, torch.Tensor] | None = None,
 ) -> PassResult:
     """Run one or two models on every window; sum NLL per model and, for a pair, per-token KL,
-    top-1 agreement and NLL delta (all from float32 log-softmax, ``chunk`` positions at a time).
+    top-1 agreement and NLL delta (all from float32 log-softmax, ``chunk`` positions at a time), with a
+    progress bar so described (``progress``; None: none).
     ``padding`` ``(forwards, inputs [1, T])``: run the models on ``inputs``, scoring nothing, until
     ``forwards`` passes are made (so that sharded models make the same collectives on every process).
 
@@ -263,7 +263,7 @@ def score_windows(
     tokens = 0
     agree = AgreementSums() if pair else None
     total = sum(int((t != IGNORE).sum()) for _, t in windows)
-    bar = progress_bar(total=total, unit="tok", unit_scale=True, desc=desc, disable=not progress)
+    bar = progress_bar(total=total, unit="tok", unit_scale=True, desc=progress or "scoring", disable=not progress)
     for index, batch in enumerate(_batches(windows, batch_size)):
         check_signals()
         inputs = torch.stack([w[0] for w in batch])

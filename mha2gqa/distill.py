@@ -207,7 +207,9 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
         distilled_folder = resume.path(DISTILLED)
         targets = converted.kv_heads_per_layer
         judge = Judge(partial(guard.score_folder, targets=targets), guard.published) if held is not None else None
-        distilled, tried, score = _distil(converted.output, first, s, d, distilled_folder, log, held, team, judge)
+        distilled, tried, score = _distil(
+            converted.output, first, s, d, distilled_folder, log, _Held(held, judge), team
+        )
         detail = tried.detail if tried is not None else ""
         kept = guard is None or guard.distillation(distilled_folder, targets, log, detail, score)
         record = converted.record
@@ -238,26 +240,27 @@ def _alongside(first, s: ConvertSettings, d: DistillSettings, team: Ranks, log) 
 
     run(first, guard_data=s.calibration)
     student, held = team.decide(lambda: None)
-    _distil(Path(student), first, s, d, resume_folder(first.dst) / DISTILLED, log, held, team, None)
+    _distil(Path(student), first, s, d, resume_folder(first.dst) / DISTILLED, log, _Held(held), team)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What the stage guard holds of a distillation: it reads the calibration text's first ``tokens``
+    (None: the guard is off, and so is the backoff), and ``judge`` scores its checkpoints (rank 0)."""
+
+    tokens: int | None
+    judge: Judge | None = None
 
 
 def _distil(
-    student: Path,
-    conversion,
-    s: ConvertSettings,
-    d: DistillSettings,
-    out: Path,
-    log,
-    tokens: int | None,
-    team: Ranks,
-    judge: Judge | None,
+    student: Path, conversion, s: ConvertSettings, d: DistillSettings, out: Path, log, held: _Held, team: Ranks
 ):
-    """The distillation of ``student`` into ``out`` (every process calls this), on the calibration
-    text's first ``tokens`` (None: the guard is off, and so is the backoff); ``(its result, the
-    backoff's Tried and the guard's score of the result, or None and None)``. ``judge``: the guard, for
-    the backoff (rank 0)."""
+    """The distillation of ``student`` into ``out`` (every process calls this), as the guard holds it
+    (``held``); ``(its result, the backoff's Tried and the guard's score of the result, or None and
+    None)``."""
     from mha2gqa.uptrain import uptrain
 
+    tokens, judge = held.tokens, held.judge
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
     positions = max_positions(conversion.ckpt.config)
     settings = d.uptrain_settings(s, teacher, out, positions, tokens)

@@ -458,7 +458,8 @@ def _run_job(
                 stages.append((f"{tag}-uptrained", f"{method}+uptrain", up_dir))
                 runs.append(up_dir)
             for stage_tag, label, stage_dir in stages:
-                path, row, ok = _evaluate_stage(source, stage_dir, stage_tag, label, g, conv, settings, job, out, log)
+                stage = _Stage(stage_tag, label, stage_dir, g, conv)
+                path, row, ok = _evaluate_stage(source, stage, settings, job, out, log)
                 paths.append(path)
                 rows.append(row)
                 passed &= ok
@@ -502,21 +503,24 @@ def _uptrain_stage(
     log(f"uptrained {tag}: {result.summary()}")
 
 
+@dataclass(frozen=True)
+class _Stage:
+    """One model of a sweep to evaluate: its ``tag`` (results name), ``label`` (the recipe where the
+    model's records do not name one), folder, KV heads ``g`` and the conversion it came from."""
+
+    tag: str
+    label: str
+    model_dir: Path
+    g: Any
+    conv: Any
+
+
 def _evaluate_stage(
-    source: str,
-    model_dir: Path,
-    tag: str,
-    label: str,
-    g: int,
-    conv,
-    settings,
-    job: Job,
-    out: Path,
-    log: _NotesOnce,
+    source: str, stage: _Stage, settings, job: Job, out: Path, log: _NotesOnce
 ) -> tuple[Path, SweepRow, bool]:
     """Evaluate one converted (or uptrained) model against the source, gate it, write its results;
-    returns the results path, the summary row and whether its gates passed. ``label``: the recipe where
-    the model's records do not name one."""
+    returns the results path, the summary row and whether its gates passed."""
+    tag, label, model_dir, g, conv = stage.tag, stage.label, stage.model_dir, stage.g, stage.conv
     from mha2gqa.eval.outcome import EvalRequest
     from mha2gqa.eval.tables import SweepRow, task_cell, verdict_cell
 

@@ -3,6 +3,7 @@ for every family, bad input, results schema."""
 
 import json
 import math
+from dataclasses import fields
 
 import pytest
 import torch
@@ -101,7 +102,8 @@ def test_capture_rebuilds_each_layers_attention_output_exactly(family):
     model = random_model(tiny_config(family))
     checked = []
 
-    def recorder(layer, q, k, v, mask, scaling, window, output, module):
+    def recorder(call):
+        layer, q, k, v, mask, scaling, window, output, module = (getattr(call, f.name) for f in fields(call))
         heads = q.shape[1]
         k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
         allowed = _scores_mask(mask, slice(0, q.shape[2]), q.shape[2], window, q.device)

@@ -309,7 +309,7 @@ def test_layer_streamed_calibration_equals_a_whole_model_pass(family, calib_text
         tmp_path / "sharded", groups, CalibrationText(str(calib_text), 256, 32), PassOptions("cpu", compact=False)
     )
     ref = CalibrationStats(groups, streamed.head_dim, streamed.rotary_dim)
-    with torch.no_grad(), capturing(model, lambda layer, q, k, v, *_: accumulate(ref, layer, q, k, v)):
+    with torch.no_grad(), capturing(model, lambda c: accumulate(ref, c.layer, c.q, c.k, c.v)):
         for w in calibration_ids(src, str(calib_text), 256, 32):
             model.base_model(w[None])
     assert streamed.tokens == 256 and set(streamed.layers) == set(ref.layers) == {0, 1}
@@ -377,7 +377,7 @@ def test_streamed_calibration_of_a_bf16_checkpoint_runs_layers_in_float32(family
     streamed = collect(src, 2, CalibrationText(str(calib_text), 128, 32), PassOptions("cpu", compact=False))
     ref_model = load(src)  # float32, RoPE tables computed afresh (a .float() of the bf16 model would keep bf16 ones)
     ref = CalibrationStats(2, streamed.head_dim, streamed.rotary_dim)
-    with torch.no_grad(), capturing(ref_model, lambda layer, q, k, v, *_: accumulate(ref, layer, q, k, v)):
+    with torch.no_grad(), capturing(ref_model, lambda c: accumulate(ref, c.layer, c.q, c.k, c.v)):
         for w in calibration_ids(src, str(calib_text), 128, 32):
             ref_model.base_model(w[None])
     # Gemma scales the embeddings by sqrt(hidden) in the model's own dtype (bf16 rounding, ~0.4%)

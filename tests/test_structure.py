@@ -82,6 +82,36 @@ def test_no_function_is_longer_than_the_house_rule(tmp_path):
     assert long_functions(tmp_path) == ["core/x.py:1 f (71 lines)"]
 
 
+#: the house rule: no function of the library takes more parameters than this (``self``/``cls`` not
+#: counted; ``*args`` and ``**kwargs`` one each): group settings into values
+MAX_PARAMETERS = 8
+
+
+def many_parameters(root: Path = ROOT, limit: int = MAX_PARAMETERS) -> list[str]:
+    """``path:line name (N parameters)`` of every function of the library taking more than ``limit``."""
+    found = []
+    for package in LIBRARY:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                    n = len(names) + (a.vararg is not None) + (a.kwarg is not None) - (names[:1] in (["self"], ["cls"]))
+                    if n > limit:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} parameters)")
+    return found
+
+
+def test_no_function_takes_more_parameters_than_the_house_rule(tmp_path):
+    assert many_parameters() == []
+    wide = tmp_path / "core" / "x.py"  # the check can fail, and counts as the rule says
+    wide.parent.mkdir()
+    nine = "def f(a, b, c, d, e, f, g, h, *, i):\n    pass\n"
+    eight = "class C:\n    def m(self, a, b, c, d, e, f, g, h):\n        pass\n"
+    wide.write_text(nine + "\n" + eight)
+    assert many_parameters(tmp_path) == ["core/x.py:1 f (9 parameters)"]
+
+
 def test_core_imports_in_one_direction():
     """dims <- families <- retarget <- architecture: no module of core/ reaches itself again."""
     assert circles(core_graph()) == []

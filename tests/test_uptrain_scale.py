@@ -20,6 +20,7 @@ from test_distributed import run_ok
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.text import TextSource
 from mha2gqa.uptrain import UptrainSettings, uptrain
 from mha2gqa.uptrain.data import WindowOrder, pack_windows
 from mha2gqa.uptrain.tokens import stream_ids, token_store
@@ -146,7 +147,7 @@ def test_streamed_windows_equal_the_in_memory_ones(run, tmp_path, monkeypatch):
 
     monkeypatch.setattr(text_module, "PIECE_CHARS", 200)  # a document is tokenized in pieces
     tok = AutoTokenizer.from_pretrained(run["parent"])
-    store = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), shard_tokens=37)
+    store = token_store(tmp_path / "c", tok, run["parent"], TextSource(str(run["text"])), shard_tokens=37)
     assert len(store.shards) > 10
     ids = stream_ids(tok, str(run["text"]))
     assert store.total == ids.numel() and torch.equal(store.windows(torch.arange(3), 16), pack_windows(ids, 16)[:3])
@@ -159,7 +160,7 @@ def test_streamed_windows_equal_the_in_memory_ones(run, tmp_path, monkeypatch):
             for rank in range(2):
                 mine = batch[rank * 4 : (rank + 1) * 4]
                 assert torch.equal(store.windows(mine, seq_len), reference[mine])
-    again = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), shard_tokens=37)
+    again = token_store(tmp_path / "c", tok, run["parent"], TextSource(str(run["text"])), shard_tokens=37)
     assert again.folder == store.folder and len(list((tmp_path / "c").iterdir())) == 2  # entry + its lock
 
 
@@ -169,7 +170,7 @@ def test_damaged_token_store_is_refused(run, tmp_path):
     from mha2gqa.uptrain.tokens import TokenStore
 
     tok = AutoTokenizer.from_pretrained(run["parent"])
-    store = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), shard_tokens=1000)
+    store = token_store(tmp_path / "c", tok, run["parent"], TextSource(str(run["text"])), shard_tokens=1000)
     shard = store.folder / store.shards[0][0]
     data = bytearray(shard.read_bytes())
     data[10] ^= 1
@@ -304,7 +305,7 @@ def test_a_token_store_whose_ids_exceed_the_models_vocabulary_is_refused(run, tm
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(run["parent"])
-    store = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), shard_tokens=1000)
+    store = token_store(tmp_path / "c", tok, run["parent"], TextSource(str(run["text"])), shard_tokens=1000)
     shard = store.folder / store.shards[0][0]
     ids = np.fromfile(shard, dtype=store.dtype)
     ids[5] = 60000
@@ -312,7 +313,7 @@ def test_a_token_store_whose_ids_exceed_the_models_vocabulary_is_refused(run, tm
     manifest = json.loads((store.folder / "manifest.json").read_text())
     manifest["shards"][0][2] = hashlib.sha256(shard.read_bytes()).hexdigest()
     (store.folder / "manifest.json").write_text(json.dumps(manifest))
-    again = token_store(tmp_path / "c", tok, run["parent"], str(run["text"]), vocab_size=len(tok))
+    again = token_store(tmp_path / "c", tok, run["parent"], TextSource(str(run["text"])), vocab_size=len(tok))
     with pytest.raises(Mha2GqaError, match=r"tokens-00000\.bin: it holds token id 60000, outside the model's vocab"):
         again.windows(torch.tensor([0]), 16)
     out = CliRunner().invoke(main, _argv(run, tmp_path / "w", "--data-cache", str(tmp_path / "c")))

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,21 +141,30 @@ def _write_files(folder: Path, tokenizer, files: dict[str, str]) -> None:
         (folder / name).write_text(text, encoding="utf-8")
 
 
+@dataclass(frozen=True)
+class StepFiles:
+    """What a checkpoint of ``step`` holds besides the weights: the run's ``state`` (its JSON) and the
+    ``files`` that travel with every model (records, card: name -> text)."""
+
+    step: int
+    state: dict[str, Any]
+    files: dict[str, str]
+
+
 def save_checkpoint(
     accelerator,
     model,
     tokenizer,
     output: Path,
-    step: int,
-    state: dict[str, Any],
-    files: dict[str, str],
+    written: StepFiles,
     keep: int,
     sharded: Callable[[Path], None] | None = None,
     spare: int | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` and that of step ``spare``
-    (collective call). ``sharded``: the model is FSDP-sharded, and this writes each process's optimizer
-    shard."""
+    """Write the checkpoint of ``written.step`` atomically and keep only the newest ``keep`` and that
+    of step ``spare`` (collective call). ``sharded``: the model is FSDP-sharded, and this writes each
+    process's optimizer shard."""
+    step, state, files = written.step, written.state, written.files
     root = output / CHECKPOINTS
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"

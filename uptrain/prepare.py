@@ -16,6 +16,7 @@ from mha2gqa.core.cache import cache_root
 from mha2gqa.core.dims import AttentionDims, max_positions
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.settings import check_window
+from mha2gqa.core.text import TextSource
 from mha2gqa.uptrain.checkpoints import checkpoint_dirs, read_state
 from mha2gqa.uptrain.eval_budget import MAX_EVAL_TOKENS, WARN_SHARE, eval_budget
 from mha2gqa.uptrain.settings import RUN_FIELDS, UptrainSettings
@@ -81,7 +82,8 @@ def prepare(student: str, s: UptrainSettings, processes: int, log) -> Uptraining
     teacher_folder = _teacher_folder(s, tokenizer, student)
     root = Path(s.data_cache) if s.data_cache else cache_root() / "tokens"
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else len(tokenizer)
-    store = token_store(root, tokenizer, student_folder, s.data, s.text_field, s.doc_split, log, vocab_size=vocab)
+    text = TextSource(s.data, s.text_field, s.doc_split)
+    store = token_store(root, tokenizer, student_folder, text, log, vocab_size=vocab)
     trainable = store.total - (s.heldout_tokens or 0)  # the held-out tail is never trained on
     available = min(trainable, s.data_tokens or trainable)
     num_windows = max((available - 1) // seq_len, 0)  # windows overlap by one token: none reads past `available`

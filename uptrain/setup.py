@@ -19,6 +19,7 @@ from mha2gqa.uptrain.settings import UptrainSettings
 from mha2gqa.uptrain.sharding import fsdp_mesh, in_turns, load_optimizer, shard
 from mha2gqa.uptrain.teacher_cache import (
     CachedTeacher,
+    PassShare,
     TeacherCache,
     chunk_steps,
     fill,
@@ -165,7 +166,8 @@ def cached_teacher(up: Uptraining, s: UptrainSettings, acc, order: WindowOrder, 
             def batch_rows(step: int) -> torch.Tensor:
                 return up.store.windows(order.batch(step)[rows], up.seq_len)
 
-            fill(cache, teacher, missing, up.total, batch_rows, acc.process_index, acc.num_processes, up.micro, say)
+            share = PassShare(acc.process_index, acc.num_processes, up.micro)
+            fill(cache, teacher, missing, up.total, batch_rows, share, say)
             del teacher
             gc.collect()
             trim()

@@ -257,20 +257,29 @@ class CachedTeacher:
         return {k: v[within, rows] for k, v in self._chunk[1].items()}
 
 
+@dataclass(frozen=True)
+class PassShare:
+    """This process's share of a teacher pass: ``part`` of the ``parts`` of every chunk, ``micro``
+    windows a forward."""
+
+    part: int
+    parts: int
+    micro: int
+
+
 def fill(
     cache: TeacherCache,
     teacher: torch.nn.Module,
     chunks: list[int],
     total: int,
     batch_rows: Callable[[int], torch.Tensor],
-    part: int,
-    parts: int,
-    micro: int,
+    share: PassShare,
     log: Callable[[str], None],
 ) -> None:
     """Compute and publish this process's part of every chunk in ``chunks`` (their steps a run of
     ``total`` steps reads), in order.
     ``batch_rows(step)``: this process's ``[B/P, T + 1]`` windows of 0-based optimizer step ``step``."""
+    part, parts, micro = share.part, share.parts, share.micro
     s = cache.settings
     started = time.perf_counter()
     tail, tokens = 0.0, 0

@@ -33,7 +33,7 @@ from mha2gqa.core.cache import entry_name, file_sha256, locked
 from mha2gqa.core.checkpoint import TOKENIZER_DEFINITION
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.output import staged_output
-from mha2gqa.core.text import PIECE_CHARS, text_pieces
+from mha2gqa.core.text import PIECE_CHARS, TextSource, text_pieces
 
 SCHEMA = "mha2gqa.tokens/1"
 MANIFEST = "manifest.json"
@@ -240,15 +240,14 @@ def token_store(
     root: Path,
     tokenizer,
     tokenizer_folder: Path,
-    source: str,
-    text_field: str = "text",
-    doc_split: str = "file",
+    text: TextSource,
     log: Callable[[str], None] | None = None,
     shard_tokens: int = SHARD_TOKENS,
     vocab_size: int | None = None,
 ) -> TokenStore:
-    """The store of ``source`` under ``root``: opened when it exists, else built once (runs sharing
+    """The store of ``text`` under ``root``: opened when it exists, else built once (runs sharing
     the cache wait for the first builder); ``vocab_size``: the model's, which every id must be below."""
+    source, text_field, doc_split = text.source, text.text_field, text.doc_split
     material = tokens_key_material(tokenizer_folder, source, text_field, doc_split)
     key = entry_name(material)
     folder = root / key

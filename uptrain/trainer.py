@@ -26,6 +26,7 @@ from mha2gqa.core.runlog import RunEnd, RunEval, RunLog, RunResume, RunStart, re
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.core.uptrain_guard import UptrainGuard
 from mha2gqa.uptrain.checkpoints import (
+    StepFiles,
     check_output,
     checkpoint_dirs,
     final_from_checkpoint,
@@ -262,9 +263,7 @@ class _Trainer:
             self.model,
             self.up.tokenizer,
             self.output,
-            step,
-            state,
-            self.model_files(step),
+            StepFiles(step, state, self.model_files(step)),
             self.s.save_total_limit,
             (lambda folder: save_optimizer(self.model, self.optimizer, folder)) if self.s.sharded else None,
             spare=best_so_far(self.evals, self.figure) if self.guarded_whole else None,

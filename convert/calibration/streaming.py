@@ -87,9 +87,9 @@ def collect(
     bar = progress_bar(total=dims.num_layers * len(states), unit="window", desc=desc, disable=quiet)
     recording = [True]  # off while a cost runs a layer again with merged weights
 
-    def record(layer, q, k, v, *_):
+    def record(call):
         if recording[0]:
-            accumulate(full, layer, q, k, v)
+            accumulate(full, call.layer, call.q, call.k, call.v)
 
     with capturing(model, record), bar:
         for i, layer, prefix in each_layer(model, ckpt, dev, dtype=None):  # as stored, run in float32

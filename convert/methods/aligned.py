@@ -11,7 +11,7 @@ import torch
 
 from mha2gqa.convert.calibration.stats import CalibrationStats, LayerStats, accumulate
 from mha2gqa.convert.methods import HeadShape
-from mha2gqa.convert.methods.layer import complex_rows, layer_out
+from mha2gqa.convert.methods.layer import Fold, complex_rows, layer_out
 from mha2gqa.core.dims import contiguous_groups
 
 
@@ -52,7 +52,7 @@ def aligned_merge_layer(w: dict[str, torch.Tensor], stats: LayerStats, *, shape:
             for i in range(h * r, (h + 1) * r):
                 o[:, i * d : (i + 1) * d] = o[:, i * d : (i + 1) * d] @ rv.T
             if half:
-                _align_rotary(w, stats.k_plane_gram[j, :, m, 0], h, (new_k, new_kb), (q, qb), r, d, half, s)
+                _align_rotary(w, stats.k_plane_gram[j, :, m, 0], h, Fold((new_k, new_kb), (q, qb), r, d), half, s)
             if rest:
                 rows = slice(h * d + rot, (h + 1) * d)
                 rk = _procrustes(stats.rest_row(j, rest)[:, m * rest : (m + 1) * rest]).to(w["k"].dtype)
@@ -72,11 +72,11 @@ def aligned_merge_layer(w: dict[str, torch.Tensor], stats: LayerStats, *, shape:
     return layer_out(q, qb, o, out_k, out_kb, out_v, out_vb)
 
 
-def _align_rotary(w, cross: torch.Tensor, h: int, new, queries, r: int, d: int, half: int, s: int) -> None:
+def _align_rotary(w, cross: torch.Tensor, h: int, fold: Fold, half: int, s: int) -> None:
     """Head ``h``'s key rotary planes rotated by the phase that best matches the group's first head
-    (``cross``: ``sum_t z_h conj(z_ref)`` per plane, ``[P]``) and added, ``/ s``, into ``new`` (key
-    rows, bias); its ``r`` query heads in ``queries`` (q, q bias) take the same rotation."""
-    new_k, new_kb = new
+    (``cross``: ``sum_t z_h conj(z_ref)`` per plane, ``[P]``) and added, ``/ s``, into ``fold.new``
+    (key rows, bias); its query heads in ``fold.queries`` take the same rotation."""
+    (new_k, new_kb), queries, r, d = fold.new, fold.queries, fold.r, fold.d
     rot = 2 * half
     unit = torch.where(cross.abs() > 0, cross.conj() / cross.abs().clamp_min(1e-300), 1.0 + 0j)
     planes = complex_rows(w["k"], h * d, half)

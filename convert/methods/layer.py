@@ -3,9 +3,23 @@ head permutations (similarity grouping) and the pooling merge applied to a whole
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mha2gqa.convert.methods.pooling import Reducer, reduce_rows
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Where one KV group's key merge writes: the new key rows and bias ``new`` (``[d, hidden]``,
+    ``[d]`` or None; filled in place), and the query rows and bias ``queries`` the members' transforms
+    fold into (in place); ``r`` query heads per source KV head, ``d`` dimensions a head."""
+
+    new: tuple[torch.Tensor, torch.Tensor | None]
+    queries: tuple[torch.Tensor, torch.Tensor | None]
+    r: int
+    d: int
 
 
 def complex_rows(w: torch.Tensor, start: int, half: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 
 from mha2gqa.convert.calibration.stats import LayerStats, top_eigvecs
 from mha2gqa.convert.methods import HeadShape
-from mha2gqa.convert.methods.layer import complex_rows, layer_out
+from mha2gqa.convert.methods.layer import Fold, complex_rows, layer_out
 from mha2gqa.core.dims import contiguous_groups
 from mha2gqa.core.errors import Mha2GqaError
 
@@ -63,9 +63,9 @@ def svd_merge_layer(
         new_k = torch.zeros(d, w["k"].shape[1], dtype=w["k"].dtype)
         new_kb = torch.zeros(d, dtype=w["k"].dtype) if w.get("k_bias") is not None else None
         if rotary_dim // 2:
-            _merge_rotary_keys(w, stats, j, members, (new_k, new_kb), (q, qb), r, d, rotary_dim // 2, weighted)
+            _merge_rotary_keys(w, stats, j, members, Fold((new_k, new_kb), (q, qb), r, d), rotary_dim // 2, weighted)
         if rotary_dim < d:
-            _merge_other_keys(w, stats, j, members, (new_k, new_kb), (q, qb), r, d, rotary_dim)
+            _merge_other_keys(w, stats, j, members, Fold((new_k, new_kb), (q, qb), r, d), rotary_dim)
         k_rows.append(new_k)
         if new_kb is not None:
             kb_rows.append(new_kb)
@@ -88,10 +88,10 @@ def _merge_values(
     return v, vb
 
 
-def _merge_rotary_keys(w, stats, j, members, new, queries, r: int, d: int, half: int, weighted: bool) -> None:
-    """Group ``j``'s key rotary planes: a weighted complex rank-1 per plane into ``new`` (key rows,
-    bias), each member's coefficient folded into its query heads' planes in ``queries`` (q, q bias)."""
-    new_k, new_kb = new
+def _merge_rotary_keys(w, stats, j, members, fold: Fold, half: int, weighted: bool) -> None:
+    """Group ``j``'s key rotary planes: a weighted complex rank-1 per plane into ``fold.new`` (key rows,
+    bias), each member's coefficient folded into its query heads' planes in ``fold.queries``."""
+    (new_k, new_kb), queries, r, d = fold.new, fold.queries, fold.r, fold.d
     kb, s = w.get("k_bias"), len(members)
     planes_k = torch.stack([complex_rows(w["k"], h * d, half) for h in members])  # [s, half, hidden]
     planes_kb = torch.stack([complex_rows(kb, h * d, half) for h in members]) if kb is not None else None
@@ -116,10 +116,10 @@ def _merge_rotary_keys(w, stats, j, members, new, queries, r: int, d: int, half:
                     mat[i * d + p + half] = beta[m].real * im + beta[m].imag * re
 
 
-def _merge_other_keys(w, stats, j, members, new, queries, r: int, d: int, rot: int) -> None:
-    """Group ``j``'s key dimensions past the rotary ones: their shared real subspace into ``new``,
-    each member's basis ``U_h^T`` into its query heads' dimensions in ``queries``."""
-    new_k, new_kb = new
+def _merge_other_keys(w, stats, j, members, fold: Fold, rot: int) -> None:
+    """Group ``j``'s key dimensions past the rotary ones: their shared real subspace into ``fold.new``,
+    each member's basis ``U_h^T`` into its query heads' dimensions in ``fold.queries``."""
+    (new_k, new_kb), queries, r, d = fold.new, fold.queries, fold.r, fold.d
     kb, rest = w.get("k_bias"), d - rot
     u = stats.rest_basis(j, rest).to(w["k"].dtype)  # [s*rest, rest]
     new_k[rot:] = u.T @ torch.cat([w["k"][h * d + rot : (h + 1) * d] for h in members])

@@ -7,8 +7,10 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -118,17 +120,21 @@ class _ConvertedLayer:
         return layer_output(torch.func.functional_call(self.layer, params, (h,), batched(self.st.kw, len(w))))
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """Decoder layer ``i``, loaded (its ``module``, whose tensors are named ``prefix...``), with what of
+    it runs in float32 (``exact``: :func:`_exact_part`) and the attention block a fit stops after
+    (``attention``; None: the fit runs the whole layer)."""
+
+    i: int
+    module: Any
+    prefix: str
+    exact: Any
+    attention: Any = None
+
+
 def _refit_layer(
-    c: Conversion,
-    layer,
-    i: int,
-    prefix: str,
-    st: Streams,
-    by_name: dict[str, OutputTensor],
-    work: Path,
-    attention: torch.nn.Module | None,
-    exact: torch.nn.Module,
-    last: float | None = None,
+    c: Conversion, at: _Layer, st: Streams, by_name: dict[str, OutputTensor], work: Path, last: float | None = None
 ) -> FitResult:
     """Fit layer ``i``'s projections (its module ``layer``, materialized, the original stream already
     past it), write them to ``work`` and point ``by_name`` at them, and advance the converted stream
@@ -136,6 +142,7 @@ def _refit_layer(
     ``attention`` (the layer's attention block) the fit reproduces the original's residual stream after
     it (``st.targets``) and runs the layer only that far. ``last``: the learning rate the previous
     refitted layer went on with (the rates probed are near it: :func:`probe_near`)."""
+    layer, i, prefix, attention, exact = at.module, at.i, at.prefix, at.attention, at.exact
     s, dev = c.settings, st.dev
     converted = _ConvertedLayer(c, layer, i, prefix, st, by_name)
     weights, names = converted.weights, converted.names
@@ -174,14 +181,7 @@ def _refit_layer(
 
 
 def _resumed_layer(
-    c: Conversion,
-    layer,
-    i: int,
-    prefix: str,
-    st: Streams,
-    by_name: dict[str, OutputTensor],
-    resume: ResumeFolder,
-    exact: torch.nn.Module,
+    c: Conversion, at: _Layer, st: Streams, by_name: dict[str, OutputTensor], resume: ResumeFolder
 ) -> RefitLayer:
     """Layer ``i`` as a stopped run fitted it (``--resume``): its tensors read from the resume folder,
     ``by_name`` pointed at them, the converted stream advanced through them exactly as the run that
@@ -190,6 +190,8 @@ def _resumed_layer(
     from safetensors import SafetensorError
 
     from mha2gqa.core.typed import RecordError, read
+
+    layer, i, prefix, exact = at.module, at.i, at.prefix, at.exact
 
     try:
         record = read(RefitLayer, resume.read_json(f"layer-{i}.json"), f"layer-{i}.json")
@@ -277,12 +279,12 @@ def refit(
             if not changed:  # an exact copy, run as it is
                 st.advance(st.converted, source_layer, None)
             elif i in done:
-                records.append(_resumed_layer(c, layer, i, prefix, st, by_name, resume, exact))
+                records.append(_resumed_layer(c, _Layer(i, layer, prefix, exact), st, by_name, resume))
             else:
                 t0 = time.perf_counter()
                 kept = work if resume is None else resume.folder
                 last = next((r.lr for r in reversed(records) if r.lr is not None), None)
-                result = _refit_layer(c, layer, i, prefix, st, by_name, kept, attention, exact, last)  # one at a time
+                result = _refit_layer(c, _Layer(i, layer, prefix, exact, attention), st, by_name, kept, last)
                 records.append(_layer_record(i, result, time.perf_counter() - t0, log))
                 if resume is not None and st.ranks.main:  # after its tensors: a record says the layer is whole
                     resume.write_bytes(f"layer-{i}.json", json.dumps(dataclasses.asdict(records[-1])).encode())
