@@ -66,3 +66,22 @@ class Agreement:
     nll_correlation: float | None = None
     # against a top-k reference cache: the probability mass outside the kept tokens (KLs are lower bounds)
     reference_rest_mass: RestMass | None = None
+
+
+@dataclass
+class GreedyProbe:
+    """The results file's ``greedy`` section (:mod:`mha2gqa.eval.greedy`): ``prompts`` continuations
+    of ``tokens`` tokens each (prompts of ``prompt_tokens``), the share identical to the original's, and
+    the mean number of tokens before the first divergence."""
+
+    prompts: int
+    prompt_tokens: int
+    tokens: int
+    identical: float
+    mean_agreeing_tokens: float
+
+    def line(self) -> str:
+        return (
+            f"greedy: {self.identical:.1%} of {self.prompts} continuations of {self.tokens} tokens identical to "
+            f"the original's; first divergence after {self.mean_agreeing_tokens:.1f} tokens on average"
+        )

@@ -25,6 +25,13 @@ class GateSettings:
     )
     max_kl: float | None = setting(None, help="Gate: mean per-token KL (nats) at most this.", minimum=0)
     min_top1: float | None = setting(None, help="Gate: top-1 agreement (0-1) at least this.", minimum=0, maximum=1)
+    min_greedy_agreement: float | None = setting(
+        None,
+        help="Gate: the share (0-1) of the generative probe's greedy continuations identical to the original's "
+        "at least this.",
+        minimum=0,
+        maximum=1,
+    )
     max_task_drop: float | None = setting(
         None,
         help="Gate: every metric of every task named in --tasks (a group as a whole) drops by at most this, in "
@@ -82,6 +89,10 @@ def check_gates(results: Results, limits: GateSettings) -> list[Gate]:
         gates.append(Gate("kl_mean", results.agreement.kl.mean, limits.max_kl, "<="))
     if limits.min_top1 is not None:
         gates.append(Gate("top1_agreement", results.agreement.top1_agreement, limits.min_top1, ">="))
+    if limits.min_greedy_agreement is not None:
+        if results.greedy is None:
+            raise Mha2GqaError("--min-greedy-agreement reads the generative probe: keep --greedy-prompts above 0")
+        gates.append(Gate("greedy_agreement", results.greedy.identical, limits.min_greedy_agreement, ">="))
     if limits.on_tasks:
         if results.tasks is None:
             raise Mha2GqaError("task gates read the downstream tasks: give --tasks")

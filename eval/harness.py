@@ -39,8 +39,10 @@ from mha2gqa.core.models import (
 )
 from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
 from mha2gqa.core.text import prefix_token
-from mha2gqa.eval.agreement import Agreement, RestMass
+from mha2gqa.eval.agreement import Agreement, GreedyProbe, RestMass
 from mha2gqa.eval.attention import attention_similarity, head_order_of
+from mha2gqa.eval.greedy import compare as compare_continuations
+from mha2gqa.eval.greedy import continuations
 from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.pair import calibration_overlap
 from mha2gqa.eval.perplexity import (
@@ -281,6 +283,7 @@ class _Scored:
     agreement: Agreement | None = None
     attention: Attention | None = None
     samples: list[Sample] = field(default_factory=list)
+    greedy: GreedyProbe | None = None
     reference: ReferenceInfo | None = None
     quantization: dict[str, Quantized] = field(default_factory=dict)
 
@@ -300,6 +303,7 @@ def _together(run: Evaluation, tasks: _Tasks) -> _Scored:
         attention.seconds = seconds
     if len(models) == 2 and run.prompts and main:
         samples = _samples(run, _generate(run, models[0]), _generate(run, models[1]))
+    greedy = _probe(run, _continue(run, models[0]), models[1]) if len(models) == 2 and main else None
     for name, model in zip(run.names, models, strict=True):
         tasks.run(model, name)
     return _Scored(
@@ -309,7 +313,23 @@ def _together(run: Evaluation, tasks: _Tasks) -> _Scored:
         device=_device_info(models[-1], run.settings.device_map),
         attention=attention,
         samples=samples or [],
+        greedy=greedy,
     )
+
+
+def _continue(run: Evaluation, model: torch.nn.Module) -> torch.Tensor | None:
+    """``model``'s greedy continuations of the generative probe's prompts (None: no probe)."""
+    if run.probe is None:
+        return None
+    tok = run.tokenizer
+    return continuations(model, run.probe, run.probe_tokens, tok.pad_token_id or tok.eos_token_id or 0)
+
+
+def _probe(run: Evaluation, original: torch.Tensor | None, converted: torch.nn.Module) -> GreedyProbe | None:
+    """The generative probe: the converted model's continuations against the original's."""
+    if original is None:
+        return None
+    return compare_continuations(original, _continue(run, converted), run.probe.shape[1])
 
 
 def _reference_key(run: Evaluation, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
@@ -319,7 +339,7 @@ def _reference_key(run: Evaluation, loaded_dtype: str, device: torch.device) -> 
     from mha2gqa.eval.reference import reference_key_material, windows_digest
 
     s, state = run.settings, PartialState()
-    extra = [t for t in (run.attention_batch, *run.prompts) if t is not None]
+    extra = [t for t in (run.attention_batch, *run.prompts, run.probe) if t is not None]
     digest = windows_digest(run.passes, *extra)
     settings = {
         "batch_size": s.batch_size,
@@ -331,6 +351,7 @@ def _reference_key(run: Evaluation, loaded_dtype: str, device: torch.device) -> 
         "attention": run.attention_batch is not None and list(run.attention_batch.shape),
         "samples": len(run.prompts),
         "new_tokens": run.new_tokens,
+        "greedy": [*run.probe.shape, run.probe_tokens] if run.probe is not None else None,
         "top_k": s.reference_top_k,
     }
     material = reference_key_material(model_identity(run.paths[0], run.folders[0]), digest, settings)
@@ -370,12 +391,12 @@ def _reference_size(run: Evaluation, device: torch.device, dtype: torch.dtype) -
     return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention, run.settings.reference_top_k)
 
 
-def _against_reference(run: Evaluation, converted, ref, log: Callable[[str], None] | None) -> tuple[Any, Any]:
-    """The converted model's attention similarity and samples against the cached original (each
-    where the run asked for it, else None)."""
+def _against_reference(run: Evaluation, converted, ref, log: Callable[[str], None] | None) -> tuple[Any, Any, Any]:
+    """The converted model's attention similarity, samples and generative probe against the cached
+    original (each where the run asked for it, else None)."""
     from mha2gqa.eval.attention import compare_attention
 
-    attention = samples = None
+    attention = samples = greedy = None
     if run.attention_batch is not None:
         if log:
             log("attention similarity, layer by layer, against the cached original")
@@ -388,7 +409,11 @@ def _against_reference(run: Evaluation, converted, ref, log: Callable[[str], Non
         if log:
             log(f"{len(run.prompts)} sample generation(s) of {run.new_tokens} tokens")
         samples = _samples(run, ref.samples, _generate(run, converted.model))
-    return attention, samples
+    if run.probe is not None:
+        if log:
+            log(f"the generative probe: {len(run.probe)} greedy continuations of {run.probe_tokens} tokens")
+        greedy = _probe(run, ref.greedy((len(run.probe), run.probe_tokens)), converted.model)
+    return attention, samples, greedy
 
 
 def _one_at_a_time(run: Evaluation, tasks: _Tasks, log: Callable[[str], None] | None) -> _Scored:
@@ -415,7 +440,7 @@ def _one_at_a_time(run: Evaluation, tasks: _Tasks, log: Callable[[str], None] | 
         for name in run.passes:
             res = _score(run, [converted.model], name, replay=ref.replayer(name))
             scored[name] = res.plus_seconds(ref.seconds(name))
-        attention, samples = _against_reference(run, converted, ref, log) if main else (None, None)
+        attention, samples, greedy = _against_reference(run, converted, ref, log) if main else (None, None, None)
         tasks.run(converted.model, "converted", log)
         out = _Scored(
             models=[ref.model, converted.describe()],
@@ -424,6 +449,7 @@ def _one_at_a_time(run: Evaluation, tasks: _Tasks, log: Callable[[str], None] | 
             device=_device_info(converted.model, s.device_map),
             attention=attention,
             samples=samples or [],
+            greedy=greedy,
             reference=ReferenceInfo(
                 key=key,
                 folder=None if temporary else str(ref.folder),
@@ -484,6 +510,8 @@ def _reference(
             ref.add_seconds("attention", seconds)
         if run.prompts and main:
             ref.set_samples(_generate(run, original.model))
+        if run.probe is not None and main:
+            ref.set_greedy(_continue(run, original.model))
         tasks.run(original.model, "original", log)
         ref.set_model(original.describe())
         _free(original)
@@ -561,6 +589,7 @@ def run(evaluation: Evaluation, log: Callable[[str], None] | None = None) -> Res
         agreement=scored.agreement,
         attention=scored.attention,
         samples=scored.samples,
+        greedy=scored.greedy,
         quantization=scored.quantization,
         reference=scored.reference,
         tasks=tasks.section(),

@@ -84,6 +84,8 @@ class EvalRequest:
         if self.limits.on_tasks and not self.settings.tasks:
             flag = "--max-task-drop" if self.limits.max_task_drop is not None else "--task-alpha"
             raise Mha2GqaError(f"{flag} gates the downstream tasks: give --tasks too")
+        if self.limits.min_greedy_agreement is not None and not self.settings.greedy_prompts:
+            raise Mha2GqaError("--min-greedy-agreement reads the generative probe: keep --greedy-prompts above 0")
         if self.output is not None:
             check_destination(self.output, self.overwrite, self.inputs, "--output", folder=False)
         if self.settings.reference_cache is not None and self.converted is not None:

@@ -18,6 +18,7 @@ from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors, first
 from mha2gqa.core.models import check_same_tokenizer, load_tokenizer
 from mha2gqa.core.settings import check_window
 from mha2gqa.core.text import TextData, document_tokens, load_text, prefix_token, token_stream
+from mha2gqa.eval.greedy import probe_prompts
 from mha2gqa.eval.perplexity import (
     Window,
     disjoint_windows,
@@ -48,6 +49,9 @@ class Evaluation:
     attention_batch: torch.Tensor | None  # [B, T] (pairs with attention similarity)
     prompts: list[torch.Tensor]  # sample prompts [1, P] (pairs)
     new_tokens: int
+    #: the generative probe's prompts ``[n, P]`` (pairs; None: none) and the tokens each continuation runs
+    probe: torch.Tensor | None = None
+    probe_tokens: int = 0
     task_selection: Any = None  # eval.tasks.TaskSelection (--tasks)
 
     @property
@@ -111,8 +115,10 @@ def prepare(original: str, converted: str | None, s: EvalSettings) -> Evaluation
     prompt_len = max(1, min(32, seq_len // 4))
     prompts = [w[:prompt_len][None] for w, _ in disjoint_windows(ids, seq_len)[: s.samples]] if converted else []
     new = max(1, min(s.sample_tokens, (max_pos or 10**9) - prompt_len))
+    probe_new = max(1, min(s.greedy_tokens, (max_pos or 10**9) - prompt_len))
+    probe = probe_prompts(ids, s.greedy_prompts, seq_len, probe_new) if converted else None
     return Evaluation(s, paths, folders, max_pos, tok, data, ids, seq_len, stride, passes, used, rolling_len,
-                batch, prompts, new, task_selection=selection)  # fmt: skip
+                batch, prompts, new, probe, probe_new, selection)  # fmt: skip
 
 
 def _task_selection(s: EvalSettings) -> Any:

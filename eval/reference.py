@@ -77,6 +77,10 @@ def reference_key_material(original: dict[str, Any], digest: str, settings: dict
             "versions": computed_with()}  # fmt: skip
 
 
+#: the original's continuations of the generative probe, in an entry
+GREEDY_FILE = "greedy/continuations.safetensors"
+
+
 @dataclass
 class Reference:
     """One entry: being written (in its temporary folder) or complete (read only)."""
@@ -120,6 +124,18 @@ class Reference:
         except (KeyError, TypeError, ValueError):
             raise self._damaged(f"attention/{layer:04d}.safetensors", "its metadata is not ours") from None
         return {k: v.to(device) for k, v in tensors.items()}, scaling, window
+
+    # -- the generative probe -----------------------------------------------------------------
+    def set_greedy(self, continuations: torch.Tensor) -> None:
+        """The original's greedy continuations ``[n, new]`` of the probe's prompts."""
+        self._write(GREEDY_FILE, {"ids": continuations.to(torch.long).cpu().contiguous()})
+
+    def greedy(self, shape: tuple[int, int]) -> torch.Tensor:
+        """The original's continuations, refused unless they are ``shape`` token ids (what this run asks)."""
+        ids = self._read(GREEDY_FILE)[0].get("ids")
+        if ids is None or ids.dtype != torch.long or tuple(ids.shape) != tuple(shape):
+            raise self._damaged(GREEDY_FILE, f"it does not hold {shape[0]} continuations of {shape[1]} token ids")
+        return ids
 
     # -- files, with their checksums ----------------------------------------------------------
     def _write(self, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:

@@ -19,7 +19,7 @@ from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import EVAL_SCHEMA
-from mha2gqa.eval.agreement import Agreement, DeltaP, RestMass, Stats
+from mha2gqa.eval.agreement import Agreement, DeltaP, GreedyProbe, RestMass, Stats
 from mha2gqa.eval.pair import Overlap
 from mha2gqa.eval.paired import mcnemar_exact
 from mha2gqa.eval.tasks import TasksSection
@@ -234,6 +234,7 @@ class Results:
     verdict: Verdict | None = None
     quantization: dict[str, Quantized] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
+    greedy: GreedyProbe | None = None  # the generative probe (pairs: eval.greedy)
     tasks: TasksSection | None = None  # lm-evaluation-harness tasks (--tasks)
     reference: ReferenceInfo | None = None  # the original's cached scores (pairs scored one at a time)
     git_revision: str | None = None

@@ -68,6 +68,14 @@ class EvalSettings:
         3, help="Greedy generations side by side in the results and report (pairs; 0: none).", minimum=0
     )
     sample_tokens: int = setting(32, help="New tokens per generation.", minimum=1)
+    greedy_prompts: int = setting(
+        32,
+        help="The generative probe (pairs; 0: none): greedy continuations of this many prompts cut across "
+        "the text, compared token by token with the original's (the share identical, the tokens before "
+        "the first divergence).",
+        minimum=0,
+    )
+    greedy_tokens: int = setting(32, help="Tokens each continuation of the generative probe runs.", minimum=1)
     attention_chunk: int = setting(128, help="Query rows per attention chunk (memory).", minimum=1, cli=False)
     load_both: bool = setting(
         False,

@@ -36,6 +36,8 @@ def summary_lines(results: Results) -> list[str]:
                 f"(RMS {dp.rms:.2%}), same top {a.top1_agreement:.2%} ± {a.top1_error:.2%}, "
                 f"ln PPL ratio {a.nll_delta:+.4f} ± {a.nll_delta_error:.4f}, NLL correlation {a.nll_correlation:.4f}"
             )
+    if results.greedy is not None:
+        lines.append(results.greedy.line())
     for name, q in results.quantization.items():
         ratios = ", ".join(f"{p} x{r:.4f}" for p, r in q.ppl_ratio.items())
         lines.append(

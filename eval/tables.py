@@ -234,6 +234,7 @@ def tables(r: Results) -> dict[str, Table]:
         "Perplexity": perplexity_table(r),
         "Downstream tasks": tasks_table(r),
         "Output agreement": agreement_table(r),
+        "Generative probe": greedy_table(r),
         "KL report (llama.cpp style)": kl_report_table(r),
         "Attention per layer": attention_table(r),
         "KV cache": kv_table(r),
@@ -368,6 +369,18 @@ def worst(r: Results, count: int = 3) -> str:
         + "; worst heads by contribution error: "
         + ", ".join(f"layer {layer} head {h} ({v:.3g})" for v, layer, h in heads[:count])
     )
+
+
+def greedy_table(r: Results) -> Table | None:
+    """The generative probe: how many greedy continuations are the original's, and how far they agree."""
+    g = r.greedy
+    if g is None:
+        return None
+    t = Table(
+        ["continuations", "prompt tokens", "tokens each", "identical to the original's", "tokens before a divergence"]
+    )
+    t.add(f"{g.prompts:,}", f"{g.prompt_tokens}", f"{g.tokens}", f"{g.identical:.1%}", f"{g.mean_agreeing_tokens:.1f}")
+    return t
 
 
 def samples_table(r: Results) -> Table | None:
