@@ -18,6 +18,7 @@ from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.bench_record import BenchModel, BenchRecord, BenchRun, KvCache, Speedup, Spread
 from mha2gqa.core.dims import max_positions
 from mha2gqa.core.text_table import Table
+from mha2gqa.eval.greedy import greedy_generate
 from mha2gqa.eval.settings import BenchSettings
 
 
@@ -30,15 +31,7 @@ def _timed_generate(model, prompt: torch.Tensor, new_tokens: int):
     device = prompt.device
     _sync(device)
     t = time.perf_counter()
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        return_dict_in_generate=True,
-        pad_token_id=model.config.eos_token_id or 0,
-    )
+    out = greedy_generate(model, prompt, new_tokens, model.config.eos_token_id or 0, return_dict_in_generate=True)
     _sync(device)
     return time.perf_counter() - t, out
 

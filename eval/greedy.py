@@ -33,6 +33,20 @@ def probe_prompts(ids: torch.Tensor, count: int, seq_len: int, new: int) -> torc
     return torch.stack([ids[s : s + length] for s in starts])
 
 
+def greedy_generate(model: torch.nn.Module, ids: torch.Tensor, new: int, pad_id: int, **extra) -> object:
+    """``model``'s greedy continuation of ``ids`` ``[B, P]`` (one length: no padding), exactly ``new``
+    tokens (``extra``: more of ``generate``'s options); what ``generate`` returns."""
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=pad_id,
+        **extra,
+    )
+
+
 @torch.inference_mode()
 def continuations(model: torch.nn.Module, prompts: torch.Tensor, new: int, pad_id: int) -> torch.Tensor:
     """``[count, new]``: each prompt's greedy continuation (prompts of one length: no padding), generated
@@ -41,14 +55,7 @@ def continuations(model: torch.nn.Module, prompts: torch.Tensor, new: int, pad_i
     out = []
     for start in range(0, len(prompts), BATCH):
         batch = prompts[start : start + BATCH].to(device)
-        ids = model.generate(
-            batch,
-            attention_mask=torch.ones_like(batch),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
+        ids = greedy_generate(model, batch, new, pad_id)
         out.append(ids[:, batch.shape[1] :].cpu())
     return torch.cat(out)
 

@@ -42,7 +42,7 @@ from mha2gqa.core.text import prefix_token
 from mha2gqa.eval.agreement import Agreement, GreedyProbe, RestMass
 from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.greedy import compare as compare_continuations
-from mha2gqa.eval.greedy import continuations
+from mha2gqa.eval.greedy import continuations, greedy_generate
 from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.pair import calibration_overlap
 from mha2gqa.eval.perplexity import (
@@ -229,13 +229,7 @@ def _generate(run: Evaluation, model: torch.nn.Module) -> list[str]:
     tok = run.tokenizer
     out = []
     for prompt in run.prompts:
-        ids = model.generate(
-            prompt.to(next(model.parameters()).device),
-            max_new_tokens=run.new_tokens,
-            min_new_tokens=run.new_tokens,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id or tok.eos_token_id or 0,
-        )
+        ids = greedy_generate(model, prompt.to(next(model.parameters()).device), run.new_tokens, _pad_id(tok))
         out.append(tok.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True))
     return out
 
@@ -321,8 +315,12 @@ def _continue(run: Evaluation, model: torch.nn.Module) -> torch.Tensor | None:
     """``model``'s greedy continuations of the generative probe's prompts (None: no probe)."""
     if run.probe is None:
         return None
-    tok = run.tokenizer
-    return continuations(model, run.probe, run.probe_tokens, tok.pad_token_id or tok.eos_token_id or 0)
+    return continuations(model, run.probe, run.probe_tokens, _pad_id(run.tokenizer))
+
+
+def _pad_id(tok) -> int:
+    """The id generation pads with (the tokenizer's pad token, else its EOS, else 0)."""
+    return tok.pad_token_id or tok.eos_token_id or 0
 
 
 def _probe(run: Evaluation, original: torch.Tensor | None, converted: torch.nn.Module) -> GreedyProbe | None:

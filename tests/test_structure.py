@@ -61,16 +61,22 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 MAX_FUNCTION_LINES = 60
 
 
-def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
-    """``path:line name (N lines)`` of every function of the library longer than ``limit`` lines."""
-    found = []
+def library_functions(root: Path = ROOT):
+    """``(path relative to root, function node)`` of every function of the library."""
     for package in LIBRARY:
         for path in sorted((root / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    n = node.end_lineno - node.lineno + 1
-                    if n > limit:
-                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+                    yield path.relative_to(root), node
+
+
+def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name (N lines)`` of every function of the library longer than ``limit`` lines."""
+    found = []
+    for path, node in library_functions(root):
+        n = node.end_lineno - node.lineno + 1
+        if n > limit:
+            found.append(f"{path}:{node.lineno} {node.name} ({n} lines)")
     return found
 
 
@@ -90,15 +96,12 @@ MAX_PARAMETERS = 8
 def many_parameters(root: Path = ROOT, limit: int = MAX_PARAMETERS) -> list[str]:
     """``path:line name (N parameters)`` of every function of the library taking more than ``limit``."""
     found = []
-    for package in LIBRARY:
-        for path in sorted((root / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    a = node.args
-                    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
-                    n = len(names) + (a.vararg is not None) + (a.kwarg is not None) - (names[:1] in (["self"], ["cls"]))
-                    if n > limit:
-                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} parameters)")
+    for path, node in library_functions(root):
+        a = node.args
+        names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+        n = len(names) + (a.vararg is not None) + (a.kwarg is not None) - (names[:1] in (["self"], ["cls"]))
+        if n > limit:
+            found.append(f"{path}:{node.lineno} {node.name} ({n} parameters)")
     return found
 
 
