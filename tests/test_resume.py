@@ -86,7 +86,7 @@ def test_a_stopped_refit_resumes_to_the_uninterrupted_output(setup, tmp_path, mo
         "layer-1.json",
     ]
     fitted = []
-    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[2]) or _refit(*a, **k))
+    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[1].i) or _refit(*a, **k))
     out = convert_checkpoint(setup["src"], dst, 1, "svd", resume=True, **setup["kw"])
     assert fitted == [2, 3]  # layers 0 and 1 read back, not fitted again
     whole = setup["whole"]
@@ -277,7 +277,7 @@ def test_a_distillation_stopped_after_a_checkpoint_resumes_to_the_uninterrupted_
     assert [p.name for p in (kept / "distilled" / "checkpoints").iterdir()] == ["step-0000004"]
     steps, fitted = [], []
     monkeypatch.setattr(trainer._Trainer, "step", lambda self, k: steps.append(k) or step(self, k))
-    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[2]) or _refit(*a, **k))
+    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[1].i) or _refit(*a, **k))
     _distill_run(setup, dst, resume=True)
     assert fitted == [] and steps == [5, 6]  # every layer read back; the distillation went on from step 4
     assert (dst / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
@@ -347,7 +347,7 @@ def test_a_full_disk_while_writing_keeps_the_fitted_layers_for_resume(setup, tmp
     assert not dst.exists() and (resume_folder(dst) / "layer-3.json").is_file()  # every layer kept
     fitted: list[int] = []
     _refit = layerwise._refit_layer
-    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[2]) or _refit(*a, **k))
+    monkeypatch.setattr(layerwise, "_refit_layer", lambda *a, **k: fitted.append(a[1].i) or _refit(*a, **k))
     convert_checkpoint(setup["src"], dst, 1, "svd", **setup["kw"], resume=True)
     assert fitted == []
     assert (dst / "model.safetensors").read_bytes() == (setup["whole"].output / "model.safetensors").read_bytes()
