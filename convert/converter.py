@@ -22,7 +22,7 @@ from mha2gqa.convert.retarget_view import retarget_record
 from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
 from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
 from mha2gqa.convert.tensor_sources import rewritten, tensor_sources
-from mha2gqa.core.cache_layers import SIZING_WINDOW
+from mha2gqa.core.cache_layers import sizing_window
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
 from mha2gqa.core.conversion_record import (
@@ -424,7 +424,7 @@ def _windowed_cache(source: Conversion, targets, esize: int) -> WindowedCache | 
     dims = source.dims
     if not dims.windowed:
         return None
-    tokens = min(SIZING_WINDOW, max_positions(source.ckpt.config) or SIZING_WINDOW)
+    tokens = sizing_window(max_positions(source.ckpt.config))
     before, after = (dims.kv_cache_bytes(tokens, g, esize) for g in (None, targets))
     return WindowedCache(tokens, before, after, dims.window_note())
 

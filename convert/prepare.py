@@ -151,9 +151,9 @@ def resume_fingerprint(ckpt: Checkpoint, s: ConvertSettings) -> dict:
     import hashlib
     import json
 
-    from mha2gqa.core.cache import file_sha256
     from mha2gqa.core.conversion_record import NORMALIZED_ERROR
     from mha2gqa.core.records import version
+    from mha2gqa.core.text_ref import text_sha256
 
     text = s.calibration
     local = text is not None and Path(text).is_file()
@@ -162,7 +162,7 @@ def resume_fingerprint(ckpt: Checkpoint, s: ConvertSettings) -> dict:
             "files": {Path(f).name: Path(f).stat().st_size for f in getattr(ckpt, "files", [])},
             "config sha256": hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode()).hexdigest(),
         },
-        "calibration text": {"sha256": file_sha256(Path(text))} if local else text,
+        "calibration text": {"sha256": text_sha256(text)} if local else text,
         "recipe": s.recipe(),
         "mha2gqa version": version(),
     } | ({"refit error": NORMALIZED_ERROR, "refit arithmetic": s.refit_arithmetic()} if s.refit else {})
@@ -195,7 +195,7 @@ def _check_text_length(s: ConvertSettings, ckpt: Checkpoint, positions: int | No
 
     window = calibration_window(s.calibration_seq_len, positions)
     need = window * (2 if s.refit else 1)
-    text = "\n\n".join(load_text(s.calibration, setting="calibration").documents)
+    text = load_text(s.calibration, setting="calibration").joined
     cut = text[: need * CHARS_PER_TOKEN_BOUND]
     tokenizer = load_tokenizer(ckpt.folder)
     count = len(tokenizer(cut, add_special_tokens=False, verbose=False)["input_ids"])

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from mha2gqa.core.cache_layers import cache_spans
+from mha2gqa.core.cache_layers import bounded, cache_spans
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.families import Family, families, find_family, refused_reason
@@ -107,7 +107,7 @@ def _resolved(source: dict[str, Any], spec: Retarget | None, strict: bool) -> Ar
     standard = family.standard(target) if family else target
     dims = AttentionDims.from_config(standard)
     spans = cache_spans(target, dims.num_layers, dict(family.cache_layers) if family and family.cache_layers else None)
-    if any(s is not None for s in spans):  # some layer holds fewer tokens than the sequence
+    if bounded(spans):  # some layer holds fewer tokens than the sequence
         dims = dataclasses.replace(dims, cache_spans=spans)
     if family is not None and family.flag_only:  # GPTBigCode: its class holds 1 KV head or one per query head
         reason = f"{family.architectures[0]} holds one KV head ({family.kv_flag}) or one per query head"

@@ -79,10 +79,17 @@ def cache_spans(
     return tuple(spans)
 
 
-def tokens_held(spans: Sequence[int | None] | None, layer: int, tokens: int) -> int:
-    """The tokens ``layer``'s cache holds after ``tokens`` tokens (``spans`` None: every layer all)."""
-    span = spans[layer] if spans else None
-    return tokens if span is None else min(tokens, span)
+def sizing_window(positions: int | None) -> int:
+    """The tokens per sequence KV figures are given at when none is asked: :data:`SIZING_WINDOW`, cut
+    to the model's ``positions``."""
+    return min(SIZING_WINDOW, positions or SIZING_WINDOW)
+
+
+def cache_bytes(layer_bytes: Sequence[int], spans: Sequence[int | None] | None, tokens: float) -> float:
+    """The KV cache a sequence holds after ``tokens`` tokens: each layer's bytes a token (``layer_bytes``)
+    times the tokens it holds (all of them, or its span: :func:`cache_spans`; ``spans`` None: all)."""
+    held = [tokens if not spans or spans[i] is None else min(tokens, spans[i]) for i in range(len(layer_bytes))]
+    return sum(b * n for b, n in zip(layer_bytes, held, strict=True))
 
 
 def bounded(spans: Sequence[int | None] | None) -> bool:

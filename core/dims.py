@@ -131,9 +131,10 @@ class AttentionDims:
             num_kv_heads = self.kv_heads_per_layer or self.num_kv_heads
         if isinstance(num_kv_heads, int):
             num_kv_heads = (num_kv_heads,) * self.num_layers
-        spans = self.cache_spans
-        held = [tokens if not spans or spans[i] is None else min(tokens, spans[i]) for i in range(self.num_layers)]
-        return sum(2 * g * self.head_dim * bytes_per_element * n for g, n in zip(num_kv_heads, held, strict=True))
+        from mha2gqa.core.cache_layers import cache_bytes
+
+        layer_bytes = [2 * g * self.head_dim * bytes_per_element for g in num_kv_heads]
+        return int(cache_bytes(layer_bytes, self.cache_spans, tokens))
 
     @property
     def windowed(self) -> bool:

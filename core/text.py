@@ -43,6 +43,11 @@ class TextData:
     doc_split: str | None
 
     @property
+    def joined(self) -> str:
+        """The documents as one text, as the token stream reads them: joined by blank lines."""
+        return "\n\n".join(self.documents)
+
+    @property
     def characters(self) -> int:
         return sum(map(len, self.documents))
 
@@ -233,8 +238,7 @@ def token_stream(tokenizer, data: TextData, max_tokens: int | None = None) -> to
     tokenizer has one; cut to ``max_tokens``. ``-> [N]`` int64."""
     import torch
 
-    text = "\n\n".join(data.documents)
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    ids = tokenizer(data.joined, add_special_tokens=False, verbose=False)["input_ids"]
     if tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id, *ids]
     return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -22,6 +23,7 @@ from pathlib import Path
 MIN_LINE = 40
 #: The most line hashes a sketch keeps (4 bytes each: at most 88 KB of base64 in a record).
 SKETCH_LINES = 16_384
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,22 @@ class TextRef:
     lines: str = ""
     lines_total: int = 0
 
+    def __post_init__(self) -> None:
+        """Read back from a record, checked: a tampered sha256 or sketch is refused, not misread."""
+        from mha2gqa.core.typed import RecordError
+
+        if self.sha256 is not None and not _SHA256.fullmatch(self.sha256):
+            raise RecordError("text.sha256 is not a sha256 (64 hex digits)")
+        try:
+            raw = base64.b64decode(self.lines.encode("ascii"), validate=True)
+        except (ValueError, UnicodeEncodeError):
+            raise RecordError("text.lines is not a line sketch (base64)") from None
+        if len(raw) % 4 or len(raw) // 4 > min(self.lines_total, SKETCH_LINES):
+            raise RecordError("text.lines does not hold whole 4-byte hashes, at most lines_total of them")
+
     def hashes(self) -> list[int]:
-        raw = base64.b64decode(self.lines.encode("ascii"), validate=True) if self.lines else b""
-        return [int.from_bytes(raw[i : i + 4], "big") for i in range(0, len(raw) - len(raw) % 4, 4)]
+        raw = base64.b64decode(self.lines.encode("ascii"))
+        return [int.from_bytes(raw[i : i + 4], "big") for i in range(0, len(raw), 4)]
 
     def share_of(self, lines: set[str]) -> float:
         """The share of ``lines`` (compared lines of another text) that are lines of this text."""

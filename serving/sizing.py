@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.core.architecture import dims_of, resolve
-from mha2gqa.core.cache_layers import SIZING_WINDOW
+from mha2gqa.core.cache_layers import SIZING_WINDOW, cache_bytes, sizing_window
 from mha2gqa.core.dims import AttentionDims, config_value, max_positions
 from mha2gqa.core.dtypes import KV_DTYPES, by_name
 from mha2gqa.core.errors import Mha2GqaError
@@ -97,7 +97,7 @@ class PlanSettings:
 
     def window(self, positions: int | None) -> int:
         """Tokens per sequence: ``seq_len``, else :data:`PLAN_WINDOW` cut to the model's ``positions``."""
-        return self.seq_len or min(PLAN_WINDOW, positions or PLAN_WINDOW)
+        return self.seq_len or sizing_window(positions)
 
     def hardware(self) -> Gpu | None:
         """The GPU to plan for (preset, overridden by the explicit values), None for memory-only
@@ -268,8 +268,7 @@ class PlanRow:
         """The KV cache one sequence holds at ``tokens`` of context (each layer up to its window)."""
         if not self.layer_bytes:
             return self.kv_bytes_per_token * tokens
-        spans = self.layer_spans or [None] * len(self.layer_bytes)
-        return sum(b * (tokens if s is None else min(tokens, s)) for b, s in zip(self.layer_bytes, spans, strict=True))
+        return cache_bytes(self.layer_bytes, self.layer_spans, tokens)
 
 
 def capacity_rows(

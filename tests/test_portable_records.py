@@ -117,3 +117,27 @@ def test_a_sampled_sketch_estimates_the_share_of_a_large_text():
     }
     assert ref.share_of(half) == pytest.approx(0.5, abs=0.04)
     assert ref.share_of(set(big)) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("lines", "not base64!", "not a line sketch"),
+        ("lines", "AAAA" * 5, "at most lines_total"),  # more hashes than the text has lines
+        ("sha256", "abc", "not a sha256"),
+    ],
+)
+def test_a_tampered_text_reference_is_refused_naming_the_record(converted, tmp_path, field, value, why):
+    from mha2gqa.core.conversion_record import read_conversion_record
+    from mha2gqa.core.errors import Mha2GqaError
+
+    _, out, _ = converted
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    path = copy / "mha2gqa_conversion.json"
+    record = json.loads(path.read_text())
+    record["conversion"]["calibration"]["text"] |= {field: value, "lines_total": 4}
+    path.write_text(json.dumps(record))
+    with pytest.raises(Mha2GqaError, match=why) as e:
+        read_conversion_record(copy)
+    assert str(path) in str(e.value) and "damaged conversion record" in str(e.value)
