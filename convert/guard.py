@@ -38,6 +38,7 @@ from mha2gqa.core.conversion_record import (
     KEPT_IN_PART,
     MEASURED,
     UNDONE,
+    GuardMode,
     GuardScore,
     GuardStage,
     Refit,
@@ -45,6 +46,7 @@ from mha2gqa.core.conversion_record import (
 )
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.signals import check as check_signals
 
 #: refit prefixes scored (the refitted layers in this many runs; each prefix ends one)
@@ -91,10 +93,10 @@ class Guard:
     """Scores candidate models (:data:`Plan`) against the original on the guard windows ``ids``
     ``[W, T]``, streamed layer by layer from ``ckpt`` (see the module doc)."""
 
-    def __init__(self, ckpt, family, dims: AttentionDims, ids: torch.Tensor, device) -> None:
+    def __init__(self, ckpt, family, dims: AttentionDims, ids: torch.Tensor, device, progress: bool = False) -> None:
         from mha2gqa.convert.layers import first_layer_inputs, skeleton
 
-        self.ckpt, self.family, self.dims, self.device = ckpt, family, dims, device
+        self.ckpt, self.family, self.dims, self.device, self.progress = ckpt, family, dims, device, progress
         self.model = skeleton(ckpt)
         self.ids = ids
         with torch.inference_mode():  # as calibration reads the source (a .bin's cached tensors are inference tensors)
@@ -115,7 +117,9 @@ class Guard:
         streams: dict[tuple, list[torch.Tensor]] = {(): [h for h, _ in self.first]}
         kws = [kw for _, kw in self.first]
         by_name = {w.name: w for plan in plans.values() for w in plan if w}
-        with torch.inference_mode():
+        desc = f"guard: {len(plans)} candidate(s) on {self.ids.numel():,} held-out tokens"
+        bar = progress_bar(total=n, unit="layer", desc=desc, disable=not self.progress)
+        with torch.inference_mode(), bar:
             for i, layer, prefix in each_layer(self.model, self.ckpt, self.device, torch.float32):
                 views: dict[str | None, dict[str, torch.Tensor]] = {None: {}}
                 nxt: dict[tuple, list[torch.Tensor]] = {}
@@ -128,6 +132,7 @@ class Guard:
                     view = views[here[-1]]
                     nxt[here] = [self._run(layer, view, h, kw) for h, kw in zip(streams[key[:i]], kws, strict=True)]
                 streams = nxt
+                bar.update(1)
         if self.reference is None:
             self.reference = streams[keys.pop("")]
         return self._figures({name: streams[key] for name, key in keys.items()})
@@ -216,7 +221,7 @@ class GuardRun:
             from mha2gqa.core.models import resolve_device
 
             dev = resolve_device(c.settings.device)
-            self.guard = Guard(c.ckpt, c.family, c.dims, self.ids, dev)
+            self.guard = Guard(c.ckpt, c.family, c.dims, self.ids, dev, c.settings.progress)
         return self.guard
 
     @staticmethod
@@ -241,7 +246,7 @@ class GuardRun:
         kept = mine.loss < blind.loss
         detail = f"against {uniform.targets[0]} KV heads in every layer"
         stage = GuardStage("allocation", KEPT if kept else UNDONE, mine, mine if kept else blind, blind, detail)
-        if not kept and self.mode == "fail":
+        if not kept and self.mode == GuardMode.FAIL:
             self._fail(stage)
         self.stages.append(stage)
         self._say(log, stage)
@@ -301,7 +306,7 @@ class GuardRun:
         if not cuts:  # every layer kept its merge: the refit changed nothing
             return GuardStage("refit", KEPT, before, before, before, "no layer's refit lowered its error"), -1
         whole = scores[cuts[-1]]
-        if self.mode == "fail":
+        if self.mode == GuardMode.FAIL:
             if whole.loss >= before.loss:
                 self._fail(GuardStage("refit", UNDONE, whole, before, before))
             return GuardStage("refit", KEPT, whole, whole, before), cuts[-1]
@@ -327,7 +332,7 @@ class GuardRun:
         after = after if after is not None else self.score_folder(folder, targets)
         kept = after.loss < before.loss
         stage = GuardStage("distill", KEPT if kept else UNDONE, after, after if kept else before, before, detail)
-        if not kept and self.mode == "fail":
+        if not kept and self.mode == GuardMode.FAIL:
             self._fail(stage)
         self.stages.append(stage)
         self._say(log, stage)
@@ -371,7 +376,7 @@ def open_guard(c, data: str | None):
     from mha2gqa.core.dims import max_positions
 
     s = c.settings
-    if s.guard == "off" or not data or not c.changes:
+    if s.guard == GuardMode.OFF or not data or not c.changes:
         return c, None
     seq_len = calibration_window(s.calibration_seq_len, max_positions(c.ckpt.config))
     ids, before, where = guard_windows(c.ckpt.folder, data, seq_len)

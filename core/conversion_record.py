@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +137,17 @@ class GuardScore:
         return f"KL {'inf' if self.kl is None else f'{self.kl:.4g}'}, top-1 {self.top1:.1%}"
 
 
-#: what a model-level guard does with a stage that does not make the model better (``convert --guard``,
-#: ``uptrain --guard``): undo it (publish the model before it), fail, or not measure
-GUARD_MODES = ("undo", "fail", "off")
+class GuardMode(StrEnum):
+    """What a model-level guard does with a stage that does not make the model better (``convert
+    --guard``, ``uptrain --guard``): undo it (publish the model before it), fail, or not measure."""
+
+    UNDO = "undo"
+    FAIL = "fail"
+    OFF = "off"
+
+
+#: the guard's modes as the settings offer them (their choices)
+GUARD_MODES = tuple(mode.value for mode in GuardMode)
 #: :attr:`GuardStage.outcome`: the stage's weights are published
 KEPT = "kept"
 #: :attr:`GuardStage.outcome`: the stage made the model worse, so the model before it is published

@@ -100,7 +100,7 @@ class LoadedModel:
         dims = dims_of(cfg)
         dtype = next(self.model.parameters()).dtype
         config_file = self.folder / "config.json"
-        stored = _stored_dtype(config_file) or from_torch(dtype)  # the KV figures in the checkpoint's dtype, as convert
+        stored = stored_dtype(config_file) or from_torch(dtype)  # the KV figures in the checkpoint's dtype, as convert
         return ModelInfo(
             path=self.path,
             architecture=(getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
@@ -122,7 +122,7 @@ class LoadedModel:
         )
 
 
-def _stored_dtype(config_file: Path):
+def stored_dtype(config_file: Path):
     """The checkpoint's dtype as its ``config.json`` names it (``dtype``; ``torch_dtype`` before), or None."""
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))

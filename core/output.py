@@ -74,7 +74,30 @@ def owned(path: Path) -> bool:
         except (OSError, UnicodeDecodeError, ValueError):
             return False
         return isinstance(data, dict) and str(data.get("schema", "")).startswith("mha2gqa.")
-    return any(marker.encode() in head for marker in OWNED_FILE_MARKERS)
+    return any(marker.encode() in head for marker in OWNED_FILE_MARKERS) or _recorded(path)
+
+
+#: The record beside a file of ours that cannot carry a mark in itself (a text for calibration).
+RECORD_SUFFIX = ".mha2gqa.json"
+
+
+def record_of(path: Path) -> Path:
+    """Where the record of the unmarked file ``path`` lies (``<name>.mha2gqa.json`` beside it)."""
+    return path.with_name(path.name + RECORD_SUFFIX)
+
+
+def _recorded(path: Path) -> bool:
+    """Whether the record beside ``path`` names this tool and the file's exact bytes (sha256)."""
+    import hashlib
+
+    try:
+        record = json.loads(record_of(path).read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    ours = isinstance(record, dict) and str(record.get("schema", "")).startswith("mha2gqa.")
+    return ours and record.get("sha256") == digest
 
 
 Inputs = Mapping[str, "Path | str | None"]

@@ -1,15 +1,25 @@
 """Progress bars (tqdm) that read well where they are written: on a terminal, tqdm's own redrawn
 bar; on a file or CI log (stderr not a terminal), a plain line at most every
 :data:`PLAIN_SECONDS`, each its own line, so a log holds a few lines a stage instead of hundreds of
-redraws. Every bar of the tool comes from :func:`bar`."""
+redraws. Inside :func:`lines_to` (a job, whose output is its log) the bars write those plain lines
+to that log instead, so no stage a job runs is silent for long. Every bar of the tool comes from
+:func:`bar`."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, TextIO
 
 #: Seconds between two progress lines when stderr is not a terminal.
 PLAIN_SECONDS = 15.0
+
+
+#: terminal cursor moves (``ESC [ n A``...) tqdm writes for nested bars: meaningless in a log
+_CURSOR = re.compile(r"\x1b\[\d*[A-Za-z]")
 
 
 class _Lines:
@@ -19,12 +29,45 @@ class _Lines:
         self.stream = stream
 
     def write(self, text: str) -> None:
-        line = text.replace("\r", "").rstrip()
+        line = _CURSOR.sub("", text.replace("\r", "")).rstrip()  # (tqdm moves the cursor for nested bars)
         if line:
             self.stream.write(line + "\n")
 
     def flush(self) -> None:
         self.stream.flush()
+
+
+class _Log:
+    """A stream whose every line goes to a log function."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log = log
+
+    def write(self, text: str) -> None:
+        self.log(text.rstrip("\n"))
+
+    def flush(self) -> None:
+        pass
+
+
+#: Where the bars write while a job runs (:func:`lines_to`); None: stderr.
+_SINK: ContextVar[Callable[[str], None] | None] = ContextVar("mha2gqa_progress_sink", default=None)
+
+
+@contextlib.contextmanager
+def lines_to(log: Callable[[str], None]) -> Iterator[None]:
+    """Every bar made inside the block writes plain lines (one at most every :data:`PLAIN_SECONDS`,
+    and its last) to ``log`` instead of stderr."""
+    token = _SINK.set(log)
+    try:
+        yield
+    finally:
+        _SINK.reset(token)
+
+
+def sink() -> Callable[[str], None] | None:
+    """The log the bars write to (inside :func:`lines_to`), else None."""
+    return _SINK.get()
 
 
 def is_terminal(stream: TextIO | None = None) -> bool:
@@ -37,9 +80,10 @@ def bar(**kwargs: Any):
     """``tqdm.auto.tqdm(**kwargs)``, as plain timed lines when stderr is not a terminal."""
     from tqdm.auto import tqdm
 
-    if not kwargs.get("disable") and not is_terminal():
+    sink = _SINK.get()
+    if not kwargs.get("disable") and (sink is not None or not is_terminal()):
         kwargs = {"mininterval": PLAIN_SECONDS, "maxinterval": PLAIN_SECONDS * 4, "ascii": True, **kwargs}
-        kwargs["file"] = _Lines(sys.stderr)
+        kwargs["file"] = _Lines(sys.stderr if sink is None else _Log(sink))
         kwargs.setdefault("ncols", 100)
     return tqdm(**kwargs)
 

@@ -55,6 +55,26 @@ def write_recipe(folder: Path, name: str, sections: dict[str, dict[str, Any]]) -
     return path
 
 
+def named_recipes() -> dict[str, Path]:
+    """The recipes that ship with the package (``configs/recipes/``), by name: ``--recipe recommended``."""
+    from importlib import resources
+
+    folder = resources.files("mha2gqa.configs") / "recipes"
+    return {p.name.removesuffix(".yaml"): Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def recipe_path(value: str) -> Path:
+    """The recipe file ``--recipe VALUE`` names: a file, else a shipped recipe's name (refused in one
+    line when it is neither)."""
+    path = Path(value).expanduser()
+    if path.exists() or "/" in value or value.endswith((".yaml", ".yml")):
+        return path
+    named = named_recipes()
+    if value not in named:
+        raise Mha2GqaError(f"recipe {value!r}: no such file, and the shipped recipes are {', '.join(sorted(named))}")
+    return named[value]
+
+
 def read_recipe(path: Path) -> dict[str, dict[str, Any]]:
     """A recipe file's sections (``convert``, and ``distill`` where it has one), its shape checked:
     damaged, foreign or edited into another shape, one line naming the file."""

@@ -350,12 +350,18 @@ def compare_attention(
     store: LayerStore,
     chunk: int = 128,
     head_order: dict[int, list[int]] | None = None,
+    progress: bool = False,
 ) -> Attention:
     """Compare ``converted`` on ``batch`` ``[B, T]`` with the original's layers in ``store`` (put
     there by :func:`record_attention` on the same batch); see the module doc. ``head_order``: per
     layer, the source KV heads in the converted model's order when the conversion moved heads
-    (similarity grouping), so that each converted head is compared with the head it came from."""
+    (similarity grouping), so that each converted head is compared with the head it came from;
+    ``progress``: a bar over the layers."""
+    from mha2gqa.core.progress import bar as progress_bar
+
     name = _output_projection_name(converted)
+    layer_count = getattr(converted.config, "num_hidden_layers", None)
+    bar = progress_bar(total=layer_count, unit="layer", desc="attention similarity", disable=not progress)
     sums: dict[int, HeadSums] = {}
     hidden_cos: dict[int, float] = {}
     hidden_orig: dict[int, torch.Tensor] = {}
@@ -375,13 +381,21 @@ def compare_attention(
         sums[layer] = HeadSums(heads)
         scoring = Scoring(o.get("mask"), scaling_o, window_o, softcap_of(module))
         compare_layer((o["q"], o["k"], o["v"]), (q, k, v), scoring, sums[layer], chunk, projections)
+        bar.update(1)
 
     def done(layer, hidden):
         ref = hidden_orig.pop(layer)
         hidden_cos[layer] = cosine(ref.float(), hidden.float().to(ref.device)).mean().item()
 
-    _run_layers(converted, batch, compare, done)
+    with bar:
+        _run_layers(converted, batch, compare, done)
     layers = [_layer_section(layer, sums[layer], hidden_cos.get(layer, math.nan)) for layer in sorted(sums)]
+    summary = _summary(layers, sums)
+    return Attention(layers=layers, summary=summary, tokens=batch.numel(), seq_len=batch.shape[1], chunk=chunk)
+
+
+def _summary(layers: list, sums: dict[int, HeadSums]) -> AttentionSummary:
+    """The means over ``layers`` of every per-layer figure and head similarity."""
     means = {
         f"mean_{k}": sum(getattr(x, f"mean_{k}") for x in layers) / len(layers) for k in sums[layers[0].layer].scores()
     }
@@ -397,7 +411,7 @@ def compare_attention(
         entropy_uniform=layers[0].entropy_uniform,
         mean_hidden_cosine=sum(x.hidden_cosine for x in layers) / len(layers),
     )
-    return Attention(layers=layers, summary=summary, tokens=batch.numel(), seq_len=batch.shape[1], chunk=chunk)
+    return summary
 
 
 def _layer_section(layer: int, s: HeadSums, hidden_cosine: float) -> AttentionLayer:

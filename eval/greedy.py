@@ -48,15 +48,21 @@ def greedy_generate(model: torch.nn.Module, ids: torch.Tensor, new: int, pad_id:
 
 
 @torch.inference_mode()
-def continuations(model: torch.nn.Module, prompts: torch.Tensor, new: int, pad_id: int) -> torch.Tensor:
+def continuations(
+    model: torch.nn.Module, prompts: torch.Tensor, new: int, pad_id: int, progress: bool = False
+) -> torch.Tensor:
     """``[count, new]``: each prompt's greedy continuation (prompts of one length: no padding), generated
-    :data:`BATCH` prompts at a time with the KV cache."""
+    :data:`BATCH` prompts at a time with the KV cache (a bar over the prompts with ``progress``)."""
+    from mha2gqa.core.progress import bar as progress_bar
+
     device = next(model.parameters()).device
     out = []
-    for start in range(0, len(prompts), BATCH):
-        batch = prompts[start : start + BATCH].to(device)
-        ids = greedy_generate(model, batch, new, pad_id)
-        out.append(ids[:, batch.shape[1] :].cpu())
+    with progress_bar(total=len(prompts), unit="prompt", desc="generative probe", disable=not progress) as bar:
+        for start in range(0, len(prompts), BATCH):
+            batch = prompts[start : start + BATCH].to(device)
+            ids = greedy_generate(model, batch, new, pad_id)
+            out.append(ids[:, batch.shape[1] :].cpu())
+            bar.update(len(batch))
     return torch.cat(out)
 
 

@@ -39,6 +39,7 @@ from mha2gqa.core.models import (
 )
 from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
 from mha2gqa.core.text import prefix_token
+from mha2gqa.core.units import format_bytes
 from mha2gqa.eval.agreement import Agreement, GreedyProbe, RestMass
 from mha2gqa.eval.attention import attention_similarity, head_order_of
 from mha2gqa.eval.greedy import compare as compare_continuations
@@ -46,6 +47,7 @@ from mha2gqa.eval.greedy import continuations, greedy_generate
 from mha2gqa.eval.metrics import agreement_stats, summarize
 from mha2gqa.eval.pair import calibration_overlap
 from mha2gqa.eval.perplexity import (
+    PassResult,
     ScoredPass,
     Window,
     batch_count,
@@ -90,13 +92,30 @@ def scored_pass(
 ) -> ScoredPass:
     """One :func:`score_windows` pass split across ``accelerate`` processes, sums reduced on all.
     ``replay``: ``record=`` or ``replay=`` for a pair one model at a time (see score_windows)."""
+    return reduced(rank_pass(models, windows, batch_size, progress, desc, **replay))
+
+
+def rank_pass(
+    models: list[torch.nn.Module],
+    windows: list[Window],
+    batch_size: int = 1,
+    progress: bool = False,
+    desc: str = "",
+    **replay: Any,
+) -> PassResult:
+    """This process's share of ``windows`` scored (:func:`score_windows`; ``replay`` may carry
+    ``into=``, the sums of an earlier block), not yet reduced (:func:`reduced`)."""
     mine, state = _split_for_rank(windows)
     padding = None
     if state.num_processes > 1 and windows:  # as many forward passes on every process (FSDP's collectives)
         padding = (max(_gather(batch_count(mine, batch_size))), windows[0][0][None])
     shown = (desc or "scoring") if progress and state.is_main_process else None
-    res = score_windows(models, mine, batch_size, progress=shown, padding=padding, **replay)
-    parts = _gather((res.nll_sum, res.tokens, res.seconds, res.agreement))
+    return score_windows(models, mine, batch_size, progress=shown, padding=padding, **replay)
+
+
+def reduced(res: PassResult) -> ScoredPass:
+    """Every process's sums of one pass (:func:`rank_pass`) reduced: the protocols' and agreement's figures."""
+    parts = _gather((res.nll_sum, res.tokens, res.seconds, res.agreement, res.windows))
     nll = [sum(p[0][i] for p in parts) for i in range(len(res.nll_sum))]
     tokens = sum(p[1] for p in parts)
     seconds = max(p[2] for p in parts)
@@ -112,7 +131,7 @@ def scored_pass(
         if rest:  # against a top-k reference: the mass its KLs do not resolve
             rest_mass = summarize(torch.cat(rest))
             agreement.reference_rest_mass = RestMass(mean=rest_mass["mean"], max=rest_mass["max"])
-    return ScoredPass(tuple(nll), tokens, len(windows), seconds, agreement)
+    return ScoredPass(tuple(nll), tokens, sum(p[4] for p in parts), seconds, agreement)
 
 
 def is_main_process() -> bool:
@@ -226,11 +245,15 @@ def _agreement(run: Evaluation, scored: dict[str, ScoredPass]) -> Agreement | No
 @torch.inference_mode()
 def _generate(run: Evaluation, model: torch.nn.Module) -> list[str]:
     """Greedy continuations of the sample prompts, ``run.new_tokens`` each."""
+    from mha2gqa.core.progress import bar as progress_bar
+
     tok = run.tokenizer
     out = []
-    for prompt in run.prompts:
-        ids = greedy_generate(model, prompt.to(next(model.parameters()).device), run.new_tokens, _pad_id(tok))
-        out.append(tok.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True))
+    with progress_bar(total=len(run.prompts), unit="sample", desc="samples", disable=not run.settings.progress) as bar:
+        for prompt in run.prompts:
+            ids = greedy_generate(model, prompt.to(next(model.parameters()).device), run.new_tokens, _pad_id(tok))
+            out.append(tok.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True))
+            bar.update(1)
     return out
 
 
@@ -315,7 +338,7 @@ def _continue(run: Evaluation, model: torch.nn.Module) -> torch.Tensor | None:
     """``model``'s greedy continuations of the generative probe's prompts (None: no probe)."""
     if run.probe is None:
         return None
-    return continuations(model, run.probe, run.probe_tokens, _pad_id(run.tokenizer))
+    return continuations(model, run.probe, run.probe_tokens, _pad_id(run.tokenizer), run.settings.progress)
 
 
 def _pad_id(tok) -> int:
@@ -356,6 +379,27 @@ def _reference_key(run: Evaluation, loaded_dtype: str, device: torch.device) -> 
     return entry_name(material), material
 
 
+def _score_bytes(run: Evaluation, dtype: torch.dtype) -> int:
+    """Bytes the reference cache keeps per scored token: the original's logits in ``dtype``, or their
+    top-k form (``8 top_k + 8``). Refuses a top-k wider than the vocabulary."""
+    from mha2gqa.core.dtypes import from_torch
+
+    vocab = _vocab(run)
+    if run.settings.reference_top_k > vocab:
+        raise SettingError(
+            "reference_top_k",
+            f"{{name}} {run.settings.reference_top_k} is more than the vocabulary ({vocab:,} tokens): "
+            f"give at most {vocab:,}, or 0 to cache exact logits",
+        )
+    top_k = run.settings.reference_top_k
+    return 8 * top_k + 8 if top_k else vocab * from_torch(dtype).bytes
+
+
+def _vocab(run: Evaluation) -> int:
+    """The original's vocabulary (its config's, else its tokenizer's)."""
+    return int(config_value(read_config(run.folders[0]), "vocab_size") or len(run.tokenizer))
+
+
 def _reference_size(run: Evaluation, device: torch.device, dtype: torch.dtype) -> int:
     """Bytes the original's cached scores will take (from its config, before loading it)."""
     from mha2gqa.core.architecture import dims_of
@@ -363,18 +407,11 @@ def _reference_size(run: Evaluation, device: torch.device, dtype: torch.dtype) -
     from mha2gqa.eval.perplexity import IGNORE
     from mha2gqa.eval.reference import estimate_bytes
 
-    config = read_config(run.folders[0])
-    dims = dims_of(config)
-    vocab = int(config_value(config, "vocab_size") or len(run.tokenizer))
-    if run.settings.reference_top_k > vocab:
-        raise SettingError(
-            "reference_top_k",
-            f"{{name}} {run.settings.reference_top_k} is more than the vocabulary ({vocab:,} tokens): "
-            f"give at most {vocab:,}, or 0 to cache exact logits",
-        )
+    per_token = _score_bytes(run, dtype)
     scored = sum(int((t != IGNORE).sum()) for windows in run.passes.values() for _, t in windows)
     attention = None
     if run.attention_batch is not None:
+        dims = dims_of(read_config(run.folders[0]))
         b, t = run.attention_batch.shape
         attention = {
             "layers": dims.num_layers,
@@ -386,7 +423,7 @@ def _reference_size(run: Evaluation, device: torch.device, dtype: torch.dtype) -
             "head_dim": dims.head_dim,
             "hidden": dims.hidden_size,
         }
-    return estimate_bytes(scored, vocab, from_torch(dtype).bytes, attention, run.settings.reference_top_k)
+    return estimate_bytes(scored, per_token, from_torch(dtype).bytes, attention)
 
 
 def _against_reference(run: Evaluation, converted, ref, log: Callable[[str], None] | None) -> tuple[Any, Any, Any]:
@@ -400,7 +437,9 @@ def _against_reference(run: Evaluation, converted, ref, log: Callable[[str], Non
             log("attention similarity, layer by layer, against the cached original")
         order = head_order_of(converted.conversion())
         attention, seconds = _timed(
-            lambda: compare_attention(converted.model, run.attention_batch, ref, run.settings.attention_chunk, order)
+            lambda: compare_attention(
+                converted.model, run.attention_batch, ref, run.settings.attention_chunk, order, run.settings.progress
+            )
         )
         attention.seconds = seconds + ref.seconds("attention")
     if run.prompts:
@@ -414,89 +453,151 @@ def _against_reference(run: Evaluation, converted, ref, log: Callable[[str], Non
     return attention, samples, greedy
 
 
+@dataclass
+class _Replayed:
+    """A pair scored one model at a time, block by block: each pass's sums and each yardstick's, added
+    to in every block, and what the first block measured once (the models, attention, samples, the
+    probe, the entry)."""
+
+    passes: dict[str, PassResult] = field(default_factory=dict)
+    yardsticks: dict[str, dict[str, PassResult]] = field(default_factory=dict)
+    weights: dict[str, int] = field(default_factory=dict)
+    once: tuple[Any, Any, Any] = (None, None, None)
+    models: list[ModelInfo] = field(default_factory=list)
+    device: DeviceInfo | None = None
+    reference: ReferenceInfo | None = None
+
+
 def _one_at_a_time(run: Evaluation, tasks: _Tasks, log: Callable[[str], None] | None) -> _Scored:
     """A pair, one model in memory at a time: the original's scores come from (or go to) the
-    reference cache, then the converted model is scored against them."""
+    reference cache, then the converted model is scored against them. A temporary cache larger than
+    ``--reference-block`` is built and replayed block after block, each removed after its replay."""
     import tempfile
 
-    from mha2gqa.eval.reference import locked
-
     s = run.settings
-    device = resolve_device(s.device)
-    dtype = resolve_dtype(s.dtype, device)
-    key, material = _reference_key(run, str(dtype).removeprefix("torch."), device)
     temporary = s.reference_cache is None
     root = Path(tempfile.mkdtemp(prefix="mha2gqa-reference-")) if temporary else Path(s.reference_cache)
-    main = is_main_process()
     try:
-        with locked(root, key, log):
-            ref = _reference(run, tasks, root, key, material, (device, dtype), temporary, log)
-        if log:
-            log(f"scoring the converted model {run.paths[1]}")
-        converted = _load(run, 1)
-        scored = {}
-        for name in run.passes:
-            res = _score(run, [converted.model], name, replay=ref.replayer(name))
-            scored[name] = res.plus_seconds(ref.seconds(name))
-        attention, samples, greedy = _against_reference(run, converted, ref, log) if main else (None, None, None)
-        tasks.run(converted.model, "converted", log)
-        out = _Scored(
-            models=[ref.model, converted.describe()],
-            protocols=_protocols(run, scored),
-            agreement=_agreement(run, scored),
-            device=_device_info(converted.model, s.device_map),
-            attention=attention,
-            samples=samples or [],
-            greedy=greedy,
-            reference=ReferenceInfo(
-                key=key,
-                folder=None if temporary else str(ref.folder),
-                bytes=ref.size(),
-                form=f"top-{s.reference_top_k}" if s.reference_top_k else "exact",
-            ),
-        )
-        _free(converted)
+        parts = _blocks(run, root, temporary)
+        if log and len(parts) > 1:
+            log(f"the original's scores take more than --reference-block {s.reference_block}: scored and "
+                f"replayed in {len(parts)} blocks, each model loaded once a block (--reference-top-k keeps "
+                "them in one)")  # fmt: skip
+        done = _Replayed()
+        for part in parts:
+            _replay_block(part, tasks, (root, temporary and len(parts) > 1), done, log)
         if run.task_selection is not None and "original" not in tasks.scores:  # its scores came from the cache
             original = _load(run, 0)
             tasks.run(original.model, "original", log)
             _free(original)
-        out.quantization = {name: _quantized(run, ref, name, log) for name in s.compare_quantization}
-        return out
+        scored = {name: reduced(res) for name, res in done.passes.items()}
+        attention, samples, greedy = done.once
+        if done.reference is not None and len(parts) > 1:
+            done.reference.blocks = len(parts)
+        return _Scored(
+            models=done.models,
+            protocols=_protocols(run, scored),
+            agreement=_agreement(run, scored),
+            device=done.device,
+            attention=attention,
+            samples=samples or [],
+            greedy=greedy,
+            reference=done.reference,
+            quantization={name: _quantized(run, name, done) for name in s.compare_quantization},
+        )
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _blocks(run: Evaluation, root: Path, temporary: bool) -> list[Evaluation]:
+    """``run`` as the blocks its original's scores are cached in: itself, unless a temporary cache
+    would exceed ``--reference-block`` (then each block holds whole batches; the first also the
+    attention batch, samples and probe). Refused before any model loads when the largest block does
+    not fit the temporary folder's free space."""
+    from mha2gqa.core.units import parse_size
+    from mha2gqa.eval.reference import blocks
+
+    s = run.settings
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    parts = [run]
+    if temporary:
+        cut = blocks(run.passes, s.batch_size, _score_bytes(run, dtype), parse_size(s.reference_block))
+        if len(cut) > 1:
+            rest = dict(attention_batch=None, prompts=[], probe=None)
+            parts = [replace(run, passes=cut[0])] + [replace(run, passes=p, **rest) for p in cut[1:]]
+        need, free = max(_reference_size(p, device, dtype) for p in parts), shutil.disk_usage(root).free
+        if need > free:
+            raise SettingError(
+                "reference_block",
+                f"the original's scores need about {format_bytes(need)} of temporary disk at once and "
+                f"{root.parent} has {format_bytes(free)} free: point TMPDIR at a bigger disk, lower {{name}} "
+                "(more blocks), cache --reference-top-k 64 of each token's logits, or pass --load-both",
+            )
+    return parts
+
+
+def _replay_block(
+    part: Evaluation, tasks: _Tasks, where: tuple[Path, bool], done: _Replayed, log: Callable[[str], None] | None
+) -> None:
+    """One block of a pair scored one model at a time: the original's entry found or built (under its
+    lock), the converted model replayed against it and each yardstick too, all added to ``done``;
+    ``where``: the cache's root and whether the block's entry is removed after (a temporary block)."""
+    from mha2gqa.eval.reference import locked
+
+    (root, drop), s = where, part.settings
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    key, material = _reference_key(part, str(dtype).removeprefix("torch."), device)
+    with locked(root, key, log):
+        ref = _reference(part, tasks, (root, key, material), (device, dtype), s.reference_cache is None, log)
+    if log:
+        log(f"scoring the converted model {part.paths[1]}")
+    converted = _load(part, 1)
+    for name, windows in part.passes.items():
+        res = rank_pass([converted.model], windows, s.batch_size, s.progress, name,
+                        replay=ref.replayer(name), into=done.passes.get(name))  # fmt: skip
+        res.seconds += ref.seconds(name)
+        done.passes[name] = res
+    if done.reference is None:
+        done.once = _against_reference(part, converted, ref, log) if is_main_process() else (None, None, None)
+        tasks.run(converted.model, "converted", log)
+        done.models, done.device = [ref.model, converted.describe()], _device_info(converted.model, s.device_map)
+        form = f"top-{s.reference_top_k}" if s.reference_top_k else "exact"
+        folder = None if s.reference_cache is None else str(ref.folder)
+        done.reference = ReferenceInfo(key=key, folder=folder, bytes=ref.size(), form=form)
+    done.reference.bytes = max(done.reference.bytes, ref.size())
+    _free(converted)
+    for name in s.compare_quantization:
+        _yardstick_block(part, ref, name, done, log)
+    if drop:
+        shutil.rmtree(ref.folder, ignore_errors=True)
+
+
 def _reference(
     run: Evaluation,
     tasks: _Tasks,
-    root: Path,
-    key: str,
-    material: dict[str, Any],
+    entry: tuple[Path, str, dict[str, Any]],
     place: tuple[torch.device, torch.dtype],
     temporary: bool,
     log: Callable[[str], None] | None,
 ) -> Any:
-    """The original's cached scores: the entry ``key`` under ``root`` when it exists (checked), else
-    built now on ``place`` (device, dtype), the original loaded, scored and freed (under the entry's
-    lock, held by the caller)."""
+    """The original's cached scores: the entry (``root``, ``key``, ``material``) when it exists
+    (checked), else built now on ``place`` (device, dtype), the original loaded, scored and freed
+    (under the entry's lock, held by the caller)."""
     from mha2gqa.eval.attention import record_attention
     from mha2gqa.eval.reference import build, find
 
-    s = run.settings
+    (root, key, material), s = entry, run.settings
     ref = find(root, key)
     if ref is not None:
         if log:
             log(f"the original's scores: reusing {ref.folder}")
         return ref
     main = is_main_process()
-    inputs = {
-        "the original model": run.paths[0],
-        "the converted model": run.paths[1],
-        "the --data text": s.data,
-    }
-    need = _reference_size(run, *place)
-    with build(root, key, material, need, inputs) as ref:
+    inputs = {"the original model": run.paths[0], "the converted model": run.paths[1], "the --data text": s.data}
+    with build(root, key, material, _reference_size(run, *place), inputs) as ref:
         if log:
             log(f"scoring the original once, its scores cached in {root if temporary else root / key}")
         original = _load(run, 0)
@@ -504,30 +605,49 @@ def _reference(
             res = _score(run, [original.model], name, record=ref.recorder(name, s.reference_top_k))
             ref.add_seconds(name, res.seconds)
         if run.attention_batch is not None and main:
+            if log:
+                log("the original's attention, layer by layer, recorded for the similarity")
             _, seconds = _timed(lambda: record_attention(original.model, run.attention_batch, ref))
             ref.add_seconds("attention", seconds)
         if run.prompts and main:
+            if log:
+                log(f"the original's {len(run.prompts)} sample generation(s) of {run.new_tokens} tokens")
             ref.set_samples(_generate(run, original.model))
         if run.probe is not None and main:
+            if log:
+                log(f"the original's continuations of the generative probe ({len(run.probe)} prompts)")
             ref.set_greedy(_continue(run, original.model))
-        tasks.run(original.model, "original", log)
+        if "original" not in tasks.scores:  # (once, in a pair's first block)
+            tasks.run(original.model, "original", log)
         ref.set_model(original.describe())
         _free(original)
     return ref
 
 
-def _quantized(run: Evaluation, ref: Any, name: str, log: Callable[[str], None] | None) -> Quantized:
-    """The original quantized with scheme ``name``, scored against its cached self: the perplexity
-    ratio of every protocol asked for and the output agreement (the yardstick of the verdict)."""
+def _yardstick_block(part: Evaluation, ref: Any, name: str, done: _Replayed, log: Callable[[str], None] | None) -> None:
+    """One block of the yardstick ``name``: the original quantized with that scheme, replayed against
+    the block's cached original, its sums added to ``done``."""
     from mha2gqa.eval.quantization import SCHEMES, quantize_model
 
-    scheme = SCHEMES[name]
+    scheme, s = SCHEMES[name], part.settings
     if log:
         log(f"yardstick: scoring the original with {scheme.description}, against the original")
-    model = _load(run, 0)
-    weights = quantize_model(model.model, scheme)
-    scored = {p: _score(run, [model.model], p, replay=ref.replayer(p)) for p in run.passes}
+    model = _load(part, 0)
+    done.weights[name] = quantize_model(model.model, scheme)
+    sums = done.yardsticks.setdefault(name, {})
+    for p, windows in part.passes.items():
+        sums[p] = rank_pass([model.model], windows, s.batch_size, s.progress, p,
+                            replay=ref.replayer(p), into=sums.get(p))  # fmt: skip
     _free(model)
+
+
+def _quantized(run: Evaluation, name: str, done: _Replayed) -> Quantized:
+    """The yardstick ``name``'s section (its blocks' sums reduced): the perplexity ratio of every
+    protocol asked for and the output agreement (what the verdict places the conversion against)."""
+    from mha2gqa.eval.quantization import SCHEMES
+
+    scheme = SCHEMES[name]
+    scored = {p: reduced(res) for p, res in done.yardsticks[name].items()}
     protocols = _protocols(run, scored)
     agreement = scored["disjoint"].agreement
     assert agreement is not None  # a replayed pass is a pair's
@@ -535,7 +655,7 @@ def _quantized(run: Evaluation, ref: Any, name: str, log: Callable[[str], None] 
         description=scheme.description,
         bits=scheme.bits,
         group=scheme.group,
-        weights=weights,
+        weights=done.weights[name],
         ppl_ratio={p: protocols[p].ppl_ratio for p in run.settings.protocols},
         agreement=agreement,
         seconds=sum(r.seconds for r in scored.values()),
@@ -565,6 +685,7 @@ def run(evaluation: Evaluation, log: Callable[[str], None] | None = None) -> Res
             f"{len(ev.passes)} pass(es) of windows of {ev.seq_len} ({', '.join(settings.protocols)})"
             + (", then attention similarity" if ev.attention_batch is not None else "")
         )
+        log(_estimate(ev))
     overlap = calibration_overlap(ev.data, settings.data, ev.folders[1], settings.text_field) if pair else None
     if overlap is not None and overlap.flagged:
         sys.stderr.write(overlap.warning() + "\n")
@@ -597,6 +718,49 @@ def run(evaluation: Evaluation, log: Callable[[str], None] | None = None) -> Res
         seconds=time.perf_counter() - started,
     )
     return results.checked()
+
+
+#: What the process holds before any model (Python, torch, transformers, the tokenizer): the estimate's floor.
+RUNTIME_BYTES = 512 << 20
+
+
+def _estimate(run: Evaluation) -> str:
+    """What the evaluation will hold, before any model loads: memory (the models in memory at once
+    and a batch's logits, the replayed original's batch and the scoring's bounded temporaries, over the
+    runtime's floor) and the reference cache's disk. The tiny 262,144-vocabulary benchmark: 2.6 GiB
+    estimated, 3.0 GiB measured."""
+    from mha2gqa.core.memory import HEAD_BLOCK
+    from mha2gqa.core.units import parse_size
+
+    s = run.settings
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    element = torch.empty(0, dtype=dtype).element_size()
+    params = [_parameters(folder) for folder in run.folders]
+    held = sum(params) if s.load_both or len(params) == 1 else max(params)
+    logits = s.batch_size * run.seq_len * _vocab(run) * element * (len(params) if s.load_both else 1)
+    memory = held * element + 2 * logits + 4 * HEAD_BLOCK + RUNTIME_BYTES
+    line = (
+        f"estimate: about {format_bytes(memory)} of {device.type} memory (weights {format_bytes(held * element)}, "
+        f"a batch's logits {format_bytes(logits)}; lower --batch-size or --seq-len for less)"
+    )
+    if len(params) == 2 and not s.load_both:
+        total = _reference_size(run, device, dtype)
+        if s.reference_cache is None:
+            at_once = min(total, parse_size(s.reference_block) + logits)
+            line += f"; {format_bytes(at_once)} of temporary disk at once ({format_bytes(total)} written)"
+        else:
+            line += f"; {format_bytes(total)} in --reference-cache {s.reference_cache} unless it holds them"
+    return line
+
+
+def _parameters(folder: Path) -> int:
+    """About how many values ``folder``'s weights hold: its weight files' bytes over the stored dtype's."""
+    from mha2gqa.core.models import stored_dtype
+
+    stored = stored_dtype(folder / "config.json")
+    files = [f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file()]
+    return sum(f.stat().st_size for f in files) // (stored.bytes if stored else 4)
 
 
 def _device_info(model: torch.nn.Module, device_map: str | None) -> DeviceInfo:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from mha2gqa.core.memory import logit_rows
+from mha2gqa.core.memory import head_rows, logit_rows
 from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.agreement import Agreement
@@ -150,7 +150,7 @@ def batch_count(windows: list[Window], batch_size: int) -> int:
     return sum(-(-n // batch_size) for n in lengths.values())
 
 
-def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
+def batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
     """Windows grouped into batches of equal length (order kept within a length)."""
     by_len: dict[int, list[Window]] = {}
     for w in windows:
@@ -231,22 +231,36 @@ def _compare(lo: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, nll: list[fl
     agree.tokens += ids.numel()
 
 
+def chunk_positions(batch: int, vocab: int, most: int = 512) -> int:
+    """Positions of a batch scored at a time: at most ``most``, and few enough that a chunk's float32
+    temporaries (``batch x positions x vocab``) stay within :data:`~mha2gqa.core.memory.HEAD_BLOCK`
+    (256 MiB: 256 positions of one window at a 262,144-token vocabulary), whatever the window."""
+    return max(1, min(most, head_rows(vocab) // batch))
+
+
+def new_pass(pair: bool) -> PassResult:
+    """An empty pass's sums (one model, or a pair's with its agreement), for :func:`score_windows` to add to."""
+    return PassResult([0.0] * (2 if pair else 1), 0, 0, AgreementSums() if pair else None)
+
+
 @torch.no_grad()  # not inference_mode: a sharded (FSDP) model reuses its gather buffers in training
 def score_windows(
     models: Sequence[torch.nn.Module],
     windows: list[Window],
     batch_size: int = 1,
-    chunk: int = 512,
     progress: str | None = None,
     record: Record | None = None,
     replay: Replay | None = None,
     padding: tuple[int, torch.Tensor] | None = None,
+    into: PassResult | None = None,
 ) -> PassResult:
     """Run one or two models on every window; sum NLL per model and, for a pair, per-token KL,
-    top-1 agreement and NLL delta (all from float32 log-softmax, ``chunk`` positions at a time), with a
-    progress bar so described (``progress``; None: none).
+    top-1 agreement and NLL delta (all from float32 log-softmax, :func:`chunk_positions` at a time),
+    with a progress bar so described (``progress``; None: none).
     ``padding`` ``(forwards, inputs [1, T])``: run the models on ``inputs``, scoring nothing, until
     ``forwards`` passes are made (so that sharded models make the same collectives on every process).
+    ``into``: the sums of the windows before these (:func:`new_pass`), added to in the same order, so a
+    pass scored block after block returns exactly what one call over all its windows returns.
 
     A pair is either two ``models`` in memory, or one model at a time: a pass over the original
     with ``record`` (its logits at the scored positions are handed over, batch by batch, in the
@@ -258,30 +272,18 @@ def score_windows(
     start = time.perf_counter()
     if len(models) not in (1, 2) or (len(models) == 2 and (record or replay)) or (record and replay):
         raise ValueError("score_windows scores one model, a pair, or one model against a replayed original")
-    pair = len(models) == 2 or replay is not None
-    nll = [0.0] * (2 if pair else 1)
-    tokens = 0
-    agree = AgreementSums() if pair else None
+    res = into if into is not None else new_pass(len(models) == 2 or replay is not None)
     total = sum(int((t != IGNORE).sum()) for _, t in windows)
     bar = progress_bar(total=total, unit="tok", unit_scale=True, desc=progress or "scoring", disable=not progress)
-    for index, batch in enumerate(_batches(windows, batch_size)):
+    for index, batch in enumerate(batches(windows, batch_size)):
         check_signals()
         inputs = torch.stack([w[0] for w in batch])
         targets = torch.stack([w[1] for w in batch])
         logits = [m(inputs.to(_device(m))).logits for m in models]
         saved = replay(index) if replay is not None else None
-        kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for s in range(0, inputs.shape[1], chunk):
-            tgt = targets[:, s : s + chunk].to(logits[0].device)
-            n = int((tgt != IGNORE).sum())
-            if n == 0:
-                continue
-            if record is not None:
-                keep = tgt != IGNORE
-                kept[str(s)] = (logits[0][:, s : s + chunk][keep], tgt[keep])
-            _score_chunk([x[:, s : s + chunk] for x in logits], tgt, saved, f"{s}", nll, agree, fused=record is None)
-            tokens += n
-            bar.update(n)
+        kept = _score_batch(logits, targets, saved, res, keep=record is not None)
+        bar.update(sum(int((t != IGNORE).sum()) for t in targets))
+        del logits
         if record is not None:
             record(index, kept)
     bar.close()
@@ -290,7 +292,36 @@ def score_windows(
         for _ in range(forwards - batch_count(windows, batch_size)):
             for m in models:
                 m(inputs.to(_device(m)))
-    return PassResult(nll, tokens, len(windows), agree, time.perf_counter() - start)
+    res.windows += len(windows)
+    res.seconds += time.perf_counter() - start
+    return res
+
+
+def _score_batch(
+    logits: list[torch.Tensor],
+    targets: torch.Tensor,
+    saved: dict[str, torch.Tensor] | None,
+    res: PassResult,
+    keep: bool,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Add one batch (``logits`` ``[B, T, V]`` per model, ``targets`` ``[B, T]``) to ``res``, a chunk of
+    positions at a time; with ``keep``, the first model's logits at the scored positions, per chunk
+    (a view where a single window's chunk is scored whole: no copy of the logits)."""
+    kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    chunk = chunk_positions(*logits[0].shape[::2])
+    for s in range(0, targets.shape[1], chunk):
+        tgt = targets[:, s : s + chunk].to(logits[0].device)
+        scored = tgt != IGNORE
+        n = int(scored.sum())
+        if n == 0:
+            continue
+        if keep:
+            whole = tgt.shape[0] == 1 and n == tgt.numel()
+            kept[str(s)] = (logits[0][0, s : s + chunk] if whole else logits[0][:, s : s + chunk][scored], tgt[scored])
+        part = [x[:, s : s + chunk] for x in logits]
+        _score_chunk(part, tgt, saved, f"{s}", res.nll_sum, res.agreement, fused=not keep)
+        res.tokens += n
+    return kept
 
 
 def _score_chunk(

@@ -140,31 +140,31 @@ class Reference:
     # -- files, with their checksums ----------------------------------------------------------
     def _write(self, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:
         """Write ``tensors`` to ``name`` (relative) and record its size and sha256 in the manifest."""
-        from safetensors.torch import save
+        from safetensors.torch import save_file
 
-        data = save(tensors, metadata=meta)
         path = self.folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        self.manifest.setdefault("files", {})[name] = [len(data), hashlib.sha256(data).hexdigest()]
+        save_file(tensors, path, metadata=meta)  # straight from the tensors: no copy of a batch's logits in memory
+        self.manifest.setdefault("files", {})[name] = [path.stat().st_size, _sha256(path)]
 
     def _read(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The tensors and metadata of ``name``, refused unless its bytes are the ones written."""
         from safetensors import SafetensorError
-        from safetensors.torch import load
+        from safetensors.torch import load_file
 
         expected = self.manifest.get("files", {}).get(name)
         if expected is None:
             raise self._damaged(name, "it is not in the manifest")
-        try:
-            data = (self.folder / name).read_bytes()
+        path = self.folder / name
+        try:  # hashed as it streams, then loaded: one copy of a batch's logits in memory, not two
+            size, digest = path.stat().st_size, _sha256(path)
         except OSError as e:
             raise self._damaged(name, f"it cannot be read ({e.strerror or e})") from None
-        if len(data) != expected[0] or hashlib.sha256(data).hexdigest() != expected[1]:
-            raise self._damaged(name, f"its content changed since it was written ({len(data):,} bytes)")
+        if size != expected[0] or digest != expected[1]:
+            raise self._damaged(name, f"its content changed since it was written ({size:,} bytes)")
         try:
-            return load(data), read_header(self.folder / name)[1]
-        except (SafetensorError, Mha2GqaError) as e:
+            return load_file(path), read_header(path)[1]
+        except (SafetensorError, Mha2GqaError, OSError) as e:
             raise self._damaged(name, f"it is not a safetensors file ({e})") from None
 
     def _damaged(self, name: str, why: str) -> Mha2GqaError:
@@ -198,6 +198,11 @@ class Reference:
 
     def set_samples(self, samples: list[str]) -> None:
         self.manifest["samples"] = samples
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 #: What a complete entry's manifest holds: key -> the JSON types it may have.
@@ -299,18 +304,38 @@ def build(root: Path, key: str, material: dict[str, Any], need: int, inputs: Inp
     ref.folder = root / key
 
 
-def estimate_bytes(
-    scored_tokens: int, vocab: int, element: int, attention: dict[str, int] | None, top_k: int = 0
-) -> int:
-    """Bytes an entry needs: the logits of every scored token (or their top-k form, ``8 top_k + 8``
-    bytes each), and (``attention``: ``layers``,
-    ``tokens`` B*T, ``seq_len`` T, ``batch`` B, ``heads``, ``kv_heads``, ``head_dim``, ``hidden``) each
-    layer's q, k, v, layer output, output projection and a boolean mask, plus 1% for headers."""
-    total = scored_tokens * (8 * top_k + 8 if top_k else vocab * element)
+def estimate_bytes(scored_tokens: int, per_token: int, element: int, attention: dict[str, int] | None) -> int:
+    """Bytes an entry needs: ``per_token`` for every scored token (the logits, or their top-k form),
+    and (``attention``: ``layers``, ``tokens`` B*T, ``seq_len`` T, ``batch`` B, ``heads``, ``kv_heads``,
+    ``head_dim``, ``hidden``) each layer's q, k, v, layer output, output projection (``element`` bytes a
+    value) and a boolean mask, plus 1% for headers."""
+    total = scored_tokens * per_token
     if attention:
         a = attention
-        per_token = (a["heads"] + 2 * a["kv_heads"]) * a["head_dim"] + a["hidden"]
-        per_layer = a["tokens"] * per_token * element + a["hidden"] * a["heads"] * a["head_dim"] * element
+        per_layer_token = (a["heads"] + 2 * a["kv_heads"]) * a["head_dim"] + a["hidden"]
+        per_layer = a["tokens"] * per_layer_token * element + a["hidden"] * a["heads"] * a["head_dim"] * element
         per_layer += a["batch"] * a["seq_len"] ** 2
         total += a["layers"] * per_layer
     return int(total * 1.01) + 2**20
+
+
+def blocks(
+    passes: dict[str, list[Window]], batch_size: int, per_token: int, budget: int
+) -> list[dict[str, list[Window]]]:
+    """Every pass's windows cut into blocks whose cached scores (``per_token`` bytes a scored token)
+    stay within ``budget`` bytes: whole batches, in the order :func:`~mha2gqa.eval.perplexity.batches`
+    gives them, so each block batches as the whole pass does (the same numbers). One block where all
+    fit; a batch larger than ``budget`` is a block of its own."""
+    from mha2gqa.eval.perplexity import IGNORE, batches
+
+    out: list[dict[str, list[Window]]] = [{}]
+    held = 0
+    for name, windows in passes.items():
+        for batch in batches(windows, batch_size):
+            size = per_token * sum(int((t != IGNORE).sum()) for _, t in batch)
+            if held and held + size > budget:
+                out.append({})
+                held = 0
+            out[-1].setdefault(name, []).extend(batch)
+            held += size
+    return out

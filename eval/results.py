@@ -118,12 +118,14 @@ class Attention:
 @dataclass
 class ReferenceInfo:
     """Where the original's scores came from: the reference cache entry (``folder`` None: a
-    temporary one), its size and ``form`` (``exact``, or ``top-K`` logits kept)."""
+    temporary one; its first block's key), its size (the largest block's) and ``form`` (``exact``, or
+    ``top-K`` logits kept), and the ``blocks`` a temporary cache was built and replayed in."""
 
     key: str
     folder: str | None
     bytes: int
     form: str
+    blocks: int = 1
 
 
 @dataclass

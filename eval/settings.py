@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mha2gqa.core.devices import DEVICE_HELP, DTYPE_HELP, check_device_name, check_dtype_name
-from mha2gqa.core.errors import SettingError
+from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.settings import setting, validate
 from mha2gqa.core.text import DOC_SPLITS, check_text_source
+from mha2gqa.core.units import parse_size
 from mha2gqa.eval.quantization import SCHEMES
 
 #: The perplexity protocols (:mod:`mha2gqa.eval.perplexity` says what each is).
@@ -88,6 +89,12 @@ class EvalSettings:
         "conversion of it evaluated with the same text and settings [default: a "
         "temporary folder, removed afterwards].",
     )
+    reference_block: str = setting(
+        "2GiB",
+        help="Most temporary disk the original's scores take at once when no --reference-cache is given: a "
+        "pair whose scores are larger is scored block by block (each model loaded once a block, the same "
+        "numbers), so the disk an evaluation needs does not grow with the text.",
+    )
     reference_top_k: int = setting(
         0,
         help="Cache the original's next-token distributions as their top K tokens "
@@ -142,6 +149,10 @@ class EvalSettings:
         check_device_name(self.device)
         check_dtype_name(self.dtype)
         check_text_source(self.data, "data")
+        try:
+            parse_size(self.reference_block)
+        except Mha2GqaError as e:
+            raise SettingError("reference_block", f"{{name}} {self.reference_block}: {e}") from None
         if self.load_both and self.reference_top_k:
             raise SettingError(
                 "reference_top_k",

@@ -8,6 +8,8 @@ defaults, choices and help are written once; values are checked before anything 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -30,6 +32,7 @@ from mha2gqa.cli_common import (
     user_errors,
 )
 from mha2gqa.convert.settings import ConvertSettings
+from mha2gqa.core.self_text import SelfTextSettings
 from mha2gqa.core.settings import click_options
 from mha2gqa.distill import DistillSettings, split_options
 from mha2gqa.eval.gates import GATE_EXIT_CODE, GateSettings
@@ -62,10 +65,11 @@ def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | No
 
     from mha2gqa.convert.settings import RECIPE_FIELDS
     from mha2gqa.core.errors import Mha2GqaError
-    from mha2gqa.core.recipe_file import read_recipe
+    from mha2gqa.core.recipe_file import read_recipe, recipe_path
 
     try:
-        sections = read_recipe(Path(value))
+        path = recipe_path(value)
+        sections = read_recipe(path)
     except Mha2GqaError as e:
         raise click.BadParameter(str(e), ctx, param) from None
     known = {"convert": set(RECIPE_FIELDS), "distill": {f.name for f in fields(DistillSettings)}}
@@ -75,7 +79,7 @@ def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | No
             raise click.BadParameter(f"{value}: {name}.{unknown[0]} is not a setting a recipe holds", ctx, param)
     values = {k: v for section in sections.values() for k, v in section.items() if v is not None}
     text = values.get("calibration")
-    beside = Path(value).parent / str(text)
+    beside = path.parent / str(text)
     if isinstance(text, str) and not Path(text).expanduser().exists() and beside.is_file():
         values["calibration"] = str(beside)  # a recipe names its text by file name: here, or beside it
     ctx.default_map = {**(ctx.default_map or {}), **values}
@@ -86,12 +90,11 @@ def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | No
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option(
     "--recipe",
-    type=click.Path(dir_okay=False),
     callback=_recipe_defaults,
     is_eager=True,
     expose_value=False,
-    help="Run the recipe a conversion wrote beside its model (mha2gqa_recipe.yaml): its settings, "
-    "with any option given here in their place.",
+    help="Run a recipe: the file a conversion wrote beside its model (mha2gqa_recipe.yaml), or a shipped "
+    "one by name (recommended); its settings, with any option given here in their place.",
 )
 @click_options(ConvertSettings)
 @click_options(DistillSettings)
@@ -147,6 +150,41 @@ def _run_and_print(job, output_dir: Path | None, quiet: bool, overwrite: bool) -
         click.echo(f"report: {result.report}")
     if not result.gates_passed:
         sys.exit(GATE_EXIT_CODE)
+
+
+@main.command(name="self-text")
+@click.argument("model")
+@click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
+@click_options(SelfTextSettings)
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@quiet_option
+@threads_option
+@user_errors
+def self_text_cmd(model: str, output: Path, overwrite: bool, quiet: bool, **options: Any) -> None:
+    """Calibration text MODEL writes itself (seeded sampling, cached and resumable), alone or mixed into
+    --mix TEXT, written to OUTPUT: pass it as --calibration to calibrate on what the model knows."""
+    from mha2gqa.core.checkpoint import check_loadable
+    from mha2gqa.core.output import check_destination, record_of, write_text
+    from mha2gqa.core.self_text import mixed, self_text
+    from mha2gqa.core.text import load_text
+
+    s = SelfTextSettings(**options).check()
+    check_loadable("MODEL", model)
+    inputs = {"MODEL": model, **({"--mix": s.mix} if s.mix else {})}
+    check_destination(output, overwrite, inputs, "OUTPUT", folder=False)
+    user = load_text(s.mix, s.text_field, "file", "mix") if s.mix else None  # before the model writes
+    written = self_text(model, s, log=_echo_unless(quiet), progress=not quiet)
+    body = written.path.read_text(encoding="utf-8")
+    line = f"{written.tokens:,} tokens in {written.documents:,} documents written by the model"
+    if user is not None:
+        body, share = mixed(body, user.joined, s.share)
+        line += f", mixed into {s.mix} at {share:.0%} of the characters"
+    sha = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    record = {"schema": "mha2gqa.self_text_output/1", "sha256": sha, "model": model, "entry": str(written.path.parent),
+              "written_sha256": written.sha256, "settings": dataclasses.asdict(s)}  # fmt: skip
+    write_text(output, body, "OUTPUT", overwrite, inputs)
+    write_text(record_of(output), json.dumps(record, indent=1) + "\n", "OUTPUT", True, inputs)
+    click.echo(f"{output}: {line} (sha256 {sha[:16]})")
 
 
 @main.command()

@@ -186,6 +186,7 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
     from mha2gqa.convert.converter import run
     from mha2gqa.convert.prepare import inputs_of, prepare
     from mha2gqa.core.output import staged_output
+    from mha2gqa.core.progress import sink as progress_sink
     from mha2gqa.core.recipe_file import recipe_name, write_recipe
     from mha2gqa.core.resume import ResumeFolder, resumable
 
@@ -200,7 +201,11 @@ def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSetti
     resume = ResumeFolder.open(Path(dst), first.fingerprint, s.resume, s.remove_stale)
     staged = staged_output(Path(dst), s.overwrite, inputs_of(first.ckpt, s), remove_stale=s.remove_stale)
     with resumable(resume), staged as stage:
-        converted = run(dataclasses.replace(first, dst=stage / CONVERTED), guard_data=s.calibration, resume=resume)
+        # each refitted layer and the guard's decisions: in ``log`` where the bars are off or go to a log (a job)
+        heard = log if not s.progress or progress_sink() is not None else None
+        converted = run(
+            dataclasses.replace(first, dst=stage / CONVERTED, log=heard), guard_data=s.calibration, resume=resume
+        )
         guard = converted.guard
         held = guard.before_windows if guard is not None and guard.ids is not None else None
         team.decide(lambda: (str(converted.output), held))  # what the other processes distil with rank 0

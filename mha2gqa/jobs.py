@@ -389,10 +389,15 @@ def run_job(
     overwrite: bool = False,
 ) -> RunResult:
     """Convert, evaluate, report and gate as the job says; returns where everything went. An earlier
-    run's folder is replaced only with ``overwrite``. One process: refused under a launcher."""
+    run's folder is replaced only with ``overwrite``. One process: refused under a launcher. Every
+    stage shows its progress: tqdm's bars on the terminal with ``progress``, else a plain line in
+    ``log`` at most every :data:`~mha2gqa.core.progress.PLAIN_SECONDS` (and each bar's last)."""
+    from mha2gqa.core.progress import lines_to
+
     one_process("mha2gqa run", "each of its commands (convert, eval, uptrain) takes torchrun on its own")
-    with _quiet_bars(not progress):
-        return _run_job(job, output_dir, log, progress, overwrite)
+    sink = contextlib.nullcontext() if progress else lines_to(lambda line: log("  " + line))
+    with _quiet_bars(not progress), sink:
+        return _run_job(job, output_dir, log, True, overwrite)
 
 
 class _NotesOnce:

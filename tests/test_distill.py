@@ -182,3 +182,25 @@ def test_the_recipe_file_and_a_job_make_the_same_model_bit_for_bit(src, tmp_path
     bad.write_text("convert: {method: svd, refit_memroy: 1GB}\n")
     refused = CliRunner().invoke(main, ["convert", str(src["model"]), str(tmp_path / "d"), "--recipe", str(bad)])
     assert refused.exit_code == 2 and "convert.refit_memroy is not a setting a recipe holds" in refused.output
+
+
+def test_the_shipped_recommended_recipe_is_the_methods_pages_recipe_by_one_word(src, tmp_path):
+    """``--recipe recommended`` (a recipe file inside the package) makes the same bytes as the options
+    it stands for; an unknown name is refused in one line listing the shipped ones, before any work."""
+    from mha2gqa.core.recipe_file import named_recipes, read_recipe
+
+    assert read_recipe(named_recipes()["recommended"])["convert"] == {"method": "svd", "refit": True, "guard": "undo"}
+    common = ["-g", "1", "-q", "--calibration", str(src["text"]), "--calibration-tokens", "2048",
+              "--calibration-seq-len", "32", "--refit-steps", "6", "--distill-steps", "3"]  # fmt: skip
+
+    def convert(dst, *more):
+        return CliRunner().invoke(main, ["convert", str(src["model"]), str(tmp_path / dst), *common, *more])
+
+    spelled = convert("spelled", "--method", "svd", "--refit", "--distill")
+    named = convert("named", "--recipe", "recommended")
+    assert spelled.exit_code == 0 and named.exit_code == 0, (spelled.output, named.output)
+    model = (tmp_path / "spelled" / "model.safetensors").read_bytes()
+    assert (tmp_path / "named" / "model.safetensors").read_bytes() == model
+    wrong = convert("wrong", "--recipe", "recomended")
+    assert wrong.exit_code != 0 and "the shipped recipes are recommended" in wrong.output
+    assert "Traceback" not in wrong.output and not (tmp_path / "wrong").exists()

@@ -325,6 +325,66 @@ def test_one_model_at_a_time_equals_both_in_memory_and_its_cache_serves_several(
     assert not any(scratch.iterdir())
 
 
+def test_a_temporary_reference_larger_than_its_block_is_scored_block_by_block_to_the_same_numbers(
+    trained_pair, tmp_path
+):
+    """A temporary reference over --reference-block is built and replayed block by block (whole
+    batches; every protocol, rolling's documents of many lengths among them): every figure, the
+    int8 yardstick's included, equals one block's exactly; no block's entry outlives its replay, and
+    the disk held at once is a block's, not the text's."""
+    import tempfile
+
+    import mha2gqa.eval.harness as harness
+    from mha2gqa.eval import reference
+
+    src, _, pooled, text = trained_pair
+    kw = dict(data=str(text), seq_len=64, stride=24, max_tokens=900, batch_size=2, doc_split="paragraph",
+              protocols=("disjoint", "stride", "rolling"), attention_windows=2, samples=2, sample_tokens=5,
+              greedy_prompts=4, greedy_tokens=4, compare_quantization=("int8",), progress=False)  # fmt: skip
+    whole = evaluate(str(src), str(pooled), EvalSettings(**kw))
+    sizes: list[int] = []
+    real_build = reference.build
+
+    def spy(root, key, material, need, inputs):
+        sizes.append(need)
+        return real_build(root, key, material, need, inputs)
+
+    scratch, messages = tmp_path / "tmp", []
+    scratch.mkdir()
+    before, tempfile.tempdir, reference.build = tempfile.tempdir, str(scratch), spy
+    try:
+        blocked = evaluate(str(src), str(pooled), EvalSettings(**kw, reference_block="300KB"), log=messages.append)
+    finally:
+        tempfile.tempdir, reference.build = before, real_build
+    assert whole.reference.blocks == 1 and blocked.reference.blocks == len(sizes) > 3
+    timed = {"quantization"}  # (its seconds; its figures are compared below)
+    assert {k: v for k, v in _numbers(blocked).items() if k not in timed} == {
+        k: v for k, v in _numbers(whole).items() if k not in timed
+    }
+    assert blocked.quantization["int8"].agreement == whole.quantization["int8"].agreement
+    assert blocked.quantization["int8"].ppl_ratio == whole.quantization["int8"].ppl_ratio
+    assert max(sizes) < whole.reference.bytes / 2 and not any(scratch.iterdir())
+    assert any(f"in {len(sizes)} blocks" in m for m in messages) and any(m.startswith("estimate:") for m in messages)
+    assert harness._blocks  # (the planner the harness uses)
+
+
+def test_a_temporary_reference_that_cannot_fit_its_folder_is_refused_before_any_model_loads(
+    trained_pair, tmp_path, monkeypatch
+):
+    import shutil
+    from collections import namedtuple
+
+    import mha2gqa.eval.harness as harness
+    from mha2gqa.core.errors import Mha2GqaError
+
+    src, _, pooled, text = trained_pair
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(harness, "_load", lambda *a: pytest.fail("a model loaded before the refusal"))
+    with pytest.raises(Mha2GqaError, match=r"temporary disk at once .* point TMPDIR at a bigger disk"):
+        evaluate(str(src), str(pooled), EvalSettings(data=str(text), seq_len=64, max_tokens=900, progress=False))
+
+
 def test_reference_cache_refuses_what_is_not_its_own(trained_pair, tmp_path):
     from mha2gqa.core.errors import Mha2GqaError
     from mha2gqa.eval import reference
@@ -338,7 +398,7 @@ def test_reference_cache_refuses_what_is_not_its_own(trained_pair, tmp_path):
     (entry / "mha2gqa_reference.json").write_text("{}")
     with pytest.raises(Mha2GqaError, match="does not match"):
         evaluate(str(src), str(pooled), EvalSettings(**kw, reference_cache=str(tmp_path)))
-    assert reference.estimate_bytes(10, 100, 2, None) == int(2000 * 1.01) + 2**20
+    assert reference.estimate_bytes(10, 200, 2, None) == int(2000 * 1.01) + 2**20
     with pytest.raises(Mha2GqaError, match="need about"), reference.build(tmp_path / "c", "k", {}, 2**62, {}):
         pass
 

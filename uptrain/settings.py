@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha2gqa.core.conversion_record import GUARD_MODES
+from mha2gqa.core.conversion_record import GUARD_MODES, GuardMode
 from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_device_name
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.settings import names_where, setting, validate
@@ -185,7 +185,7 @@ class UptrainSettings:
             raise SettingError("teacher_only", "{name} fills the cache of --teacher-top-k K: give K")
         if self.cpu_offload and self.sharding != "fsdp":
             raise SettingError("cpu_offload", "{name} offloads FSDP shards: add --sharding fsdp")
-        if self.guard == "fail" and not (self.eval_data or self.heldout_tokens):
+        if self.guard == GuardMode.FAIL and not (self.eval_data or self.heldout_tokens):
             raise SettingError("guard", "{name} fail judges the run on held-out text: give --eval-data")
         if self.eval_data and self.heldout_tokens:
             raise SettingError("heldout_tokens", "{name} evaluates on --data's last tokens: give it or --eval-data")

@@ -167,7 +167,7 @@ def cached_teacher(up: Uptraining, s: UptrainSettings, acc, order: WindowOrder, 
                 return up.store.windows(order.batch(step)[rows], up.seq_len)
 
             share = PassShare(acc.process_index, acc.num_processes, up.micro)
-            fill(cache, teacher, missing, up.total, batch_rows, share, say)
+            fill(cache, teacher, missing, up.total, batch_rows, share, say, s.progress and acc.is_main_process)
             del teacher
             gc.collect()
             trim()

@@ -275,21 +275,27 @@ def fill(
     batch_rows: Callable[[int], torch.Tensor],
     share: PassShare,
     log: Callable[[str], None],
+    progress: bool = False,
 ) -> None:
     """Compute and publish this process's part of every chunk in ``chunks`` (their steps a run of
-    ``total`` steps reads), in order.
+    ``total`` steps reads), in order, with a bar over the steps (``progress``).
     ``batch_rows(step)``: this process's ``[B/P, T + 1]`` windows of 0-based optimizer step ``step``."""
+    from mha2gqa.core.progress import bar as progress_bar
+    from mha2gqa.core.signals import check as check_signals
+
     part, parts, micro = share.part, share.parts, share.micro
     s = cache.settings
     started = time.perf_counter()
     tail, tokens = 0.0, 0
+    count = sum(cache.steps_of(chunk, total) for chunk in chunks)
+    bar = progress_bar(total=count, unit="step", desc="teacher pass", disable=not progress)
     for n, chunk in enumerate(chunks):
-        from mha2gqa.core.signals import check as check_signals
-
         check_signals()
         start = chunk * cache.chunk_steps
-        steps = range(start, start + cache.steps_of(chunk, total))
-        done = [teacher_part(teacher, batch_rows(step), s["top_k"], s["temperature"], micro) for step in steps]
+        done = []
+        for step in range(start, start + cache.steps_of(chunk, total)):
+            done.append(teacher_part(teacher, batch_rows(step), s["top_k"], s["temperature"], micro))
+            bar.update(1)
         cache.write_part(chunk, part, parts, {k: torch.stack([d[k] for d in done]) for k in FIELDS})
         tail += sum(float(d["rest"].exp().sum()) for d in done)
         tokens += sum(d["rest"].numel() for d in done)
@@ -298,6 +304,7 @@ def fill(
                 f"teacher pass: chunk {n + 1:,}/{len(chunks):,} ({time.perf_counter() - started:.1f} s; the "
                 f"teacher's mass outside its top {s['top_k']}: {tail / max(tokens, 1):.2%} on average)"
             )
+    bar.close()
 
 
 def producer_lock(cache: TeacherCache) -> Callable[[], None] | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.core.conversion_record import UNDONE, read_conversion_record
+from mha2gqa.core.conversion_record import UNDONE, GuardMode, read_conversion_record
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_LOG, now
@@ -378,13 +378,13 @@ class _Trainer:
         one; None: off, or nothing measured); ``--guard fail`` raises where the run did not help."""
         from mha2gqa.core.ranks import ranks
 
-        if self.s.guard == "off":
+        if self.s.guard == GuardMode.OFF:
             return None
         kept = lambda: [at for at, _ in checkpoint_dirs(self.output)] if self.guarded_whole else []  # noqa: E731
         guard = ranks().decide(lambda: choose(self.evals, step, kept(), self.figure))
         if guard is None:
             return None
-        if guard.outcome == UNDONE and self.s.guard == "fail":
+        if guard.outcome == UNDONE and self.s.guard == GuardMode.FAIL:
             raise Mha2GqaError(
                 f"uptrain: the run did not help ({guard.moved}); with --guard fail no final model is written "
                 f"(the checkpoints stay in {self.output}; --guard undo publishes the student as given)"

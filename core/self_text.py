@@ -1,0 +1,404 @@
+"""Calibration text the original model writes itself, alone or mixed with the user's text.
+
+A conversion calibrated on one kind of text (WikiText, most often) keeps the original's behaviour on
+that kind and loses more elsewhere. The model's own samples cover what it knows (LLM-QAT's data-free
+recipe): each document starts from the model's own distribution, not from a fixed prompt (a BOS
+token, else EOS: the first token is sampled from what the model writes first), and, where the
+tokenizer has a chat template, every other batch starts where the template opens a user turn, so an
+instruct model writes both sides of a conversation. Sampling is seeded, with a temperature and
+nucleus (top-p) cut, batched with the KV cache; a document ends at EOS or its token budget.
+
+An entry is a folder ``<cache>/self-text/<key>`` (the key: a hash of the model's identity, the
+settings, the device and dtype and the library versions), written batch by batch:
+``part-<n>.txt`` and its record ``part-<n>.json`` (the part's sha256 and tokens, written after it), then
+``text.txt`` and the manifest (its sha256), last. A stopped generation resumes from its recorded
+parts; the same seed gives the same bytes on the same machine (threads pinned: the last bits of a
+forward can move a sample). Every file is checked against its record when it is read: a damaged one
+is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.settings import setting, validate
+
+if TYPE_CHECKING:
+    import torch
+
+SCHEMA = "mha2gqa.self_text/1"
+#: The sampler's version, in the cache key: a change to how tokens are drawn writes new entries.
+SAMPLER = 3
+MANIFEST = "mha2gqa_self_text.json"
+TEXT = "text.txt"
+#: What separates documents in the text file (a blank line: a paragraph break for ``--doc-split``).
+SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class SelfTextSettings:
+    """How the original writes its own calibration text (``mha2gqa self-text``)."""
+
+    tokens: int = setting(16384, help="Tokens the model writes in all.", minimum=1)
+    seed: int = setting(0, help="Seed of the sampling: the same seed writes the same text.", minimum=0,
+                        maximum=2**31 - 1)  # fmt: skip
+    temperature: float = setting(1.0, help="Sampling temperature.", above=0, maximum=10)
+    top_p: float = setting(0.95, help="Nucleus sampling: the smallest set of tokens of this mass.", above=0, maximum=1)
+    document_tokens: int = setting(512, help="Most tokens of one document (it ends sooner at EOS).", minimum=8)
+    batch_size: int = setting(64, help="Documents written at once.", minimum=1)
+    chat: bool = setting(True, help="Where the tokenizer has a chat template, start every other batch at a user turn.")
+    mix: str | None = setting(
+        None, help="The user's text to mix the written text into (a file or a datasets name); none: alone."
+    )
+    share: float = setting(
+        0.5,
+        help="Share of the written text in the mix (by characters); the mix ends where either text does.",
+        above=0,
+        below=1,
+    )
+    text_field: str = setting("text", help="Field holding the text of --mix in .jsonl/.parquet/datasets sources.")
+    device: str = setting("auto", help="Where the model writes: auto, cpu, cuda, cuda:N, mps.")
+
+    def check(self) -> SelfTextSettings:
+        from mha2gqa.core.devices import check_device_name
+        from mha2gqa.core.errors import SettingError
+        from mha2gqa.core.text import check_text_source
+
+        validate(self)
+        check_device_name(self.device)
+        check_text_source(self.mix, "mix")
+        if self.share != 0.5 and self.mix is None:
+            raise SettingError("share", "{name} is the written text's share of --mix: give --mix TEXT too")
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        """What decides the written text (its cache key's part), without the mix."""
+        keys = ("tokens", "seed", "temperature", "top_p", "document_tokens", "batch_size", "chat")
+        return {k: getattr(self, k) for k in keys}
+
+
+# -- sampling ---------------------------------------------------------------------------------------
+def starts(tokenizer, chat: bool) -> list[list[int]]:
+    """The prefixes documents start from: the BOS token (else EOS), and where ``chat`` and the tokenizer
+    has a chat template, the template's text up to a user turn's content."""
+    first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if first is None:
+        raise Mha2GqaError("the tokenizer has neither a BOS nor an EOS token to start a document from")
+    out = [[int(first)]]
+    if chat and getattr(tokenizer, "chat_template", None):
+        marker = "\u2063mha2gqa\u2063"
+        try:
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+        except Exception:  # a template that needs more than one user turn: documents from BOS only
+            return out
+        if marker in rendered:
+            ids = tokenizer(rendered.split(marker)[0], add_special_tokens=False)["input_ids"]
+            if ids:
+                out.append([int(i) for i in ids])
+    return out
+
+
+def nucleus(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logits`` ``[B, V]``: sampled at ``temperature`` from the smallest set of
+    tokens whose probability reaches ``top_p`` (the most likely token always in it). Only tokens of
+    probability at least ``(1 - top_p) / V`` are ranked: those below hold less than ``1 - top_p``
+    together, so none of them is in the set (the same set as ranking all; SmolLM2 at 1.0: a median of
+    4K of its 49K tokens, ranked 4x faster)."""
+    import torch
+
+    probs = torch.softmax(logits.float() / temperature, -1)
+    floor = (1 - top_p) / probs.shape[-1]
+    k = max(1, int((probs >= floor).sum(-1).max())) if top_p < 1 else probs.shape[-1]
+    ranked, order = probs.topk(k, -1)
+    ranked = ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0)
+    picked = torch.multinomial(ranked.cpu(), 1, generator=generator).to(order.device)
+    return order.gather(-1, picked)[:, 0]
+
+
+def write_batch(
+    model, prefix: list[int], s: SelfTextSettings, generator: torch.Generator, eos: int | None, write: Writing
+):
+    """``s.batch_size`` documents from ``prefix``, each up to ``s.document_tokens`` new tokens (EOS ends
+    one; a finished document leaves the batch and its KV cache), with the KV cache, until ``write``'s
+    budget of tokens is written: ``[B, P + s.document_tokens]`` ids and ``[B]`` the new tokens of each
+    (EOS not counted). ``write.on_step(n)`` hears the tokens each step added (the progress bar)."""
+    import torch
+
+    with torch.inference_mode():
+        return _write_batch(model, prefix, s, generator, eos, write)
+
+
+@dataclass(frozen=True)
+class Writing:
+    """What one batch may write (``budget`` tokens) and who hears each step (``on_step``)."""
+
+    budget: int
+    on_step: Callable[[int], object] | None = None
+
+
+def _write_batch(model, prefix: list[int], s: SelfTextSettings, generator, eos: int | None, write: Writing):
+    import torch
+
+    device = next(model.parameters()).device
+    name = _cache_arg(model)
+    out = model(input_ids=torch.tensor([prefix] * s.batch_size, device=device), use_cache=True)
+    rows = torch.arange(s.batch_size, device=device)  # the documents still being written
+    written = torch.full((s.batch_size, s.document_tokens), eos if eos is not None else 0, dtype=torch.long)
+    lengths = torch.zeros(s.batch_size, dtype=torch.long)
+    for step in range(s.document_tokens):
+        token = nucleus(out.logits[:, -1], s.temperature, s.top_p, generator)
+        live = token != eos if eos is not None else torch.ones_like(token, dtype=torch.bool)
+        written[rows.cpu(), step] = token.cpu()
+        lengths[rows[live].cpu()] += 1
+        if write.on_step is not None:
+            write.on_step(int(live.sum()))
+        if not bool(live.any()) or int(lengths.sum()) >= write.budget:
+            break
+        cache = _cache_of(out)
+        if not bool(live.all()):  # finished documents leave the batch
+            cache.batch_select_indices(live.nonzero()[:, 0])
+            rows, token = rows[live], token[live]
+        out = model(input_ids=token[:, None], **{name: cache}, use_cache=True)
+    ids = torch.cat([torch.tensor([prefix] * s.batch_size), written], 1)
+    return ids, lengths
+
+
+def _cache_arg(model) -> str:
+    """The name ``model``'s forward takes its KV cache by (``cache`` in newer transformers)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    """The KV cache a forward returned (``cache``, ``past_key_values`` before)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def documents(tokenizer, ids: torch.Tensor, lengths: torch.Tensor, prefix: int) -> list[str]:
+    """The text of each written document: its prefix (kept where it is a chat turn, so the template's
+    markup is in the text as the model read it) and its new tokens before EOS."""
+    out = []
+    for row, n in zip(ids.tolist(), lengths.tolist(), strict=True):
+        kept = row[: prefix + n] if prefix > 1 else row[prefix : prefix + n]
+        text = tokenizer.decode(kept, skip_special_tokens=prefix <= 1).strip()
+        if text:
+            out.append(text)
+    return out
+
+
+# -- the cache entry --------------------------------------------------------------------------------
+@dataclass
+class Entry:
+    """One entry's folder, with its files checked as they are read."""
+
+    folder: Path
+
+    def damaged(self, name: str, why: str) -> Mha2GqaError:
+        return Mha2GqaError(
+            f"self-text cache {self.folder / name}: {why}; remove {self.folder} and run again to rewrite it"
+        )
+
+    def record(self, name: str) -> dict[str, Any]:
+        """A JSON record of the entry (a part's or the manifest), refused unless it is one of ours."""
+        try:
+            data = json.loads((self.folder / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            raise self.damaged(name, "it is not a readable JSON record") from None
+        ok = isinstance(data, dict) and isinstance(data.get("sha256"), str) and isinstance(data.get("tokens"), int)
+        if not ok or isinstance(data["tokens"], bool) or data["tokens"] < 0:
+            raise self.damaged(name, "it is not a record of this tool's (sha256 and tokens)")
+        return data
+
+    def text(self, name: str, sha256: str) -> str:
+        """The text file ``name``, refused unless its bytes have ``sha256``."""
+        try:
+            data = (self.folder / name).read_bytes()
+        except OSError as e:
+            raise self.damaged(name, f"it cannot be read ({e.strerror or e})") from None
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise self.damaged(name, f"its content changed since it was written ({len(data):,} bytes)")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.damaged(name, "it is not UTF-8 text") from None
+
+    def write(self, name: str, data: str) -> None:
+        from mha2gqa.core.output import replace_own_file
+
+        replace_own_file(self.folder / name, data)
+
+    def parts(self) -> Iterator[tuple[int, str, int]]:
+        """The recorded parts in order, ``(index, text, tokens)``, each checked; stops at the first
+        part without a record (one a stop interrupted: written again)."""
+        n = 0
+        while (self.folder / f"part-{n:06d}.json").is_file():
+            record = self.record(f"part-{n:06d}.json")
+            yield n, self.text(f"part-{n:06d}.txt", record["sha256"]), record["tokens"]
+            n += 1
+
+
+def _material(model: str, folder: Path, s: SelfTextSettings, device: torch.device, dtype: torch.dtype) -> dict:
+    import torch
+
+    from mha2gqa.core.cache import computed_with, model_identity
+
+    return {"schema": SCHEMA, "sampler": SAMPLER, "model": model_identity(model, folder), "sampling": s.sampling(),
+            "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(),
+            "versions": computed_with()}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Written:
+    """A finished entry: its text file, sha256, tokens and documents, and whether it was reused."""
+
+    path: Path
+    sha256: str
+    tokens: int
+    documents: int
+    reused: bool
+
+
+def self_text(model: str, s: SelfTextSettings, root: Path | None = None, log: Callable[[str], None] | None = None,
+              progress: bool = False) -> Written:  # fmt: skip
+    """The text ``model`` (a folder or hub id) writes under ``s``: the cached entry under ``root``
+    (default ``<cache>/self-text``) when it is complete (checked), else written now, resumed from the
+    parts a stopped run recorded (under the entry's lock: runs sharing a cache write it once)."""
+    from mha2gqa.core.cache import cache_root, entry_name, locked
+    from mha2gqa.core.checkpoint import resolve_folder
+    from mha2gqa.core.models import resolve_device, resolve_dtype
+
+    device = resolve_device(s.device)
+    dtype = resolve_dtype("auto", device)
+    folder = resolve_folder(model, None, False)[0]
+    material = _material(model, folder, s, device, dtype)
+    root = Path(root) if root is not None else cache_root() / "self-text"
+    key = entry_name(material)
+    entry = Entry(root / key)
+    with locked(root, key, f"self-text cache {root}", f"waiting for another run writing {entry.folder}", log):
+        found = _finished(entry, key)
+        if found is not None:
+            if log:
+                log(f"self-text: reusing {found.path} ({found.tokens:,} tokens)")
+            return found
+        entry.folder.mkdir(parents=True, exist_ok=True)
+        (entry.folder / "material.json").write_text(json.dumps(material, indent=1) + "\n", encoding="utf-8")
+        return _write(model, entry, key, s, (device, dtype), log, progress)
+
+
+def _finished(entry: Entry, key: str) -> Written | None:
+    """The complete entry (manifest and text checked), or None where it has no manifest yet."""
+    if not (entry.folder / MANIFEST).is_file():
+        return None
+    manifest = entry.record(MANIFEST)
+    if manifest.get("schema") != SCHEMA or manifest.get("key") != key or not isinstance(manifest.get("documents"), int):
+        raise entry.damaged(MANIFEST, "its schema or key does not match its folder")
+    entry.text(TEXT, manifest["sha256"])
+    return Written(entry.folder / TEXT, manifest["sha256"], manifest["tokens"], manifest["documents"], True)
+
+
+def _fitted(s: SelfTextSettings, positions: int | None, prefix: int) -> SelfTextSettings:
+    """``s`` with documents no longer than the model's ``positions`` leave after the longest ``prefix``
+    (a learned position table has no row past them; a rotary model was not trained past them)."""
+    import dataclasses
+
+    if positions is None or s.document_tokens + prefix <= positions:
+        return s
+    if positions - prefix < 8:
+        raise Mha2GqaError(
+            f"the model reads {positions} positions: too few to write documents from a {prefix}-token start"
+        )
+    return dataclasses.replace(s, document_tokens=positions - prefix)
+
+
+def _write(model: str, entry: Entry, key: str, s: SelfTextSettings, place, log, progress: bool) -> Written:
+    """Write (or finish) the entry: batch after batch until ``s.tokens`` are written, then the text
+    and its manifest."""
+    import torch
+
+    from mha2gqa.core.dims import max_positions
+    from mha2gqa.core.models import load_model, load_tokenizer
+    from mha2gqa.core.progress import bar as progress_bar
+    from mha2gqa.core.signals import check as check_signals
+
+    texts, tokens = [], 0
+    for _, text, n in entry.parts():
+        texts.append(text)
+        tokens += n
+    if log and texts:
+        log(f"self-text: resuming {entry.folder} after {len(texts)} batch(es), {tokens:,} tokens")
+    loaded = load_model(model, *place)
+    tokenizer = load_tokenizer(Path(loaded.folder))
+    prefixes = starts(tokenizer, s.chat)
+    s = _fitted(s, max_positions(loaded.model.config), max(map(len, prefixes)))
+    eos = tokenizer.eos_token_id
+    bar = progress_bar(total=s.tokens, initial=min(tokens, s.tokens), unit="tok", unit_scale=True,
+                       desc="self-text", disable=not progress)  # fmt: skip
+    started, fresh = time.perf_counter(), 0
+    with bar:
+        while tokens < s.tokens:
+            check_signals()
+            n = len(texts)
+            generator = torch.Generator().manual_seed(s.seed * 1_000_003 + n)
+            prefix = prefixes[n % len(prefixes)]
+            ids, lengths = write_batch(loaded.model, prefix, s, generator, eos, Writing(s.tokens - tokens, bar.update))
+            text = SEPARATOR.join(documents(tokenizer, ids, lengths, len(prefix)))
+            entry.write(f"part-{n:06d}.txt", text)
+            record = {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "tokens": int(lengths.sum())}
+            entry.write(f"part-{n:06d}.json", json.dumps(record) + "\n")
+            texts.append(text)
+            tokens, fresh = tokens + record["tokens"], fresh + record["tokens"]
+            bar.set_postfix_str(f"{fresh / max(time.perf_counter() - started, 1e-9):,.0f} tok/s", refresh=False)
+    body = SEPARATOR.join(t for t in texts if t) + "\n"
+    entry.write(TEXT, body)
+    sha = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    count = sum(len([d for d in t.split(SEPARATOR) if d]) for t in texts)
+    manifest = {"schema": SCHEMA, "key": key, "sha256": sha, "tokens": tokens, "documents": count}
+    entry.write(MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    if log:
+        log(f"self-text: {tokens:,} tokens in {count:,} documents written to {entry.folder / TEXT} "
+            f"({fresh / max(time.perf_counter() - started, 1e-9):,.0f} tok/s)")  # fmt: skip
+    return Written(entry.folder / TEXT, sha, tokens, count, False)
+
+
+# -- the mix ----------------------------------------------------------------------------------------
+def mixed(written: str, user: str, share: float) -> tuple[str, float]:
+    """The written text's documents and pieces of the user's text ``user`` (whole lines, about a
+    written document's length each, whatever its layout: paragraphs or a line each) interleaved, one
+    kind after the other as each falls behind its share of the characters (``share``: the written
+    text's), until one kind runs out (the user's pieces then until the share is met): every stretch of
+    the text holds both at that share, its end too (where the stage guard's held-out windows are cut).
+    Returns the text and the written share it has."""
+    ours = [d for d in written.split(SEPARATOR) if d.strip()]
+    theirs = _pieces(user, sum(map(len, ours)) // max(len(ours), 1))
+    out, have, i, j = [], [0, 0], 0, 0
+    while j < len(theirs) and (i < len(ours) or have[0] > share * sum(have)):
+        if i < len(ours) and have[0] <= share * sum(have):
+            out.append(ours[i])
+            have[0], i = have[0] + len(ours[i]), i + 1
+        else:
+            out.append(theirs[j])
+            have[1], j = have[1] + len(theirs[j]), j + 1
+    return SEPARATOR.join(out) + "\n", have[0] / max(sum(have), 1)
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    """``text`` cut into pieces of whole lines, each at least ``size`` characters (the last may be shorter)."""
+    out, current, held = [], [], 0
+    for line in text.splitlines():
+        if line.strip():
+            current.append(line)
+            held += len(line) + 1
+        if held >= max(size, 1):
+            out.append("\n".join(current).strip())
+            current, held = [], 0
+    if current:
+        out.append("\n".join(current).strip())
+    return [p for p in out if p]
