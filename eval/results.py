@@ -119,13 +119,14 @@ class Attention:
 class ReferenceInfo:
     """Where the original's scores came from: the reference cache entry (``folder`` None: a
     temporary one; its first block's key), its size (the largest block's) and ``form`` (``exact``, or
-    ``top-K`` logits kept), and the ``blocks`` a temporary cache was built and replayed in."""
+    ``top-K`` logits kept), and the ``blocks`` a temporary cache was built and replayed in (None:
+    one)."""
 
     key: str
     folder: str | None
     bytes: int
     form: str
-    blocks: int = 1
+    blocks: int | None = None
 
 
 @dataclass

@@ -2,8 +2,9 @@
 it or refuses it with one line (:class:`Mha2GqaError`) naming the file; never another exception.
 
 Formats: eval results (and the terminal summary and report tables over what it accepts), the reference
-cache manifest, the conversion record, an uptraining log, a bench file, a model config, and a
-safetensors header. ``MHA2GQA_FUZZ_EXAMPLES`` sets the examples per reader (CI: 150).
+cache manifest, the conversion record, an uptraining log, a bench file, a model config, a
+safetensors header, and the self-text cache's manifest and part records. ``MHA2GQA_FUZZ_EXAMPLES`` sets
+the examples per reader (CI: 150).
 """
 
 import copy
@@ -261,6 +262,49 @@ def test_safetensors_header(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("st") / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 32)
     _refused_or_read(lambda: read_shard_index([path]), path)
+
+
+@pytest.fixture(scope="module")
+def self_written(tmp_path_factory):
+    """A finished self-text entry of a tiny Llama, and its manifest and first part's record."""
+    from conftest import llama_with_tokenizer, story_text
+
+    from mha2gqa.core.self_text import MANIFEST, SelfTextSettings, self_text
+
+    root = tmp_path_factory.mktemp("self-text")
+    model = llama_with_tokenizer(root / "m", story_text(root / "t.txt"))
+    s = SelfTextSettings(tokens=60, document_tokens=16, batch_size=2, device="cpu")
+    entry = self_text(str(model), s, root / "cache").path.parent
+    return (
+        str(model),
+        s,
+        entry,
+        json.loads((entry / MANIFEST).read_text()),
+        json.loads((entry / "part-000000.json").read_text()),
+    )
+
+
+@given(data=st.data())
+@FUZZ
+def test_self_text_records(self_written, data):
+    from mha2gqa.core.self_text import MANIFEST, self_text
+
+    model, s, entry, manifest, part = self_written
+    which = data.draw(st.sampled_from([MANIFEST, "part-000000.json"]))
+    doc = data.draw(damaged(manifest if which == MANIFEST else part))
+    path = entry / which
+    _write(path, doc)
+    moved = entry / (MANIFEST + ".kept")
+    if which != MANIFEST:  # a part's record is read while the entry is unfinished
+        (entry / MANIFEST).rename(moved)
+    try:
+        _refused_or_read(lambda: self_text(model, s, entry.parent), path)
+    finally:
+        if moved.exists():
+            (entry / MANIFEST).unlink(missing_ok=True)
+            moved.rename(entry / MANIFEST)
+        _write(entry / "part-000000.json", part)
+        _write(entry / MANIFEST, manifest)
 
 
 def test_the_damage_strategy_changes_documents():
