@@ -56,8 +56,8 @@ _SINK: ContextVar[Callable[[str], None] | None] = ContextVar("mha2gqa_progress_s
 
 @contextlib.contextmanager
 def lines_to(log: Callable[[str], None]) -> Iterator[None]:
-    """Every bar made inside the block writes plain lines (one at most every :data:`PLAIN_SECONDS`,
-    and its last) to ``log`` instead of stderr."""
+    """Every bar made inside the block writes plain lines to ``log`` instead of stderr: none for a bar
+    done within :data:`PLAIN_SECONDS`, else one at most every :data:`PLAIN_SECONDS` and its last."""
     token = _SINK.set(log)
     try:
         yield
@@ -85,6 +85,8 @@ def bar(**kwargs: Any):
         kwargs = {"mininterval": PLAIN_SECONDS, "maxinterval": PLAIN_SECONDS * 4, "ascii": True, **kwargs}
         kwargs["file"] = _Lines(sys.stderr if sink is None else _Log(sink))
         kwargs.setdefault("ncols", 100)
+        if sink is not None:  # a job's log: a stage done within PLAIN_SECONDS says nothing more than its line
+            kwargs.setdefault("delay", PLAIN_SECONDS)
     return tqdm(**kwargs)
 
 

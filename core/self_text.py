@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mha2gqa.core.devices import DEVICE_HELP
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.settings import setting, validate
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 SCHEMA = "mha2gqa.self_text/1"
 #: The sampler's version, in the cache key: a change to how tokens are drawn writes new entries.
-SAMPLER = 3
+SAMPLER = 4
 MANIFEST = "mha2gqa_self_text.json"
 TEXT = "text.txt"
 #: What separates documents in the text file (a blank line: a paragraph break for ``--doc-split``).
@@ -64,7 +65,7 @@ class SelfTextSettings:
         below=1,
     )
     text_field: str = setting("text", help="Field holding the text of --mix in .jsonl/.parquet/datasets sources.")
-    device: str = setting("auto", help="Where the model writes: auto, cpu, cuda, cuda:N, mps.")
+    device: str = setting("auto", help=DEVICE_HELP)
 
     def check(self) -> SelfTextSettings:
         from mha2gqa.core.devices import check_device_name
@@ -137,10 +138,13 @@ def write_batch(
 
 @dataclass(frozen=True)
 class Writing:
-    """What one batch may write (``budget`` tokens) and who hears each step (``on_step``)."""
+    """What one batch may write (``budget`` tokens), who hears each step (``on_step``), and the EOS
+    tokens that end a document (``turns``: 2 from a chat turn, whose first EOS closes the user's
+    message, so the model writes the reply too)."""
 
     budget: int
     on_step: Callable[[int], object] | None = None
+    turns: int = 1
 
 
 def _write_batch(model, prefix: list[int], s: SelfTextSettings, generator, eos: int | None, write: Writing):
@@ -152,9 +156,12 @@ def _write_batch(model, prefix: list[int], s: SelfTextSettings, generator, eos: 
     rows = torch.arange(s.batch_size, device=device)  # the documents still being written
     written = torch.full((s.batch_size, s.document_tokens), eos if eos is not None else 0, dtype=torch.long)
     lengths = torch.zeros(s.batch_size, dtype=torch.long)
+    seen = torch.zeros(s.batch_size, dtype=torch.long, device=device)  # each document's EOS so far
     for step in range(s.document_tokens):
-        token = nucleus(out.logits[:, -1], s.temperature, s.top_p, generator)
-        live = token != eos if eos is not None else torch.ones_like(token, dtype=torch.bool)
+        token = nucleus(out["logits"][:, -1], s.temperature, s.top_p, generator)
+        if eos is not None:
+            seen[rows] += token == eos
+        live = seen[rows] < write.turns  # (an EOS before the last one is the document's own)
         written[rows.cpu(), step] = token.cpu()
         lengths[rows[live].cpu()] += 1
         if write.on_step is not None:
@@ -348,7 +355,10 @@ def _write(model: str, entry: Entry, key: str, s: SelfTextSettings, place, log, 
             n = len(texts)
             generator = torch.Generator().manual_seed(s.seed * 1_000_003 + n)
             prefix = prefixes[n % len(prefixes)]
-            ids, lengths = write_batch(loaded.model, prefix, s, generator, eos, Writing(s.tokens - tokens, bar.update))
+            turns = 1 if n % len(prefixes) == 0 else 2  # (the first start is BOS, the second a chat turn)
+            ids, lengths = write_batch(
+                loaded.model, prefix, s, generator, eos, Writing(s.tokens - tokens, bar.update, turns)
+            )
             text = SEPARATOR.join(documents(tokenizer, ids, lengths, len(prefix)))
             entry.write(f"part-{n:06d}.txt", text)
             record = {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "tokens": int(lengths.sum())}

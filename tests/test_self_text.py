@@ -156,3 +156,34 @@ def test_documents_fit_a_learned_position_table(tmp_path):
     written = self_text(str(folder), SelfTextSettings(tokens=300, batch_size=4, device="cpu"), tmp_path / "cache")
     assert written.tokens >= 300 and written.documents >= 300 // 63  # documents of at most 63 new tokens
     assert st._fitted(SelfTextSettings(), 64, 1).document_tokens == 63
+
+
+class _Cache:
+    """A stand-in KV cache: it only follows which rows are left."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.rows = len(indices)
+
+
+class _AlwaysEos(torch.nn.Module):
+    """A model that writes EOS (id 2) at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, use_cache=True, cache=None):
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], 5), -30.0)
+        logits[..., 2] = 30.0
+        return {"logits": logits, "cache": cache or _Cache(input_ids.shape[0])}
+
+
+def test_a_chat_turns_first_eos_closes_the_users_message_and_the_reply_is_written_too():
+    s = SelfTextSettings(document_tokens=6, batch_size=3)
+    g = torch.Generator().manual_seed(0)
+    _, plain = st.write_batch(_AlwaysEos(), [1], s, g, 2, st.Writing(100))
+    _, chat = st.write_batch(_AlwaysEos(), [1], s, g, 2, st.Writing(100, turns=2))
+    assert plain.tolist() == [0, 0, 0] and chat.tolist() == [1, 1, 1]  # the user's EOS kept, the last not
