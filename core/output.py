@@ -88,12 +88,11 @@ def record_of(path: Path) -> Path:
 
 def _recorded(path: Path) -> bool:
     """Whether the record beside ``path`` names this tool and the file's exact bytes (sha256)."""
-    import hashlib
+    from mha2gqa.core.cache import file_sha256
 
     try:
         record = json.loads(record_of(path).read_text(encoding="utf-8"))
-        with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        digest = file_sha256(path)
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     ours = isinstance(record, dict) and str(record.get("schema", "")).startswith("mha2gqa.")

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from mha2gqa.core import typed
-from mha2gqa.core.cache import computed_with
+from mha2gqa.core.cache import computed_with, file_sha256
 from mha2gqa.core.cache import locked as cache_lock
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.model_info import ModelInfo
@@ -145,7 +145,7 @@ class Reference:
         path = self.folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, path, metadata=meta)  # straight from the tensors: no copy of a batch's logits in memory
-        self.manifest.setdefault("files", {})[name] = [path.stat().st_size, _sha256(path)]
+        self.manifest.setdefault("files", {})[name] = [path.stat().st_size, file_sha256(path)]
 
     def _read(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The tensors and metadata of ``name``, refused unless its bytes are the ones written."""
@@ -157,7 +157,7 @@ class Reference:
             raise self._damaged(name, "it is not in the manifest")
         path = self.folder / name
         try:  # hashed as it streams, then loaded: one copy of a batch's logits in memory, not two
-            size, digest = path.stat().st_size, _sha256(path)
+            size, digest = path.stat().st_size, file_sha256(path)
         except OSError as e:
             raise self._damaged(name, f"it cannot be read ({e.strerror or e})") from None
         if size != expected[0] or digest != expected[1]:
@@ -198,11 +198,6 @@ class Reference:
 
     def set_samples(self, samples: list[str]) -> None:
         self.manifest["samples"] = samples
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 #: What a complete entry's manifest holds: key -> the JSON types it may have.
