@@ -172,6 +172,7 @@ def self_text_cmd(model: str, output: Path, overwrite: bool, quiet: bool, **opti
     check_loadable("MODEL", model)
     inputs = {"MODEL": model, **({"--mix": s.mix} if s.mix else {})}
     check_destination(output, overwrite, inputs, "OUTPUT", folder=False)
+    check_destination(record_of(output), True, inputs, "OUTPUT", folder=False)  # (its record: ours, or none)
     user = load_text(s.mix, s.text_field, "file", "mix") if s.mix else None  # before the model writes
     written = self_text(model, s, log=_echo_unless(quiet), progress=not quiet)
     body = written.path.read_text(encoding="utf-8")

@@ -130,6 +130,11 @@ def test_the_command_writes_its_output_with_a_record_and_refuses_bad_input(model
     other.write_text("a user's own file")
     refused = CliRunner().invoke(main, ["self-text", model, str(other), "--overwrite", "-q"])
     assert refused.exit_code != 0 and "not written by mha2gqa" in refused.output
+    foreign = tmp_path / "theirs.txt.mha2gqa.json"
+    foreign.write_text("a user's own notes")  # where OUTPUT's record would go: refused before any work
+    blocked = CliRunner().invoke(main, ["self-text", model, str(tmp_path / "theirs.txt"), "-q"])
+    assert blocked.exit_code != 0 and "not written by mha2gqa" in blocked.output
+    assert not (tmp_path / "theirs.txt").exists() and foreign.read_text() == "a user's own notes"
     missing = str(tmp_path / "none.txt")
     bad_inputs = ((["--share", "0.3"], "--mix"), (["--temperature", "0"], "--temperature"),
                   (["--top-p", "nan"], "--top-p"), (["--mix", missing], "no such file"))  # fmt: skip
