@@ -34,10 +34,10 @@ from mha2gqa.cli_common import (
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.self_text import SelfTextSettings
 from mha2gqa.core.settings import click_options
-from mha2gqa.distill import DistillSettings, split_options
 from mha2gqa.eval.gates import GATE_EXIT_CODE, GateSettings
 from mha2gqa.eval.settings import BenchSettings, EvalSettings
 from mha2gqa.jobs import DemoRequest
+from mha2gqa.pipeline.distill import DistillSettings
 from mha2gqa.serving.sizing import PlanSettings
 from mha2gqa.uptrain.settings import UptrainSettings
 
@@ -103,36 +103,12 @@ def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | No
 @user_errors
 def convert(src: str, dst: Path, quiet: bool, **options: Any) -> None:
     """Convert the checkpoint SRC (local folder or hub id) into DST with fewer KV heads."""
-    from mha2gqa.convert.prepare import prepare
+    from mha2gqa.pipeline import Recipe, prepare
 
-    options, distilling = split_options(options)
-    settings = ConvertSettings(**options, progress=not quiet)
-    distill = DistillSettings(**distilling).check(settings)
-    if distill.distill:
-        from mha2gqa.distill import convert_and_distill
-
-        converted, distilled = convert_and_distill(src, dst, settings, distill, log=_echo_unless(quiet))
-        if converted is not None:  # (None: a process of several, which writes nothing)
-            click.echo(converted.summary())
-            click.echo(_distilled_line(converted, distilled))
-        return
-    conversion = prepare(src, dst, settings)  # before torch loads
-    from mha2gqa.convert.converter import run as run_conversion
-
-    result = run_conversion(conversion)
-    if result is not None:  # (None: a process of several, once its share of the work is done)
-        click.echo(result.summary())
-
-
-def _distilled_line(converted, distilled) -> str:
-    """The distillation's summary, saying so where the stage guard did not publish it."""
-    from mha2gqa.core.conversion_record import UNDONE
-
-    guard = converted.record.conversion.guard
-    stage = guard.stage("distill") if guard is not None else None
-    if stage is not None and stage.outcome == UNDONE:
-        return f"{distilled.summary()}: undone by the stage guard, DST holds the model before it"
-    return distilled.summary()
+    recipe = Recipe.from_options(options, progress=not quiet)
+    prepared = prepare(recipe, src, dst, log=(lambda m: None) if quiet else None)  # every check, before torch loads
+    for line in prepared.run().lines():  # (none: a process of several, which writes nothing)
+        click.echo(line)
 
 
 def _echo_unless(quiet: bool) -> Callable[[str], None]:
@@ -291,10 +267,9 @@ def uptrain_cmd(converted: str, quiet: bool, **options: Any) -> None:
     write a stock Hugging Face model to --output (run with `accelerate launch` for several GPUs)."""
     settings = UptrainSettings(**options, progress=not quiet).check()  # before torch loads
     from mha2gqa.eval.harness import is_main_process
-    from mha2gqa.uptrain import prepare_uptrain, run_uptrain
+    from mha2gqa.pipeline import prepare_uptrain
 
-    plan = prepare_uptrain(converted, settings, log=_echo_unless(quiet))  # every check, before any weights load
-    result = run_uptrain(plan)
+    result = prepare_uptrain(converted, settings, log=_echo_unless(quiet)).run()  # checked before any weights load
     if is_main_process():
         click.echo(result.summary())
 

@@ -41,11 +41,13 @@ from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.errors import Mha2GqaError, SettingError, first_line
 from mha2gqa.core.ranks import one_process
-from mha2gqa.core.recipe_file import DISTILL, REFIT, parse_recipe
+from mha2gqa.core.recipe_file import DISTILL, REFIT
 from mha2gqa.core.settings import Spec, check_value, from_mapping, setting, validate
 from mha2gqa.demo import DEMO_ARCHITECTURES, DemoSettings
 from mha2gqa.eval.gates import GateSettings
 from mha2gqa.eval.settings import EvalSettings
+from mha2gqa.pipeline.distill import DistillSettings, split_options
+from mha2gqa.pipeline.recipe import Recipe
 from mha2gqa.uptrain.settings import UptrainSettings
 
 if TYPE_CHECKING:
@@ -79,26 +81,13 @@ class Job:
     report: bool = True
     output_dir: Path | None = None
 
-    def convert_settings(
-        self, num_kv_heads: int | tuple[int, ...], recipe: str, calibration: str | None = None
-    ) -> ConvertSettings:
-        """The settings of one conversion of the sweep (checked): ``recipe`` is a method, refitted
-        where it has :data:`REFIT`; the sweep's calibration text goes to the recipes that read it
-        (a distilled one distils on it)."""
+    def recipe(self, num_kv_heads: int | tuple[int, ...], name: str, calibration: str | None = None) -> Recipe:
+        """The recipe of one conversion of the sweep (checked): ``name`` (a method, ``+refit``,
+        ``+distill``) with the job's ``convert`` section (its ``distill_*`` keys for a distilled one);
+        the sweep's calibration text goes to the recipes that read it (a distilled one distils on it)."""
         options = {**self.convert, **({"calibration": calibration} if calibration else {})}
-        method, refit, distill = parse_recipe(recipe)
-        heads = heads_settings(num_kv_heads)
-        settings = ConvertSettings(**heads, method=method, refit=refit, overwrite=True, progress=False, **options)
-        if not settings.reads_calibration and not distill:
-            settings = dataclasses.replace(settings, calibration=None)
-        return settings.check()
-
-    def distill_settings(self, recipe: str, convert: ConvertSettings):
-        """The distillation of a ``+distill`` recipe (the ``distill_*`` keys of the job's ``convert``
-        section), checked against its conversion; None for a recipe without it."""
-        from mha2gqa.distill import DistillSettings
-
-        return DistillSettings(distill=True, **self.distill).check(convert) if parse_recipe(recipe)[2] else None
+        fixed = {**heads_settings(num_kv_heads), "overwrite": True, "progress": False}
+        return Recipe.named(name, {**fixed, **options}, self.distill)
 
 
 def shipped_jobs() -> dict[str, Path]:
@@ -197,11 +186,10 @@ def _parse(path: Path, data: Any) -> Job:
     if "source" not in data or not isinstance(data["source"], str):
         raise SettingError("source", "'{name}' is required (a folder, a hub id, or demo)")
     demo = from_mapping(DemoSettings, _section(data, "demo"), "demo")
-    from mha2gqa.distill import DistillSettings, split_options
-
     heads, methods, conv = _sweep(_section(data, "convert"))
     conv, distill = split_options(conv)
-    fixed = {**heads_settings(heads[0]), "method": parse_recipe(methods[0])[0], "overwrite": True, "progress": False}
+    # keys and types here; every cell of the sweep, with its own method, in _check_sweep
+    fixed = {**heads_settings(heads[0]), "method": ConvertSettings.method, "overwrite": True, "progress": False}
     from_mapping(ConvertSettings, _checkable(conv), "convert", fixed=fixed)  # keys and types
     from_mapping(DistillSettings, distill, "convert", fixed={"distill": True})
     ev = _section(data, "eval")
@@ -252,9 +240,8 @@ def _check_sweep(job: Job) -> None:
     for method in job.methods:
         for g in job.num_kv_heads:
             try:
-                settings = job.convert_settings(g, method, calibration)
+                settings = job.recipe(g, method, calibration).convert
                 settings.check_calibration()
-                job.distill_settings(method, settings)
             except SettingError as e:
                 raise SettingError(e.setting, e.render(f"convert.{e.setting}")) from None
         readers += [method] if settings.calibration else []
@@ -479,19 +466,12 @@ def _run_job(
 
 
 def _convert_stage(job: Job, source: str, dst: Path, g, recipe: str, calibration: str | None, progress: bool, log):
-    """One conversion of the sweep, distilled where the recipe says so: the code ``mha2gqa convert``
-    runs (:func:`~mha2gqa.distill.convert_and_distill`), so a job and the command line make the same model."""
-    from mha2gqa.convert.converter import run as run_conversion
-    from mha2gqa.convert.prepare import prepare
+    """One conversion of the sweep, through the pipeline as ``mha2gqa convert`` runs it, so a job and the
+    command line make the same model; each refitted layer and each guard decision in the job's log."""
+    from mha2gqa.pipeline import prepare
 
-    how = dataclasses.replace(job.convert_settings(g, recipe, calibration), progress=progress)
-    distill = job.distill_settings(recipe, how)
-    if distill is None:  # each refitted layer and each guard decision said in the job's log as it comes
-        return run_conversion(dataclasses.replace(prepare(source, dst, how), log=lambda m: log(m, "  ")))
-    from mha2gqa.distill import convert_and_distill
-
-    converted, _ = convert_and_distill(source, dst, how, distill, log=lambda m: log(m, "  "))
-    return converted
+    how = job.recipe(g, recipe, calibration).replace(progress=progress)
+    return prepare(how, source, dst, log=lambda m: log(m, "  ")).run().conversion
 
 
 def _uptrain_stage(
@@ -500,11 +480,11 @@ def _uptrain_stage(
     """Uptrain a job's conversion ``student`` into ``out`` with ``up`` (distilling from the source,
     evaluated on the held-out tail of its data, which its guard chooses on: an undone run leaves the
     conversion as it was, and its results name it ``+uptrain(undone)``)."""
-    from mha2gqa.uptrain import uptrain
+    from mha2gqa.pipeline import prepare_uptrain
 
     s = UptrainSettings(**up, output=str(out), teacher=teacher, overwrite=True, progress=settings.progress)
     s = dataclasses.replace(s, heldout_tokens=s.heldout_tokens or s.eval_tokens or UPTRAIN_HELDOUT)
-    result = uptrain(str(student), s, log=lambda m: log(m, f"  {tag}: "))
+    result = prepare_uptrain(str(student), s, log=lambda m: log(m, f"  {tag}: ")).run()
     log(f"uptrained {tag}: {result.summary()}")
 
 

@@ -162,7 +162,7 @@ def test_every_shipped_job_file_loads(tmp_path):
     assert demo.methods == ("mean", "svd", "svd+refit") and demo.convert["calibration"] == "demo-train"
     assert demo.uptrain["data"] == "demo-train" and demo.uptrain["max_steps"] > 0
     text = "wikitext:wikitext-2-raw-v1:train"
-    assert demo.convert_settings(4, "svd+refit", text).refit and not demo.convert_settings(4, "svd", text).refit
+    assert demo.recipe(4, "svd+refit", text).convert.refit and not demo.recipe(4, "svd", text).convert.refit
 
 
 def test_shipped_jobs_for_real_models_follow_the_readmes_advice():

@@ -13,7 +13,7 @@ from conftest import llama_with_tokenizer, story_text
 from mha2gqa.cli import main
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 from mha2gqa.core.resume import resume_folder
-from mha2gqa.distill_backoff import BACKOFF, BACKOFF_FILE, BEST_FILE
+from mha2gqa.pipeline.backoff import BACKOFF, BACKOFF_FILE, BEST_FILE
 from mha2gqa.uptrain.checkpoints import CHECKPOINTS
 
 

@@ -107,7 +107,7 @@ def test_the_family_feature_table_is_generated_from_the_refusals():
 
 
 #: the packages docs/architecture.md lays out, as their folders in the checkout
-PACKAGES = ("core", "convert", "eval", "serving", "uptrain", "mha2gqa")
+PACKAGES = ("core", "convert", "eval", "serving", "uptrain", "pipeline", "mha2gqa")
 
 
 def _tree_blocks(page: str) -> dict[str, str]:

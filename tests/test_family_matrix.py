@@ -71,7 +71,7 @@ def _settings(variant: str, feature: str, source, calib_text) -> tuple[int | Non
     from mha2gqa.convert.methods import get_method, incompatibility
     from mha2gqa.convert.settings import ConvertSettings
     from mha2gqa.core.families import families
-    from mha2gqa.distill import split_options
+    from mha2gqa.pipeline.distill import split_options
 
     g, kw = FEATURES[feature]
     family = families()[VARIANTS[variant][0]]
@@ -117,7 +117,8 @@ def _check(output, asked: int | None, counts: list[int], family: str) -> None:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_family_runs_every_feature_or_refuses_it_in_one_line(variant, feature, sources, calib_text, tmp_path):
     from mha2gqa.convert.settings import ConvertSettings
-    from mha2gqa.distill import DistillSettings, convert_and_distill, split_options
+    from mha2gqa.pipeline import Recipe, prepare
+    from mha2gqa.pipeline.distill import DistillSettings, split_options
 
     g, kw = _settings(variant, feature, sources(variant), calib_text)
     convert, distill = split_options(kw)
@@ -125,7 +126,8 @@ def test_every_family_runs_every_feature_or_refuses_it_in_one_line(variant, feat
         s = ConvertSettings(num_kv_heads=g, progress=False, **convert)
         d = DistillSettings(**distill).check(s)
         if d.distill:
-            result, _ = convert_and_distill(str(sources(variant)), tmp_path / "out", s, d, log=lambda *_: None)
+            prepared = prepare(Recipe(s, d), str(sources(variant)), tmp_path / "out", log=lambda *_: None)
+            result = prepared.run().conversion
         else:
             result = convert_checkpoint(sources(variant), tmp_path / "out", g, progress=False, **convert)
     except Mha2GqaError as e:
@@ -176,7 +178,8 @@ def test_learned_position_families_convert_to_one_kv_head_at_the_default_windows
     """``-g 1 --method svd`` with the guard on and no ``--calibration-seq-len``: the statistics, the
     refit's streams, the guard and the distillation all cut windows the model's positions hold."""
     from mha2gqa.convert.settings import ConvertSettings
-    from mha2gqa.distill import DistillSettings, convert_and_distill, split_options
+    from mha2gqa.pipeline import Recipe, prepare
+    from mha2gqa.pipeline.distill import DistillSettings, split_options
 
     kw = {"method": "svd", "calibration": str(calib_text), "calibration_tokens": 1024, **DEFAULT_WINDOW_STAGES[stage]}
     convert, distill = split_options(kw)
@@ -184,7 +187,7 @@ def test_learned_position_families_convert_to_one_kv_head_at_the_default_windows
     d = DistillSettings(**distill).check(s)
     lines: list[str] = []
     if d.distill:
-        result, _ = convert_and_distill(str(learned_sources(kind)), tmp_path / "out", s, d, log=lines.append)
+        result = prepare(Recipe(s, d), str(learned_sources(kind)), tmp_path / "out", log=lines.append).run().conversion
         assert any(line.startswith("guard: distill:") for line in lines), lines
     else:
         result = convert_checkpoint(learned_sources(kind), tmp_path / "out", 1, progress=False, **convert)

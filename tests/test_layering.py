@@ -5,7 +5,11 @@ convert  <- top                              (convert imports core)
 eval     <- uptrain, top                     (eval imports core)
 uptrain  <- top                              (uptrain imports core and eval's scorer)
 serving  <- top                              (serving imports core: plan, inspect, bench sizing)
-top      = mha2gqa/ (CLI, jobs, demo), configs: anything
+pipeline <- top                              (pipeline imports core, convert, eval, uptrain)
+top      = mha2gqa/ (CLI, jobs, demo), configs: anything below, but no stage's runner
+
+The stages' runners (:data:`RUNNERS`: the conversion's prepare and run, the uptraining's) are the
+pipeline's alone: the CLI, jobs and demo compose stages only through ``mha2gqa.pipeline``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ FOLDERS = {
     "eval": "eval",
     "uptrain": "uptrain",
     "serving": "serving",
+    "pipeline": "pipeline",
     "mha2gqa": "top",
     "configs": "top",
 }
@@ -30,8 +35,11 @@ ALLOWED = {
     "eval": {"core", "eval"},
     "uptrain": {"core", "eval", "uptrain"},
     "serving": {"core", "serving"},
-    "top": {"core", "convert", "eval", "uptrain", "serving", "top"},
+    "pipeline": {"core", "convert", "eval", "uptrain", "pipeline"},
+    "top": {"core", "convert", "eval", "uptrain", "serving", "pipeline", "top"},
 }
+#: the modules that run a stage (prepare it, do it): imported above the stages by the pipeline alone
+RUNNERS = ("mha2gqa.convert.converter", "mha2gqa.convert.prepare", "mha2gqa.uptrain", "mha2gqa.uptrain.trainer")
 
 
 def layer_of(module: str) -> str | None:
@@ -41,7 +49,7 @@ def layer_of(module: str) -> str | None:
         return None
     if len(parts) == 1:
         return "root"
-    return parts[1] if parts[1] in ("core", "convert", "eval", "uptrain", "serving") else "top"
+    return parts[1] if parts[1] in ("core", "convert", "eval", "uptrain", "serving", "pipeline") else "top"
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -67,6 +75,9 @@ def violations(root: Path = ROOT) -> list[str]:
                     continue
                 if target == "root" or target not in ALLOWED[layer]:
                     found.append(f"{path.relative_to(root)}:{line} ({layer}) imports {module} ({target})")
+                elif layer == "top" and module in RUNNERS:
+                    where = f"{path.relative_to(root)}:{line}"
+                    found.append(f"{where} (top) runs a stage ({module}): go through the pipeline")
     return found
 
 
@@ -92,8 +103,13 @@ def test_the_check_catches_a_forbidden_import(tmp_path):
     (tmp_path / "convert" / "bad.py").write_text("def f():\n    from mha2gqa.eval.metrics import cosine\n")
     (tmp_path / "core" / "worse.py").write_text("import mha2gqa.uptrain.trainer\nfrom mha2gqa import cli\n")
     (tmp_path / "eval" / "fine.py").write_text("from mha2gqa.core.dims import AttentionDims\n")
+    (tmp_path / "uptrain" / "up.py").write_text("from mha2gqa.pipeline import Recipe\n")  # below the pipeline
+    (tmp_path / "mha2gqa" / "cli.py").write_text("def f():\n    from mha2gqa.convert.converter import run\n")
+    (tmp_path / "mha2gqa" / "jobs.py").write_text("from mha2gqa.pipeline import prepare\n")  # the way
     found = violations(tmp_path)
-    assert len(found) == 4, found  # the eval -> core import is allowed
+    assert len(found) == 6, found  # the eval -> core import and the jobs -> pipeline one are allowed
+    assert any("uptrain/up.py:1 (uptrain) imports mha2gqa.pipeline (pipeline)" in v for v in found)
+    assert any("mha2gqa/cli.py:2 (top) runs a stage (mha2gqa.convert.converter)" in v for v in found)
     assert any("convert/bad.py:2 (convert) imports mha2gqa.eval.metrics (eval)" in v for v in found)
     assert any("core/worse.py:1" in v for v in found) and any("mha2gqa.cli (top)" in v for v in found)
     assert any("imports mha2gqa (root)" in v for v in found)  # the root package's names belong to the top

@@ -248,7 +248,7 @@ def test_a_job_sweeps_per_layer_counts_and_refuses_a_refused_family_first(pair, 
     )
     parsed = load_job(job)
     assert parsed.num_kv_heads == (2, (4, 1), (1, 2))
-    assert parsed.convert_settings((4, 1), "mean").num_kv_heads_per_layer == "4,1"
+    assert parsed.recipe((4, 1), "mean").convert.num_kv_heads_per_layer == "4,1"
     result = run_job(parsed, tmp_path / "run", log=lambda m: None)
     assert [r.num_kv_heads for r in result.rows] == ["2", "4,1", "1,2"]
     assert (tmp_path / "run" / "results" / "mean-g4-1.json").is_file()

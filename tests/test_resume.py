@@ -232,11 +232,13 @@ def test_a_per_layer_auto_refit_resumes_though_the_allocation_rewrote_its_settin
 
 def _distill_run(setup, dst, resume: bool = False):
     from mha2gqa.convert.settings import ConvertSettings
-    from mha2gqa.distill import DistillSettings, convert_and_distill
+    from mha2gqa.pipeline import Recipe, prepare
+    from mha2gqa.pipeline.distill import DistillSettings
 
     s = ConvertSettings(num_kv_heads=1, method="svd", resume=resume, **setup["kw"])
     d = DistillSettings(distill=True, distill_steps=6)
-    return convert_and_distill(str(setup["src"]), dst, s, d, log=lambda *_: None)
+    outcome = prepare(Recipe(s, d), str(setup["src"]), dst, log=lambda *_: None).run()
+    return outcome.conversion, outcome.distillation
 
 
 def _record(folder, name: str) -> dict:

@@ -22,7 +22,7 @@ from mha2gqa.eval.tables import SweepRow
 from mha2gqa.uptrain.record import UptrainRecord
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = ("core", "convert", "eval", "uptrain", "serving", "mha2gqa")
+LIBRARY = ("core", "convert", "eval", "uptrain", "serving", "pipeline", "mha2gqa")
 
 
 def core_graph(root: Path = ROOT) -> dict[str, set[str]]:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from mha2gqa.core.dims import max_positions
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.ranks import Ranks, launched, under_launcher
 from mha2gqa.core.settings import check_switched, setting, validate
-from mha2gqa.distill_backoff import Judge, distil_backing_off
+from mha2gqa.pipeline.backoff import Judge, distil_backing_off
 from mha2gqa.uptrain.settings import SHARDING
 
 #: windows a distillation step reads
@@ -175,81 +173,8 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return {k: v for k, v in options.items() if k not in names}, {k: v for k, v in options.items() if k in names}
 
 
-def convert_and_distill(src: str, dst: Path, s: ConvertSettings, d: DistillSettings, log: Callable[[str], None]):
-    """Convert ``src`` as ``s`` says, distil the result as ``d`` says, and publish the distilled model
-    as ``dst``; returns ``(conversion result, uptraining result)``. Settings and destination are
-    checked before any work; a failure leaves ``dst`` as it was. A stop (a signal, a kill) keeps the
-    refit's finished layers and the distillation's newest checkpoint beside ``dst``
-    (``.DST.mha2gqa-resume/``): the same command with ``--resume`` converts again (reading the fitted
-    layers back) and continues the distillation from that checkpoint, to the same model. Under a
-    launcher every process calls this; the others return ``(None, None)`` (see the module doc)."""
-    from mha2gqa.convert.converter import run
-    from mha2gqa.convert.prepare import inputs_of, prepare
-    from mha2gqa.core.output import staged_output
-    from mha2gqa.core.progress import sink as progress_sink
-    from mha2gqa.core.recipe_file import recipe_name, write_recipe
-    from mha2gqa.core.resume import ResumeFolder, resumable
-
-    d = d.check(s)
-    conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None)  # the text is ours
-    # every check of the settings, the source, DST and the kept work, before any work
-    first = prepare(src, dst, conversion, later={"distill": d.recipe(), "arithmetic": d.arithmetic(s)})
-    team = _processes(s.device)
-    if not team.main:
-        _alongside(first, s, d, team, log)
-        return None, None
-    resume = ResumeFolder.open(Path(dst), first.fingerprint, s.resume, s.remove_stale)
-    staged = staged_output(Path(dst), s.overwrite, inputs_of(first.ckpt, s), remove_stale=s.remove_stale)
-    with resumable(resume), staged as stage:
-        # each refitted layer and the guard's decisions: in ``log`` where the bars are off or go to a log (a job)
-        heard = log if not s.progress or progress_sink() is not None else None
-        converted = run(
-            dataclasses.replace(first, dst=stage / CONVERTED, log=heard), guard_data=s.calibration, resume=resume
-        )
-        guard = converted.guard
-        held = guard.before_windows if guard is not None and guard.ids is not None else None
-        team.decide(lambda: (str(converted.output), held))  # what the other processes distil with rank 0
-        distilled_folder = resume.path(DISTILLED)
-        targets = converted.kv_heads_per_layer
-        judge = Judge(partial(guard.score_folder, targets=targets), guard.published) if held is not None else None
-        distilled, tried, score = _distil(
-            converted.output, first, s, d, distilled_folder, log, _Held(held, judge), team
-        )
-        detail = tried.detail if tried is not None else ""
-        kept = guard is None or guard.distillation(distilled_folder, targets, log, detail, score)
-        record = converted.record
-        if guard is not None:
-            facts = dataclasses.replace(record.conversion, guard=guard.record())
-            record = dataclasses.replace(record, conversion=facts)
-        _publish(stage, distilled_folder if kept else None, Path(dst), src, record)
-        write_recipe(stage, recipe_name(s.method, s.refit, True), {"convert": s.recipe(), "distill": d.recipe()})
-    converted = dataclasses.replace(converted, output=Path(dst), record=record)
-    return converted, dataclasses.replace(distilled, output=Path(dst))
-
-
-def _processes(device: str) -> Ranks:
-    """The processes of this run: under a launcher, their group formed on ``device`` first."""
-    from mha2gqa.core.models import resolve_device
-    from mha2gqa.core.ranks import ranks
-
-    if under_launcher():
-        resolve_device(device)
-    return ranks()
-
-
-def _alongside(first, s: ConvertSettings, d: DistillSettings, team: Ranks, log) -> None:
-    """A process other than rank 0: its share of the conversion (statistics, refit), then of the
-    distillation of what rank 0 wrote; it writes nothing of its own."""
-    from mha2gqa.convert.converter import run
-    from mha2gqa.core.resume import resume_folder
-
-    run(first, guard_data=s.calibration)
-    student, held = team.decide(lambda: None)
-    _distil(Path(student), first, s, d, resume_folder(first.dst) / DISTILLED, log, _Held(held), team)
-
-
 @dataclass(frozen=True)
-class _Held:
+class Held:
     """What the stage guard holds of a distillation: it reads the calibration text's first ``tokens``
     (None: the guard is off, and so is the backoff), and ``judge`` scores its checkpoints (rank 0)."""
 
@@ -257,9 +182,7 @@ class _Held:
     judge: Judge | None = None
 
 
-def _distil(
-    student: Path, conversion, s: ConvertSettings, d: DistillSettings, out: Path, log, held: _Held, team: Ranks
-):
+def distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, out: Path, log, held: Held, team: Ranks):
     """The distillation of ``student`` into ``out`` (every process calls this), as the guard holds it
     (``held``); ``(its result, the backoff's Tried and the guard's score of the result, or None and
     None)``."""
@@ -274,7 +197,7 @@ def _distil(
     return uptrain(str(student), settings, log=log), None, None
 
 
-def _publish(stage: Path, distilled: Path | None, dst: Path, src: str, conversion) -> None:
+def publish(stage: Path, distilled: Path | None, dst: Path, src: str, conversion) -> None:
     """The published model's files into ``stage`` itself, the conversion's folder removed: the
     ``distilled`` model (its uptraining record naming the model it started from as DST's conversion,
     not the staged folder), or, where the stage guard undid the distillation (None), the converted

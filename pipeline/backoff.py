@@ -16,7 +16,7 @@ short run judges the start of a run, not its end (docs/methods.md). The backoff 
 the rate helps, and one more distillation for each rate backed off.
 
 How many steps: a distillation can pass its best and go on (a rate a little too high for the model
-at hand). So the guard scores each checkpoint but the last (:data:`~mha2gqa.distill.DISTILL_CHECKPOINTS`
+at hand). So the guard scores each checkpoint but the last (:data:`~mha2gqa.pipeline.distill.DISTILL_CHECKPOINTS`
 of them over the run) as it is written, keeps the best one's files (hard links) in the resume folder,
 and where the final model scores worse than the best earlier checkpoint, the try ends at that
 checkpoint's step instead (its weights cast to the source's dtype as the final's are, and scored
