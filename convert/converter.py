@@ -24,7 +24,7 @@ from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
 from mha2gqa.convert.tensor_sources import rewritten, tensor_sources
 from mha2gqa.core.cache_layers import sizing_window
 from mha2gqa.core.cards import model_card
-from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint
+from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint, local_name
 from mha2gqa.core.conversion_record import (
     Allocation,
     Calibration,
@@ -241,7 +241,7 @@ def _source_record(ckpt: Checkpoint) -> Source:
                 entry["header_sha256"] = hashlib.sha256(f.read(n)).hexdigest()
         files.append(entry)
     return Source(
-        path=str(ckpt.folder),
+        path=ckpt.repo_id or local_name(ckpt.folder),  # a record travels: no folder of this machine
         repo_id=ckpt.repo_id,
         revision=ckpt.revision,
         config_sha256=hashlib.sha256((ckpt.folder / "config.json").read_bytes()).hexdigest(),

@@ -99,6 +99,21 @@ def hub_id(name: str) -> str | None:
     return name if _REPO_ID.match(name) and not name.startswith((".", "/", "~")) else None
 
 
+def portable_model(name: str) -> str:
+    """A model named so that a record can travel: a hub id as given; a local folder (or any path) by its
+    folder name as ``./NAME`` (never the path of the machine that read it; :func:`hub_id` reads it as
+    no hub id)."""
+    if hub_id(name) is not None and not Path(name).expanduser().exists():
+        return name
+    return local_name(name)
+
+
+def local_name(path: str | Path) -> str:
+    """A local folder or file as a travelling record names it: ``./NAME``."""
+    path = Path(path).expanduser()
+    return "./" + (path.resolve().name if path.exists() else path.name)
+
+
 def resolve_folder(
     src: str, revision: str | None = None, allow_pickle: bool = False
 ) -> tuple[Path, str | None, str | None]:

@@ -244,6 +244,9 @@ class Facts:
     refit: Refit | None = None
     guard: StageGuard | None = None
     windowed_cache: WindowedCache | None = None
+    #: ``convert --distill`` ran: True where the published model is the distilled one, False where the stage
+    #: guard undid it (None: no distillation, or a record before the field)
+    distilled: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -260,8 +263,7 @@ class Facts:
         calibration; more than :data:`RECIPE_LAYERS` layers: their average), ``+refit``; e.g.
         ``svd+refit``, ``svd/per-layer(4,1,2)+refit``, ``svd/per-layer(auto, avg 2)``; ``+refit(undone)``
         where the stage guard undid it, ``+refit(in part)`` where it kept the first layers' refit;
-        ``+distill(undone)`` where it undid ``--distill`` (a kept one's model is named by its
-        uptraining record: :attr:`~mha2gqa.core.model_info.ModelInfo.recipe`)."""
+        ``+distill`` where ``--distill``'s model is published and ``+distill(undone)`` where the guard undid it."""
         name = self.method + ("" if self.grouping == "contiguous" else f"/{self.grouping}")
         counts = self.num_kv_heads_per_layer
         if counts:
@@ -272,8 +274,13 @@ class Facts:
         elif (allocated := self.guard.stage("allocation") if self.guard else None) and allocated.outcome == UNDONE:
             name += "/per-layer(auto, undone)"  # allocated, then undone by the stage guard: uniform counts
         distill = self.guard.stage("distill") if self.guard else None
-        undone = stage_name("distill", UNDONE) if distill and distill.outcome == UNDONE else ""
-        return name + self._stage_name("refit", self.refit is not None) + undone
+        if distill is not None:
+            distilled = stage_name("distill", distill.outcome)
+        else:
+            distilled = (
+                stage_name("distill", UNDONE if self.distilled is False else None) if self.distilled is not None else ""
+            )
+        return name + self._stage_name("refit", self.refit is not None) + distilled
 
     def _stage_name(self, stage: str, ran: bool) -> str:
         """``+refit``, ``+refit(undone)`` or ``+refit(in part)``: a stage that ran, as the guard published it."""
@@ -305,7 +312,8 @@ def stage_name(stage: str, outcome: str | None) -> str:
 
 @dataclass(frozen=True)
 class Source:
-    """The checkpoint that was converted (hashes of its config and safetensors headers)."""
+    """The checkpoint that was converted (hashes of its config and safetensors headers); ``path``: its hub
+    id, or ``./NAME`` for a local folder (a record before it: the folder's path)."""
 
     path: str
     config_sha256: str

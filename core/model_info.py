@@ -13,7 +13,10 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
 
 #: Fields a description leaves out when they are None (a model that has none of them).
-_OPTIONAL = ("kv_heads_per_layer", "config_sha256", "conversion", "uptrain_outcome", "kv_cache_dtype", "cache_spans")
+_OPTIONAL = (
+    "kv_heads_per_layer", "config_sha256", "conversion", "uptrain_outcome", "uptrain_stage", "kv_cache_dtype",
+    "cache_spans",
+)  # fmt: skip
 
 
 @dataclass
@@ -37,6 +40,9 @@ class ModelInfo:
     #: ``uptrain --guard``'s decision on it (None: not uptrained, or not judged): an undone run
     #: published the student as given, "kept in part" an earlier step's model
     uptrain_outcome: Literal[KEPT, KEPT_IN_PART, UNDONE] | None = None
+    #: which stage wrote its uptraining record: ``distill`` (``convert --distill``'s own run), None
+    #: (``mha2gqa uptrain``, or not uptrained)
+    uptrain_stage: Literal["distill"] | None = None
     kv_heads_per_layer: list[int] | None = None  # a per-layer checkpoint's count of each layer
     #: the checkpoint's dtype, in which the KV bytes are counted (None: results before it, the evaluated dtype)
     kv_cache_dtype: str | None = None
@@ -70,9 +76,14 @@ class ModelInfo:
     def recipe(self) -> str:
         """The conversion's recipe (:attr:`Facts.recipe`), ``+uptrain`` when the model was uptrained
         after it (``+uptrain(undone)``: the guard published the model as it was before; ``+uptrain(in
-        part)``: an earlier step's); empty for a model that was not converted."""
+        part)``: an earlier step's), ``+distill`` where the uptraining record is ``convert --distill``'s
+        own (named there already where the stage guard judged it); empty for a model not converted."""
         recipe = self.conversion.recipe if self.conversion else ""
-        return recipe + stage_name("uptrain", self.uptrain_outcome) if recipe and self.uptrained else recipe
+        if not recipe or not self.uptrained:
+            return recipe
+        if self.uptrain_stage == "distill":
+            return recipe if "+distill" in recipe else recipe + stage_name("distill", None)
+        return recipe + stage_name("uptrain", self.uptrain_outcome)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -19,7 +19,7 @@ from mha2gqa.core.dtypes import by_name, from_torch
 from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors, first_line
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import UPTRAIN_RECORD
-from mha2gqa.core.uptrain_guard import published_outcome
+from mha2gqa.core.uptrain_guard import published_outcome, published_stage
 
 #: how long a process of several waits at a collective for the others (the group's timeout, gloo's
 #: and NCCL's): rank 0 alone writes the checkpoint and scores the stage guard, and under FSDP the
@@ -119,6 +119,7 @@ class LoadedModel:
             conversion=self.conversion(),
             uptrained=(self.folder / UPTRAIN_RECORD).is_file(),
             uptrain_outcome=published_outcome(self.folder),
+            uptrain_stage=published_stage(self.folder),
         )
 
 

@@ -64,9 +64,14 @@ def checked(guard: UptrainGuard | None, where: str) -> UptrainGuard | None:
     return guard
 
 
+#: an uptraining record's ``stage`` where the run was ``convert --distill``'s own (None: ``mha2gqa uptrain``)
+DISTILL_STAGE = "distill"
+
+
 @dataclass(frozen=True)
 class _Run:
     guard: UptrainGuard | None = None
+    stage: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,18 @@ def published_outcome(folder: Path) -> str | None:
     uptraining record; None where it has none, or its run was not guarded (``--guard off``, no
     held-out text, ``convert --distill``'s own run, judged by the conversion's guard). A damaged
     record: one error naming it."""
+    run = _published(folder)
+    return None if run is None or run.guard is None else run.guard.outcome
+
+
+def published_stage(folder: Path) -> str | None:
+    """The stage whose record ``folder``'s uptraining record is: :data:`DISTILL_STAGE` for ``convert
+    --distill``'s own run, None for ``mha2gqa uptrain`` (or no record)."""
+    run = _published(folder)
+    return None if run is None else run.stage
+
+
+def _published(folder: Path) -> _Run | None:
     from mha2gqa.core import typed
     from mha2gqa.core.records import UPTRAIN_RECORD, read_record_json
 
@@ -89,7 +106,10 @@ def published_outcome(folder: Path) -> str | None:
     if data is None:
         return None
     try:
-        guard = typed.read(_Published, data, "record").uptrain.guard
+        run = typed.read(_Published, data, "record").uptrain
     except typed.RecordError as e:
         raise Mha2GqaError(f"{path}: damaged uptraining record ({e})") from None
-    return None if guard is None else checked(guard, str(path)).outcome
+    if run.stage not in (None, DISTILL_STAGE):
+        raise Mha2GqaError(f"{path}: damaged uptraining record (uptrain.stage {run.stage!r} is not {DISTILL_STAGE!r})")
+    checked(run.guard, str(path))
+    return run

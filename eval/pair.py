@@ -43,12 +43,12 @@ def check_pair(original: str, converted: str, revision: str | None = None) -> No
             raise Mha2GqaError(f"{label} {folder}: {e}") from None
     record = read_conversion_record(folders[0])
     if record is not None:
-        source = Path(record.source.path).expanduser()
+        source = Path(record.source.path).expanduser()  # (a record before ./NAME: the folder's path)
         config_file = folders[1] / "config.json"
         same_config = config_file.is_file() and (
             hashlib.sha256(config_file.read_bytes()).hexdigest() == record.source.config_sha256
         )
-        if (source.exists() and source.resolve() == folders[1].resolve()) or same_config:
+        if (source.is_absolute() and source.exists() and source.resolve() == folders[1].resolve()) or same_config:
             raise Mha2GqaError(
                 f"--original {original} was converted from --converted {converted}: the pair is swapped; "
                 f"pass --original {converted} --converted {original}"
@@ -93,16 +93,25 @@ class Overlap:
         return {**asdict(self), "flagged": self.flagged}
 
 
-def _training_text(folder: Path) -> str | None:
+def _training_text(folder: Path) -> tuple[str, TextRef | None] | None:
     """The ``--data`` an uptraining run (or ``convert --distill``) of the model in ``folder`` trained on,
-    from its uptraining record (None: none, or it names no text)."""
+    from its uptraining record: its name and reference (file name, sha256, line sketch; None in a record
+    before them, which names the file by its path); None: no record, or it names no text."""
+    from mha2gqa.core import typed
     from mha2gqa.core.records import UPTRAIN_RECORD, read_record_json
 
-    data = read_record_json(Path(folder) / UPTRAIN_RECORD, "uptrain the model again")
+    path = Path(folder) / UPTRAIN_RECORD
+    data = read_record_json(path, "uptrain the model again")
     run = data.get("uptrain") if isinstance(data, dict) else None
     settings = run.get("settings") if isinstance(run, dict) else None
     text = settings.get("data") if isinstance(settings, dict) else None
-    return text if isinstance(text, str) and text else None
+    if not isinstance(text, str) or not text:
+        return None
+    ref = run.get("text")
+    try:
+        return text, None if ref is None else typed.read(TextRef, ref, "uptrain.text")
+    except typed.RecordError as e:
+        raise Mha2GqaError(f"{path}: damaged uptraining record ({e})") from None
 
 
 def calibration_overlap(data: TextData, source: str, converted_folder: Path, text_field: str) -> Overlap | None:
@@ -123,7 +132,7 @@ def calibration_overlap(data: TextData, source: str, converted_folder: Path, tex
         texts.setdefault(facts.calibration.data, ("calibration", facts.calibration.text))
     trained = _training_text(converted_folder)  # convert --distill, or an uptraining run: it read text too
     if trained:
-        texts.setdefault(trained, ("training", None))
+        texts.setdefault(trained[0], ("training", trained[1]))
     found: Overlap | None = None
     mine = compared_lines(data.documents)
     for text, (use, ref) in texts.items():

@@ -203,19 +203,19 @@ def publish(stage: Path, distilled: Path | None, dst: Path, src: str, conversion
     not the staged folder), or, where the stage guard undid the distillation (None), the converted
     model; either with ``conversion`` (the conversion record, the guard's verdict on every stage in it)."""
     from mha2gqa.core.cards import model_card
+    from mha2gqa.core.checkpoint import local_name, portable_model
     from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_LOG
+    from mha2gqa.core.uptrain_guard import DISTILL_STAGE
     from mha2gqa.uptrain.checkpoints import CHECKPOINTS
     from mha2gqa.uptrain.record import UptrainRecord
 
     if distilled is not None:
         folder = distilled
-        record = UptrainRecord.read(folder)
-        # the paths of the stages are gone once published; how the run went (resumed or not) is not the recipe
-        settings = {**record.settings, "output": str(dst), "teacher_cache": None}
+        record = UptrainRecord.read(folder)  # (its names portable already: the run wrote it)
+        # the stages' paths are gone once published; how the run went (resumed or not) is not the recipe
+        settings = {**record.settings, "output": local_name(dst)}
         settings.pop("resume", None)
-        record = dataclasses.replace(
-            record, student=f"{src} converted (this model before --distill)", settings=settings
-        )
+        record = dataclasses.replace(record, student=portable_model(src), settings=settings, stage=DISTILL_STAGE)
         files = record.files(conversion, folder)
     else:
         folder = stage / CONVERTED

@@ -135,9 +135,9 @@ def _convert_and_distill(p: Prepared):
         detail = tried.detail if tried is not None else ""
         kept = guard is None or guard.distillation(out, targets, log, detail, score)
         record = converted.record
-        if guard is not None:
-            facts = dataclasses.replace(record.conversion, guard=guard.record())
-            record = dataclasses.replace(record, conversion=facts)
+        judged = {"guard": guard.record()} if guard is not None else {}
+        facts = dataclasses.replace(record.conversion, distilled=kept, **judged)
+        record = dataclasses.replace(record, conversion=facts)
         publish(stage, out if kept else None, dst, p.src, record)
         write_recipe(stage, p.recipe.name, p.recipe.sections())
     converted = dataclasses.replace(converted, output=dst, record=record)

@@ -141,3 +141,72 @@ def test_a_tampered_text_reference_is_refused_naming_the_record(converted, tmp_p
     with pytest.raises(Mha2GqaError, match=why) as e:
         read_conversion_record(copy)
     assert str(path) in str(e.value) and "damaged conversion record" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """``(root, the distilled model, the uptrained one, the text)``: ``convert --distill`` (guard off: the
+    record alone names the stage), then ``mha2gqa uptrain`` of it, both on a text given by its absolute
+    path."""
+    root = tmp_path_factory.mktemp("portable-distill")
+    texts = root / "my-private-texts"
+    texts.mkdir()
+    text = story_text(texts / "calib.txt", 400).resolve()
+    src = llama_with_tokenizer(root / "src", text, max_positions=64)
+    out, up = root / "distilled", root / "uptrained"
+    common = ["--calibration", str(text), "--calibration-tokens", "1024", "-q"]
+    args = ["convert", str(src), str(out), "-g", "1", "--method", "svd", "--distill", "--distill-steps", "2"]
+    result = CliRunner().invoke(main, [*args, *common, "--guard", "off"])
+    assert result.exit_code == 0, result.output
+    args = ["uptrain", str(out), "--data", str(text), "--output", str(up), "--max-steps", "2", "--seq-len", "32"]
+    result = CliRunner().invoke(main, [*args, "--batch-size", "2", "--teacher", str(src), "--objective", "kd", "-q"])
+    assert result.exit_code == 0, result.output
+    return root, out, up, text
+
+
+def test_a_distilled_or_uptrained_models_records_name_no_path_of_the_machine(distilled):
+    """The uptraining record and card (``convert --distill``'s and ``mha2gqa uptrain``'s) name the
+    models as ``./NAME`` and the text by file name with its sha256 and sketch: no folder of the machine."""
+    from huggingface_hub import ModelCard
+
+    root, out, up, text = distilled
+    sha = hashlib.sha256(text.read_bytes()).hexdigest()
+    for folder in (out, up):
+        for path in folder.iterdir():
+            if path.suffix in (".json", ".yaml", ".md"):
+                assert str(root) not in path.read_text(), f"{folder.name}/{path.name}"
+        run = json.loads((folder / "mha2gqa_uptrain.json").read_text())["uptrain"]
+        assert run["text"]["name"] == "calib.txt" and run["text"]["sha256"] == sha and run["text"]["lines"]
+        assert run["settings"]["data"] == "calib.txt" and run["settings"]["teacher_cache"] is None
+        assert run["settings"]["output"] == f"./{folder.name}"
+        assert "base_model" not in ModelCard((folder / "README.md").read_text()).data.to_dict()
+    first, then = (json.loads((f / "mha2gqa_uptrain.json").read_text())["uptrain"] for f in (out, up))
+    assert (first["student"], first["stage"], first["settings"]["teacher"]) == ("./src", "distill", "./src")
+    assert (then["student"], then["stage"]) == ("./distilled", None)
+    card = (out / "README.md").read_text()
+    assert "# src, converted and distilled" in card and "`mha2gqa convert --distill`" in card
+
+
+def test_a_distilled_model_is_named_distill_not_uptrain(distilled, tmp_path):
+    """``eval`` names the distilled model ``svd+distill`` (its record says which stage wrote it) and the
+    model uptrained after it ``svd+distill+uptrain``; a record naming another stage is refused."""
+    root, out, up, text = distilled
+    names = []
+    for folder in (out, up):
+        path = tmp_path / f"{folder.name}.json"
+        args = ["eval", "--original", str(root / "src"), "--converted", str(folder), "--data", str(text)]
+        extra = ["--seq-len", "32", "--max-tokens", "256", "--no-attention", "--samples", "0", "--allow-overlap"]
+        result = CliRunner().invoke(main, [*args, *extra, "--output", str(path), "-q"])
+        assert result.exit_code in (0, 3), result.output  # (3: a gate; the names are what is tested)
+        names.append(json.loads(path.read_text())["models"]["converted"]["recipe"])
+    assert names[0] == "svd+distill" and names[1].startswith("svd+distill+uptrain"), names
+    tampered = tmp_path / "tampered"
+    shutil.copytree(out, tampered)
+    record = json.loads((tampered / "mha2gqa_uptrain.json").read_text())
+    record["uptrain"]["stage"] = "refit"
+    (tampered / "mha2gqa_uptrain.json").write_text(json.dumps(record))
+    from mha2gqa.core.errors import Mha2GqaError
+    from mha2gqa.core.uptrain_guard import published_stage
+
+    with pytest.raises(Mha2GqaError, match=r"mha2gqa_uptrain.json: damaged uptraining record \(uptrain.stage"):
+        published_stage(tampered)

@@ -11,15 +11,17 @@ from typing import Any
 
 from mha2gqa.core import typed
 from mha2gqa.core.cards import front_matter, model_card
-from mha2gqa.core.checkpoint import hub_id
+from mha2gqa.core.checkpoint import hub_id, local_name, portable_model
 from mha2gqa.core.conversion_record import ConversionRecord
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_RECORD, now, version
 from mha2gqa.core.runlog import RunEval
-from mha2gqa.core.text_ref import portable_name
-from mha2gqa.core.uptrain_guard import UptrainGuard, checked
+from mha2gqa.core.text_ref import TextRef, portable_name
+from mha2gqa.core.uptrain_guard import DISTILL_STAGE, UptrainGuard, checked
 
 UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
+#: settings that name a text or a model: a published record names them portably (:meth:`UptrainRecord.portable`)
+_TEXTS, _MODELS = ("data", "eval_data"), ("teacher",)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class UptrainRecord:
     first_eval: RunEval | None = None
     last_eval: RunEval | None = None
     guard: UptrainGuard | None = None  # --guard's decision that published this model (None: off, unmeasured)
+    #: the training text (``--data``) by file name, sha256 and line sketch (None: a record before it)
+    text: TextRef | None = None
+    #: :data:`~mha2gqa.core.uptrain_guard.DISTILL_STAGE` where the run was ``convert --distill``'s own
+    stage: str | None = None
     mha2gqa_version: str = dataclasses.field(default_factory=version)
     created: str = dataclasses.field(default_factory=now)
     schema: str = UPTRAIN_SCHEMA
@@ -64,7 +70,27 @@ class UptrainRecord:
         except typed.RecordError as e:
             raise Mha2GqaError(f"{where}: damaged uptraining record ({e})") from None
         checked(record.guard, where)
+        if record.stage not in (None, DISTILL_STAGE):
+            raise Mha2GqaError(f"{where}: damaged uptraining record (uptrain.stage {record.stage!r})")
         return record
+
+    def portable(self, text_field: str = "text") -> UptrainRecord:
+        """This record as a published model carries it: the student, the teacher and the output by name
+        (``./NAME`` for a local folder, a hub id as given), the texts by file name, the teacher's cache (a
+        folder of this machine) dropped, and the training text's sha256 and line sketch (so ``eval`` can
+        still tell it trained on the text it scores, on any machine)."""
+        s = dict(self.settings)
+        text = self.text or (training_text_ref(s["data"], text_field) if isinstance(s.get("data"), str) else None)
+        for key in _TEXTS:
+            if isinstance(s.get(key), str):
+                s[key] = portable_name(s[key])
+        for key in _MODELS:
+            if isinstance(s.get(key), str):
+                s[key] = portable_model(s[key])
+        if isinstance(s.get("output"), str):
+            s["output"] = local_name(s["output"])
+        s["teacher_cache"] = None
+        return dataclasses.replace(self, student=portable_model(self.student), settings=s, text=text)
 
     @classmethod
     def read(cls, folder: Path) -> UptrainRecord:
@@ -93,7 +119,7 @@ class UptrainRecord:
         """The model card (README.md) of the uptrained model: the uptraining, then the conversion."""
         base, s = Path(self.student).name, self.settings
         origin = conversion.source.repo_id if conversion else None  # the MHA model it comes from
-        student = None if Path(self.student).expanduser().exists() else hub_id(self.student)
+        student = None if Path(self.student).expanduser().exists() else hub_id(self.student)  # ./NAME: none
         teacher = f" (teacher `{Path(s['teacher']).name}`)" if s.get("teacher") else ""
         rows = [
             ("student", f"`{base}`"),
@@ -117,12 +143,24 @@ class UptrainRecord:
         if self.guard is not None:
             rows.append(("guard", self.guard.line()))
         table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+        distilled = ("converted and distilled", "`mha2gqa convert --distill`")
+        done, how = distilled if self.stage else ("uptrained", "`mha2gqa uptrain`")
         text = (
-            front_matter(origin or student, ["uptrained"])
-            + f"# {base}, uptrained\n\nA grouped-query-attention model uptrained with `mha2gqa uptrain`.\n\n"
+            front_matter(origin or student, ["distilled" if self.stage else "uptrained"])
+            + f"# {base}, {done}\n\nA grouped-query-attention model {done} with {how}.\n\n"
             f"| setting | value |\n|---|---|\n{table}\n\nExact settings and evaluations: `{UPTRAIN_RECORD}`.\n"
         )
         if conversion:
             body = model_card(conversion).split("---\n", 2)[2]
             text += "\n## Conversion\n" + body.replace("\n# ", "\n### ", 1)
         return text
+
+
+def training_text_ref(data: str, text_field: str = "text") -> TextRef | None:
+    """The training text's reference (None where it cannot be read any more: the record still names it)."""
+    from mha2gqa.core.text_ref import text_ref
+
+    try:
+        return text_ref(data, text_field)
+    except (Mha2GqaError, OSError):
+        return None

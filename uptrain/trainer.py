@@ -38,7 +38,7 @@ from mha2gqa.uptrain.checkpoints import (
 from mha2gqa.uptrain.data import WindowOrder
 from mha2gqa.uptrain.guard import Figure, best_so_far, choose
 from mha2gqa.uptrain.prepare import Uptraining, check_resume, prepare, resume_point
-from mha2gqa.uptrain.record import UptrainRecord
+from mha2gqa.uptrain.record import UptrainRecord, training_text_ref
 from mha2gqa.uptrain.settings import UptrainSettings
 from mha2gqa.uptrain.setup import accelerator, cached_teacher, load_models, load_state, optimizing, rank_rows
 from mha2gqa.uptrain.sharding import save_optimizer, zero_rows
@@ -144,6 +144,7 @@ class _Trainer:
         self.output = Path(s.output)
         self.tokens_per_step = s.batch_size * up.seq_len
         self.resume_from, self.start_step = plan.resume_from, plan.start_step
+        self.text = training_text_ref(s.data, s.text_field)  # the records name the text portably
         set_seed(s.seed)
         self.order = WindowOrder(up.num_windows, s.batch_size, s.seed)
         self.cached = cached_teacher(up, s, acc, self.order, self.say) if s.teacher_top_k else None
@@ -244,8 +245,9 @@ class _Trainer:
             first_eval=evals[0] if evals else None,
             last_eval=evals[-1] if evals else None,
             guard=guard,
+            text=self.text,
         )
-        return record.files(self.conv_record, self.up.student_folder)
+        return record.portable(self.s.text_field).files(self.conv_record, self.up.student_folder)
 
     def checkpoint(self, step: int) -> None:
         """Checkpoint ``step``; shown to the watch (every process) unless it is the last step's, which the
