@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.convert.layer_tensors import attention_names
 from mha2gqa.convert.layer_view import Loader, planned, source_view
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.settings import GUARD_WINDOWS
@@ -46,6 +45,7 @@ from mha2gqa.core.conversion_record import (
 )
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.layer_tensors import attention_names
 from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.signals import check as check_signals
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Container, Iterator, Mapping
 
 import torch
 
-from mha2gqa.convert.layer_tensors import LayerTensors
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.shard_writer import OutputTensor
+from mha2gqa.core.layer_tensors import LayerTensors
 
 _SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.layer_tensors import LayerTensors
 from mha2gqa.convert.methods import HeadShape, Method
 from mha2gqa.convert.methods.fresh import fresh_tensor
 from mha2gqa.convert.methods.pooling import Reducer, reduce_rows, reduce_stacked
@@ -22,6 +21,7 @@ from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import from_torch
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.families import Family
+from mha2gqa.core.layer_tensors import LayerTensors, norm_names
 from mha2gqa.core.safetensors_io import TensorInfo
 
 SUFFIXES = (".weight", ".bias")
@@ -144,24 +144,23 @@ class _Sources:
     def k_norms(self, layer: int, reducer: Reducer | None) -> None:
         """Per-head key norms of ``layer`` (``rows`` or ``indexed`` layout) pooled, or fresh."""
         norm, d, kv, g = self.family.k_norm, self.dims.head_dim, self.dims.num_kv_heads, self.targets[layer]
+        names = norm_names(self.family, layer, self.dims.num_heads, kv).get("k_norm", [])
         if norm is not None and norm.layout == "rows":
-            name = norm.name.format(layer=layer)
+            name = names[0]
             if name in self.ckpt.tensors:
                 self.need(name, kv * d)
                 if reducer is None:
                     self.fresh(name, (g * d,), "norm")
                 else:
                     self.computed(name, (g * d,), partial(self._pooled, name, reducer, g))
-        elif norm is not None and norm.layout == "indexed":
-            names = [norm.name.format(layer=layer, head=h) for h in range(kv)]
-            if all(n in self.ckpt.tensors for n in names):
-                self.dropped.update(names[g:])
-                for h in range(g):
-                    shape = self.ckpt.tensors[names[h]].shape
-                    if reducer is None:
-                        self.fresh(names[h], shape, "norm")
-                    else:
-                        self.computed(names[h], shape, partial(self._pooled_indexed, names, h, reducer, g))
+        elif norm is not None and norm.layout == "indexed" and all(n in self.ckpt.tensors for n in names):
+            self.dropped.update(names[g:])
+            for h in range(g):
+                shape = self.ckpt.tensors[names[h]].shape
+                if reducer is None:
+                    self.fresh(names[h], shape, "norm")
+                else:
+                    self.computed(names[h], shape, partial(self._pooled_indexed, names, h, reducer, g))
 
     def _pooled(self, name: str, reducer: Reducer, g: int) -> torch.Tensor:
         return reduce_rows(self.ckpt.load(name), g, self.dims.head_dim, reducer)

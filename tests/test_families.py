@@ -31,6 +31,35 @@ def test_every_name_in_a_definition_exists_in_the_real_model(family):
     assert resolve(json.loads(config.to_json_string())).family is fam
 
 
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_a_layers_roles_name_exactly_the_real_models_attention_tensors(family):
+    """:mod:`~mha2gqa.core.layer_tensors` by role, per-head norms included, against the model transformers
+    builds: every weight role exists, every norm name of every head exists, and no head past the count."""
+    from transformers import AutoModelForCausalLM
+
+    from mha2gqa.core.architecture import dims_of
+    from mha2gqa.core.layer_tensors import attention_names, norm_names, role_names
+
+    config = tiny_config(family)
+    with torch.device("meta"):
+        names = set(AutoModelForCausalLM.from_config(config).state_dict())
+    fam, dims = families()[family], dims_of(json.loads(config.to_json_string()))
+    for layer in range(dims.num_layers):
+        roles = role_names(fam, layer)
+        assert {r for r in roles if not r.endswith("_bias")} == ({"qkv", "o"} if fam.fused else {"q", "k", "v", "o"})
+        assert all(roles[r] in names for r in roles if not r.endswith("_bias"))
+        assert (
+            set(attention_names(names, fam, layer).values()) == {n for r, n in roles.items() if r != "o_bias"} & names
+        )
+        norms = norm_names(fam, layer, dims.num_heads, dims.num_kv_heads)
+        assert set(norms) == {r for r, n in (("q_norm", fam.q_norm), ("k_norm", fam.k_norm)) if n is not None}
+        for role, found in norms.items():
+            assert all(n in names for n in found), (role, found)
+            if (fam.q_norm if role == "q_norm" else fam.k_norm).layout == "indexed":
+                assert len(found) == (dims.num_heads if role == "q_norm" else dims.num_kv_heads)
+                assert found[-1].replace(f".{len(found) - 1}.", f".{len(found)}.") not in names
+
+
 def test_unknown_keys_in_a_definition_are_an_error():
     good = {
         "family": "x",

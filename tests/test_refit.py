@@ -419,7 +419,7 @@ def _reference(
     residual stream after attention written out, ``h + self_attn(input_layernorm(h))``."""
     from torch.func import functional_call
 
-    from mha2gqa.convert.layer_tensors import attention_names
+    from mha2gqa.core.layer_tensors import attention_names
 
     original, converted = load(src), load(plain)
     ids = calibration_ids(src, str(calib_text), 1024, 32)

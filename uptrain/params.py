@@ -15,6 +15,7 @@ import torch
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.families import Family
+from mha2gqa.core.layer_tensors import norm_names, role_names
 from mha2gqa.uptrain.settings import TRAINABLE
 
 
@@ -46,27 +47,27 @@ class Trainable:
         return total
 
 
+#: the roles (:func:`~mha2gqa.core.layer_tensors.role_names`) each ``--train`` choice trains, and its norms
+#: (a per-head norm trains with its projection)
+_ROLES = {
+    "attention": (("q", "k", "v", "o", "qkv"), ("q_norm", "k_norm")),
+    "kv": (("k", "v", "qkv"), ("k_norm",)),  # a fused qkv's query rows are masked (select_trainable)
+}
+
+
 def _layer_names(family: Family, dims: AttentionDims, which: str) -> tuple[set[str], set[str]]:
     """Full parameter names of ``which`` in every layer: the projections' (``.weight`` and ``.bias``,
     which a model may lack) and the per-head norms' (which a config of the family may leave out:
-    StableLM 2 1.6B has none)."""
+    StableLM 2 1.6B has none), by role from :mod:`~mha2gqa.core.layer_tensors`."""
+    projections, norms = _ROLES[which]
     out: set[str] = set()
-    norm_names: set[str] = set()
+    norm_set: set[str] = set()
     for layer in range(dims.num_layers):
-        if which == "attention":
-            modules = family.modules()
-            norms = [n for n in (family.q_norm, family.k_norm) if n]
-        else:  # kv
-            modules = (family.qkv_proj,) if family.fused else (family.k_proj, family.v_proj)
-            norms = [family.k_norm] if family.k_norm else []
-        out.update(m.format(layer=layer) + s for m in modules for s in (".weight", ".bias"))
-        for norm in norms:  # shared norms apply to that projection only, so they train with it
-            heads = dims.num_kv_heads if norm is family.k_norm else dims.num_heads
-            if norm.layout == "indexed":
-                norm_names.update(norm.name.format(layer=layer, head=h) for h in range(heads))
-            else:
-                norm_names.add(norm.name.format(layer=layer))
-    return out, norm_names
+        roles = role_names(family, layer)
+        out.update(name for role, name in roles.items() if role.removesuffix("_bias") in projections)
+        heads = norm_names(family, layer, dims.num_heads, dims.num_kv_heads)
+        norm_set.update(name for role in norms for name in heads.get(role, ()))
+    return out, norm_set
 
 
 def select_trainable(model: torch.nn.Module, family: Family | None, dims: AttentionDims, which: str) -> Trainable:

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.layer_tensors import LayerTensors, attention_names
 from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
 from mha2gqa.convert.layers import batched, each_layer, skeleton
 from mha2gqa.convert.methods import HeadShape
@@ -42,6 +41,7 @@ from mha2gqa.core.conversion_record import (
     RefitLayer,
 )
 from mha2gqa.core.dtypes import BY_CODE
+from mha2gqa.core.layer_tensors import LayerTensors, attention_names
 from mha2gqa.core.memory import STEP_BLOCKS, map_large_allocations
 from mha2gqa.core.resume import ResumeDamaged, ResumeFolder
 from mha2gqa.core.text_ref import portable_name, text_ref

@@ -1,9 +1,10 @@
 """One decoder layer's attention tensors by role, read from the family's layout (data in
-:mod:`mha2gqa.core.families`): which tensor is ``q``, ``k``, ``v``, ``o`` and their biases, and a fused
-``qkv`` split into its parts and joined again. Every stage that reads or writes a layer's projections
-goes through :class:`LayerTensors`: the merge (:mod:`mha2gqa.convert.tensor_sources`), the layer seen
-through its source module (:mod:`mha2gqa.convert.layer_view`: the refit, the stage guard, the
-per-layer allocation's costs). A family's layout is read here and nowhere else."""
+:mod:`mha2gqa.core.families`): which tensor is ``q``, ``k``, ``v``, ``o`` and their biases, the per-head
+norms ``q_norm`` and ``k_norm`` (:func:`norm_names`), and a fused ``qkv`` split into its parts and joined
+again. Every stage that reads or writes a layer's attention tensors goes through it: the merge
+(:mod:`mha2gqa.convert.tensor_sources`), the layer seen through its source module
+(:mod:`mha2gqa.convert.layer_view`: the refit, the stage guard, the per-layer allocation's costs) and
+what an uptraining run trains (:mod:`mha2gqa.uptrain.params`). A family's layout is read here."""
 
 from __future__ import annotations
 
@@ -20,16 +21,38 @@ PARTS = ("q", "k", "v")
 _ROLE_SUFFIXES = ("", "_bias")
 
 
-def attention_names(tensors: Container[str], family: Family, layer: int) -> dict[str, str]:
-    """Role (``q``, ``k``, ``v``, ``o``, ``qkv`` and ``*_bias``) -> name of ``layer``'s projection
-    tensors that are in ``tensors`` (the output projection's bias is never a role: no head count
-    shapes it)."""
+def role_names(family: Family, layer: int) -> dict[str, str]:
+    """Role (``q``, ``k``, ``v``, ``o``, ``qkv``, their ``*_bias`` and ``o_bias``) -> the name ``layer``'s
+    projection tensor has in the family's layout (a model may lack the biases)."""
     fill = partial(str.format, layer=layer)
-    roles = {"o": fill(family.o_proj) + ".weight"}
+    roles = {"o": fill(family.o_proj) + ".weight", "o_bias": fill(family.o_proj) + ".bias"}
     modules = {"qkv": family.qkv_proj} if family.fused else {"q": family.q_proj, "k": family.k_proj, "v": family.v_proj}
     for key, module in modules.items():
         roles |= {key: fill(module) + ".weight", f"{key}_bias": fill(module) + ".bias"}
-    return {role: n for role, n in roles.items() if n in tensors}
+    return roles
+
+
+def attention_names(tensors: Container[str], family: Family, layer: int) -> dict[str, str]:
+    """Role (``q``, ``k``, ``v``, ``o``, ``qkv`` and ``*_bias``) -> name of ``layer``'s projection
+    tensors that are in ``tensors`` (the output projection's bias is never a role here: no head count
+    shapes it)."""
+    return {role: n for role, n in role_names(family, layer).items() if role != "o_bias" and n in tensors}
+
+
+def norm_names(family: Family, layer: int, num_heads: int, kv_heads: int) -> dict[str, list[str]]:
+    """Role (``q_norm``, ``k_norm``) -> the names of ``layer``'s per-head norm tensors, for the family's
+    norms: one name (a ``shared`` weight, or ``rows``: every head's block in one tensor) or one per head
+    (``indexed``: ``num_heads`` query norms, ``kv_heads`` key norms). A config of the family may leave
+    them out (StableLM 2 1.6B has none): the caller checks which are present."""
+    out = {}
+    for role, norm, heads in (("q_norm", family.q_norm, num_heads), ("k_norm", family.k_norm, kv_heads)):
+        if norm is None:
+            continue
+        if norm.layout == "indexed":
+            out[role] = [norm.name.format(layer=layer, head=h) for h in range(heads)]
+        else:
+            out[role] = [norm.name.format(layer=layer)]
+    return out
 
 
 @dataclass(frozen=True)
