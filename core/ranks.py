@@ -1,7 +1,9 @@
-"""The processes of one run (``torchrun`` / ``accelerate launch``: gloo on CPUs, NCCL on GPUs), as the
-conversion sees them: this process's rank and the count, its share of a list of windows, and sums
-across the processes. One process (no launcher) is rank 0 of 1 and every function is the identity, so
-the code that calls them is the same for one process and many."""
+"""The processes of one run (``torchrun`` / ``accelerate launch``: gloo on CPUs, NCCL on GPUs), as every
+stage sees them (the conversion's statistics and refit, ``eval``'s split and gather, uptraining's memory
+report): this process's rank and the count, its share of a list of windows, sums, gathers and rank 0's
+decisions across the processes. One process (no launcher) is rank 0 of 1 and every function is the
+identity, so the code that calls them is the same for one process and many. The group itself is formed
+by ``accelerate`` (:func:`mha2gqa.core.models.resolve_device`, or uptraining's ``Accelerator``)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,22 @@ class Ranks:
                 f"{what}: {len(items)} window(s) for {self.size} processes; give each process at least one "
                 "(more text, shorter windows) or run fewer processes"
             )
+        return self.part(items)
+
+    def part(self, items: Sequence[T]) -> Sequence[T]:
+        """This rank's items (every ``size``-th from ``rank``), possibly none (a caller that pads
+        its passes to the longest share: ``eval``)."""
         return items[self.rank :: self.size]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` (picklable) of every process, in rank order, on every process (each must call this)."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
 
     def own(self, windows: Sequence[int]) -> list[int]:
         """Those of ``windows`` (indices of the whole list) that :meth:`share` gives this rank

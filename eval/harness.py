@@ -37,6 +37,7 @@ from mha2gqa.core.models import (
     resolve_dtype,
     tokenizer_info,
 )
+from mha2gqa.core.ranks import ranks
 from mha2gqa.core.records import EVAL_SCHEMA, git_revision, now, versions
 from mha2gqa.core.text import prefix_token
 from mha2gqa.core.units import format_bytes
@@ -69,19 +70,6 @@ from mha2gqa.eval.settings import EvalSettings
 from mha2gqa.eval.tasks import TasksSection
 
 
-def _split_for_rank(windows: list[Window]) -> tuple[list[Window], Any]:
-    from accelerate import PartialState
-
-    state = PartialState()
-    return windows[state.process_index :: state.num_processes], state
-
-
-def _gather(obj: Any) -> list[Any]:
-    from accelerate.utils import gather_object
-
-    return gather_object([obj])
-
-
 def scored_pass(
     models: list[torch.nn.Module],
     windows: list[Window],
@@ -105,17 +93,18 @@ def rank_pass(
 ) -> PassResult:
     """This process's share of ``windows`` scored (:func:`score_windows`; ``replay`` may carry
     ``into=``, the sums of an earlier block), not yet reduced (:func:`reduced`)."""
-    mine, state = _split_for_rank(windows)
+    team = ranks()
+    mine = team.part(windows)
     padding = None
-    if state.num_processes > 1 and windows:  # as many forward passes on every process (FSDP's collectives)
-        padding = (max(_gather(batch_count(mine, batch_size))), windows[0][0][None])
-    shown = (desc or "scoring") if progress and state.is_main_process else None
+    if team.size > 1 and windows:  # as many forward passes on every process (FSDP's collectives)
+        padding = (max(team.gather(batch_count(mine, batch_size))), windows[0][0][None])
+    shown = (desc or "scoring") if progress and team.main else None
     return score_windows(models, mine, batch_size, progress=shown, padding=padding, **replay)
 
 
 def reduced(res: PassResult) -> ScoredPass:
     """Every process's sums of one pass (:func:`rank_pass`) reduced: the protocols' and agreement's figures."""
-    parts = _gather((res.nll_sum, res.tokens, res.seconds, res.agreement, res.windows))
+    parts = ranks().gather((res.nll_sum, res.tokens, res.seconds, res.agreement, res.windows))
     nll = [sum(p[0][i] for p in parts) for i in range(len(res.nll_sum))]
     tokens = sum(p[1] for p in parts)
     seconds = max(p[2] for p in parts)
@@ -135,9 +124,8 @@ def reduced(res: PassResult) -> ScoredPass:
 
 
 def is_main_process() -> bool:
-    from accelerate import PartialState
-
-    return PartialState().is_main_process
+    """Whether this process writes (rank 0 of the run's processes)."""
+    return ranks().main
 
 
 def _score_of(nll_sum: float, tokens: int, **extra: float) -> Score:
@@ -354,12 +342,10 @@ def _probe(run: Evaluation, original: torch.Tensor | None, converted: torch.nn.M
 
 
 def _reference_key(run: Evaluation, loaded_dtype: str, device: torch.device) -> tuple[str, dict[str, Any]]:
-    from accelerate import PartialState
-
     from mha2gqa.core.cache import entry_name, model_identity
     from mha2gqa.eval.reference import reference_key_material, windows_digest
 
-    s, state = run.settings, PartialState()
+    s, team = run.settings, ranks()
     extra = [t for t in (run.attention_batch, *run.prompts, run.probe) if t is not None]
     digest = windows_digest(run.passes, *extra)
     settings = {
@@ -368,7 +354,7 @@ def _reference_key(run: Evaluation, loaded_dtype: str, device: torch.device) -> 
         "dtype": loaded_dtype,
         "device_map": s.device_map,
         "revision": s.revision,
-        "process": [state.process_index, state.num_processes],
+        "process": [team.rank, team.size],
         "attention": run.attention_batch is not None and list(run.attention_batch.shape),
         "samples": len(run.prompts),
         "new_tokens": run.new_tokens,
@@ -765,15 +751,13 @@ def _parameters(folder: Path) -> int:
 
 def _device_info(model: torch.nn.Module, device_map: str | None) -> DeviceInfo:
     """Where ``model`` ran: device type and name, dtype, processes (and a CPU's threads)."""
-    from accelerate import PartialState
-
     p = next(model.parameters())
     cuda = p.device.type == "cuda"
     return DeviceInfo(
         type=p.device.type,
         dtype=str(p.dtype).removeprefix("torch."),
         device_map=device_map,
-        processes=PartialState().num_processes,
+        processes=ranks().size,
         name=torch.cuda.get_device_name(p.device) if cuda else platform.processor() or platform.machine(),
         threads=None if cuda else torch.get_num_threads(),
     )

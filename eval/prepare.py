@@ -126,11 +126,10 @@ def _task_selection(s: EvalSettings) -> Any:
     takes a pre-loaded model only outside ``accelerate launch``."""
     if not s.tasks:
         return None
-    from accelerate import PartialState
-
+    from mha2gqa.core.ranks import launched
     from mha2gqa.eval.tasks import select_tasks
 
-    if PartialState().num_processes > 1:
+    if launched() > 1:
         raise SettingError("tasks", "{name} runs in one process: evaluate the tasks without accelerate launch")
     return select_tasks(s.tasks, s.include_path)
 

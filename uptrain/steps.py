@@ -114,12 +114,10 @@ def evaluate_heldout(
 def peak_memory_mib(acc) -> list[float]:
     """Each process's peak memory so far in MiB (CUDA allocations on a GPU, else resident memory), in
     rank order. Collective."""
-    from accelerate.utils import gather_object
-
     from mha2gqa.core.memory import peak_memory
+    from mha2gqa.core.ranks import ranks
 
-    mine = round(peak_memory(acc.device) / 2**20, 1)
-    return gather_object([mine]) if acc.num_processes > 1 else [mine]
+    return ranks().gather(round(peak_memory(acc.device) / 2**20, 1))
 
 
 def teacher_targets(
