@@ -20,6 +20,7 @@ head (:data:`~mha2gqa.core.memory.HEAD_BLOCK`, whatever the windows' length)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Container, Mapping, Sequence
@@ -41,6 +42,7 @@ from mha2gqa.core.conversion_record import (
     GuardScore,
     GuardStage,
     Refit,
+    SourceScore,
     StageGuard,
 )
 from mha2gqa.core.dims import AttentionDims
@@ -89,16 +91,51 @@ def guard_windows(folder: Path, data: str, seq_len: int) -> tuple[torch.Tensor |
     return ids[rest:].reshape(GUARD_WINDOWS, seq_len), rest, where
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """A further held-out text of the guard (``--guard-data``): its portable ``name``, its windows ``ids``
+    ``[W, T]`` (its first :data:`GUARD_WINDOWS` at most) and ``where`` (in words, for the record)."""
+
+    name: str
+    ids: torch.Tensor = field(repr=False)
+    where: str
+
+
+def source_windows(folder: Path, data: str, seq_len: int) -> HeldOut:
+    """The first :data:`GUARD_WINDOWS` windows of ``seq_len`` tokens of the text ``data`` (fewer where it
+    has fewer: at least one, else refused in one line naming it)."""
+    from mha2gqa.core.models import load_tokenizer
+    from mha2gqa.core.text import load_text, token_stream
+    from mha2gqa.core.text_ref import portable_name
+
+    ids = token_stream(load_tokenizer(folder), load_text(data, setting="guard_data"))
+    windows = min(GUARD_WINDOWS, ids.numel() // seq_len)
+    if windows == 0:
+        raise Mha2GqaError(
+            f"--guard-data {data}: {ids.numel():,} tokens, fewer than one window of {seq_len}: give a longer text"
+        )
+    name = portable_name(data)
+    where = f"{name}'s first {windows * seq_len:,} tokens ({windows} windows of {seq_len})"
+    return HeldOut(name, ids[: windows * seq_len].reshape(windows, seq_len), where)
+
+
 class Guard:
     """Scores candidate models (:data:`Plan`) against the original on the guard windows ``ids``
-    ``[W, T]``, streamed layer by layer from ``ckpt`` (see the module doc)."""
+    ``[W, T]`` (and those of each further held-out text in ``sources``), streamed layer by layer from
+    ``ckpt`` (see the module doc)."""
 
-    def __init__(self, ckpt, family, dims: AttentionDims, ids: torch.Tensor, device, progress: bool = False) -> None:
+    def __init__(
+        self, ckpt, family, dims: AttentionDims, ids: torch.Tensor, device, progress: bool = False,
+        sources: Sequence[HeldOut] = (),
+    ) -> None:  # fmt: skip
         from mha2gqa.convert.layers import first_layer_inputs, skeleton
 
         self.ckpt, self.family, self.dims, self.device, self.progress = ckpt, family, dims, device, progress
         self.model = skeleton(ckpt)
-        self.ids = ids
+        #: each text's name (None: the calibration text) and its windows' count, in the order of ``ids``
+        self.segments = [(None, ids.shape[0]), *((s.name, s.ids.shape[0]) for s in sources)]
+        self.ids = torch.cat([ids, *(s.ids for s in sources)]) if sources else ids
+        ids = self.ids
         with torch.inference_mode():  # as calibration reads the source (a .bin's cached tensors are inference tensors)
             self.first = first_layer_inputs(self.model, ckpt, ids.to(device), device)
         self.reference: list[torch.Tensor] | None = None  # the original's last hidden states
@@ -159,11 +196,24 @@ class Guard:
             with torch.inference_mode():
                 self._head = model_head(skeleton(self.ckpt), self.ckpt, self.device)
         names = list(candidates)
-        sums = torch.zeros(len(names), 2, dtype=torch.float64)  # KL, top-1 matches
+        sums = torch.zeros(len(self.segments), len(names), 2, dtype=torch.float64)  # per text: KL, top-1 matches
+        tokens = [0] * len(self.segments)
+        text = [n for n, (_, count) in enumerate(self.segments) for _ in range(count)]  # each window's text
         for w, ref_h in enumerate(self.reference):  # the head runs under no_grad
-            sums += next_token_kl(self._head, self.as_tuple, ref_h, [candidates[n][w] for n in names])
-        tokens = sum(h.shape[0] * h.shape[1] for h in self.reference)
-        return {name: score_of(kl, same, tokens) for name, (kl, same) in zip(names, sums.tolist(), strict=True)}
+            sums[text[w]] += next_token_kl(self._head, self.as_tuple, ref_h, [candidates[n][w] for n in names])
+            tokens[text[w]] += ref_h.shape[0] * ref_h.shape[1]
+        scores = {}
+        for i, name in enumerate(names):
+            kl, same = sums[0, i].tolist()
+            score = score_of(kl, same, tokens[0])
+            if len(self.segments) > 1:  # each further held-out text on its own
+                sources = [
+                    SourceScore(text_name, *dataclasses.astuple(score_of(*sums[n, i].tolist(), tokens[n]))[:2])
+                    for n, (text_name, _) in enumerate(self.segments[1:], 1)
+                ]
+                score = dataclasses.replace(score, sources=sources)
+            scores[name] = score
+        return scores
 
 
 def _better_merge(scores: Mapping[str, GuardScore]) -> tuple[str, GuardStage]:
@@ -210,18 +260,20 @@ class GuardRun:
     where: str
     guard: Guard | None = None
     stages: list[GuardStage] = field(default_factory=list)
+    sources: list[HeldOut] = field(default_factory=list)  # --guard-data
 
     def record(self) -> StageGuard:
         ids = self.ids
         windows, tokens = (0, 0) if ids is None else (ids.shape[0], ids.numel())
-        return StageGuard(self.mode, windows, tokens, self.where, list(self.stages))
+        sources = [s.where for s in self.sources] or None
+        return StageGuard(self.mode, windows, tokens, self.where, list(self.stages), sources)
 
     def _start(self, c) -> Guard:
         if self.guard is None:
             from mha2gqa.core.models import resolve_device
 
             dev = resolve_device(c.settings.device)
-            self.guard = Guard(c.ckpt, c.family, c.dims, self.ids, dev, c.settings.progress)
+            self.guard = Guard(c.ckpt, c.family, c.dims, self.ids, dev, c.settings.progress, self.sources)
         return self.guard
 
     @staticmethod
@@ -243,7 +295,7 @@ class GuardRun:
         }
         scores = self._start(c).score(plans)
         mine, blind = scores["allocated"], scores["uniform"]
-        kept = mine.loss < blind.loss
+        kept = mine.beats(blind)
         detail = f"against {uniform.targets[0]} KV heads in every layer"
         stage = GuardStage("allocation", KEPT if kept else UNDONE, mine, mine if kept else blind, blind, detail)
         if not kept and self.mode == GuardMode.FAIL:
@@ -307,12 +359,13 @@ class GuardRun:
             return GuardStage("refit", KEPT, before, before, before, "no layer's refit lowered its error"), -1
         whole = scores[cuts[-1]]
         if self.mode == GuardMode.FAIL:
-            if whole.loss >= before.loss:
+            if not whole.beats(before):
                 self._fail(GuardStage("refit", UNDONE, whole, before, before))
             return GuardStage("refit", KEPT, whole, whole, before), cuts[-1]
-        best = min(cuts, key=lambda cut: (scores[cut].loss, cut))
-        if scores[best].loss >= before.loss:
+        kept = [cut for cut in cuts if scores[cut].beats(before)]  # no held-out text made worse
+        if not kept:
             return GuardStage("refit", UNDONE, whole, before, before), -1
+        best = min(kept, key=lambda cut: (scores[cut].loss, cut))
         if best == cuts[-1]:
             return GuardStage("refit", KEPT, whole, whole, before), best
         n = sum(1 for i in fitted if i <= best)
@@ -330,7 +383,7 @@ class GuardRun:
         if self.guard is None or before is None:
             return True
         after = after if after is not None else self.score_folder(folder, targets)
-        kept = after.loss < before.loss
+        kept = after.beats(before)
         stage = GuardStage("distill", KEPT if kept else UNDONE, after, after if kept else before, before, detail)
         if not kept and self.mode == GuardMode.FAIL:
             self._fail(stage)
@@ -380,7 +433,8 @@ def open_guard(c, data: str | None):
         return c, None
     seq_len = calibration_window(s.calibration_seq_len, max_positions(c.ckpt.config))
     ids, before, where = guard_windows(c.ckpt.folder, data, seq_len)
-    run = GuardRun(s.guard, ids, before, where)
+    sources = [source_windows(c.ckpt.folder, text, seq_len) for text in s.guard_data] if ids is not None else []
+    run = GuardRun(s.guard, ids, before, where, sources=sources)
     if ids is None or s.calibration_tokens <= before:
         return c, run
     read = before // seq_len * seq_len  # whole windows

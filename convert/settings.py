@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from mha2gqa.convert.groupings import GROUPINGS, get_grouping
 from mha2gqa.convert.methods import METHODS, get_method
-from mha2gqa.core.conversion_record import GUARD_MODES
+from mha2gqa.core.conversion_record import GUARD_MODES, GuardMode
 from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_device_name
 from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.errors import SettingError
@@ -55,7 +55,7 @@ RECIPE_FIELDS = (
     *("calibration", "calibration_sha256", "calibration_tokens", "calibration_seq_len"),
     *("refit", "refit_params", "refit_steps", "refit_target", "refit_lr", "refit_batch", "refit_tokens"),
     "refit_precision",
-    *("guard", "seed", "max_shard_size"),
+    *("guard", "guard_data", "seed", "max_shard_size"),
 )
 
 
@@ -176,6 +176,14 @@ class ConvertSettings:
         "off: not measured.",
         choices=GUARD_MODES,
     )
+    guard_data: tuple[str, ...] = setting(
+        (),
+        help=f"A further held-out text for the stage guard (repeatable; a file or datasets name, like "
+        f"--calibration): its first {GUARD_WINDOWS} windows are scored after every stage too, and a stage is "
+        "kept only where it also leaves each of these texts' KL no more than 1% above what it was (give a "
+        "sample of what the model will serve: chat, code, stories). Each is reported on its own.",
+        empty=True,
+    )
     device: str = setting("auto", help=f"Where calibration runs: {DEVICE_HELP}")
     seed: int = setting(0, help="Seed of --method random and of --refit's window order.", minimum=0, maximum=2**63 - 1)
     max_shard_size: str = setting("5GB", help="Largest output shard, HF style ('5GB', '500MB').")
@@ -227,6 +235,10 @@ class ConvertSettings:
         except Exception as e:
             raise SettingError("max_shard_size", f"{{name}} {self.max_shard_size}: {e}") from None
         self._check_refit()
+        for text in self.guard_data:
+            check_text_source(text, "guard_data")
+        if self.guard_data and self.guard == GuardMode.OFF:
+            raise SettingError("guard_data", "{name} is scored by the stage guard: drop --guard off, or {name}")
         method, grouping = get_method(self.method), get_grouping(self.grouping)
         if self.calibration and not self.reads_calibration:
             raise SettingError(
@@ -284,6 +296,7 @@ class ConvertSettings:
         if self.calibration:
             out["calibration"] = portable_name(self.calibration)
             out["calibration_sha256"] = text_sha256(self.calibration)
+        out["guard_data"] = [portable_name(text) for text in self.guard_data]
         return out
 
     def refit_arithmetic(self) -> str:

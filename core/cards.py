@@ -69,7 +69,8 @@ def guard_summary(guard: StageGuard) -> str:
     if not guard.stages:
         return guard.where
     stages = "; ".join(stage.line() for stage in guard.stages)
-    return f"next-token KL to the original and top-1 agreement on {guard.where}, after each stage: {stages}"
+    where = guard.where + "".join(f", and {s}" for s in guard.sources or [])
+    return f"next-token KL to the original and top-1 agreement on {where}, after each stage: {stages}"
 
 
 def refit_summary(refit: Refit) -> str:

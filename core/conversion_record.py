@@ -122,16 +122,58 @@ class Refit:
 
 
 @dataclass(frozen=True)
+class SourceScore:
+    """A model's next-token agreement with the original on the windows of one further held-out text
+    (``convert --guard-data``)."""
+
+    name: str  # the text, named portably (a file's name)
+    kl: float | None
+    top1: float
+
+    @property
+    def loss(self) -> float:
+        return math.inf if self.kl is None else self.kl
+
+
+#: how much a stage may raise the KL of a further held-out text (``--guard-data``), as a share of that
+#: text's KL before the stage, and still be kept: a stage that lowers the calibration text's KL and
+#: raises another's by less is taken as making no text worse. Not zero, because a held-out sample of
+#: :data:`~mha2gqa.convert.settings.GUARD_WINDOWS` windows moves by about that much between stages that
+#: do nothing to its kind of text (and a zero tolerance would undo a refit that takes the calibration
+#: text's KL from x2 to x1.1 for a 0.1% rise elsewhere); not more, so that a stage that trades the
+#: served text for the calibration text is undone.
+SOURCE_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
 class GuardScore:
-    """A model's next-token agreement with the original on the guard's held-out windows."""
+    """A model's next-token agreement with the original on the guard's held-out windows: the
+    calibration text's (``kl``, ``top1``) and each further held-out text's (``sources``, None without
+    ``--guard-data``)."""
 
     kl: float | None  # mean per-token KL(original || model), nats; None: not finite (the model overflowed)
     top1: float  # share of tokens whose most likely next token is the original's
+    sources: list[SourceScore] | None = None
 
     @property
     def loss(self) -> float:
         """The KL, infinite where it was not finite: what the guard compares."""
         return math.inf if self.kl is None else self.kl
+
+    def worse_on(self, before: GuardScore) -> list[str]:
+        """The further held-out texts on which this model's KL is above ``before``'s by more than
+        :data:`SOURCE_TOLERANCE` of it (a text ``before`` did not score is not compared)."""
+        theirs = {s.name: s for s in before.sources or []}
+        return [
+            s.name
+            for s in self.sources or []
+            if s.name in theirs and s.loss > theirs[s.name].loss * (1 + SOURCE_TOLERANCE)
+        ]
+
+    def beats(self, before: GuardScore) -> bool:
+        """Whether a stage that leads from ``before`` to this model is kept: a lower KL on the
+        calibration text's windows, and no further held-out text made worse (:meth:`worse_on`)."""
+        return self.loss < before.loss and not self.worse_on(before)
 
     def __str__(self) -> str:
         return f"KL {'inf' if self.kl is None else f'{self.kl:.4g}'}, top-1 {self.top1:.1%}"
@@ -177,7 +219,21 @@ class GuardStage:
             text = f"{self.stage}: {self.outcome} - held-out {self.before} -> {self.after}"
         if self.outcome == KEPT_IN_PART:
             text += f"; published {self.published}"
-        return text + (f" ({self.detail})" if self.detail else "")
+        return text + self._sources() + (f" ({self.detail})" if self.detail else "")
+
+    def _sources(self) -> str:
+        """``; chat.txt KL 0.31 -> 0.29, code.py KL 0.5 (worse)``: each further held-out text's KL."""
+        before = {s.name: s for s in self.before.sources or []} if self.before is not None else {}
+        worse = set(self.after.worse_on(self.before)) if self.before is not None else set()
+        parts = []
+        for s in self.after.sources or []:
+            was = f"{_kl(before[s.name].kl)} -> " if s.name in before else ""
+            parts.append(f"{s.name} KL {was}{_kl(s.kl)}" + (" (worse)" if s.name in worse else ""))
+        return "; " + ", ".join(parts) if parts else ""
+
+
+def _kl(kl: float | None) -> str:
+    return "inf" if kl is None else f"{kl:.4g}"
 
 
 @dataclass(frozen=True)
@@ -190,6 +246,8 @@ class StageGuard:
     tokens: int
     where: str  # which tokens of the calibration text, or why nothing was measured
     stages: list[GuardStage] = field(default_factory=list)
+    #: the further held-out texts (``--guard-data``) and which of their tokens (None: none given)
+    sources: list[str] | None = None
 
     def stage(self, name: str) -> GuardStage | None:
         return next((s for s in self.stages if s.stage == name), None)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mha2gqa.core.conversion_record import KEPT, KEPT_IN_PART, UNDONE
 from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.text_ref import TextRef
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ DISTILL_STAGE = "distill"
 class _Run:
     guard: UptrainGuard | None = None
     stage: str | None = None
+    settings: dict[str, Any] | None = None
+    text: TextRef | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,15 @@ def published_stage(folder: Path) -> str | None:
     --distill``'s own run, None for ``mha2gqa uptrain`` (or no record)."""
     run = _published(folder)
     return None if run is None else run.stage
+
+
+def published_text(folder: Path) -> tuple[str, TextRef | None] | None:
+    """The training text (``--data``) of the uptraining run (or ``convert --distill``) whose record
+    ``folder`` holds: its name and reference (file name, sha256, line sketch; None in a record before
+    them, which names the file by its path); None: no record, or it names no text."""
+    run = _published(folder)
+    data = (run.settings or {}).get("data") if run is not None else None
+    return (data, run.text) if isinstance(data, str) and data else None
 
 
 def _published(folder: Path) -> _Run | None:

@@ -20,6 +20,7 @@ from mha2gqa.core.dims import config_value
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.text import TextData, load_text
 from mha2gqa.core.text_ref import TextRef, compared_lines
+from mha2gqa.core.uptrain_guard import published_text
 
 #: Share of the evaluation text's lines found in the calibration text above which it is flagged.
 FLAG_SHARE = 0.01
@@ -93,27 +94,6 @@ class Overlap:
         return {**asdict(self), "flagged": self.flagged}
 
 
-def _training_text(folder: Path) -> tuple[str, TextRef | None] | None:
-    """The ``--data`` an uptraining run (or ``convert --distill``) of the model in ``folder`` trained on,
-    from its uptraining record: its name and reference (file name, sha256, line sketch; None in a record
-    before them, which names the file by its path); None: no record, or it names no text."""
-    from mha2gqa.core import typed
-    from mha2gqa.core.records import UPTRAIN_RECORD, read_record_json
-
-    path = Path(folder) / UPTRAIN_RECORD
-    data = read_record_json(path, "uptrain the model again")
-    run = data.get("uptrain") if isinstance(data, dict) else None
-    settings = run.get("settings") if isinstance(run, dict) else None
-    text = settings.get("data") if isinstance(settings, dict) else None
-    if not isinstance(text, str) or not text:
-        return None
-    ref = run.get("text")
-    try:
-        return text, None if ref is None else typed.read(TextRef, ref, "uptrain.text")
-    except typed.RecordError as e:
-        raise Mha2GqaError(f"{path}: damaged uptraining record ({e})") from None
-
-
 def calibration_overlap(data: TextData, source: str, converted_folder: Path, text_field: str) -> Overlap | None:
     """How much of the evaluation text ``data`` (read from ``source``) the conversion in
     ``converted_folder`` was calibrated or refitted on (from the record's sha256 and line sketch of
@@ -130,7 +110,7 @@ def calibration_overlap(data: TextData, source: str, converted_folder: Path, tex
         texts[facts.refit.data] = ("refit", facts.refit.text)
     if facts.calibration is not None and facts.calibration.data:
         texts.setdefault(facts.calibration.data, ("calibration", facts.calibration.text))
-    trained = _training_text(converted_folder)  # convert --distill, or an uptraining run: it read text too
+    trained = published_text(converted_folder)  # convert --distill, or an uptraining run: it read text too
     if trained:
         texts.setdefault(trained[0], ("training", trained[1]))
     found: Overlap | None = None

@@ -78,11 +78,17 @@ def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | No
         if unknown:
             raise click.BadParameter(f"{value}: {name}.{unknown[0]} is not a setting a recipe holds", ctx, param)
     values = {k: v for section in sections.values() for k, v in section.items() if v is not None}
-    text = values.get("calibration")
-    beside = path.parent / str(text)
-    if isinstance(text, str) and not Path(text).expanduser().exists() and beside.is_file():
-        values["calibration"] = str(beside)  # a recipe names its text by file name: here, or beside it
+    if isinstance(values.get("calibration"), str):
+        values["calibration"] = _here_or_beside(values["calibration"], path)
+    if isinstance(values.get("guard_data"), list):
+        values["guard_data"] = [_here_or_beside(str(text), path) for text in values["guard_data"]]
     ctx.default_map = {**(ctx.default_map or {}), **values}
+
+
+def _here_or_beside(text: str, recipe: Path) -> str:
+    """A text a recipe names by file name: in the current folder, else beside the recipe file."""
+    beside = recipe.parent / text
+    return str(beside) if not Path(text).expanduser().exists() and beside.is_file() else text
 
 
 @main.command()

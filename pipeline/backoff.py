@@ -226,7 +226,7 @@ def _check(out: Path, tried: Tried, nxt: float | None, judge: Judge, kept: Resum
     whether the backoff ends: it lowered the KL, or no rate ``nxt`` is left)``. Where it goes on, ``out``
     is emptied, then the next try written down."""
     score, step, note = _ended(out, watch, judge, result.total_steps, log)
-    helped = score.loss < judge.before.loss
+    helped = score.beats(judge.before)  # lower on the calibration text, no --guard-data text worse
     at, steps = f"--distill-lr {tried.lr:.3g}: {score}", f" ({note})" if note else ""
     if helped or nxt is None:
         end = f"{at}, {'kept' if helped else 'not below either'}{steps}"

@@ -461,3 +461,97 @@ def test_the_models_head_runs_a_block_of_tokens_at_a_time_to_the_same_figures(ca
     for stage, was in zip(stages, before, strict=True):  # the whole-window figures: stock transformers' (above)
         assert stage.published.kl == pytest.approx(was.published.kl, rel=1e-5) and stage.published.kl > 0
         assert stage.published.top1 == was.published.top1
+
+
+def _first_windows(src, out, text, seq_len: int) -> tuple[float, float]:
+    """``(KL, top-1)`` of ``out`` against ``src`` on the text's first GUARD_WINDOWS windows, with stock
+    transformers: what the guard must have measured on a ``--guard-data`` text."""
+    from mha2gqa.core.models import load_tokenizer
+    from mha2gqa.core.text import load_text, token_stream
+
+    ids = token_stream(load_tokenizer(src), load_text(str(text)))[: GUARD_WINDOWS * seq_len]
+    ids = ids.reshape(GUARD_WINDOWS, seq_len)
+    with torch.no_grad():
+        p = torch.log_softmax(load(src)(ids).logits.float(), -1)
+        q = torch.log_softmax(load(out)(ids).logits.float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean()), float((p.argmax(-1) == q.argmax(-1)).float().mean())
+
+
+def test_a_guard_data_text_is_scored_on_its_own_after_every_stage(calib_text, tmp_path):
+    """``--guard-data``: every stage's figures on the further text too, as stock transformers computes them
+    on the written model; the calibration text's figures and the published tensors as without it (where
+    the decisions agree); the record, the card and the terminal name the text."""
+    src = source("llama", calib_text, tmp_path / "src", attention_bias=False)
+    other = tmp_path / "texts" / "served.txt"
+    other.parent.mkdir()
+    other.write_text("\n\n".join(f"a dog {i % 11} barked at {i % 3} birds in the old red barn" for i in range(300)))
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "refit": True, "progress": False}
+    plain = convert_checkpoint(src, tmp_path / "plain", 1, "svd", **kw)
+    guarded = convert_checkpoint(src, tmp_path / "guarded", 1, "svd", guard_data=(str(other),), **kw)
+    g = guarded.facts.guard
+    assert g.sources == [f"served.txt's first {GUARD_WINDOWS * 64:,} tokens ({GUARD_WINDOWS} windows of 64)"]
+    for stage, alone in zip(g.stages, plain.facts.guard.stages, strict=True):
+        assert [s.name for s in stage.after.sources] == ["served.txt"] and stage.after.sources[0].kl > 0
+        assert (stage.after.kl, stage.after.top1) == (alone.after.kl, alone.after.top1)  # the same stage, run
+    merge, refit = g.stages
+    assert refit.outcome == (KEPT if refit.after.beats(merge.published) else UNDONE)  # served.txt decides too
+    kl, top1 = _first_windows(src, guarded.output, other, 64)
+    published = g.stages[-1].published.sources[0]
+    assert published.kl == pytest.approx(kl, rel=1e-3, abs=1e-5) and published.top1 == pytest.approx(top1, abs=2e-3)
+    if refit.outcome == plain.facts.guard.stages[-1].outcome:  # the same decisions: the same tensors
+        a, b = read_all(plain.output), read_all(guarded.output)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "served.txt KL" in guarded.summary() and "served.txt's first" in (guarded.output / "README.md").read_text()
+    assert str(other.parent) not in (guarded.output / CONVERSION_RECORD).read_text()
+    recipe = guarded.output / "mha2gqa_recipe.yaml"
+    assert "  guard_data:\n  - served.txt\n" in recipe.read_text()
+    (guarded.output / "served.txt").write_bytes(other.read_bytes())  # the recipe finds its text beside it
+    again = ["convert", str(src), str(tmp_path / "again"), "--recipe", str(recipe), "--calibration", str(calib_text)]
+    result = CliRunner().invoke(main, [*again, "-q"])
+    assert result.exit_code == 0, result.output
+    a, b = read_all(guarded.output), read_all(tmp_path / "again")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stage_that_makes_a_guard_data_text_worse_is_not_kept():
+    """By hand: a stage is kept only with a lower calibration KL and no further text's KL more than
+    SOURCE_TOLERANCE above it; the refit's published prefix is the best of those that qualify."""
+    from mha2gqa.convert.guard import GuardRun
+    from mha2gqa.core.conversion_record import SOURCE_TOLERANCE, GuardScore, SourceScore
+
+    def score(kl: float, served: float) -> GuardScore:
+        return GuardScore(kl, 0.5, [SourceScore("served.txt", served, 0.5)])
+
+    before = score(1.0, 1.0)
+    assert score(0.5, 1.0 + SOURCE_TOLERANCE / 2).beats(before) and not score(0.5, 1.0 + 2 * SOURCE_TOLERANCE).beats(
+        before
+    )
+    assert not score(1.0, 0.5).beats(before) and score(0.5, 9.0).worse_on(before) == ["served.txt"]
+    assert GuardScore(0.5, 0.5).beats(GuardScore(1.0, 0.5))  # no further text: the calibration's KL alone
+    run = GuardRun("undo", None, 0, "")
+    scores = {1: score(0.6, 1.001), 3: score(0.4, 1.5)}  # the whole refit is best here, and worse on served.txt
+    stage, published = run._refit_stage(scores, [1, 3], [0, 1, 2, 3], before)
+    assert (stage.outcome, published, stage.published) == (KEPT_IN_PART, 1, scores[1])
+    assert "served.txt KL 1 -> 1.5 (worse)" in stage.line()
+    stage, published = run._refit_stage({1: score(0.6, 2.0), 3: score(0.4, 1.5)}, [1, 3], [0, 1, 2, 3], before)
+    assert (stage.outcome, published, stage.published) == (UNDONE, -1, before)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--guard-data", "{short}"], "--guard-data {short}: "),
+        (["--guard-data", "{missing}"], "no such file"),
+        (["--guard-data", "{short}", "--guard", "off"], "is scored by the stage guard"),
+    ],
+)
+def test_a_bad_guard_data_text_is_refused_in_one_line_before_any_work(calib_text, tmp_path, args, says):
+    src = source("llama", calib_text, tmp_path / "src", attention_bias=False)
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    fill = {"short": str(short), "missing": str(tmp_path / "nope.txt")}
+    args = [a.format(**fill) for a in args]
+    base = ["convert", str(src), str(tmp_path / "out"), "-g", "1", "--method", "svd", "--calibration", str(calib_text)]
+    result = CliRunner().invoke(main, [*base, "--calibration-tokens", "1024", *args, "-q"])
+    assert result.exit_code != 0 and says.format(**fill) in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()

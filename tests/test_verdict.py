@@ -284,8 +284,8 @@ def test_a_job_gives_its_calibration_to_the_methods_that_read_it(tmp_path):
     job.write_text(f"source: x\nconvert: {{num_kv_heads: [2], methods: [mean, svd], calibration: {text}}}\n"
                    f"eval: {{data: {text}}}\n")  # fmt: skip
     parsed = load_job(job)
-    assert parsed.convert_settings(2, "mean", str(text)).calibration is None
-    assert parsed.convert_settings(2, "svd", str(text)).calibration == str(text)
+    assert parsed.recipe(2, "mean", str(text)).convert.calibration is None
+    assert parsed.recipe(2, "svd", str(text)).convert.calibration == str(text)
     job.write_text(f"source: x\nconvert: {{num_kv_heads: [2], methods: [mean], calibration: {text}}}\n"
                    f"eval: {{data: {text}}}\n")  # fmt: skip
     with pytest.raises(Mha2GqaError, match="no method of the sweep"):
