@@ -23,7 +23,7 @@ cut windows:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -136,10 +136,6 @@ class ScoredPass:
     def nll(self, model: int) -> float:
         """Mean negative log-likelihood per token of model ``model`` (0: the first given)."""
         return self.nll_sum[model] / self.tokens
-
-    def plus_seconds(self, seconds: float) -> ScoredPass:
-        """The same pass, ``seconds`` more (the original's share of a pair scored one at a time)."""
-        return replace(self, seconds=self.seconds + seconds)
 
 
 def batch_count(windows: list[Window], batch_size: int) -> int:
