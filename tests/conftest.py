@@ -186,6 +186,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         )
 
 
+def torchrun(processes: int = 2) -> list[str]:
+    """``torchrun`` for ``processes`` local processes on a port free now (a fixed port is taken by any
+    other suite running on the machine at the same time)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(port),
+    ]
+
+
 def story_text(path: Path, lines: int = 300) -> Path:
     """A small repetitive English text for calibration and evaluation tests."""
     path.write_text("\n\n".join(f"the cat {i % 7} sat on the mat and ran {i % 5} times" for i in range(lines)))

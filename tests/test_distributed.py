@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import eval_argv, llama_with_tokenizer, story_text
+from conftest import eval_argv, llama_with_tokenizer, story_text, torchrun
 
 from mha2gqa.convert import convert_checkpoint
 
@@ -20,8 +20,7 @@ def test_two_processes_equal_one(tmp_path):
     args = ["-m", "mha2gqa.cli", *eval_argv(src, conv, text, 64, 3000, options=options)]
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     subprocess.run([sys.executable, *args, "--output", str(one)], check=True)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
-    run_ok([*torchrun, *args, "--output", str(two)])
+    run_ok([*torchrun(), *args, "--output", str(two)])
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert (a["device"]["processes"], b["device"]["processes"]) == (1, 2)
     for p in ("disjoint", "rolling"):
@@ -74,8 +73,7 @@ def test_uptraining_on_two_processes_follows_the_one_process_run(tmp_path):
         *["--objective", "mix", "--device", "cpu", "-q", "--mixed-precision", "no"],  # float32 on every machine
     ]
     subprocess.run([sys.executable, *args, "--output", str(tmp_path / "one")], check=True)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534"]
-    run_ok([*torchrun, *args, "--output", str(tmp_path / "two")])
+    run_ok([*torchrun(), *args, "--output", str(tmp_path / "two")])
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     assert a.keys() == b.keys()
     assert any(not torch.equal(a[k], load_file(student / "model.safetensors")[k]) for k in a)

@@ -8,14 +8,12 @@ import sys
 
 import pytest
 import torch
-from conftest import llama_with_tokenizer, story_text
+from conftest import llama_with_tokenizer, story_text, torchrun
 from safetensors.torch import load_file
 from test_distributed import run_ok
 from test_resume import killed_once
 
 from mha2gqa.core.resume import resume_folder
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
 STATS_SCRIPT = """
 import sys, torch
@@ -76,7 +74,7 @@ def test_sharded_processes_load_their_models_one_at_a_time(tmp_path):
     holds one whole model at a time (in rank order), not one a process."""
     script = tmp_path / "turns.py"
     script.write_text(TURNS_SCRIPT)
-    run_ok([*TORCHRUN, "--master_port", "29554", str(script), str(tmp_path / "rank")])
+    run_ok([*torchrun(), str(script), str(tmp_path / "rank")])
     (s0, e0), (s1, e1) = ([float(x) for x in (tmp_path / f"rank{r}").read_text().split()] for r in (0, 1))
     assert s0 < e0 <= s1 < e1  # rank 1 began once rank 0 was done (monotonic clocks: one machine)
 
@@ -88,7 +86,7 @@ def test_two_ranks_fit_a_layer_as_one_process_does_each_on_its_own_windows(tmp_p
     script.write_text(FIT_SCRIPT)
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     subprocess.run([sys.executable, str(script), str(one)], check=True)
-    run_ok([*TORCHRUN, "--master_port", "29548", str(script), str(two)])
+    run_ok([*torchrun(), str(script), str(two)])
     a, b = torch.load(one), torch.load(two)
     assert a["steps"] == b["steps"] and a["ridge"] == b["ridge"]  # the same decisions
     assert a["ridge"] is not None  # the closed-form o_proj was taken: its sums were summed
@@ -111,7 +109,7 @@ def test_two_ranks_gather_the_statistics_one_process_gathers(source, tmp_path):
     script.write_text(STATS_SCRIPT)
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     subprocess.run([sys.executable, str(script), str(src), str(text), str(one)], check=True)
-    run_ok([*TORCHRUN, "--master_port", "29541", str(script), str(src), str(text), str(two)])
+    run_ok([*torchrun(), str(script), str(src), str(text), str(two)])
     a, b = torch.load(one), torch.load(two)
     assert a.keys() == b.keys() and len(a) >= 2
     for layer in a:
@@ -134,33 +132,33 @@ def _float32(extra) -> list[str]:
     return [*extra, *pinned]
 
 
-def _convert(src, text, dst, *extra: str, processes: int = 1, port: int = 29542) -> str:
+def _convert(src, text, dst, *extra: str, processes: int = 1) -> str:
     args = ["-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2", "--calibration", str(text)]
     args += ["--calibration-tokens", "1024", "--calibration-seq-len", "64", "--device", "cpu", "-q", *_float32(extra)]
     if processes == 1:
         done = subprocess.run([sys.executable, *args], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
-    return run_ok([*TORCHRUN, "--master_port", str(port), *args])
+    return run_ok([*torchrun(), *args])
 
 
 @pytest.mark.parametrize(
-    ("extra", "port"),
+    "extra",
     [
-        (("--method", "svd"), 29543),
-        (("--method", "svd", "--refit", "--refit-steps", "8"), 29544),
+        ("--method", "svd"),
+        ("--method", "svd", "--refit", "--refit-steps", "8"),
         # not uniform: the guard compares it with uniform counts (on rank 0), then every rank refits
-        (("--method", "svd", "--per-layer", "auto", "--kv-budget", "1.5", "--refit", "--refit-steps", "4"), 29546),
-        (("--method", "mean", "--grouping", "similarity"), 29547),
+        ("--method", "svd", "--per-layer", "auto", "--kv-budget", "1.5", "--refit", "--refit-steps", "4"),
+        ("--method", "mean", "--grouping", "similarity"),
         # the layer-output cost: each rank runs its share of the windows again, the errors summed
-        (("--method", "svd", "--per-layer", "auto", "--kv-budget", "1.5", "--allocation-cost", "output"), 29553),
+        ("--method", "svd", "--per-layer", "auto", "--kv-budget", "1.5", "--allocation-cost", "output"),
     ],
 )
-def test_a_conversion_on_two_ranks_equals_one_process(source, tmp_path, extra, port):
+def test_a_conversion_on_two_ranks_equals_one_process(source, tmp_path, extra):
     src, text = source
     one, two = tmp_path / "one", tmp_path / "two"
     _convert(src, text, one, *extra)
-    printed = _convert(src, text, two, *extra, processes=2, port=port)
+    printed = _convert(src, text, two, *extra, processes=2)
     assert printed.count("converted") <= 1  # rank 0 alone speaks and writes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # nothing else beside DST
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
@@ -186,9 +184,7 @@ def test_too_few_windows_for_the_ranks_is_one_line(source, tmp_path):
     src, text = source
     args = ["-m", "mha2gqa.cli", "convert", str(src), str(tmp_path / "out"), "-g", "2", "--method", "svd"]
     args += ["--calibration", str(text), "--calibration-tokens", "64", "--calibration-seq-len", "64", "--guard", "off"]
-    done = subprocess.run(
-        [*TORCHRUN, "--master_port", "29545", *args, "--device", "cpu"], capture_output=True, text=True
-    )
+    done = subprocess.run([*torchrun(), *args, "--device", "cpu"], capture_output=True, text=True)
     assert done.returncode != 0
     assert "Error: --calibration" in done.stderr and "1 window(s) for 2 processes" in done.stderr
     ours = [ln for ln in done.stderr.splitlines() if ln.strip().startswith('File "') and "torch" not in ln]
@@ -204,7 +200,7 @@ def test_convert_refit_distill_sharded_on_two_ranks_equals_one_process(source, t
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ("--method", "svd", "--refit", "--refit-steps", "4", "--distill", "--distill-steps", "4")
     _convert(src, text, one, *extra)
-    printed = _convert(src, text, two, *extra, "--sharding", "fsdp", processes=2, port=29549)
+    printed = _convert(src, text, two, *extra, "--sharding", "fsdp", processes=2)
     assert printed.count("uptrain done") == 1  # rank 0 alone speaks
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no scratch or kept work left
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
@@ -220,10 +216,10 @@ def test_convert_refit_distill_sharded_on_two_ranks_equals_one_process(source, t
 
 
 @pytest.mark.parametrize(
-    ("family", "sharding", "port"),
-    [("phi3", "none", 29555), ("gemma2", "fsdp", 29556)],  # fused qkv; soft caps, sliding windows, 4 norms a layer
+    ("family", "sharding"),
+    [("phi3", "none"), ("gemma2", "fsdp")],  # fused qkv; soft caps, sliding windows, 4 norms a layer
 )
-def test_families_beyond_llama_refit_and_distill_on_two_ranks_as_one_process(family, sharding, port, tmp_path):
+def test_families_beyond_llama_refit_and_distill_on_two_ranks_as_one_process(family, sharding, tmp_path):
     """The two-rank paths (statistics, refit, the guard on rank 0, the distillation under DDP or FSDP
     and its checkpoint scores) on layouts other than Llama's: one process's model and stages."""
     from conftest import random_model, tiny_config
@@ -234,7 +230,7 @@ def test_families_beyond_llama_refit_and_distill_on_two_ranks_as_one_process(fam
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ("--method", "svd", "--refit", "--refit-steps", "4", "--distill", "--distill-steps", "3")
     _convert(src, text, one, *extra)
-    _convert(src, text, two, *extra, "--sharding", sharding, processes=2, port=port)
+    _convert(src, text, two, *extra, "--sharding", sharding, processes=2)
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
@@ -252,7 +248,7 @@ def test_distill_settings_a_launcher_cannot_share_are_refused_before_any_work(so
     src, text = source
     args = ["-m", "mha2gqa.cli", "convert", str(src), str(tmp_path / "out"), "-g", "2", "--device", "cpu"]
     args += ["--calibration", str(text), "--distill", "--distill-batch", "3"]
-    done = subprocess.run([*TORCHRUN, "--master_port", "29550", *args], capture_output=True, text=True)
+    done = subprocess.run([*torchrun(), *args], capture_output=True, text=True)
     assert done.returncode != 0 and "Error: --distill-batch 3 windows cannot be shared by 2 processes" in done.stderr
     one = subprocess.run(
         [sys.executable, *args[:-3], "--distill", "--sharding", "fsdp"], capture_output=True, text=True
@@ -267,9 +263,9 @@ def test_a_killed_sharded_distillation_resumes_on_two_ranks(source, tmp_path):
     src, text = source
     extra = ["--method", "svd", "--refit", "--refit-steps", "4", "--distill", "--distill-steps", "30"]
     extra += ["--sharding", "fsdp"]
-    _convert(src, text, tmp_path / "whole", *extra, processes=2, port=29551)
+    _convert(src, text, tmp_path / "whole", *extra, processes=2)
     dst = tmp_path / "out"
-    args = [*TORCHRUN, "--master_port", "29552", "-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2"]
+    args = [*torchrun(), "-m", "mha2gqa.cli", "convert", str(src), str(dst), "-g", "2"]
     args += ["--calibration", str(text), "--calibration-tokens", "1024", "--calibration-seq-len", "64"]
     args += ["--device", "cpu", "-q", *_float32(extra)]
     checkpoints = resume_folder(dst) / "distilled" / "checkpoints"
