@@ -27,11 +27,10 @@ class Recipe:
 
     @classmethod
     def from_options(cls, options: dict[str, Any], progress: bool = True) -> Recipe:
-        """A ``convert`` command line's options (both settings' fields), the distillation checked
-        against the conversion (the conversion's own checks run in :func:`~mha2gqa.pipeline.prepare`)."""
+        """A ``convert`` command line's options (both settings' fields; checked by
+        :func:`~mha2gqa.pipeline.prepare`)."""
         convert, distill = split_options(options)
-        settings = ConvertSettings(**convert, progress=progress)
-        return cls(settings, DistillSettings(**distill).check(settings))
+        return cls(ConvertSettings(**convert, progress=progress), DistillSettings(**distill))
 
     @classmethod
     def named(cls, name: str, convert: dict[str, Any], distill: dict[str, Any] | None = None) -> Recipe:

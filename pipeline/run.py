@@ -70,13 +70,12 @@ def prepare(recipe: Recipe, src: str, dst: Path, log: Log | None = None) -> Prep
     None: the terminal (the conversion's lines on stderr with progress, the distillation's on stdout)."""
     from mha2gqa.convert.prepare import prepare as prepare_conversion
 
-    s = recipe.convert
+    s, d = recipe.convert, recipe.distill.check(recipe.convert)  # (off: that no distill_* setting is given)
     if not recipe.distilling:
         return Prepared(recipe, src, dataclasses.replace(prepare_conversion(src, dst, s), log=log), log)
-    d = recipe.distill.check(s)
     conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None)  # the text is ours
     first = prepare_conversion(src, dst, conversion, later={"distill": d.recipe(), "arithmetic": d.arithmetic(s)})
-    return Prepared(dataclasses.replace(recipe, distill=d), src, first, log or print)
+    return Prepared(recipe, src, first, log or print)
 
 
 @dataclass(frozen=True)
@@ -169,10 +168,6 @@ def _alongside(p: Prepared, team: Ranks) -> None:
 
 def _distilled_line(converted, distilled) -> str:
     """The distillation's summary, saying so where the stage guard did not publish it."""
-    from mha2gqa.core.conversion_record import UNDONE
-
-    guard = converted.record.conversion.guard
-    stage = guard.stage("distill") if guard is not None else None
-    if stage is not None and stage.outcome == UNDONE:
+    if converted.record.conversion.distilled is False:
         return f"{distilled.summary()}: undone by the stage guard, DST holds the model before it"
     return distilled.summary()
