@@ -134,8 +134,7 @@ class Guard:
         self.model = skeleton(ckpt)
         #: each text's name (None: the calibration text) and its windows' count, in the order of ``ids``
         self.segments = [(None, ids.shape[0]), *((s.name, s.ids.shape[0]) for s in sources)]
-        self.ids = torch.cat([ids, *(s.ids for s in sources)]) if sources else ids
-        ids = self.ids
+        self.ids = ids = torch.cat([ids, *(s.ids for s in sources)]) if sources else ids
         with torch.inference_mode():  # as calibration reads the source (a .bin's cached tensors are inference tensors)
             self.first = first_layer_inputs(self.model, ckpt, ids.to(device), device)
         self.reference: list[torch.Tensor] | None = None  # the original's last hidden states
@@ -204,15 +203,11 @@ class Guard:
             tokens[text[w]] += ref_h.shape[0] * ref_h.shape[1]
         scores = {}
         for i, name in enumerate(names):
-            kl, same = sums[0, i].tolist()
-            score = score_of(kl, same, tokens[0])
-            if len(self.segments) > 1:  # each further held-out text on its own
-                sources = [
-                    SourceScore(text_name, *dataclasses.astuple(score_of(*sums[n, i].tolist(), tokens[n]))[:2])
-                    for n, (text_name, _) in enumerate(self.segments[1:], 1)
-                ]
-                score = dataclasses.replace(score, sources=sources)
-            scores[name] = score
+            each = [score_of(*sums[n, i].tolist(), tokens[n]) for n in range(len(self.segments))]
+            sources = [
+                SourceScore(text, s.kl, s.top1) for (text, _), s in zip(self.segments[1:], each[1:], strict=True)
+            ]
+            scores[name] = dataclasses.replace(each[0], sources=sources or None)  # None: no further text
         return scores
 
 

@@ -332,12 +332,12 @@ class Facts:
         elif (allocated := self.guard.stage("allocation") if self.guard else None) and allocated.outcome == UNDONE:
             name += "/per-layer(auto, undone)"  # allocated, then undone by the stage guard: uniform counts
         distill = self.guard.stage("distill") if self.guard else None
-        if distill is not None:
+        if distill is not None:  # judged by the guard
             distilled = stage_name("distill", distill.outcome)
+        elif self.distilled is None:  # no distillation (or a record before the fact)
+            distilled = ""
         else:
-            distilled = (
-                stage_name("distill", UNDONE if self.distilled is False else None) if self.distilled is not None else ""
-            )
+            distilled = stage_name("distill", None if self.distilled else UNDONE)
         return name + self._stage_name("refit", self.refit is not None) + distilled
 
     def _stage_name(self, stage: str, ran: bool) -> str:
