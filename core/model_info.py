@@ -11,6 +11,7 @@ from typing import Any, Literal
 from mha2gqa.core.conversion_record import KEPT, KEPT_IN_PART, UNDONE, Facts, stage_name
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import by_name
+from mha2gqa.core.uptrain_guard import DISTILL_STAGE
 
 #: Fields a description leaves out when they are None (a model that has none of them).
 _OPTIONAL = (
@@ -81,7 +82,7 @@ class ModelInfo:
         recipe = self.conversion.recipe if self.conversion else ""
         if not recipe or not self.uptrained:
             return recipe
-        if self.uptrain_stage == "distill":
+        if self.uptrain_stage == DISTILL_STAGE:
             return recipe if "+distill" in recipe else recipe + stage_name("distill", None)
         return recipe + stage_name("uptrain", self.uptrain_outcome)
 

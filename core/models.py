@@ -19,7 +19,7 @@ from mha2gqa.core.dtypes import by_name, from_torch
 from mha2gqa.core.errors import Mha2GqaError, SettingError, config_errors, first_line
 from mha2gqa.core.model_info import ModelInfo
 from mha2gqa.core.records import UPTRAIN_RECORD
-from mha2gqa.core.uptrain_guard import published_outcome, published_stage
+from mha2gqa.core.uptrain_guard import published_run
 
 #: how long a process of several waits at a collective for the others (the group's timeout, gloo's
 #: and NCCL's): rank 0 alone writes the checkpoint and scores the stage guard, and under FSDP the
@@ -101,6 +101,7 @@ class LoadedModel:
         dtype = next(self.model.parameters()).dtype
         config_file = self.folder / "config.json"
         stored = stored_dtype(config_file) or from_torch(dtype)  # the KV figures in the checkpoint's dtype, as convert
+        run = published_run(self.folder)
         return ModelInfo(
             path=self.path,
             architecture=(getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
@@ -118,8 +119,8 @@ class LoadedModel:
             config_sha256=hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.is_file() else None,
             conversion=self.conversion(),
             uptrained=(self.folder / UPTRAIN_RECORD).is_file(),
-            uptrain_outcome=published_outcome(self.folder),
-            uptrain_stage=published_stage(self.folder),
+            uptrain_outcome=run.outcome if run is not None else None,
+            uptrain_stage=run.stage if run is not None else None,
         )
 
 

@@ -71,46 +71,45 @@ DISTILL_STAGE = "distill"
 
 
 @dataclass(frozen=True)
-class _Run:
+class PublishedRun:
+    """The part of an uptraining record that core reads (the rest is the uptrain layer's): the guard's
+    decision, which stage wrote it, and its training text."""
+
     guard: UptrainGuard | None = None
     stage: str | None = None
     settings: dict[str, Any] | None = None
     text: TextRef | None = None
 
+    @property
+    def outcome(self) -> str | None:
+        """The guard's outcome (KEPT, KEPT_IN_PART or UNDONE); None where the run was not guarded
+        (``--guard off``, no held-out text, ``convert --distill``'s own run, judged by the conversion's guard)."""
+        return None if self.guard is None else self.guard.outcome
+
+    @property
+    def training_text(self) -> tuple[str, TextRef | None] | None:
+        """The training text (``--data``): its name and reference (file name, sha256, line sketch; None in
+        a record before them, which names the file by its path); None where it names no text."""
+        data = (self.settings or {}).get("data")
+        return (data, self.text) if isinstance(data, str) and data else None
+
 
 @dataclass(frozen=True)
 class _Published:
-    """The part of an uptraining record :func:`published_outcome` reads (the rest is the uptrain layer's)."""
-
-    uptrain: _Run
+    uptrain: PublishedRun
 
 
-def published_outcome(folder: Path) -> str | None:
-    """The guard's outcome on the uptrained model in ``folder`` (KEPT, KEPT_IN_PART or UNDONE), from its
-    uptraining record; None where it has none, or its run was not guarded (``--guard off``, no
-    held-out text, ``convert --distill``'s own run, judged by the conversion's guard). A damaged
+def checked_stage(stage: str | None, where: str) -> str | None:
+    """An uptraining record's ``stage`` as read from ``where``: None or :data:`DISTILL_STAGE`, else one
+    error naming it."""
+    if stage not in (None, DISTILL_STAGE):
+        raise Mha2GqaError(f"{where}: damaged uptraining record (uptrain.stage {stage!r} is not {DISTILL_STAGE!r})")
+    return stage
+
+
+def published_run(folder: Path) -> PublishedRun | None:
+    """The uptraining record of the model in ``folder`` as core reads it (None: it has none); a damaged
     record: one error naming it."""
-    run = _published(folder)
-    return None if run is None or run.guard is None else run.guard.outcome
-
-
-def published_stage(folder: Path) -> str | None:
-    """The stage whose record ``folder``'s uptraining record is: :data:`DISTILL_STAGE` for ``convert
-    --distill``'s own run, None for ``mha2gqa uptrain`` (or no record)."""
-    run = _published(folder)
-    return None if run is None else run.stage
-
-
-def published_text(folder: Path) -> tuple[str, TextRef | None] | None:
-    """The training text (``--data``) of the uptraining run (or ``convert --distill``) whose record
-    ``folder`` holds: its name and reference (file name, sha256, line sketch; None in a record before
-    them, which names the file by its path); None: no record, or it names no text."""
-    run = _published(folder)
-    data = (run.settings or {}).get("data") if run is not None else None
-    return (data, run.text) if isinstance(data, str) and data else None
-
-
-def _published(folder: Path) -> _Run | None:
     from mha2gqa.core import typed
     from mha2gqa.core.records import UPTRAIN_RECORD, read_record_json
 
@@ -122,7 +121,13 @@ def _published(folder: Path) -> _Run | None:
         run = typed.read(_Published, data, "record").uptrain
     except typed.RecordError as e:
         raise Mha2GqaError(f"{path}: damaged uptraining record ({e})") from None
-    if run.stage not in (None, DISTILL_STAGE):
-        raise Mha2GqaError(f"{path}: damaged uptraining record (uptrain.stage {run.stage!r} is not {DISTILL_STAGE!r})")
+    checked_stage(run.stage, str(path))
     checked(run.guard, str(path))
     return run
+
+
+def published_outcome(folder: Path) -> str | None:
+    """The guard's outcome on the uptrained model in ``folder`` (:attr:`PublishedRun.outcome`; None
+    without a record)."""
+    run = published_run(folder)
+    return None if run is None else run.outcome

@@ -20,7 +20,7 @@ from mha2gqa.core.dims import config_value
 from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.text import TextData, load_text
 from mha2gqa.core.text_ref import TextRef, compared_lines
-from mha2gqa.core.uptrain_guard import published_text
+from mha2gqa.core.uptrain_guard import published_run
 
 #: Share of the evaluation text's lines found in the calibration text above which it is flagged.
 FLAG_SHARE = 0.01
@@ -110,7 +110,8 @@ def calibration_overlap(data: TextData, source: str, converted_folder: Path, tex
         texts[facts.refit.data] = ("refit", facts.refit.text)
     if facts.calibration is not None and facts.calibration.data:
         texts.setdefault(facts.calibration.data, ("calibration", facts.calibration.text))
-    trained = published_text(converted_folder)  # convert --distill, or an uptraining run: it read text too
+    run = published_run(converted_folder)  # convert --distill, or an uptraining run: it read text too
+    trained = run.training_text if run is not None else None
     if trained:
         texts.setdefault(trained[0], ("training", trained[1]))
     found: Overlap | None = None

@@ -206,7 +206,7 @@ def test_a_distilled_model_is_named_distill_not_uptrain(distilled, tmp_path):
     record["uptrain"]["stage"] = "refit"
     (tampered / "mha2gqa_uptrain.json").write_text(json.dumps(record))
     from mha2gqa.core.errors import Mha2GqaError
-    from mha2gqa.core.uptrain_guard import published_stage
+    from mha2gqa.core.uptrain_guard import published_run
 
     with pytest.raises(Mha2GqaError, match=r"mha2gqa_uptrain.json: damaged uptraining record \(uptrain.stage"):
-        published_stage(tampered)
+        published_run(tampered)

@@ -17,7 +17,7 @@ from mha2gqa.core.errors import Mha2GqaError
 from mha2gqa.core.records import UPTRAIN_RECORD, now, version
 from mha2gqa.core.runlog import RunEval
 from mha2gqa.core.text_ref import TextRef, portable_name
-from mha2gqa.core.uptrain_guard import DISTILL_STAGE, UptrainGuard, checked
+from mha2gqa.core.uptrain_guard import UptrainGuard, checked, checked_stage
 
 UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
 #: settings that name a text or a model: a published record names them portably (:meth:`UptrainRecord.portable`)
@@ -70,8 +70,7 @@ class UptrainRecord:
         except typed.RecordError as e:
             raise Mha2GqaError(f"{where}: damaged uptraining record ({e})") from None
         checked(record.guard, where)
-        if record.stage not in (None, DISTILL_STAGE):
-            raise Mha2GqaError(f"{where}: damaged uptraining record (uptrain.stage {record.stage!r})")
+        checked_stage(record.stage, where)
         return record
 
     def portable(self, text_field: str = "text") -> UptrainRecord:
