@@ -102,9 +102,10 @@ def test_the_guard_measures_what_stock_transformers_computes_on_the_written_mode
     family, method, extra, calib_text, tmp_path
 ):
     src = source(family, calib_text, tmp_path / "src")
-    out = convert_checkpoint(
-        src, tmp_path / "out", 2, method, calibration=str(calib_text), calibration_tokens=1024, progress=False, **extra
-    )
+    served = tmp_path / "served.txt"  # a --guard-data text: measured alike, in the same walk
+    served.write_text("\n\n".join(f"a dog {i % 11} barked at {i % 3} birds in the old red barn" for i in range(300)))
+    kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "guard_data": (str(served),), "progress": False}
+    out = convert_checkpoint(src, tmp_path / "out", 2, method, **kw, **extra)
     guard = out.facts.guard
     assert guard.windows == GUARD_WINDOWS and guard.tokens == GUARD_WINDOWS * 64 and guard.mode == "undo"
     assert guard.stages[0].stage == "merge" and guard.stages[0].outcome == MEASURED
@@ -113,6 +114,9 @@ def test_the_guard_measures_what_stock_transformers_computes_on_the_written_mode
     published = guard.stages[-1].published
     assert published.kl == pytest.approx(kl, rel=1e-3, abs=1e-5) and published.top1 == pytest.approx(top1, abs=2e-3)
     assert published.kl > 0  # a real loss measured, not a copy of the original
+    kl, top1 = _first_windows(src, out.output, served, 64)
+    (other,) = published.sources
+    assert other.kl == pytest.approx(kl, rel=1e-3, abs=1e-5) and other.top1 == pytest.approx(top1, abs=2e-3)
 
 
 def test_candidates_scored_together_score_as_each_alone_to_the_bit(calib_text, tmp_path):
