@@ -1,5 +1,5 @@
 """The model-level KL of the stage guard and ``--allocation-cost logits``
-(:func:`mha2gqa.convert.layers.next_token_kl`: the streams through the head together, a block of
+(:func:`mha2gqa.convert.engine.layers.next_token_kl`: the streams through the head together, a block of
 tokens a call) against each stream's whole window at once (what it did), on a model head of
 Qwen2-0.5B's shape (hidden 896, an untied 151,936-entry output layer; random weights, one decoder
 layer that is never run).
@@ -63,7 +63,7 @@ def child(folder: Path, tokens: int, candidates: int, rounds: int, way: str) -> 
     process's peak."""
     import torch
 
-    from mha2gqa.convert.layers import model_head, next_token_kl, skeleton
+    from mha2gqa.convert.engine.layers import model_head, next_token_kl, skeleton
     from mha2gqa.core.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(str(folder))

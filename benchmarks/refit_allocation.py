@@ -32,7 +32,7 @@ UNIFORM = (4, 2, 1)
 
 def main() -> None:
     from mha2gqa.convert import convert_checkpoint
-    from mha2gqa.convert.allocation import allocate
+    from mha2gqa.convert.plan.allocation import allocate
     from mha2gqa.eval.harness import evaluate
     from mha2gqa.eval.settings import EvalSettings
 

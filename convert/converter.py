@@ -17,11 +17,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.convert.engine.retarget_view import retarget_record
 from mha2gqa.convert.prepare import Conversion, prepare
-from mha2gqa.convert.retarget_view import retarget_record
 from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
-from mha2gqa.convert.shard_writer import OutputTensor, write_checkpoint
-from mha2gqa.convert.tensor_sources import rewritten, tensor_sources
+from mha2gqa.convert.write.shard_writer import OutputTensor, write_checkpoint
+from mha2gqa.convert.write.tensor_sources import rewritten, tensor_sources
 from mha2gqa.core.cache_layers import sizing_window
 from mha2gqa.core.cards import model_card
 from mha2gqa.core.checkpoint import AUX_FILES, Checkpoint, local_name
@@ -141,9 +141,9 @@ def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
 
 def _allocate(source: Conversion) -> tuple[Conversion, Allocation]:
     """``--per-layer auto``: measure each layer's cost of every KV-head count on the calibration text
-    and choose the counts (:mod:`~mha2gqa.convert.allocation`); returns the conversion
+    and choose the counts (:mod:`~mha2gqa.convert.plan.allocation`); returns the conversion
     with those counts and the allocation record."""
-    from mha2gqa.convert.allocation import LOGITS_WINDOWS, FinalKL, Merger, allocate, layer_costs, output_costs
+    from mha2gqa.convert.plan.allocation import LOGITS_WINDOWS, FinalKL, Merger, allocate, layer_costs, output_costs
 
     s, dims = source.settings, source.dims
     candidates = dims.valid_kv_heads()
@@ -195,9 +195,8 @@ def _guard_allocation(c: Conversion, planned: tuple[Any, Any, list[OutputTensor]
         return (c, *planned)
     uniform = c.with_targets((max(fits),) * dims.num_layers)
     stats, calibration = _calibrate(uniform)
-    tensors = tensor_sources(
-        uniform.ckpt, uniform.family, dims, uniform.targets, uniform.method, stats, c.settings.seed
-    )
+    uniform = uniform.planned(stats)
+    tensors = tensor_sources(uniform.ckpt, uniform.family, dims, uniform.plans, uniform.method, stats, c.settings.seed)
     log = c.stage_log(_log)
     if ranks().decide(lambda: guard.allocation(c, planned[2], uniform, tensors, log)):  # scored on rank 0
         return (c, *planned)
@@ -207,7 +206,7 @@ def _guard_allocation(c: Conversion, planned: tuple[Any, Any, list[OutputTensor]
 def _final_costs(c: Conversion, final: Any, candidates: list[int]) -> list[dict[int, float]]:
     """The ``logits`` costs of every layer at each of ``candidates`` from the streams ``final``
     followed, through the model's head."""
-    from mha2gqa.convert.layers import model_head, skeleton
+    from mha2gqa.convert.engine.layers import model_head, skeleton
     from mha2gqa.core.models import resolve_device
 
     logits = model_head(skeleton(c.ckpt), c.ckpt, resolve_device(c.settings.device)) if final.streams else None
@@ -295,6 +294,7 @@ def _record(
         refit=refitted,
         guard=guard,
         windowed_cache=_windowed_cache(source, targets, esize),
+        layer_plans=list(source.plans),
     )
     settings = {k: v for k, v in asdict(s).items() if k not in ("progress", "overwrite")} | s.recipe()  # portable
     return ConversionRecord(
@@ -436,7 +436,7 @@ def _merge_alone(c: Conversion, stats: Any) -> list[OutputTensor] | None:
     weighted = stats.weighted() if stats is not None else None  # kept aside only for a guarded refit
     if weighted is None:
         return None
-    return tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, weighted, c.settings.seed)
+    return tensor_sources(c.ckpt, c.family, c.dims, c.plans, c.method, weighted, c.settings.seed)
 
 
 def _refit_alongside(c: Conversion, tensors: list[OutputTensor], resume: ResumeFolder | None) -> None:
@@ -479,8 +479,8 @@ def run(
     if conversion.settings.per_layer == "auto":
         conversion, allocation = _allocate(conversion)
     stats, calibration = _calibrate(conversion)
-    c = conversion
-    tensors = tensor_sources(c.ckpt, c.family, c.dims, c.targets, c.method, stats, c.settings.seed)
+    c = conversion.planned(stats)  # what each layer becomes, before any tensor is written
+    tensors = tensor_sources(c.ckpt, c.family, c.dims, c.plans, c.method, stats, c.settings.seed)
     if guard is not None and allocation is not None:
         c, stats, calibration, tensors = _guard_allocation(c, (stats, calibration, tensors), guard)
     if not ranks().main:  # several processes: each refits its share of the windows; rank 0 writes

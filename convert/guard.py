@@ -12,8 +12,8 @@ worse (a real Qwen2-shaped model: each layer's held-out error fell, the model's 
 safety net under every recipe on a model the tool has never seen.
 
 Streamed like the rest of the conversion: the original model is walked layer by layer
-(:func:`~mha2gqa.convert.layers.each_layer`), each candidate runs every layer through the source
-module with its own tensors (:mod:`~mha2gqa.convert.layer_view`), and candidates that agree on a
+(:func:`~mha2gqa.convert.engine.layers.each_layer`), each candidate runs every layer through the source
+module with its own tensors (:mod:`~mha2gqa.convert.engine.layer_view`), and candidates that agree on a
 prefix of layers share its computation (one stream per distinct prefix). Memory: one layer, the
 model's head, ``[T, hidden]`` float32 per window and live stream, and the logits of one call of the
 head (:data:`~mha2gqa.core.memory.HEAD_BLOCK`, whatever the windows' length)."""
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.convert.layer_view import Loader, planned, source_view
+from mha2gqa.convert.engine.layer_view import Loader, planned, source_view
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.settings import GUARD_WINDOWS
-from mha2gqa.convert.shard_writer import OutputTensor
+from mha2gqa.convert.write.shard_writer import OutputTensor
 from mha2gqa.core.conversion_record import (
     KEPT,
     KEPT_IN_PART,
@@ -128,7 +128,7 @@ class Guard:
         self, ckpt, family, dims: AttentionDims, ids: torch.Tensor, device, progress: bool = False,
         sources: Sequence[HeldOut] = (),
     ) -> None:  # fmt: skip
-        from mha2gqa.convert.layers import first_layer_inputs, skeleton
+        from mha2gqa.convert.engine.layers import first_layer_inputs, skeleton
 
         self.ckpt, self.family, self.dims, self.device, self.progress = ckpt, family, dims, device, progress
         self.model = skeleton(ckpt)
@@ -144,7 +144,7 @@ class Guard:
     def score(self, plans: Mapping[str, Plan]) -> dict[str, GuardScore]:
         """Each plan's held-out KL and top-1 agreement against the original, in one walk over the
         layers (plans that agree on their first layers share those layers' computation)."""
-        from mha2gqa.convert.layers import each_layer
+        from mha2gqa.convert.engine.layers import each_layer
 
         n = self.dims.num_layers
         keys = {name: tuple(w.name if w else None for w in plan) for name, plan in plans.items()}
@@ -188,8 +188,8 @@ class Guard:
     def _figures(self, candidates: Mapping[str, list[torch.Tensor]]) -> dict[str, GuardScore]:
         """Each candidate's mean per-token KL(original || candidate) and top-1 agreement over the guard
         windows, from its last hidden states (one ``[1, T, hidden]`` a window), through the model's
-        head a block of tokens at a time (:func:`~mha2gqa.convert.layers.next_token_kl`)."""
-        from mha2gqa.convert.layers import model_head, next_token_kl, skeleton
+        head a block of tokens at a time (:func:`~mha2gqa.convert.engine.layers.next_token_kl`)."""
+        from mha2gqa.convert.engine.layers import model_head, next_token_kl, skeleton
 
         if self._head is None:
             with torch.inference_mode():

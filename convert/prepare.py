@@ -11,13 +11,16 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from mha2gqa.convert.groupings import Grouping, get_grouping
+from mha2gqa.convert.engine.retarget_view import RetargetedCheckpoint, retargeted
 from mha2gqa.convert.methods import Method, get_method, incompatibility
-from mha2gqa.convert.retarget_view import RetargetedCheckpoint, retargeted
+from mha2gqa.convert.plan.groupings import Grouping, get_grouping
+from mha2gqa.convert.plan.layer_plan import layer_plans
 from mha2gqa.convert.settings import ConvertSettings
 from mha2gqa.core.architecture import resolve
 from mha2gqa.core.checkpoint import Checkpoint, open_checkpoint
+from mha2gqa.core.conversion_record import LayerPlan
 from mha2gqa.core.dims import AttentionDims, max_positions
 from mha2gqa.core.errors import Mha2GqaError, SettingError
 from mha2gqa.core.families import Family
@@ -41,6 +44,8 @@ class Conversion:
     method: Method
     grouping: Grouping
     targets: tuple[int, ...] = ()
+    #: what each layer becomes (:meth:`planned`, once the calibration statistics are in; empty before)
+    plans: tuple[LayerPlan, ...] = ()
     #: what a resumed refit must share with the stopped one (:func:`resume_fingerprint`), taken from the
     #: run as asked: ``--per-layer auto`` rewrites the settings once it has chosen
     fingerprint: dict | None = None
@@ -78,7 +83,16 @@ class Conversion:
         settings = self.settings
         if len(set(targets)) == 1:
             settings = dataclasses.replace(settings, num_kv_heads=targets[0], num_kv_heads_per_layer=None)
-        return dataclasses.replace(self, targets=tuple(targets), settings=settings)
+        return dataclasses.replace(self, targets=tuple(targets), settings=settings, plans=())
+
+    def planned(self, stats: Any) -> Conversion:
+        """This conversion with each layer's plan (:func:`~mha2gqa.convert.plan.layer_plan.layer_plans`),
+        from its calibration ``stats`` (None where the method reads none): made once, before any tensor
+        is written; the writer, the refit and the record read it."""
+        s = self.settings
+        refit = s.refit_roles() if s.refit and self.changes else ()
+        plans = layer_plans(self.dims, self.targets, self.method, stats, refit, s.refit_target)
+        return dataclasses.replace(self, plans=plans)
 
 
 def inputs_of(ckpt: Checkpoint, s: ConvertSettings) -> dict[str, Path | str | None]:

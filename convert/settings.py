@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha2gqa.convert.groupings import GROUPINGS, get_grouping
 from mha2gqa.convert.methods import METHODS, get_method
+from mha2gqa.convert.plan.groupings import GROUPINGS, get_grouping
 from mha2gqa.core.conversion_record import GUARD_MODES, GuardMode
 from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_device_name
 from mha2gqa.core.dims import parse_kv_heads_list

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mha2gqa.core import typed
 from mha2gqa.core.errors import Mha2GqaError
@@ -94,6 +94,42 @@ class RefitLayer:
     o_ridge: float | None = None
     #: the learning rate (relative to each projection's RMS) the fit went on with, of those it probed
     lr: float | None = None
+
+
+#: what a layer becomes (:attr:`LayerPlan.how`): a byte copy (its count kept); its K/V heads pooled by the
+#: method's reducer; its K/V heads drawn anew; its q/k/v/o rewritten together (a layer method, or heads regrouped)
+COPY, POOL, FRESH, REWRITE = "copy", "pool", "fresh", "rewrite"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one decoder layer becomes, decided after calibration and before any tensor is written
+    (:func:`mha2gqa.convert.plan.layer_plans`); the stages read it, none decides it again."""
+
+    layer: int
+    kv_heads_before: int
+    kv_heads_after: int
+    how: Literal["copy", "pool", "fresh", "rewrite"]  # COPY, POOL, FRESH or REWRITE
+    #: the source KV heads in the grouping's order (each run of ``before // after`` is one new KV
+    #: head's group); None: in their own order
+    permutation: tuple[int, ...] | None = None
+    #: the projections ``--refit`` fits in this layer (empty: none)
+    refit: tuple[str, ...] = ()
+    #: what the fit reproduces, as asked (``attention``: the stream after attention, where the layer
+    #: reads its input only through it; else its output); None: no refit
+    refit_target: str | None = None
+    #: the output projection gets its closed-form solve after the fit
+    solve_output: bool = False
+
+    @property
+    def changed(self) -> bool:
+        """The layer's KV-head count changes (else it is a byte copy)."""
+        return self.kv_heads_after != self.kv_heads_before
+
+    @property
+    def regrouped(self) -> bool:
+        """Its heads are taken in another order than their own (q and o move with them)."""
+        return self.permutation is not None and list(self.permutation) != sorted(self.permutation)
 
 
 @dataclass(frozen=True)
@@ -302,6 +338,8 @@ class Facts:
     refit: Refit | None = None
     guard: StageGuard | None = None
     windowed_cache: WindowedCache | None = None
+    #: what each decoder layer became (None: a record before the field)
+    layer_plans: list[LayerPlan] | None = None
     #: ``convert --distill`` ran: True where the published model is the distilled one, False where the stage
     #: guard undid it (None: no distillation, or a record before the field)
     distilled: bool | None = None

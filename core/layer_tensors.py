@@ -2,8 +2,8 @@
 :mod:`mha2gqa.core.families`): which tensor is ``q``, ``k``, ``v``, ``o`` and their biases, the per-head
 norms ``q_norm`` and ``k_norm`` (:func:`norm_names`), and a fused ``qkv`` split into its parts and joined
 again. Every stage that reads or writes a layer's attention tensors goes through it: the merge
-(:mod:`mha2gqa.convert.tensor_sources`), the layer seen through its source module
-(:mod:`mha2gqa.convert.layer_view`: the refit, the stage guard, the per-layer allocation's costs) and
+(:mod:`mha2gqa.convert.write.tensor_sources`), the layer seen through its source module
+(:mod:`mha2gqa.convert.engine.layer_view`: the refit, the stage guard, the per-layer allocation's costs) and
 what an uptraining run trains (:mod:`mha2gqa.uptrain.params`). A family's layout is read here."""
 
 from __future__ import annotations

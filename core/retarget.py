@@ -5,7 +5,7 @@ Each re-targeting is one JSON file in ``retargets/``: the source class, the targ
 target config as expressions over the source config, conditions the source must meet, and tensor
 operations (renames, Conv1D transposes, fused-QKV splits and joins, LayerNorm folding, the rotary
 permutation from interleaved pairs to rotate-half). The conversion reads a source through
-:class:`mha2gqa.convert.retarget_view.RetargetedCheckpoint`, which computes the target's tensors on
+:class:`mha2gqa.convert.engine.retarget_view.RetargetedCheckpoint`, which computes the target's tensors on
 demand; planning and evaluation read only the definitions here.
 
 LayerNorm folding (GPT-NeoX's two parallel norms read the same input): for a norm ``γ⊙n(x) + β``

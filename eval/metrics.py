@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from mha2gqa.core.next_token import token_kl
 from mha2gqa.eval.agreement import Agreement, DeltaP, Stats
 
 
@@ -20,8 +21,10 @@ def _plogp_terms(p: torch.Tensor, logp: torch.Tensor, other: torch.Tensor) -> to
 
 
 def kl_divergence(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(P || Q) = sum p (log p - log q) over the last dim, in nats. ``[..., n] -> [...]``."""
-    return _plogp_terms(logp.exp(), logp, logq).sum(-1)
+    """KL(P || Q) = sum p (log p - log q) over the last dim, in nats. ``[..., n] -> [...]``: the
+    next-token comparison's own kernel (:func:`~mha2gqa.core.next_token.token_kl`) on any shape."""
+    n = logp.shape[-1]
+    return token_kl(logp.reshape(-1, n), logq.reshape(-1, n)).reshape(logp.shape[:-1])
 
 
 def js_divergence(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from mha2gqa.core.memory import head_rows, logit_rows
+from mha2gqa.core.next_token import same_top, token_kl
 from mha2gqa.core.progress import bar as progress_bar
 from mha2gqa.core.signals import check as check_signals
 from mha2gqa.eval.agreement import Agreement
-from mha2gqa.eval.metrics import kl_divergence
 
 IGNORE = -100
 Window = tuple[torch.Tensor, torch.Tensor]
@@ -202,9 +202,9 @@ def _compare_top_k(
     target_c = lc.gather(1, ids[:, None])[:, 0]
     nll[0] -= target_o.sum().item()
     nll[1] -= target_c.sum().item()
-    agree.kl.append(kl_divergence(lp, lq).cpu())
-    agree.kl_reverse.append(kl_divergence(lq, lp).cpu())
-    agree.top1_same += int((indices[:, 0] == lc.argmax(-1)).sum())
+    agree.kl.append(token_kl(lp, lq).cpu())
+    agree.kl_reverse.append(token_kl(lq, lp).cpu())
+    agree.top1_same += int(same_top(lp, lc, indices[:, 0]).sum())
     agree.nll_delta_sum += (target_o - target_c).sum().item()
     agree.delta_p.append((target_c.exp() - target_o.exp()).cpu())
     agree.nll.append(torch.stack([-target_o, -target_c], 1).cpu())
@@ -217,9 +217,9 @@ def _compare(lo: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, nll: list[fl
     original and the converted model and ``ids`` ``[n]`` their targets, to ``nll`` and ``agree``."""
     nll[0] += F.nll_loss(lo, ids, reduction="sum").item()
     nll[1] += F.nll_loss(lc, ids, reduction="sum").item()
-    agree.kl.append(kl_divergence(lo, lc).cpu())
-    agree.kl_reverse.append(kl_divergence(lc, lo).cpu())
-    agree.top1_same += int((lo.argmax(-1) == lc.argmax(-1)).sum())
+    agree.kl.append(token_kl(lo, lc).cpu())
+    agree.kl_reverse.append(token_kl(lc, lo).cpu())
+    agree.top1_same += int(same_top(lo, lc).sum())
     target_o, target_c = lo.gather(1, ids[:, None])[:, 0], lc.gather(1, ids[:, None])[:, 0]
     agree.nll_delta_sum += (target_o - target_c).sum().item()
     agree.delta_p.append((target_c.exp() - target_o.exp()).cpu())

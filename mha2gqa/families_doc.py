@@ -23,8 +23,8 @@ COLUMNS = {
 
 def _cells(family) -> list[str | None]:
     """Each column's refusal reason for ``family`` (None: it runs)."""
-    from mha2gqa.convert.groupings import get_grouping
     from mha2gqa.convert.methods import get_method, incompatibility
+    from mha2gqa.convert.plan.groupings import get_grouping
 
     calibration = None if family.attention_interface else "its attention bypasses transformers' attention interface"
     norms = "it normalises q/k per head (a config of it without those norms takes it: the checkpoint is read)"

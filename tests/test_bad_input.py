@@ -181,7 +181,7 @@ def test_empty_existing_output_is_fine(src, tmp_path):
 
 
 def test_disk_full_mid_write_removes_the_temp_folder(src, tmp_path, monkeypatch):
-    import mha2gqa.convert.shard_writer as writer
+    import mha2gqa.convert.write.shard_writer as writer
 
     real = writer._write_tensor
     calls = []
@@ -280,7 +280,7 @@ def test_a_calibration_text_too_short_is_refused_before_any_weight_loads(refit, 
     from conftest import llama_with_tokenizer, story_text
 
     import mha2gqa.convert.calibration.streaming as streaming
-    import mha2gqa.convert.layers as layers
+    import mha2gqa.convert.engine.layers as layers
     import mha2gqa.convert.refit.layerwise as layerwise
 
     src = llama_with_tokenizer(tmp_path / "src", story_text(tmp_path / "t.txt"), max_positions=64)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from conftest import llama_with_tokenizer, load, story_text
 
 from mha2gqa.cli import main
-from mha2gqa.convert.layers import calibration_ids
+from mha2gqa.convert.engine.layers import calibration_ids
 from mha2gqa.core.records import CONVERSION_RECORD, UPTRAIN_RECORD
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mha2gqa.convert.groupings import GROUPINGS
 from mha2gqa.convert.methods import METHODS
+from mha2gqa.convert.plan.groupings import GROUPINGS
 from mha2gqa.core.families import families
 from mha2gqa.core.retarget import retargets
 

@@ -67,8 +67,8 @@ def _settings(variant: str, feature: str, source, calib_text) -> tuple[int | Non
     count the family can hold); calibration text wherever the cell reads it."""
     from safetensors import safe_open
 
-    from mha2gqa.convert.groupings import get_grouping
     from mha2gqa.convert.methods import get_method, incompatibility
+    from mha2gqa.convert.plan.groupings import get_grouping
     from mha2gqa.convert.settings import ConvertSettings
     from mha2gqa.core.families import families
     from mha2gqa.pipeline.distill import split_options

@@ -198,7 +198,7 @@ def test_convert_distill_on_cuda_lowers_the_kl_as_on_the_cpu(pair, tmp_path):
     from conftest import load
 
     from mha2gqa.cli import main
-    from mha2gqa.convert.layers import calibration_ids
+    from mha2gqa.convert.engine.layers import calibration_ids
 
     def run(device: str, name: str) -> Path:
         text = str(pair["text"])

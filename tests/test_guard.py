@@ -374,7 +374,7 @@ def test_a_per_layer_allocation_is_scored_against_uniform_counts_and_undone_when
     stage = chosen.facts.guard.stage("allocation")
     assert stage is not None and stage.detail == "against 2 KV heads in every layer"
     assert stage.published.loss == min(stage.after.loss, stage.before.loss)
-    monkeypatch.setattr("mha2gqa.convert.allocation.allocate", lambda costs, budget: (1, 1, 1, 4))
+    monkeypatch.setattr("mha2gqa.convert.plan.allocation.allocate", lambda costs, budget: (1, 1, 1, 4))
     starved = convert_checkpoint(src, tmp_path / "starved", 2, "svd", **kw)
     stage = starved.facts.guard.stage("allocation")
     assert stage.outcome == UNDONE and stage.after.loss > stage.before.loss and stage.published == stage.before
@@ -440,7 +440,7 @@ def test_the_models_head_runs_a_block_of_tokens_at_a_time_to_the_same_figures(ca
     logits: 2.5 GB a tensor at Qwen2's vocabulary and 4,096 tokens): at 5 tokens a call of the head
     (64-token windows, more streams than 5) the guard's figures and the allocation's costs are those
     of the whole windows at once."""
-    from mha2gqa.convert.layers import ModelHead
+    from mha2gqa.convert.engine.layers import ModelHead
 
     src = source("llama", calib_text, tmp_path / "src", num_hidden_layers=4)
     kw = {"calibration": str(calib_text), "calibration_tokens": 1024, "progress": False}

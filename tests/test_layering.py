@@ -87,7 +87,7 @@ def test_every_import_follows_the_layers():
 
 def test_calibration_imports_no_method():
     """Inside convert/, methods read calibration's statistics, never the other way round (per-layer
-    allocation, which needs both, sits above them in convert/allocation.py)."""
+    allocation, which needs both, sits above them in convert/plan/allocation.py)."""
     found = [
         f"{path.relative_to(ROOT)}:{line} imports {module}"
         for path in sorted((ROOT / "convert" / "calibration").rglob("*.py"))

@@ -294,7 +294,7 @@ def test_layer_streamed_calibration_equals_a_whole_model_pass(family, calib_text
     model run end to end (embedding scaling, partial rotary, fused qkv, biases included)."""
     from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
     from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
-    from mha2gqa.convert.layers import calibration_ids
+    from mha2gqa.convert.engine.layers import calibration_ids
     from mha2gqa.core.capture import capturing
 
     model = random_model(tiny_config(family, vocab_size=300), seed=2)
@@ -367,7 +367,7 @@ def test_streamed_calibration_of_a_bf16_checkpoint_runs_layers_in_float32(family
     the statistics match a float32 pass over the same (upcast) weights."""
     from mha2gqa.convert.calibration.stats import CalibrationStats, accumulate
     from mha2gqa.convert.calibration.streaming import CalibrationText, PassOptions, collect
-    from mha2gqa.convert.layers import calibration_ids
+    from mha2gqa.convert.engine.layers import calibration_ids
     from mha2gqa.core.capture import capturing
     from mha2gqa.demo import build_tokenizer
 

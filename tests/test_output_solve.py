@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mha2gqa.convert.output_solve import RIDGES, NormalEquations
 from mha2gqa.convert.refit import PLAIN, FitData, FitResult, Objective, heldout_error, solve_output, split_windows
+from mha2gqa.convert.refit.output_solve import RIDGES, NormalEquations
 
 #: the refit's error with a weight for each of the 6 hidden dimensions
 NORMALIZED = Objective(normalize=True, scale=torch.linspace(0.5, 2, 6))

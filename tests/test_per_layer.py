@@ -179,7 +179,7 @@ def test_allocation_is_the_exact_optimum_of_the_budget():
     import itertools
     import random
 
-    from mha2gqa.convert.allocation import allocate
+    from mha2gqa.convert.plan.allocation import allocate
 
     rng = random.Random(3)
     for _ in range(30):
@@ -239,8 +239,8 @@ def test_the_logits_cost_is_the_models_kl_with_that_layer_alone_converted(tmp_pa
     calibration windows, the ones the cost follows."""
     import shutil
 
-    from mha2gqa.convert.allocation import LOGITS_WINDOWS
-    from mha2gqa.convert.layers import calibration_ids
+    from mha2gqa.convert.engine.layers import calibration_ids
+    from mha2gqa.convert.plan.allocation import LOGITS_WINDOWS
     from mha2gqa.demo import build_tokenizer
 
     text = story_text(tmp_path / "c.txt")
@@ -275,8 +275,8 @@ def test_each_familys_costs_are_the_models_kl_with_that_layer_alone_converted(fa
     its per-layer-type RoPE), experts stored one per expert (Mixtral). Differential, as above."""
     from test_refit import source
 
-    from mha2gqa.convert.allocation import LOGITS_WINDOWS
-    from mha2gqa.convert.layers import calibration_ids
+    from mha2gqa.convert.engine.layers import calibration_ids
+    from mha2gqa.convert.plan.allocation import LOGITS_WINDOWS
 
     src = source(family, calib_text, tmp_path / "src", seed=2)
     kw = dict(

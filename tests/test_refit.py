@@ -15,8 +15,7 @@ from test_methods import calibrated, with_tokenizer
 import mha2gqa.convert.refit.layerwise as layerwise
 from mha2gqa.cli import main
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.convert.layers import calibration_ids
-from mha2gqa.convert.output_solve import RIDGES
+from mha2gqa.convert.engine.layers import calibration_ids
 from mha2gqa.convert.refit import (
     CALL_TOKENS,
     FitData,
@@ -28,6 +27,7 @@ from mha2gqa.convert.refit import (
     reads_after_attention,
     split_windows,
 )
+from mha2gqa.convert.refit.output_solve import RIDGES
 from mha2gqa.convert.settings import REFIT_STEP_TOKENS, ConvertSettings, refit_windows
 from mha2gqa.core.architecture import dims_of
 from mha2gqa.core.conversion_record import ATTENTION_TARGET, LAYER_TARGET, O_SOLVED

@@ -12,9 +12,9 @@ from test_guard import assert_converts_alike
 from test_methods import with_tokenizer
 
 from mha2gqa.convert import convert_checkpoint
-from mha2gqa.convert.output_solve import NormalEquations
 from mha2gqa.convert.refit import PLAIN, Objective
 from mha2gqa.convert.refit.objective import scale_of
+from mha2gqa.convert.refit.output_solve import NormalEquations
 from mha2gqa.core.conversion_record import KEPT, KEPT_IN_PART, NORMALIZED_ERROR
 
 NORMALIZED = Objective(normalize=True)

@@ -146,7 +146,7 @@ def test_a_dangling_symlink_dst_is_refused(src, tmp_path):
 
 SLOW_CLI = """
 import sys, time
-import mha2gqa.convert.shard_writer as writer
+import mha2gqa.convert.write.shard_writer as writer
 real = writer._write_tensor
 def slow(fd, t):
     time.sleep(0.25)

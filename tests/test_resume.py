@@ -335,7 +335,7 @@ def test_a_full_disk_while_writing_keeps_the_fitted_layers_for_resume(setup, tmp
     the fitted layers are kept, and --resume (space freed) reads them back instead of fitting again."""
     import errno
 
-    import mha2gqa.convert.shard_writer as writer
+    import mha2gqa.convert.write.shard_writer as writer
 
     dst = tmp_path / "out"
 

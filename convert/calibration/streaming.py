@@ -1,5 +1,5 @@
 """Calibration: the original model reads calibration text layer by layer through the layer engine
-(:mod:`mha2gqa.convert.layers`), streamed from its shards, while
+(:mod:`mha2gqa.convert.engine.layers`), streamed from its shards, while
 :func:`mha2gqa.core.capture.capturing` hands every layer's attention inputs to the statistics
 (:mod:`mha2gqa.convert.calibration.stats`). Memory: one layer plus the calibration activations, never
 the whole model."""
@@ -13,8 +13,7 @@ import torch
 
 from mha2gqa.convert.calibration.grouping import regroup
 from mha2gqa.convert.calibration.stats import CalibrationStats, LayerStats, accumulate, output_gram
-from mha2gqa.convert.groupings import Grouping, get_grouping
-from mha2gqa.convert.layers import (
+from mha2gqa.convert.engine.layers import (
     LayerRun,
     calibration_ids,
     each_layer,
@@ -22,6 +21,7 @@ from mha2gqa.convert.layers import (
     float32_on_call,
     skeleton,
 )
+from mha2gqa.convert.plan.groupings import Grouping, get_grouping
 from mha2gqa.convert.settings import calibration_window
 from mha2gqa.core.checkpoint import Checkpoint
 from mha2gqa.core.dims import max_positions
@@ -124,7 +124,7 @@ def _start(source, device: str, allow_pickle: bool, text: CalibrationText):
     (:class:`Ranks`). Under a launcher (``torchrun``) each process reads its share of the windows and
     the sums are added at each layer's end (:func:`_gathered`), so every process must call it (a cost
     that runs each layer again runs it on the same share, and sums over the processes:
-    :class:`~mha2gqa.convert.layers.LayerRun`)."""
+    :class:`~mha2gqa.convert.engine.layers.LayerRun`)."""
     from mha2gqa.core.architecture import dims_of
     from mha2gqa.core.checkpoint import open_checkpoint
     from mha2gqa.core.models import resolve_device

@@ -12,7 +12,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mha2gqa.convert.groupings import Grouping
+from mha2gqa.convert.plan.groupings import Grouping
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.families import Family

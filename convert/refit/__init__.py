@@ -3,7 +3,7 @@ projections fitted so that, reading the *converted* model's own hidden states, i
 the *original* layer gives on the original's hidden states (so later layers also correct what
 earlier ones lost). No training of the model as a whole: one small regression per layer.
 
-Streamed like calibration, through the layer engine (:mod:`mha2gqa.convert.layers`): the model is built on
+Streamed like calibration, through the layer engine (:mod:`mha2gqa.convert.engine.layers`): the model is built on
 ``meta``, the embeddings run once, then each layer is loaded once (float32), runs the original
 stream (its outputs are the targets), is fitted on the converted stream and runs it again with the
 fitted weights, and is emptied. Memory: one layer (plus Adam's two moments of the fitted
@@ -13,8 +13,8 @@ exceed ``--refit-memory``.
 
 The converted layer runs as the *source* layer class reading the new K/V heads each repeated over
 the source heads it replaced (a GQA layer with ``G`` groups is exactly the MHA layer whose K/V heads
-are equal within each group, :mod:`~mha2gqa.convert.layer_view`): separate K/V projections are swapped for
-:class:`~mha2gqa.convert.layer_view.RepeatedHeads`,
+are equal within each group, :mod:`~mha2gqa.convert.engine.layer_view`): separate K/V projections are swapped for
+:class:`~mha2gqa.convert.engine.layer_view.RepeatedHeads`,
 which repeat their outputs; a fused projection gets repeated weights. So every family's own
 attention, RoPE, biases and per-head norms run as transformers wrote them, and the gradient of a
 shared K/V head is the sum over its group: tied parameters stay tied by construction. Per-head norms
@@ -42,7 +42,7 @@ then gets its closed-form solution given the fitted q/k/v (:func:`solve_output`)
 and kept only where it lowers the held-out error.
 """
 
-from mha2gqa.convert.layers import batched
+from mha2gqa.convert.engine.layers import batched
 from mha2gqa.convert.refit.fit import (
     CHECKS,
     HELDOUT_EVERY,

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.output_solve import RIDGES, NormalEquations
 from mha2gqa.convert.refit.objective import PLAIN, Objective
+from mha2gqa.convert.refit.output_solve import RIDGES, NormalEquations
 from mha2gqa.convert.refit.stops import hooked, random_shift, unmoved
 from mha2gqa.core.errors import Mha2GqaError, first_line
 from mha2gqa.core.ranks import ONE, Ranks
@@ -311,7 +311,7 @@ def solve_output(
     o_proj: torch.nn.Module,
 ) -> FitResult:
     """``result`` with the output projection (roles ``o``, ``o_bias``) solved in closed form given its
-    other projections (:mod:`mha2gqa.convert.output_solve`), where what ``forward`` (as in
+    other projections (:mod:`mha2gqa.convert.refit.output_solve`), where what ``forward`` (as in
     :func:`fit_layer`) gives is the rest plus ``o_proj``'s output, unscaled (the residual stream right
     after attention; a parallel layer's output, ``x + attn(x) + mlp(x)``), checked on the first call by
     :func:`_moves_with`: one pass over the fitted windows gathers the normal equations (each token

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.layer_view import LayerWeights, norm_overrides, planned
-from mha2gqa.convert.layers import batched, each_layer, skeleton
+from mha2gqa.convert.engine.layer_view import LayerWeights, norm_overrides, planned
+from mha2gqa.convert.engine.layers import batched, each_layer, skeleton
 from mha2gqa.convert.methods import HeadShape
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.refit.fit import (
@@ -31,7 +31,7 @@ from mha2gqa.convert.refit.fit import (
 from mha2gqa.convert.refit.objective import Objective
 from mha2gqa.convert.refit.stops import after_attention, hooked, layer_output, reads_after_attention
 from mha2gqa.convert.refit.streams import Streams, dimension_scale, open_streams
-from mha2gqa.convert.shard_writer import OutputTensor
+from mha2gqa.convert.write.shard_writer import OutputTensor
 from mha2gqa.core.conversion_record import (
     ATTENTION_TARGET,
     LAYER_TARGET,
@@ -160,7 +160,8 @@ def _refit_layer(
         return target[w].to(dev)
 
     scale = dimension_scale(target, fitted, st.per_call, st.ranks).to(dev)
-    trainable = [r for r in weights.values if r[0] in s.refit_roles()]
+    plan = c.plans[i]
+    trainable = [r for r in weights.values if r[0] in plan.refit]
     how = FitSteps(
         s.refit_steps, s.refit_lr, st.batch, s.seed * 1_000_003 + i,
         probe=probe_near(None if last is None else last / s.refit_lr),
@@ -169,7 +170,7 @@ def _refit_layer(
     )  # fmt: skip
     data = FitData(targets, len(st.ids), st.per_call, Objective(normalize=True, scale=scale), st.ranks)
     result = fit_layer(fitted_part, weights.values, trainable, data, how)
-    if "o" in trainable:
+    if plan.solve_output and "o" in trainable:
         o_proj = layer.get_submodule(names["o"][len(prefix) : -len(".weight")])
         result = solve_output(result, fitted_part, data, o_proj)
     out = weights.outputs(result.values, {n: BY_CODE[by_name[n].dtype].torch for n in names.values()})
@@ -265,10 +266,11 @@ def refit(
             def source_layer(h, w, layer=layer):
                 return layer_output(layer(h, **batched(st.kw, len(w))))
 
-            changed = c.targets[i] != c.dims.num_kv_heads
+            plan = c.plans[i]  # what the layer becomes: its counts, what the fit fits and reproduces
+            changed = plan.changed
             exact = _exact_part(c, layer, i, prefix, by_name) if changed else None
             attention = None
-            if changed and s.refit_target == "attention":
+            if changed and plan.refit_target == "attention":
                 attention = None if exact is layer else exact
                 one = st.mine[:1]
                 first = st.original[one].to(st.dev)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mha2gqa.convert.layers import calibration_ids, first_layer_inputs
+from mha2gqa.convert.engine.layers import calibration_ids, first_layer_inputs
 from mha2gqa.convert.prepare import Conversion
 from mha2gqa.convert.refit.fit import chunks, split_windows
 from mha2gqa.convert.refit.objective import normalized, scale_of

@@ -13,7 +13,7 @@ from collections.abc import Callable, Container, Iterator, Mapping
 import torch
 
 from mha2gqa.convert.methods import HeadShape
-from mha2gqa.convert.shard_writer import OutputTensor
+from mha2gqa.convert.write.shard_writer import OutputTensor
 from mha2gqa.core.layer_tensors import LayerTensors
 
 _SHAPED = ("k", "v", "k_bias", "v_bias")  # rows = KV heads x head_dim

@@ -24,8 +24,8 @@ from typing import Any
 
 from mha2gqa.convert.calibration.grouping import merge_residual
 from mha2gqa.convert.calibration.stats import LayerStats
-from mha2gqa.convert.groupings import Grouping
 from mha2gqa.convert.methods import Method
+from mha2gqa.convert.plan.groupings import Grouping
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.families import Family
@@ -61,17 +61,19 @@ class Merger:
         statistics ``full``) computes as the conversion would write it at ``g`` KV heads (the
         conversion's own tensor rules, with the groups it would use: fused projections, biases and
         per-head key norms included), seen through the source module
-        (:func:`~mha2gqa.convert.layer_view.source_view`); its own weights come back after."""
+        (:func:`~mha2gqa.convert.engine.layer_view.source_view`); its own weights come back after."""
         from mha2gqa.convert.calibration.grouping import regroup
-        from mha2gqa.convert.layer_view import planned, source_view, swapped
+        from mha2gqa.convert.engine.layer_view import planned, source_view, swapped
         from mha2gqa.convert.methods import HeadShape
-        from mha2gqa.convert.tensor_sources import tensor_sources
+        from mha2gqa.convert.plan.layer_plan import layer_plans
+        from mha2gqa.convert.write.tensor_sources import tensor_sources
 
         dims = self.dims
         n = dims.num_kv_heads
         stats = _OneLayer({layer: regroup(full, self.grouping.choose(full, g), dims.num_heads)})
         targets = tuple(g if i == layer else n for i in range(dims.num_layers))
-        rules = {t.name: t for t in tensor_sources(self.ckpt, self.family, dims, targets, self.method, stats)}
+        plans = layer_plans(dims, targets, self.method, stats)
+        rules = {t.name: t for t in tensor_sources(self.ckpt, self.family, dims, plans, self.method, stats)}
         shape = HeadShape.of(dims, g)
         made = {name for name, rule in rules.items() if not rule.copy}  # the rest is the loaded layer's own
         params = source_view(planned(rules, self.ckpt), made, self.family, shape, run.module, layer, run.prefix)
@@ -94,7 +96,7 @@ def output_costs(run: Any, layer: int, full: LayerStats, merger: Merger, candida
     is merged, so the cost is the layer's own. (Relative to the layer's update ``y - x`` instead, the
     first layers' large updates hid their errors and the allocation starved them: measured on
     ``pydocs-mha-8h`` it did worse than uniform.) ``run``: the
-    :class:`~mha2gqa.convert.layers.LayerRun` of the loaded layer. ``random``
+    :class:`~mha2gqa.convert.engine.layers.LayerRun` of the loaded layer. ``random``
     (fresh K/V, nothing kept) costs 1 at every ``G`` below the current count."""
     out: dict[int, float] = {}
     for g in candidates:
@@ -120,7 +122,7 @@ class FinalKL:
     next-token distributions, and the cost is the mean KL(original || merged) per token. Unlike the
     layer-level costs it sees how a layer's error grows, or fades, through the layers after it.
     Memory: one ``[T, hidden]`` float32 stream per window, layer and count below the source's (the
-    head's logits a block of tokens at a time: :func:`~mha2gqa.convert.layers.next_token_kl`); time:
+    head's logits a block of tokens at a time: :func:`~mha2gqa.convert.engine.layers.next_token_kl`); time:
     the later layers run once more per stream, and the head once per stream and window."""
 
     def __init__(self, windows: int) -> None:
@@ -159,11 +161,11 @@ class FinalKL:
 
     def costs(self, logits: Any, num_layers: int, n: int, candidates: list[int]) -> list[dict[int, float]]:
         """``{G: cost}`` of every layer, once every layer has been added; ``logits``: the model's
-        head (:func:`~mha2gqa.convert.layers.model_head`). ``random`` (fresh K/V, nothing kept to
+        head (:func:`~mha2gqa.convert.engine.layers.model_head`). ``random`` (fresh K/V, nothing kept to
         follow) costs 1 at every count below ``n``, as with the output cost."""
         import torch
 
-        from mha2gqa.convert.layers import next_token_kl
+        from mha2gqa.convert.engine.layers import next_token_kl
 
         out = [{n: 0.0} | {g: 1.0 for g in candidates if g != n} for _ in range(num_layers)]  # 1: fresh K/V
         if not self.streams:  # nothing merged to follow (fresh K/V)

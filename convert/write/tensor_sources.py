@@ -15,8 +15,9 @@ import torch
 from mha2gqa.convert.methods import HeadShape, Method
 from mha2gqa.convert.methods.fresh import fresh_tensor
 from mha2gqa.convert.methods.pooling import Reducer, reduce_rows, reduce_stacked
-from mha2gqa.convert.shard_writer import OutputTensor
+from mha2gqa.convert.write.shard_writer import OutputTensor
 from mha2gqa.core.checkpoint import Checkpoint
+from mha2gqa.core.conversion_record import FRESH, POOL, REWRITE, LayerPlan
 from mha2gqa.core.dims import AttentionDims
 from mha2gqa.core.dtypes import from_torch
 from mha2gqa.core.errors import Mha2GqaError
@@ -33,11 +34,11 @@ class LayerMerge:
     for again (the stage guard reads the merge before the writer does) is computed again."""
 
     def __init__(
-        self, ckpt: Checkpoint, family: Family, dims: AttentionDims, groups: int, layer: int, stats: Any, method: Method
+        self, ckpt: Checkpoint, family: Family, dims: AttentionDims, plan: LayerPlan, stats: Any, method: Method
     ) -> None:
-        self.ckpt, self.dims, self.groups = ckpt, dims, groups
-        self.layer, self.stats, self.method = layer, stats, method
-        self.tensors = LayerTensors.of(ckpt.tensors, family, layer, dims.num_heads, dims.head_dim)
+        self.ckpt, self.dims, self.plan, self.groups = ckpt, dims, plan, plan.kv_heads_after
+        self.layer, self.stats, self.method = plan.layer, stats, method
+        self.tensors = LayerTensors.of(ckpt.tensors, family, plan.layer, dims.num_heads, dims.head_dim)
         self.ready: dict[str, torch.Tensor] | None = None
 
     def names(self) -> Mapping[str, str]:
@@ -65,8 +66,8 @@ class LayerMerge:
         shape = HeadShape.of(dims, self.groups)
         # a layer method without calibration (aligned): statistics from the weights alone
         layer_stats = weight_stats(w, shape=shape) if self.stats is None else self.stats.layers[self.layer]
-        if layer_stats.perm is not None:  # similarity grouping: similar heads made contiguous
-            w = permute_heads(w, layer_stats.perm, dims.num_heads, dims.head_dim)
+        if self.plan.permutation is not None:  # similarity grouping: similar heads made contiguous
+            w = permute_heads(w, list(self.plan.permutation), dims.num_heads, dims.head_dim)
         merged = self.method.merge_layer(w, layer_stats, shape=shape)
         return {name: t.to(dtypes[name]) for name, t in lt.named(merged, self.groups).items()}
 
@@ -79,12 +80,13 @@ class _Sources:
         ckpt: Checkpoint,
         family: Family,
         dims: AttentionDims,
-        targets: tuple[int, ...],
+        plans: tuple[LayerPlan, ...],
         method: Method,
         stats: Any,
         seed: int,
     ) -> None:
-        self.ckpt, self.family, self.dims, self.targets = ckpt, family, dims, targets
+        self.ckpt, self.family, self.dims, self.plans = ckpt, family, dims, plans
+        self.targets = tuple(p.kv_heads_after for p in plans)
         self.method, self.stats, self.seed = method, stats, seed
         self.std = float(ckpt.config.get("initializer_range", 0.02))
         self.rules: dict[str, OutputTensor] = {}
@@ -112,7 +114,7 @@ class _Sources:
     def layer_merge(self, layer: int) -> None:
         """q/k/v/o of ``layer`` merged together."""
         d, kv, g = self.dims.head_dim, self.dims.num_kv_heads, self.targets[layer]
-        merge = LayerMerge(self.ckpt, self.family, self.dims, g, layer, self.stats, self.method)
+        merge = LayerMerge(self.ckpt, self.family, self.dims, self.plans[layer], self.stats, self.method)
         for role, name in merge.names().items():
             rows = self.ckpt.tensors[name].shape[0]
             if role in ("k", "k_bias", "v", "v_bias"):
@@ -202,32 +204,24 @@ class _Sources:
 
 
 def tensor_sources(
-    ckpt: Checkpoint,
-    family: Family,
-    dims: AttentionDims,
-    num_kv_heads: int | tuple[int, ...],
-    method: Method,
-    stats: Any = None,
-    seed: int = 0,
-) -> list[OutputTensor]:
-    """Every output tensor, in source storage order: byte copies except what ``method`` changes
-    (K/V for ``pool``/``fresh`` methods; Q, K, V and O for ``layer`` methods and under similarity
-    grouping, whose permutation is in the calibration ``stats``).
+    ckpt: Checkpoint, family: Family, dims: AttentionDims, plans: tuple[LayerPlan, ...], method: Method,
+    stats: Any = None, seed: int = 0,
+) -> list[OutputTensor]:  # fmt: skip
+    """Every output tensor, in source storage order, as each layer's plan says
+    (:func:`~mha2gqa.convert.plan.layer_plan.layer_plans`): byte copies except what ``method`` changes
+    (K/V pooled or drawn anew; Q, K, V and O rewritten together for ``layer`` methods and under
+    similarity grouping, from the calibration ``stats``).
 
     Tensor shapes (head_dim x KV heads rows) are checked here, so a wrong config fails before
-    anything is written. ``num_kv_heads``: one count for every layer, or one per layer; a layer
-    keeping its current count is an exact copy."""
-    targets = num_kv_heads if isinstance(num_kv_heads, tuple) else (num_kv_heads,) * dims.num_layers
-    sources = _Sources(ckpt, family, dims, targets, method, stats, seed)
-    layers = [layer for layer in range(dims.num_layers) if targets[layer] != dims.num_kv_heads]
-    reducer = None if method.fresh or method.layerwise else method.reduce
-    for layer in layers:
-        perm = stats.layers[layer].perm if stats is not None else None
-        if method.layerwise or (perm is not None and perm != sorted(perm)):  # regrouped: q/o move too
-            sources.layer_merge(layer)
-        else:
-            sources.projections(layer, reducer)
-            sources.k_norms(layer, reducer)
+    anything is written. A layer keeping its current count is an exact copy."""
+    sources = _Sources(ckpt, family, dims, plans, method, stats, seed)
+    for plan in plans:
+        if plan.how == REWRITE:  # q/o move too
+            sources.layer_merge(plan.layer)
+        elif plan.how in (POOL, FRESH):
+            reducer = method.reduce if plan.how == POOL else None
+            sources.projections(plan.layer, reducer)
+            sources.k_norms(plan.layer, reducer)
     return sources.outputs()
 
 

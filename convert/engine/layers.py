@@ -18,6 +18,7 @@ import torch
 
 from mha2gqa.core.errors import SettingError
 from mha2gqa.core.memory import head_rows, logit_rows, trim
+from mha2gqa.core.next_token import log_probs_, same_top, token_kl
 from mha2gqa.core.ranks import ONE, Ranks
 
 
@@ -363,23 +364,15 @@ def _block_kl(
     head: ModelHead, as_tuple: bool, hidden: list[torch.Tensor], ref: torch.Tensor | None, out: torch.Tensor, keep: bool
 ) -> torch.Tensor:
     """One call of the head over ``hidden`` (each ``[1, rows, hidden]``; the original's first where
-    ``ref`` is None): adds each candidate's KL and top-1 matches to its row of ``out`` (in order);
-    returns ``ref``, a tensor of its own where ``keep`` (later calls read it: the logits are freed)."""
-    lp = _log_probs(head(torch.cat(hidden, 1), as_tuple)[0])
+    ``ref`` is None): adds each candidate's KL and top-1 matches to its row of ``out`` (in order;
+    :mod:`~mha2gqa.core.next_token`); returns ``ref``, a tensor of its own where ``keep`` (later calls
+    read it: the logits are freed)."""
+    lp = log_probs_(head(torch.cat(hidden, 1), as_tuple)[0])
     parts = lp.split(hidden[0].shape[1])
     if ref is None:
         ref, parts = parts[0].clone() if keep else parts[0], parts[1:]
     probs, top = ref.exp(), ref.argmax(-1)
     for n, got in enumerate(parts):
-        for rows in logit_rows(ref.shape[0]):  # sum_v p (log p - log q): a dot product per token
-            out[n, 0] += torch.linalg.vecdot(probs[rows], ref[rows] - got[rows]).sum(dtype=torch.float64)
-        out[n, 1] += (top == got.argmax(-1)).sum()
+        out[n, 0] += token_kl(ref, got, probs).sum(dtype=torch.float64)
+        out[n, 1] += same_top(ref, got, top).sum()
     return ref
-
-
-def _log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits [rows, vocab], -1)`` in place, a few rows at a time (no second tensor of
-    the logits' size)."""
-    for rows in logit_rows(logits.shape[0]):
-        logits[rows] = torch.log_softmax(logits[rows], -1)
-    return logits
