@@ -78,6 +78,11 @@ def _recipe_defaults(ctx: click.Context, param: click.Parameter, value: str | No
         if unknown:
             raise click.BadParameter(f"{value}: {name}.{unknown[0]} is not a setting a recipe holds", ctx, param)
     values = {k: v for section in sections.values() for k, v in section.items() if v is not None}
+    lists = {p.name for p in ctx.command.params if getattr(p, "multiple", False)}  # repeatable options
+    for name, section in sections.items():
+        wrong = next((k for k in sorted(lists & set(section)) if not isinstance(section[k], list | type(None))), None)
+        if wrong is not None:
+            raise click.BadParameter(f"{value}: {name}.{wrong} must be a list", ctx, param)
     if isinstance(values.get("calibration"), str):
         values["calibration"] = _here_or_beside(values["calibration"], path)
     if isinstance(values.get("guard_data"), list):

@@ -297,3 +297,20 @@ def test_a_calibration_text_too_short_is_refused_before_any_weight_loads(refit, 
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     windows = "two windows (--refit holds one out)" if refit else "one window"
     assert f"tokens, fewer than {windows} of 64" in result.output and not (tmp_path / "o").exists()
+
+
+def test_a_recipe_whose_repeatable_setting_is_not_a_list_is_refused_naming_the_recipe(tmp_path):
+    """``guard_data: served.txt`` (one text, not a list of texts) in a recipe file: one line naming the
+    file and the setting, before any work (click alone said "Value must be an iterable")."""
+    from click.testing import CliRunner
+
+    from mha2gqa.cli import main
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("convert: {method: svd, guard_data: served.txt}\n")
+    result = CliRunner().invoke(
+        main, ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--recipe", str(recipe)]
+    )
+    assert result.exit_code == 2, result.output
+    assert "mine.yaml: convert.guard_data must be a list" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "dst").exists()

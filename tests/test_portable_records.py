@@ -166,14 +166,15 @@ def distilled(tmp_path_factory):
 
 def test_a_distilled_or_uptrained_models_records_name_no_path_of_the_machine(distilled):
     """The uptraining record and card (``convert --distill``'s and ``mha2gqa uptrain``'s) name the
-    models as ``./NAME`` and the text by file name with its sha256 and sketch: no folder of the machine."""
+    models as ``./NAME`` and the text by file name with its sha256 and sketch, and so does the run log
+    published beside them: no folder of the machine."""
     from huggingface_hub import ModelCard
 
     root, out, up, text = distilled
     sha = hashlib.sha256(text.read_bytes()).hexdigest()
     for folder in (out, up):
         for path in folder.iterdir():
-            if path.suffix in (".json", ".yaml", ".md"):
+            if path.suffix in (".json", ".jsonl", ".yaml", ".md"):  # the run log (uptrain_log.jsonl) too
                 assert str(root) not in path.read_text(), f"{folder.name}/{path.name}"
         run = json.loads((folder / "mha2gqa_uptrain.json").read_text())["uptrain"]
         assert run["text"]["name"] == "calib.txt" and run["text"]["sha256"] == sha and run["text"]["lines"]

@@ -24,6 +24,23 @@ UPTRAIN_SCHEMA = "mha2gqa.uptrain/1"
 _TEXTS, _MODELS = ("data", "eval_data"), ("teacher",)
 
 
+def portable_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """An uptraining's settings as a published model carries them (its record, its run log): the texts by
+    file name, the teacher by name (``./NAME`` or a hub id), the output as ``./NAME``, the teacher's cache
+    (a folder of this machine) dropped."""
+    s = dict(settings)
+    for key in _TEXTS:
+        if isinstance(s.get(key), str):
+            s[key] = portable_name(s[key])
+    for key in _MODELS:
+        if isinstance(s.get(key), str):
+            s[key] = portable_model(s[key])
+    if isinstance(s.get("output"), str):
+        s["output"] = local_name(s["output"])
+    s["teacher_cache"] = None
+    return s
+
+
 @dataclass(frozen=True)
 class UptrainRecord:
     """One uptraining run up to ``steps``: the student, the run's settings (the ``--resume`` identity),
@@ -78,17 +95,9 @@ class UptrainRecord:
         (``./NAME`` for a local folder, a hub id as given), the texts by file name, the teacher's cache (a
         folder of this machine) dropped, and the training text's sha256 and line sketch (so ``eval`` can
         still tell it trained on the text it scores, on any machine)."""
-        s = dict(self.settings)
-        text = self.text or (training_text_ref(s["data"], text_field) if isinstance(s.get("data"), str) else None)
-        for key in _TEXTS:
-            if isinstance(s.get(key), str):
-                s[key] = portable_name(s[key])
-        for key in _MODELS:
-            if isinstance(s.get(key), str):
-                s[key] = portable_model(s[key])
-        if isinstance(s.get("output"), str):
-            s["output"] = local_name(s["output"])
-        s["teacher_cache"] = None
+        data = self.settings.get("data")
+        text = self.text or (training_text_ref(data, text_field) if isinstance(data, str) else None)
+        s = portable_settings(self.settings)
         return dataclasses.replace(self, student=portable_model(self.student), settings=s, text=text)
 
     @classmethod

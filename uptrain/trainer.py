@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mha2gqa.core.checkpoint import portable_model
 from mha2gqa.core.conversion_record import UNDONE, GuardMode, read_conversion_record
 from mha2gqa.core.dtypes import by_name
 from mha2gqa.core.errors import Mha2GqaError
@@ -38,7 +39,7 @@ from mha2gqa.uptrain.checkpoints import (
 from mha2gqa.uptrain.data import WindowOrder
 from mha2gqa.uptrain.guard import Figure, best_so_far, choose
 from mha2gqa.uptrain.prepare import Uptraining, check_resume, prepare, resume_point
-from mha2gqa.uptrain.record import UptrainRecord, training_text_ref
+from mha2gqa.uptrain.record import UptrainRecord, portable_settings, training_text_ref
 from mha2gqa.uptrain.settings import UptrainSettings
 from mha2gqa.uptrain.setup import accelerator, cached_teacher, load_models, load_state, optimizing, rank_rows
 from mha2gqa.uptrain.sharding import save_optimizer, zero_rows
@@ -176,11 +177,11 @@ class _Trainer:
             if s.resume:
                 self.say(f"--resume: no checkpoint in {self.output}; starting from step 0")
             self.log.write(
-                RunStart(
+                RunStart(  # the log travels with the model: no folder of this machine in it
                     created=now(),
-                    student=self.student,
-                    teacher=s.teacher,
-                    settings=up.run,
+                    student=portable_model(self.student),
+                    teacher=portable_model(s.teacher) if s.teacher else None,
+                    settings=portable_settings(up.run),
                     windows=up.num_windows,
                     tokens_per_step=self.tokens_per_step,
                     total_steps=up.total,
