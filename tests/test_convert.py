@@ -106,7 +106,8 @@ def test_equalised_groups_convert_without_changing_logits(family, tmp_path):
         out = convert_checkpoint(src, tmp_path / f"out{g}", g, "mean", progress=False).output
         converted = load(out)
         assert dims_of(converted.config).num_kv_heads == g
-        torch.testing.assert_close(logits(converted, IDS), before, atol=1e-5, rtol=1e-5)  # float noise only
+        # float noise only: the same sums in another order (Gemma 3's logits reach 1e-5 of noise on some CPUs)
+        torch.testing.assert_close(logits(converted, IDS), before, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3", "stablelm", "olmo2"])
