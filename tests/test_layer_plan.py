@@ -82,3 +82,18 @@ def test_the_conversion_record_holds_the_plan_the_writer_followed(calib_text, tm
     for plan in plans:
         q = f"model.layers.{plan.layer}.self_attn.q_proj.weight"
         assert torch.equal(source[q], written[q]) == (plan.how == COPY)
+
+
+def test_the_refit_refuses_a_conversion_that_was_never_planned(calib_text, tmp_path):
+    """The plan is made once, before any tensor is written: a caller that skips it gets one clear error,
+    not a refit that decides each layer again."""
+    from mha2gqa.convert.prepare import prepare
+    from mha2gqa.convert.refit import refit
+    from mha2gqa.convert.settings import ConvertSettings
+
+    s = ConvertSettings(num_kv_heads=2, refit=True, **calibrated(calib_text, "svd"))
+    src = with_tokenizer(random_model(tiny_config("llama", vocab_size=300)), tmp_path / "src", calib_text)
+    c = prepare(src, tmp_path / "dst", s)
+    with pytest.raises(ValueError, match="planned conversion"):
+        refit(c, [], tmp_path / "work")
+    assert len(c.planned(None).plans) == c.dims.num_layers

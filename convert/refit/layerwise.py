@@ -249,7 +249,7 @@ def refit(
     the kept work (the others read its ``resume`` folder, named by rank 0)."""
     from mha2gqa.core.progress import bar as progress_bar
 
-    s = c.settings
+    s = _planned(c).settings
     map_large_allocations(STEP_BLOCKS)
     model = skeleton(c.ckpt)
     st = open_streams(c, model, work)
@@ -293,6 +293,13 @@ def refit(
                 del result
             bar.update(1)
     return [by_name[t.name] for t in tensors], _refit_record(s, st, records, whole)
+
+
+def _planned(c: Conversion) -> Conversion:
+    """``c``, which must carry one plan a layer (:meth:`Conversion.planned`): a caller's mistake otherwise."""
+    if len(c.plans) != c.dims.num_layers:
+        raise ValueError("refit() needs the planned conversion (Conversion.planned(stats)), one plan a layer")
+    return c
 
 
 def _kept_layers(team, resume: ResumeFolder | None, layers: int) -> tuple[ResumeFolder | None, set[int]]:
