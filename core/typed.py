@@ -65,7 +65,7 @@ def value(annotation: Any, data: Any, where: str) -> Any:
             raise RecordError(f"{where} is {data!r:.40}, not one of {', '.join(map(repr, args))}")
         return data
     if origin is list or origin is tuple:
-        if not isinstance(data, list):
+        if not isinstance(data, list | tuple):  # (a tuple: a record's to_dict() read before it is JSON)
             raise RecordError(f"{where} is not a list")
         items = [value(args[0], v, f"{where}[{i}]") for i, v in enumerate(data)]
         return items if origin is list else tuple(items)
