@@ -4,6 +4,7 @@ written; the writer (:mod:`~mha2gqa.convert.write.tensor_sources`), the refit an
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mha2gqa.convert.methods import Method
@@ -29,9 +30,7 @@ def layer_plans(
         if plan.changed:
             how = REWRITE if method.layerwise or plan.regrouped else FRESH if method.fresh else POOL
             fits = tuple(refit)
-            plan = LayerPlan(
-                layer, dims.num_kv_heads, after, how, plan.permutation, fits,
-                refit_target if fits else None, solve_output="o" in fits,
-            )  # fmt: skip
+            target = refit_target if fits else None
+            plan = replace(plan, how=how, refit=fits, refit_target=target, solve_output="o" in fits)
         plans.append(plan)
     return tuple(plans)

@@ -86,7 +86,6 @@ class _Sources:
         seed: int,
     ) -> None:
         self.ckpt, self.family, self.dims, self.plans = ckpt, family, dims, plans
-        self.targets = tuple(p.kv_heads_after for p in plans)
         self.method, self.stats, self.seed = method, stats, seed
         self.std = float(ckpt.config.get("initializer_range", 0.02))
         self.rules: dict[str, OutputTensor] = {}
@@ -113,7 +112,7 @@ class _Sources:
 
     def layer_merge(self, layer: int) -> None:
         """q/k/v/o of ``layer`` merged together."""
-        d, kv, g = self.dims.head_dim, self.dims.num_kv_heads, self.targets[layer]
+        d, kv, g = self.dims.head_dim, self.dims.num_kv_heads, self.plans[layer].kv_heads_after
         merge = LayerMerge(self.ckpt, self.family, self.dims, self.plans[layer], self.stats, self.method)
         for role, name in merge.names().items():
             rows = self.ckpt.tensors[name].shape[0]
@@ -126,7 +125,7 @@ class _Sources:
 
     def projections(self, layer: int, reducer: Reducer | None) -> None:
         """K/V (or the fused qkv) of ``layer`` pooled by ``reducer``, or fresh when it is None."""
-        d, kv, g, dims = self.dims.head_dim, self.dims.num_kv_heads, self.targets[layer], self.dims
+        d, kv, g, dims = self.dims.head_dim, self.dims.num_kv_heads, self.plans[layer].kv_heads_after, self.dims
         fam = self.family
         for module in (fam.qkv_proj,) if fam.fused else (fam.k_proj, fam.v_proj):
             for suffix in SUFFIXES:
@@ -145,7 +144,8 @@ class _Sources:
 
     def k_norms(self, layer: int, reducer: Reducer | None) -> None:
         """Per-head key norms of ``layer`` (``rows`` or ``indexed`` layout) pooled, or fresh."""
-        norm, d, kv, g = self.family.k_norm, self.dims.head_dim, self.dims.num_kv_heads, self.targets[layer]
+        norm, d, kv = self.family.k_norm, self.dims.head_dim, self.dims.num_kv_heads
+        g = self.plans[layer].kv_heads_after
         names = norm_names(self.family, layer, self.dims.num_heads, kv).get("k_norm", [])
         if norm is not None and norm.layout == "rows":
             name = names[0]
