@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.convert.calibration.own_text import with_own_text
 from mha2gqa.convert.engine.retarget_view import retarget_record
 from mha2gqa.convert.prepare import Conversion, prepare
 from mha2gqa.convert.settings import COST_MEASURES, ConvertSettings
@@ -91,6 +92,8 @@ class ConversionResult:
             )
         if f.windowed_cache:
             lines += f"\n  KV cache {f.windowed_cache.line()}"
+        if f.calibration and f.calibration.own:
+            lines += f"\n  calibration {f.calibration.data}: {f.calibration.own.line()}"
         if guard:
             lines += "".join(f"\n  guard: {stage.line()}" for stage in guard.stages) or f"\n  guard: {guard.where}"
         return (
@@ -110,7 +113,7 @@ def _collect(source: Conversion, groups: int | tuple[int, ...] | None, on_layer=
     from mha2gqa.core.models import autocast_dtype
 
     s = source.settings
-    text = CalibrationText(s.calibration, s.calibration_tokens, s.calibration_seq_len)
+    text = CalibrationText(source.text, s.calibration_tokens, s.calibration_seq_len)
     options = PassOptions(
         s.device,
         grouping=source.grouping,
@@ -134,8 +137,9 @@ def _calibrate(source: Conversion) -> tuple[Any, Calibration | None]:
     if not s.calibration:  # a layer method that works from the weights alone (aligned)
         return None, Calibration(None, 0, source.dims.rotary, weights_only=True)
     stats = _collect(source, source.targets if source.per_layer else source.targets[0])
+    own = source.own.facts if source.own is not None else None
     return stats, Calibration(
-        portable_name(s.calibration), stats.tokens, stats.rotary_dim, text=text_ref(s.calibration)
+        portable_name(s.calibration), stats.tokens, stats.rotary_dim, text=text_ref(s.calibration), own=own
     )
 
 
@@ -474,6 +478,7 @@ def run(
     from mha2gqa.convert.guard import open_guard
 
     start = time.perf_counter()
+    conversion = with_own_text(conversion, conversion.stage_log(_log))  # (--self-text: once, before the guard)
     conversion, guard = open_guard(conversion, guard_data or conversion.settings.calibration)
     allocation = None
     if conversion.settings.per_layer == "auto":

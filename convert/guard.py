@@ -413,6 +413,16 @@ class GuardRun:
         )
 
 
+def _own_sample(c, seq_len: int) -> HeldOut:
+    """The guard's held-out sample of the model's own text (``--self-text``), named as such."""
+    from mha2gqa.convert.calibration.own_text import SAMPLE_NAME
+
+    found = source_windows(c.ckpt.folder, str(c.own.sample), seq_len)
+    return dataclasses.replace(
+        found, name=SAMPLE_NAME, where=f"{SAMPLE_NAME}, a sample no stage reads: " + found.where.split("'s ", 1)[1]
+    )
+
+
 def open_guard(c, data: str | None):
     """``(conversion, GuardRun or None)``: the guard windows cut from the end of ``data`` (the
     calibration text) and the conversion's stages held to the tokens before them (its
@@ -428,9 +438,10 @@ def open_guard(c, data: str | None):
         return c, None
     seq_len = calibration_window(s.calibration_seq_len, max_positions(c.ckpt.config))
     ids, before, where = guard_windows(c.ckpt.folder, data, seq_len)
-    sources = [source_windows(c.ckpt.folder, text, seq_len) for text in s.guard_data] if ids is not None else []
+    sources = [_own_sample(c, seq_len)] if ids is not None and c.own is not None and c.own.sample else []
+    sources += [source_windows(c.ckpt.folder, text, seq_len) for text in s.guard_data] if ids is not None else []
     run = GuardRun(s.guard, ids, before, where, sources=sources)
-    if ids is None or s.calibration_tokens <= before:
+    if ids is None or s.calibration_tokens <= before or c.own is not None:  # (the mix holds none of them)
         return c, run
     read = before // seq_len * seq_len  # whole windows
     sys.stderr.write(

@@ -49,6 +49,9 @@ class Conversion:
     #: what a resumed refit must share with the stopped one (:func:`resume_fingerprint`), taken from the
     #: run as asked: ``--per-layer auto`` rewrites the settings once it has chosen
     fingerprint: dict | None = None
+    #: ``--self-text``: the mix the stages read and the guard's sample of the model's own text, once
+    #: written (:func:`~mha2gqa.convert.calibration.own_text.with_own_text`); None before, or without it
+    own: Any = None
     #: where the stages' lines go (each refitted layer, the guard's decisions) when the caller hears
     #: them itself (a job's log); None: the terminal, with ``progress``
     log: Callable[[str], None] | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -56,6 +59,11 @@ class Conversion:
     def stage_log(self, default: Callable[[str], None]) -> Callable[[str], None] | None:
         """Who hears the stages' lines: :attr:`log`, else ``default`` with ``progress``, else nobody."""
         return self.log or (default if self.settings.progress else None)
+
+    @property
+    def text(self) -> str | None:
+        """The calibration text the stages read: the ``--self-text`` mix once written, else ``--calibration``."""
+        return str(self.own.mix) if self.own is not None else self.settings.calibration
 
     @property
     def per_layer(self) -> bool:

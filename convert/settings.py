@@ -11,6 +11,7 @@ from mha2gqa.core.conversion_record import GUARD_MODES, GuardMode
 from mha2gqa.core.devices import DEVICE_HELP, PRECISION_HELP, PRECISIONS, check_device_name
 from mha2gqa.core.dims import parse_kv_heads_list
 from mha2gqa.core.errors import SettingError
+from mha2gqa.core.ranks import under_launcher
 from mha2gqa.core.settings import check_switched, setting, validate
 from mha2gqa.core.text import check_text_source
 from mha2gqa.core.units import parse_size
@@ -52,7 +53,7 @@ def refit_windows(given: int | None, window: int) -> int:
 #: the others are the machine's and the run's (device, progress, overwrite...)
 RECIPE_FIELDS = (
     *("num_kv_heads", "num_kv_heads_per_layer", "per_layer", "allocation_cost", "kv_budget", "method", "grouping"),
-    *("calibration", "calibration_sha256", "calibration_tokens", "calibration_seq_len"),
+    *("calibration", "calibration_sha256", "calibration_tokens", "calibration_seq_len", "self_text"),
     *("refit", "refit_params", "refit_steps", "refit_target", "refit_lr", "refit_batch", "refit_tokens"),
     "refit_precision",
     *("guard", "guard_data", "seed", "max_shard_size"),
@@ -113,6 +114,16 @@ class ConvertSettings:
     )
     calibration_seq_len: int | None = setting(
         None, help=f"Calibration window [default: min({CALIBRATION_WINDOW}, the model's positions)].", minimum=2
+    )
+    self_text: float | None = setting(
+        None,
+        help="Share of the calibration text the source model writes itself (as `mha2gqa self-text` "
+        "samples, seeded by --seed, cached): mixed into --calibration at this share of the characters "
+        "(0.25: a quarter), it is what the statistics, the refit and --distill read; the stage guard scores "
+        "--calibration's own last windows and a held-out sample the model writes apart, each on its own. "
+        "None: --calibration alone.",
+        above=0,
+        below=1,
     )
     refit: bool = setting(
         False,
@@ -230,6 +241,14 @@ class ConvertSettings:
         check_device_name(self.device)
         check_text_source(self.calibration, "calibration")
         self._check_calibration_sha256()
+        if self.self_text is not None and not self.calibration:
+            raise SettingError("self_text", "{name} is the model's share of the calibration text: give --calibration")
+        if self.self_text is not None and under_launcher():
+            raise SettingError(
+                "self_text",
+                "{name} is written by one process: write it first (mha2gqa self-text SRC MIX.txt --mix TEXT "
+                "--share S) and give --calibration MIX.txt under the launcher",
+            )
         try:
             parse_size(self.max_shard_size)
         except Exception as e:

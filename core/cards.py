@@ -127,7 +127,9 @@ def front_matter(base_model: str | None, tags: list[str]) -> str:
 def _calibration_row(calibration) -> str:
     """The calibration text by name (never a path), with its sha256 where it is a file."""
     sha = calibration.text.sha256 if calibration.text else None
-    return f"`{calibration.data}`" + (f" (sha256 `{sha[:16]}`…)" if sha else "") + f", {calibration.tokens:,} tokens"
+    own = f"; {calibration.own.line()}" if calibration.own else ""
+    named = f"`{calibration.data}`" + (f" (sha256 `{sha[:16]}`…)" if sha else "")
+    return f"{named}, {calibration.tokens:,} tokens{own}"
 
 
 def _without_sketches(conv: Facts) -> Facts:

@@ -28,15 +28,42 @@ RECIPE_LAYERS = 8
 
 
 @dataclass(frozen=True)
+class OwnText:
+    """``--self-text``: the text the source model wrote itself (seeded sampling), mixed into the user's
+    calibration text for every stage: the share asked and the share the mix has (by characters), the
+    written tokens and documents, the sampling, and the sha256 of the written text and of the mix."""
+
+    share: float
+    mixed_share: float
+    tokens: int
+    documents: int
+    seed: int
+    temperature: float
+    top_p: float
+    sha256: str
+    mix_sha256: str
+
+    def line(self) -> str:
+        """In words: how much of the calibration text the model wrote, and how."""
+        return (
+            f"{self.mixed_share:.0%} of it written by the model itself ({self.tokens:,} tokens in "
+            f"{self.documents:,} documents; seed {self.seed}, temperature {self.temperature:g}, top-p "
+            f"{self.top_p:g}; sha256 {self.sha256[:16]})"
+        )
+
+
+@dataclass(frozen=True)
 class Calibration:
     """What a calibrated method read (``data`` None: from the weights alone): the text by its
-    portable name (a file's name, never its path), with its sha256 and line sketch in ``text``."""
+    portable name (a file's name, never its path), with its sha256 and line sketch in ``text``; with
+    ``--self-text``, what the model wrote into it (``own``): the stages then read the mix."""
 
     data: str | None
     tokens: int
     rotary_dim: int | None = None
     weights_only: bool = False
     text: TextRef | None = None
+    own: OwnText | None = None
 
 
 @dataclass(frozen=True)

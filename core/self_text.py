@@ -39,6 +39,8 @@ SCHEMA = "mha2gqa.self_text/1"
 SAMPLER = 4
 MANIFEST = "mha2gqa_self_text.json"
 TEXT = "text.txt"
+#: a mix's text file (:func:`mix_file`)
+MIX = "calibration-mix.txt"
 #: What separates documents in the text file (a blank line: a paragraph break for ``--doc-split``).
 SEPARATOR = "\n\n"
 
@@ -412,3 +414,30 @@ def _pieces(text: str, size: int) -> list[str]:
     if current:
         out.append("\n".join(current).strip())
     return [p for p in out if p]
+
+
+def mix_file(written: Written, user: str, share: float, root: Path | None = None) -> tuple[Path, float, str]:
+    """:func:`mixed` of the ``written`` entry's text and ``user`` at ``share``, as a cache entry of its own
+    (``<root>/mix-<key>/calibration-mix.txt``, the key: the written text's sha256, the user text's and the share;
+    its record checked on every read, like the written parts): ``(its path, the written share it has,
+    its sha256)``. The same inputs give the same file, written once."""
+    from mha2gqa.core.cache import cache_root, entry_name, locked
+
+    user_sha = hashlib.sha256(user.encode("utf-8")).hexdigest()
+    root = Path(root) if root is not None else cache_root() / "self-text"
+    key = "mix-" + entry_name({"schema": SCHEMA, "written": written.sha256, "user": user_sha, "share": share})
+    entry = Entry(root / key)
+    with locked(root, key, f"self-text cache {root}"):
+        if (entry.folder / MANIFEST).is_file():
+            record = entry.record(MANIFEST)
+            entry.text(MIX, record["sha256"])
+            kept = record.get("share")
+            if not isinstance(kept, float) or not 0 < kept < 1:
+                raise entry.damaged(MANIFEST, "its share is not a number between 0 and 1")
+            return entry.folder / MIX, kept, record["sha256"]
+        body, got = mixed(written.path.read_text(encoding="utf-8"), user, share)
+        sha = hashlib.sha256(body.encode("utf-8")).hexdigest()
+        entry.folder.mkdir(parents=True, exist_ok=True)
+        entry.write(MIX, body)
+        entry.write(MANIFEST, json.dumps({"sha256": sha, "tokens": written.tokens, "share": got}, indent=1) + "\n")
+        return entry.folder / MIX, got, sha

@@ -134,14 +134,16 @@ class DistillSettings:
         return arithmetic(self.distill_precision, convert.device)
 
     def uptrain_settings(
-        self, convert: ConvertSettings, teacher: str, output: Path, positions: int | None, tokens: int | None = None
-    ):
+        self, convert: ConvertSettings, teacher: str, output: Path, positions: int | None, tokens: int | None = None,
+        data: str | None = None,
+    ):  # fmt: skip
         """The ``mha2gqa uptrain`` settings of the distillation stage (``tokens``: the first tokens of
-        the calibration text it may read, the stage guard's windows after them; None: all)."""
+        the calibration text it may read, the stage guard's windows after them; None: all; ``data``: the
+        text it reads, the ``--self-text`` mix, else ``--calibration``)."""
         from mha2gqa.uptrain.settings import UptrainSettings
 
         return UptrainSettings(
-            data=str(convert.calibration),
+            data=str(data or convert.calibration),
             data_tokens=tokens,
             output=str(output),
             objective="kd",
@@ -191,7 +193,8 @@ def distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, ou
     tokens, judge = held.tokens, held.judge
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
     positions = max_positions(conversion.ckpt.config)
-    settings = d.uptrain_settings(s, teacher, out, positions, tokens)
+    data = str(conversion.own.mix) if conversion.own is not None else None  # (the guard's windows: not in it)
+    settings = d.uptrain_settings(s, teacher, out, positions, tokens, data)
     if tokens is not None:
         return distil_backing_off(student, settings, team, judge, log, d.distill_backoff)
     return uptrain(str(student), settings, log=log), None, None

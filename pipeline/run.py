@@ -73,7 +73,7 @@ def prepare(recipe: Recipe, src: str, dst: Path, log: Log | None = None) -> Prep
     s, d = recipe.convert, recipe.distill.check(recipe.convert)  # (off: that no distill_* setting is given)
     if not recipe.distilling:
         return Prepared(recipe, src, dataclasses.replace(prepare_conversion(src, dst, s), log=log), log)
-    conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None)  # the text is ours
+    conversion = s if s.reads_calibration else dataclasses.replace(s, calibration=None, self_text=None)  # ours
     first = prepare_conversion(src, dst, conversion, later={"distill": d.recipe(), "arithmetic": d.arithmetic(s)})
     return Prepared(recipe, src, first, log or print)
 
@@ -103,6 +103,7 @@ def _convert_and_distill(p: Prepared):
     """Convert, distil the result, publish the distilled model as DST (see the module doc). A stop keeps
     the refit's finished layers and the distillation's newest checkpoint beside DST: the same command with
     ``--resume`` converts again (reading the fitted layers back) and continues the distillation."""
+    from mha2gqa.convert.calibration.own_text import with_own_text
     from mha2gqa.convert.converter import run
     from mha2gqa.convert.prepare import inputs_of
     from mha2gqa.core.output import staged_output
@@ -112,7 +113,8 @@ def _convert_and_distill(p: Prepared):
     from mha2gqa.pipeline.backoff import Judge
     from mha2gqa.pipeline.distill import CONVERTED, DISTILLED, Held, distil, publish
 
-    s, d, first, log = p.recipe.convert, p.recipe.distill, p.conversion, p.log
+    s, d, log = p.recipe.convert, p.recipe.distill, p.log
+    first = with_own_text(p.conversion, log, s)  # (once: the conversion and the distillation read it)
     dst = first.dst
     team = _processes(s.device)
     if not team.main:

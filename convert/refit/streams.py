@@ -181,7 +181,7 @@ def open_streams(c: Conversion, model, work: Path) -> Streams:
 
     s, dev = c.settings, resolve_device(c.settings.device)
     seq_len = calibration_window(s.calibration_seq_len, max_positions(model.config))
-    ids = calibration_ids(c.ckpt.folder, s.calibration, min(s.refit_tokens, s.calibration_tokens), seq_len)
+    ids = calibration_ids(c.ckpt.folder, c.text, min(s.refit_tokens, s.calibration_tokens), seq_len)
     if len(ids) < 2:
         raise SettingError(
             "refit_tokens", f"{{name}}: {ids.numel()} tokens make one window of {seq_len}; --refit needs two or more"
