@@ -148,6 +148,15 @@ class LayerPlan:
     #: the output projection gets its closed-form solve after the fit
     solve_output: bool = False
 
+    def record_problem(self) -> str | None:
+        """What a read-back plan says that no conversion could have planned (None: nothing)."""
+        before, after = self.kv_heads_before, self.kv_heads_after
+        if self.layer < 0 or after < 1 or before < after or before % after:
+            return f"has {before} -> {after} KV heads at layer {self.layer}: not a layer's merge"
+        if self.permutation is not None and sorted(self.permutation) != list(range(before)):
+            return f"has permutation {list(self.permutation)!r:.60}: not an order of the layer's {before} KV heads"
+        return None
+
     @property
     def changed(self) -> bool:
         """The layer's KV-head count changes (else it is a byte copy)."""

@@ -28,7 +28,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def read(cls: type, data: Any, where: str) -> Any:
     """``cls`` (a dataclass) from the JSON object ``data``; raises :class:`RecordError` naming
-    ``where.field`` for a missing required field or a value of the wrong type."""
+    ``where.field`` for a missing required field or a value of the wrong type, and ``where`` for what
+    the value's own ``record_problem()`` finds wrong across its fields (None: nothing)."""
     if not isinstance(data, dict):
         raise RecordError(f"{where} is not an object")
     hints = _hints(cls)
@@ -40,7 +41,11 @@ def read(cls: type, data: Any, where: str) -> Any:
             kwargs[f.name] = value(hints[f.name], data[f.name], f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise RecordError(f"{where}.{f.name} is missing")
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    problem = obj.record_problem() if hasattr(obj, "record_problem") else None  # (facts across its fields)
+    if problem:
+        raise RecordError(f"{where} {problem}")
+    return obj
 
 
 def value(annotation: Any, data: Any, where: str) -> Any:

@@ -58,6 +58,10 @@ def test_a_plan_reads_back_through_its_type_and_a_bad_one_is_refused():
     assert read(LayerPlan, data, "plan") == plan
     with pytest.raises(RecordError, match="how"):
         read(LayerPlan, {**data, "how": "melt"}, "plan")
+    for bad in ({"permutation": [0, 0, 1, 2]}, {"permutation": [0, 1, 2]}, {"permutation": [0, 1, 2, 4]},
+                {"kv_heads_after": 3}, {"kv_heads_after": 0}, {"layer": -1}):  # fmt: skip
+        with pytest.raises(RecordError, match=r"^plan has "):
+            read(LayerPlan, {**data, **bad}, "plan")
 
 
 def test_the_conversion_record_holds_the_plan_the_writer_followed(calib_text, tmp_path):
