@@ -119,6 +119,14 @@ def test_a_share_outside_0_and_1_is_refused_before_any_work(setup, tmp_path, val
     assert not (tmp_path / "out").exists() and not cache.exists()
 
 
+def test_a_text_with_nothing_before_the_guards_windows_is_refused_before_the_model_writes(setup, tmp_path, cache):
+    src, _ = setup
+    short = numbered_text(tmp_path / "short.txt", lines=10)  # 101 tokens: the guard needs 80, its 64 end it
+    with pytest.raises(Mha2GqaError, match="nothing of it comes before") as e:
+        convert_checkpoint(src, tmp_path / "o", 2, calibration=str(short), self_text=0.5, **SMALL)
+    assert "\n" not in str(e.value) and not (tmp_path / "o").exists() and not list(cache.glob("self-text/*/text.txt"))
+
+
 def test_without_calibration_or_under_a_launcher_it_is_refused_before_any_work(setup, tmp_path, cache, monkeypatch):
     src, text = setup
     alone = CliRunner().invoke(main, ["convert", src, str(tmp_path / "o"), "-g", "2", "--self-text", "0.5"])

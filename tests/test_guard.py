@@ -348,7 +348,15 @@ def assert_converts_alike(src, rescaled, text, tmp_path, tolerance: float = 1e-4
     ids = torch.tensor([[1, 5, 17, 33, 9, 60, 2, 41, 77, 12]])
     with torch.no_grad():
         torch.testing.assert_close(load(rescaled)(ids).logits, load(src)(ids).logits, atol=tolerance, rtol=tolerance)
-    kw = {"calibration": str(text), "calibration_tokens": 1024, "refit": True, "progress": False}
+    # float32: the invariance is the objective's; bf16 autocast (auto, on a CPU that multiplies bf16)
+    # rounds the two streams apart, and a fit's learning-rate probe can amplify that past 2%
+    kw = {
+        "calibration": str(text),
+        "calibration_tokens": 1024,
+        "refit": True,
+        "refit_precision": "no",
+        "progress": False,
+    }
     a, b = (convert_checkpoint(m, tmp_path / f"{m.name}-out", 1, "svd", **kw).facts for m in (src, rescaled))
     for x, y in zip(a.refit.layers, b.refit.layers, strict=True):  # each layer fitted alike
         assert y.loss_after == pytest.approx(x.loss_after, rel=0.02), (a.refit.layers, b.refit.layers)

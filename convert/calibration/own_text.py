@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mha2gqa.convert.settings import GUARD_WINDOWS, ConvertSettings, calibration_window
 from mha2gqa.core.conversion_record import OwnText
-from mha2gqa.core.errors import Mha2GqaError
+from mha2gqa.core.errors import Mha2GqaError, SettingError
 
 #: written tokens per token of the model's share of the calibration budget (the two kinds of text
 #: tokenize differently: the mix must still reach the budget)
@@ -50,6 +50,12 @@ def own_text(folder: Path, s: ConvertSettings, positions: int | None, log: Calla
     seed = s.seed % 2**31
     sampling = SelfTextSettings(tokens=_tokens(s), seed=seed, device=s.device).check()
     user = _before_guard(folder, s, positions)
+    if not user.strip():
+        raise SettingError(
+            "calibration",
+            f"{{name}} {s.calibration}: nothing of it comes before the stage guard's last windows to mix "
+            "--self-text into: give a longer text",
+        )
     written = self_text(str(folder), sampling, log=log, progress=s.progress)
     if written.tokens == 0:
         raise Mha2GqaError(f"{folder}: the model wrote no text for --self-text (every document ended at once)")
