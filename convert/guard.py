@@ -418,9 +418,10 @@ def _own_sample(c, seq_len: int) -> HeldOut:
     from mha2gqa.convert.calibration.own_text import SAMPLE_NAME
 
     found = source_windows(c.ckpt.folder, str(c.own.sample), seq_len)
-    return dataclasses.replace(
-        found, name=SAMPLE_NAME, where=f"{SAMPLE_NAME}, a sample no stage reads: " + found.where.split("'s ", 1)[1]
-    )
+    windows = found.ids.shape[0]
+    first = f"first {windows * seq_len:,} tokens ({windows} windows of {seq_len})"
+    where = f"{SAMPLE_NAME}, a sample no stage reads: {first}"
+    return dataclasses.replace(found, name=SAMPLE_NAME, where=where)
 
 
 def open_guard(c, data: str | None):
@@ -438,8 +439,10 @@ def open_guard(c, data: str | None):
         return c, None
     seq_len = calibration_window(s.calibration_seq_len, max_positions(c.ckpt.config))
     ids, before, where = guard_windows(c.ckpt.folder, data, seq_len)
-    sources = [_own_sample(c, seq_len)] if ids is not None and c.own is not None and c.own.sample else []
-    sources += [source_windows(c.ckpt.folder, text, seq_len) for text in s.guard_data] if ids is not None else []
+    sources = []
+    if ids is not None:
+        sources = [_own_sample(c, seq_len)] if c.own is not None and c.own.sample is not None else []
+        sources += [source_windows(c.ckpt.folder, text, seq_len) for text in s.guard_data]
     run = GuardRun(s.guard, ids, before, where, sources=sources)
     if ids is None or s.calibration_tokens <= before or c.own is not None:  # (the mix holds none of them)
         return c, run

@@ -193,8 +193,7 @@ def distil(student: Path, conversion, s: ConvertSettings, d: DistillSettings, ou
     tokens, judge = held.tokens, held.judge
     teacher = str(conversion.ckpt.folder)  # the very files converted (a hub id's resolved snapshot)
     positions = max_positions(conversion.ckpt.config)
-    data = str(conversion.own.mix) if conversion.own is not None else None  # (the guard's windows: not in it)
-    settings = d.uptrain_settings(s, teacher, out, positions, tokens, data)
+    settings = d.uptrain_settings(s, teacher, out, positions, tokens, conversion.text)
     if tokens is not None:
         return distil_backing_off(student, settings, team, judge, log, d.distill_backoff)
     return uptrain(str(student), settings, log=log), None, None

@@ -32,7 +32,7 @@ SAMPLE_SEED_OFFSET = 1
 
 
 @dataclass(frozen=True)
-class Written:
+class OwnTextFiles:
     """The texts ``--self-text`` made: ``mix`` (the stages read it), ``sample`` (the guard's held-out
     sample of the model's own text, None where the guard is off) and the record's facts."""
 
@@ -41,7 +41,9 @@ class Written:
     facts: OwnText
 
 
-def own_text(folder: Path, s: ConvertSettings, positions: int | None, log: Callable[[str], None] | None) -> Written:
+def own_text(
+    folder: Path, s: ConvertSettings, positions: int | None, log: Callable[[str], None] | None
+) -> OwnTextFiles:
     """The mix of ``s.calibration`` and the text the model in ``folder`` writes (``s.self_text`` of it),
     and the guard's sample, written or found in the cache (``positions``: the model's, for the window)."""
     from mha2gqa.core.self_text import SelfTextSettings, mix_file, self_text
@@ -71,7 +73,7 @@ def own_text(folder: Path, s: ConvertSettings, positions: int | None, log: Calla
                     sampling.top_p, written.sha256, sha)  # fmt: skip
     if log:
         log(f"self-text: {share:.0%} of the calibration text ({mix.stat().st_size:,} bytes) written by the model")
-    return Written(mix, sample, facts)
+    return OwnTextFiles(mix, sample, facts)
 
 
 def _tokens(s: ConvertSettings) -> int:
