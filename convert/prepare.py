@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.convert.calibration.own_text import FINGERPRINT_KEY
 from mha2gqa.convert.engine.retarget_view import RetargetedCheckpoint, retargeted
 from mha2gqa.convert.methods import Method, get_method, incompatibility
 from mha2gqa.convert.plan.groupings import Grouping, get_grouping
@@ -154,7 +155,8 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | 
     if (s.refit and conversion.changes) or later is not None:  # a stopped run's work: continued, never dropped
         fingerprint = resume_fingerprint(ckpt, s) | ({"later stage": later} if later is not None else {})
         conversion = dataclasses.replace(conversion, fingerprint=fingerprint)
-        ResumeFolder.check(dst, fingerprint, s.resume, s.remove_stale)
+        # (the text the model writes: compared once it has, by ResumeFolder.open)
+        ResumeFolder.check(dst, fingerprint, s.resume, s.remove_stale, later=(FINGERPRINT_KEY,))
     elif s.resume:
         raise SettingError(
             "resume", "{name}: this conversion keeps no work to continue (--refit and --distill do); drop {name}"

@@ -46,14 +46,18 @@ class ResumeFolder:
         self.folder = folder
 
     @classmethod
-    def check(cls, dst: Path, fingerprint: dict[str, Any], resume: bool, remove_stale: bool) -> None:
+    def check(
+        cls, dst: Path, fingerprint: dict[str, Any], resume: bool, remove_stale: bool, later: tuple[str, ...] = ()
+    ) -> None:
         """Before any work: refuse a resume whose fingerprint differs, and a fresh run that would
-        drop a stopped run's finished work unasked (what :meth:`open` would refuse, without writing)."""
+        drop a stopped run's finished work unasked (what :meth:`open` would refuse, without writing).
+        ``later``: keys the run learns only as it works (the text the model writes), which :meth:`open`
+        compares then."""
         folder = resume_folder(Path(dst))
         if not folder.exists():
             return
         if resume:
-            cls._check_same(folder, fingerprint)
+            cls._check_same(folder, fingerprint, later)
         elif not remove_stale and _work(folder):
             raise _unasked(folder, dst)
 
@@ -77,7 +81,7 @@ class ResumeFolder:
         return cls(folder)
 
     @staticmethod
-    def _check_same(folder: Path, fingerprint: dict[str, Any]) -> None:
+    def _check_same(folder: Path, fingerprint: dict[str, Any], later: tuple[str, ...] = ()) -> None:
         path = folder / FINGERPRINT
         try:
             held = json.loads(path.read_text(encoding="utf-8"))
@@ -85,7 +89,7 @@ class ResumeFolder:
             raise ResumeDamaged(f"{path}: not readable ({e}); pass --remove-stale to start over") from None
         if not isinstance(held, dict):
             raise ResumeDamaged(f"{path}: not a fingerprint; pass --remove-stale to start over")
-        for key in sorted(set(held) | set(fingerprint)):
+        for key in sorted((set(held) | set(fingerprint)) - set(later)):
             if held.get(key) != fingerprint.get(key):
                 raise Mha2GqaError(
                     f"--resume: the {key} changed since the stopped run ({_short(held.get(key))} -> "

@@ -147,3 +147,43 @@ def test_the_distillation_reads_the_mix_too(setup, tmp_path, cache):
     assert result.exit_code == 0, result.output
     read = json.loads((tmp_path / "d" / "mha2gqa_uptrain.json").read_text())["uptrain"]["text"]
     assert read["sha256"] == hashlib.sha256(the_mix(cache).read_bytes()).hexdigest()
+
+
+def _stopped_after_layer_0(src, dst, monkeypatch, **kw) -> None:
+    """A --self-text refit into ``dst`` stopped as a kill would, before layer 1's record."""
+    import mha2gqa.convert.refit.layerwise as layerwise
+
+    record = layerwise._layer_record
+
+    def stopping(i, *args, **options):
+        if i == 1:
+            raise RuntimeError("killed")
+        return record(i, *args, **options)
+
+    with monkeypatch.context() as m:
+        m.setattr(layerwise, "_layer_record", stopping)
+        with pytest.raises(RuntimeError, match="killed"):
+            convert_checkpoint(src, dst, 2, **kw)
+
+
+def test_a_stopped_run_resumes_on_the_mix_its_layers_were_fitted_on_and_refuses_another(setup, tmp_path, monkeypatch):
+    """The kept layers were fitted on the mix the model wrote; a resume whose model writes other text (at
+    other --threads, the last bits of a forward pass can move a sample) would mix two fits in one model."""
+    from mha2gqa.core.resume import resume_folder
+
+    src, text = setup
+    kw = dict(calibration=str(text), self_text=0.5, refit=True, refit_steps=2, refit_tokens=128, **SMALL)
+    whole = convert_checkpoint(src, tmp_path / "whole", 2, **kw)
+    dst = tmp_path / "out"
+    _stopped_after_layer_0(src, dst, monkeypatch, **kw)
+    path = resume_folder(dst) / "fingerprint.json"
+    held = json.loads(path.read_text())
+    mix = whole.record.conversion.calibration.own.mix_sha256
+    assert held[own_text.FINGERPRINT_KEY] == {"mix sha256": mix}
+    assert weights(convert_checkpoint(src, dst, 2, resume=True, **kw).output) == weights(whole.output)
+    _stopped_after_layer_0(src, dst, monkeypatch, overwrite=True, **kw)
+    held[own_text.FINGERPRINT_KEY] = {"mix sha256": "0" * 64}  # the stopped run's model wrote another mix
+    path.write_text(json.dumps(held))
+    with pytest.raises(Mha2GqaError, match=r"--resume: the text the model wrote \(--self-text\) changed since"):
+        convert_checkpoint(src, dst, 2, resume=True, overwrite=True, **kw)
+    assert (resume_folder(dst) / "layer-0.json").is_file()  # refused, not dropped

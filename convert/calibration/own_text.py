@@ -29,6 +29,9 @@ MARGIN = 1.25
 SAMPLE_NAME = "the model's own text"
 #: the seed of that sample, after the mix's: another stretch of the model's distribution
 SAMPLE_SEED_OFFSET = 1
+#: the resume fingerprint's record of the mix the stages read (known once the model has written its
+#: text: a stopped run's kept layers were fitted on that mix, and a run at other --threads may write another)
+FINGERPRINT_KEY = "text the model wrote (--self-text)"
 
 
 @dataclass(frozen=True)
@@ -106,4 +109,6 @@ def with_own_text(c, log: Callable[[str], None] | None = None, s: ConvertSetting
     s = s or c.settings
     if c.own is not None or s.self_text is None or not c.changes:
         return c
-    return dataclasses.replace(c, own=own_text(c.ckpt.folder, s, max_positions(c.ckpt.config), log))
+    own = own_text(c.ckpt.folder, s, max_positions(c.ckpt.config), log)
+    fingerprint = c.fingerprint and c.fingerprint | {FINGERPRINT_KEY: {"mix sha256": own.facts.mix_sha256}}
+    return dataclasses.replace(c, own=own, fingerprint=fingerprint)
