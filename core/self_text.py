@@ -5,7 +5,8 @@ that kind and loses more elsewhere. The model's own samples cover what it knows 
 recipe): each document starts from the model's own distribution, not from a fixed prompt (a BOS
 token, else EOS: the first token is sampled from what the model writes first), and, where the
 tokenizer has a chat template, every other batch starts where the template opens a user turn, so an
-instruct model writes both sides of a conversation. Sampling is seeded, with a temperature and
+instruct model writes both sides of a conversation; no batch writes more than its start's share of
+the budget, so a budget one batch could fill holds both kinds. Sampling is seeded, with a temperature and
 nucleus (top-p) cut, batched with the KV cache; a document ends at EOS or its token budget.
 
 An entry is a folder ``<cache>/self-text/<key>`` (the key: a hash of the model's identity, the
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 SCHEMA = "mha2gqa.self_text/1"
 #: The sampler's version, in the cache key: a change to how tokens are drawn writes new entries.
-SAMPLER = 4
+SAMPLER = 5
 MANIFEST = "mha2gqa_self_text.json"
 TEXT = "text.txt"
 #: a mix's text file (:func:`mix_file`)
@@ -358,9 +359,8 @@ def _write(model: str, entry: Entry, key: str, s: SelfTextSettings, place, log, 
             generator = torch.Generator().manual_seed(s.seed * 1_000_003 + n)
             prefix = prefixes[n % len(prefixes)]
             turns = 1 if n % len(prefixes) == 0 else 2  # (the first start is BOS, the second a chat turn)
-            ids, lengths = write_batch(
-                loaded.model, prefix, s, generator, eos, Writing(s.tokens - tokens, bar.update, turns)
-            )
+            budget = min(s.tokens - tokens, -(-s.tokens // len(prefixes)))  # every start its share
+            ids, lengths = write_batch(loaded.model, prefix, s, generator, eos, Writing(budget, bar.update, turns))
             text = SEPARATOR.join(documents(tokenizer, ids, lengths, len(prefix)))
             entry.write(f"part-{n:06d}.txt", text)
             record = {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "tokens": int(lengths.sum())}

@@ -87,6 +87,23 @@ def test_a_chat_template_gives_every_other_batch_a_user_turn_to_start_from(model
     assert st.starts(tok, chat=False) == prefixes[:1]
 
 
+def test_a_budget_one_batch_could_fill_holds_both_starts(model, tmp_path):
+    """Each start writes at most its share: without the cap the BOS batch alone filled a budget it
+    could hold (SmolLM2 at `convert --self-text 0.25`: 10,249 tokens, no chat turn at all)."""
+    import shutil
+
+    chat = tmp_path / "chat-model"
+    shutil.copytree(model, chat)
+    (chat / "chat_template.jinja").write_text("{% for m in messages %}<|user|> {{ m['content'] }}{% endfor %}")
+    s = SelfTextSettings(tokens=40, document_tokens=24, batch_size=4, device="cpu")  # one batch holds 96
+    written = self_text(str(chat), s, tmp_path / "cache")
+    parts = sorted(written.path.parent.glob("part-*.json"))
+    counts = [json.loads(p.read_text())["tokens"] for p in parts]
+    assert len(parts) >= 2 and max(counts) < 20 + s.batch_size, counts  # a batch stops within a step of its share
+    second = (written.path.parent / "part-000001.txt").read_text()
+    assert second.startswith("<|user|>") and "<|user|>" not in (written.path.parent / "part-000000.txt").read_text()
+
+
 def test_the_nucleus_keeps_the_smallest_set_that_holds_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]).repeat(4000, 1))
     g = torch.Generator().manual_seed(0)
