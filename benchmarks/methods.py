@@ -219,6 +219,7 @@ REAL_RECIPES: dict[str, list[str]] = {
     "svd+refit 80x4+kd 16x4 lr 3e-4": ["-g", "1", "--method", "svd", "--refit", "--refit-steps", "80",
                                        "--refit-batch", "4"],
     "svd+refit+distill": ["-g", "1", "--method", "svd", "--refit", "--distill"],  # one command, its defaults
+    "recommended": ["-g", "1", "--recipe", "recommended"],  # the shipped recipe, as the README runs it
 }  # fmt: skip
 
 #: recipe name -> ``mha2gqa uptrain`` options of the distillation pass that follows its conversion:

@@ -142,3 +142,11 @@ def test_the_architecture_page_names_every_module_and_no_module_that_is_gone():
     existing = {p.name for folder in (*PACKAGES, "benchmarks", "tests") for p in (ROOT / folder).rglob("*.py")}
     gone = sorted({n for n in re.findall(r"(?<![\w/])(\w+\.py)\b", page)} - existing)
     assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
+
+
+def test_the_docs_spell_the_shipped_recommended_recipe_s_distillation():
+    """The recipe file, the usage page and the README's table name the same distillation length."""
+    from mha2gqa.core.recipe_file import named_recipes, read_recipe
+
+    steps = read_recipe(named_recipes()["recommended"])["distill"]["distill_steps"]
+    assert f"--distill-steps {steps}" in text("docs/usage.md") and f"{steps} steps" in text("README.md")
