@@ -258,3 +258,12 @@ def bench_argv(original, converted, output, options: str = "") -> list[str]:
     return [str(a) for a in ("bench", "--original", original, "--converted", converted, "--output", output)] + (
         options.split()
     )
+
+
+def falcon_broadcasts_its_cache() -> bool:
+    """transformers' Falcon broadcast K/V to every query head before caching until 5.25, which caches
+    the checkpoint's KV heads (measured: 5.24 holds H heads, 5.25 holds G)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version("5.25")
