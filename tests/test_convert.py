@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAMILY_CONFIGS, falcon_broadcasts_its_cache, load, logits, random_model, save, tiny_config
+from conftest import FAMILY_CONFIGS, cached_heads, load, logits, random_model, save, tiny_config
 from reference import reference_convert
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -132,8 +132,7 @@ def test_output_loads_generates_and_caches_g_heads(family, tiny_checkpoint, tmp_
     )
     assert gen.sequences.shape == (1, 9)
     cache = gen.past_key_values
-    # transformers' Falcon broadcasts K/V to every query head before caching (see the README)
-    held = model.config.num_attention_heads if family == "falcon" and falcon_broadcasts_its_cache() else 1
+    held = cached_heads(family, model.config.num_attention_heads, 1)  # (docs/families.md: Falcon's cache)
     for layer in cache.layers:
         assert layer.keys.shape[1] == held and layer.values.shape[1] == held
     cfg_in = json.loads((src / "config.json").read_text())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILY_CONFIGS, falcon_broadcasts_its_cache, random_model, tiny_config
+from conftest import FAMILY_CONFIGS, cached_heads, random_model, tiny_config
 from test_methods import with_tokenizer
 
 from mha2gqa.convert import convert_checkpoint
@@ -88,11 +88,6 @@ def _settings(variant: str, feature: str, source, calib_text) -> tuple[int | Non
     return g, kw
 
 
-#: families whose transformers class broadcasts K/V to every query head before its cache
-#: (docs/families.md, "Falcon's cache, measured"): their config and weights say G, their cache H
-BROADCAST_CACHE = {"falcon"}
-
-
 def _check(output, asked: int | None, counts: list[int], family: str) -> None:
     """The written model loads, holds ``counts`` KV heads per layer, gives finite logits and generates."""
     from mha2gqa.core.models import load_model
@@ -106,10 +101,7 @@ def _check(output, asked: int | None, counts: list[int], family: str) -> None:
     heads = model.config.num_attention_heads
     for layer, g in enumerate(counts):
         keys = cache.layers[layer].keys
-        assert keys.shape[1] == (heads if family in BROADCAST_CACHE and falcon_broadcasts_its_cache() else g), (
-            layer,
-            keys.shape,
-        )
+        assert keys.shape[1] == cached_heads(family, heads, g), (layer, keys.shape)
     if asked is not None:
         assert all(c == asked for c in counts)
     new = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import falcon_broadcasts_its_cache, logits, random_model, save, story_text
+from conftest import cached_heads, logits, random_model, save, story_text
 from safetensors.torch import load_file
 
 from mha2gqa.cli import main
@@ -128,9 +128,7 @@ def test_equalised_groups_convert_without_changing_the_logits_and_the_cache_hold
     torch.testing.assert_close(logits(target, IDS), logits(source, IDS), atol=1e-4, rtol=0)
     with torch.no_grad():
         cache = target(IDS, use_cache=True).past_key_values
-    # measured, not computed; transformers' Falcon broadcasts K/V to every query head before caching
-    # (modeling_falcon._split_heads), so its cache holds H heads whatever the checkpoint's count
-    held = source.config.num_attention_heads if kind == "falcon" and falcon_broadcasts_its_cache() else groups
+    held = cached_heads(kind, source.config.num_attention_heads, groups)  # measured, not computed
     assert {layer.keys.shape[1] for layer in cache.layers} == {held}
     gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert target.generate(IDS, **gen).shape[1] == IDS.shape[1] + 5
