@@ -146,9 +146,9 @@ def prepare(src: str | Path, dst: str | Path, s: ConvertSettings, later: dict | 
         if not family.attention_interface and (s.calibration or needs):
             raise SettingError(
                 "calibration",
-                f"{{name}}: {family.architectures[0]} does not run its attention through "
-                "transformers' attention interface, where calibration reads q/k/v; convert it without "
-                "calibration (--method mean, first, random or aligned; contiguous groups)",
+                f"{{name}}: {family.architectures[0]} does not run its attention through the installed "
+                f"transformers' attention interface, where calibration reads q/k/v{family.interface_hint}; "
+                "convert it without calibration (--method mean, first, random or aligned; contiguous groups)",
             )
         s.check_calibration()
         _check_windows(s, ckpt)

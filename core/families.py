@@ -12,8 +12,11 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
+from importlib import metadata, resources
 from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
 
 from mha2gqa.core.expressions import check_expression
 
@@ -109,12 +112,26 @@ class Family:
     refuse_when: tuple[tuple[tuple[tuple[str, Any], ...], str], ...] = ()
     #: where its checkpoints run (README and model card), as checked or read in those projects' code
     serving: str = ""
-    #: its attention runs through transformers' attention interface, where calibration and the
-    #: attention comparisons read q/k/v (Falcon's does not)
-    attention_interface: bool = True
+    #: the transformers versions in which its attention runs through transformers' attention
+    #: interface, where calibration and the attention comparisons read q/k/v: a PEP 440 specifier
+    #: ("": every version; None: none; Falcon's from 5.25)
+    attention_interface_versions: str | None = ""
     #: which layers slide when the config lists no ``layer_types``, as its transformers config computes
     #: them: ``(("gate", expr), ("sliding", expr of the config and layer))`` (:mod:`~mha2gqa.core.cache_layers`)
     cache_layers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def attention_interface(self) -> bool:
+        """The installed transformers runs this family's attention through its attention interface."""
+        versions = self.attention_interface_versions
+        return versions is not None and (not versions or installed_transformers() in SpecifierSet(versions))
+
+    @property
+    def interface_hint(self) -> str:
+        """What runs this family's attention through the interface where the installed transformers
+        does not ("" where none does)."""
+        versions = self.attention_interface_versions
+        return f" (transformers {versions} does: pip install 'transformers{versions}')" if versions else ""
 
     @property
     def fused(self) -> bool:
@@ -244,10 +261,28 @@ def parse_family(data: dict[str, Any], origin: str = "<dict>") -> Family:
         kv_flag=kv.get("flag"),
         refuse_when=tuple((tuple(sorted(r["when"].items())), r["reason"]) for r in refuse),
         serving=data.get("serving", ""),
-        attention_interface=bool(data.get("attention_interface", True)),
+        attention_interface_versions=_parse_interface(data.get("attention_interface", True), fail),
         cache_layers=tuple(sorted(cache_layers.items())),
         **norms,
     )
+
+
+def _parse_interface(value: Any, fail) -> str | None:
+    """``attention_interface``: true, false or the transformers versions (a PEP 440 specifier)."""
+    if isinstance(value, bool):
+        return "" if value else None
+    try:
+        if isinstance(value, str) and value.strip():
+            return str(SpecifierSet(value))
+    except InvalidSpecifier:
+        pass
+    raise fail(f"'attention_interface' is true, false or transformers versions such as '>=5.25', not {value!r}")
+
+
+@cache
+def installed_transformers() -> Version:
+    """The installed transformers' version (read from its package metadata, without importing it)."""
+    return Version(metadata.version("transformers"))
 
 
 def _parse_cache_layers(spec: Any, fail) -> dict[str, str]:

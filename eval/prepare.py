@@ -152,8 +152,8 @@ def _attention_readable(folders: list[Path]) -> bool:
         family = resolve(read_config(folder), strict=False).family
         if family is not None and not family.attention_interface:
             sys.stderr.write(
-                f"note: {family.architectures[0]} computes attention outside transformers' attention "
-                "interface, so the per-layer attention comparison is skipped\n"
+                f"note: {family.architectures[0]} computes attention outside the installed transformers' "
+                f"attention interface{family.interface_hint}, so the per-layer attention comparison is skipped\n"
             )
             return False
     return True

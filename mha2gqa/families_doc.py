@@ -21,12 +21,27 @@ COLUMNS = {
 }
 
 
+#: the mark of a cell whose column runs only in some transformers versions (its footnote says which)
+WHERE = "with"
+
+
+def _calibration(family) -> str | None:
+    """Why calibration does not run on ``family`` in some or all transformers versions (None: it runs)."""
+    versions = family.attention_interface_versions
+    if versions is None:
+        return "its attention bypasses transformers' attention interface"
+    if versions:
+        return f"{WHERE} transformers {versions} only: its attention bypasses transformers' attention interface before"
+    return None
+
+
 def _cells(family) -> list[str | None]:
-    """Each column's refusal reason for ``family`` (None: it runs)."""
+    """Each column's refusal reason for ``family`` (None: it runs; a reason starting :data:`WHERE`:
+    it runs in the transformers versions the reason names)."""
     from mha2gqa.convert.methods import get_method, incompatibility
     from mha2gqa.convert.plan.groupings import get_grouping
 
-    calibration = None if family.attention_interface else "its attention bypasses transformers' attention interface"
+    calibration = _calibration(family)
     norms = "it normalises q/k per head (a config of it without those norms takes it: the checkpoint is read)"
 
     def merge(method: str, grouping: str) -> str | None:
@@ -60,7 +75,7 @@ def feature_table() -> str:
                 continue
             if why not in reasons:
                 reasons.append(why)
-            marks.append(f"no ({reasons.index(why) + 1})")
+            marks.append(f"{'yes' if why.startswith(WHERE) else 'no'} ({reasons.index(why) + 1})")
         counts = "1 or H" if family.flag_only else "any divisor of H"
         rows.append(f"| {name} | {counts} | " + " | ".join(marks) + " |")
     head = "| family | KV heads G | " + " | ".join(f"{c} ({w})" for c, w in COLUMNS.items()) + " |"

@@ -268,3 +268,16 @@ def cached_heads(family: str, query_heads: int, kv_heads: int) -> int:
 
     broadcasts = family == "falcon" and Version(transformers.__version__) < Version("5.25")
     return query_heads if broadcasts else kv_heads
+
+
+@pytest.fixture
+def falcon_before_its_interface(monkeypatch):
+    """Falcon as in a transformers version whose Falcon attention bypasses the attention interface
+    (before 5.25), whatever version is installed: its family reads the interface from 999 on."""
+    import dataclasses
+
+    from mha2gqa.core.families import families
+
+    falcon = dataclasses.replace(families()["falcon"], attention_interface_versions=">=999")
+    monkeypatch.setitem(families(), "falcon", falcon)
+    return falcon

@@ -84,6 +84,23 @@ def test_unknown_keys_in_a_definition_are_an_error():
         parse_family({**good, "k_norm": {"name": "l.{layer}.kn", "layout": "weird"}})
     with pytest.raises(ValueError, match=r"'\{head\}' must appear"):
         parse_family({**good, "k_norm": {"name": "l.{layer}.kn", "layout": "indexed"}})
+    for bad in ("5.25", "newest", "", 5, None):  # a version range, true or false; never guessed
+        with pytest.raises(ValueError, match="'attention_interface' is true, false or transformers versions"):
+            parse_family({**good, "attention_interface": bad})
+
+
+def test_the_attention_interface_follows_the_installed_transformers():
+    from mha2gqa.core.families import installed_transformers
+
+    base = {"family": "x", "description": "d", "architectures": ["X"], "model_types": ["x"]}
+    base["attention"] = {r: f"l.{{layer}}.{r}" for r in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    now = installed_transformers()
+    specs = (True, False, f">={now}", f"<{now}", ">=999")
+    runs = [parse_family({**base, "attention_interface": spec}).attention_interface for spec in specs]
+    assert runs == [True, False, True, False, False], runs
+    assert parse_family({**base, "attention_interface": ">=999"}).interface_hint == (
+        " (transformers >=999 does: pip install 'transformers>=999')"
+    )
 
 
 def test_unknown_family_is_refused_with_the_supported_list():
@@ -206,4 +223,5 @@ def test_the_family_tables_method_cells_are_what_convert_does(family, calib_text
         except Mha2GqaError as e:
             assert len(str(e).splitlines()) == 1, str(e)
             took = False
-        assert (cells[column] == "yes") == took, (family, column, cells[column])
+        runs = cells[column] == "yes" or (cells[column].startswith("yes (") and families()[family].attention_interface)
+        assert runs == took, (family, column, cells[column])  # "yes (n)": in the transformers versions (n) names

@@ -631,12 +631,26 @@ def test_bad_refit_settings_are_one_line_errors_before_any_work(args, message, c
     assert not (tmp_path / "out").exists()
 
 
-def test_a_family_whose_attention_calibration_cannot_read_refuses_refit(calib_text, tmp_path):
+def test_a_family_whose_attention_calibration_cannot_read_refuses_refit(
+    falcon_before_its_interface, calib_text, tmp_path
+):
     src = source("falcon", calib_text, tmp_path / "src")
     r = CliRunner().invoke(
         main, ["convert", str(src), str(tmp_path / "o"), "-g", "2", "--refit", "--calibration", str(calib_text)]
     )
     assert r.exit_code != 0 and "does not run its attention through" in r.output
+    assert "pip install 'transformers>=999'" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(not families()["falcon"].attention_interface, reason="transformers < 5.25: Falcon bypasses it")
+def test_falcon_refits_where_its_attention_runs_through_the_interface(calib_text, tmp_path):
+    """From transformers 5.25 Falcon's fused grouped qkv calibrates, merges by svd and refits: no
+    layer's refit error above its merge's, and one below it."""
+    src = source("falcon", calib_text, tmp_path / "src")
+    layers = convert_checkpoint(src, tmp_path / "o", 1, **refit(calib_text, "svd")).facts.refit.layers
+    assert len(layers) == 2 and all(0 < r.loss_after <= r.loss_before for r in layers), layers
+    assert any(not r.kept and r.loss_after < r.loss_before for r in layers), layers
 
 
 def test_the_default_refit_gets_most_of_the_gain_of_a_fit_five_times_longer(calib_text, tmp_path):

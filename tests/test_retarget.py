@@ -298,7 +298,7 @@ def _err(src: Path, dst: Path, *args: str) -> str:
     return result.output.strip()
 
 
-def test_refused_families_and_counts_say_why_and_what_is_valid(tmp_path):
+def test_refused_families_and_counts_say_why_and_what_is_valid(falcon_before_its_interface, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
     bloom = save(
