@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 SCHEMA = "mha2gqa.self_text/1"
 #: The sampler's version, in the cache key: a change to how tokens are drawn writes new entries.
-SAMPLER = 5
+SAMPLER = 6
 MANIFEST = "mha2gqa_self_text.json"
 TEXT = "text.txt"
 #: a mix's text file (:func:`mix_file`)
@@ -114,12 +114,14 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float, generator: t
     tokens whose probability reaches ``top_p`` (the most likely token always in it). Only tokens of
     probability at least ``(1 - top_p) / V`` are ranked: those below hold less than ``1 - top_p``
     together, so none of them is in the set (the same set as ranking all; SmolLM2 at 1.0: a median of
-    4K of its 49K tokens, ranked 4x faster)."""
+    4K of its 49K tokens, ranked 4x faster); at ``top_p`` 1 each token is drawn at its probability, unranked."""
     import torch
 
     probs = torch.softmax(logits.float() / temperature, -1)
     floor = (1 - top_p) / probs.shape[-1]
-    k = max(1, int((probs >= floor).sum(-1).max())) if top_p < 1 else probs.shape[-1]
+    if top_p >= 1:  # the whole distribution: nothing to rank (nor a float sum near 1 to cut the tail)
+        return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)[:, 0]
+    k = max(1, int((probs >= floor).sum(-1).max()))
     ranked, order = probs.topk(k, -1)
     ranked = ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0)
     picked = torch.multinomial(ranked.cpu(), 1, generator=generator).to(order.device)

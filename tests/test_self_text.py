@@ -111,8 +111,10 @@ def test_the_nucleus_keeps_the_smallest_set_that_holds_top_p():
     assert only_top.eq(0).all()  # 0.5 >= 0.4: the first token alone
     two = nucleus(logits, 1.0, 0.8, g)  # 0.5 + 0.3 reach 0.8: the first two, renormalized 5:3
     assert set(two.tolist()) == {0, 1} and abs(two.eq(0).float().mean().item() - 0.625) < 0.03
-    every = nucleus(logits, 1.0, 1.0, g)
-    assert set(every.tolist()) == {0, 1, 2, 3}
+    every = nucleus(logits, 1.0, 1.0, g)  # the whole distribution, each token at its probability
+    assert set(every.tolist()) == {0, 1, 2, 3} and abs(every.eq(3).float().mean().item() - 0.05) < 0.015
+    hotter = nucleus(logits, 2.0, 1.0, g)  # temperature 2: probabilities as their square roots
+    assert abs(hotter.eq(3).float().mean().item() - 0.05**0.5 / sum(p**0.5 for p in (0.5, 0.3, 0.15, 0.05))) < 0.02
 
 
 def test_the_mix_interleaves_at_its_share_and_ends_where_either_text_does():
