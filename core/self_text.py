@@ -118,9 +118,9 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float, generator: t
     import torch
 
     probs = torch.softmax(logits.float() / temperature, -1)
-    floor = (1 - top_p) / probs.shape[-1]
     if top_p >= 1:  # the whole distribution: nothing to rank (nor a float sum near 1 to cut the tail)
         return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)[:, 0]
+    floor = (1 - top_p) / probs.shape[-1]
     k = max(1, int((probs >= floor).sum(-1).max()))
     ranked, order = probs.topk(k, -1)
     ranked = ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0)

@@ -263,10 +263,11 @@ def bench_argv(original, converted, output, options: str = "") -> list[str]:
 def cached_heads(family: str, query_heads: int, kv_heads: int) -> int:
     """KV heads the installed transformers caches for ``family``: Falcon broadcast K/V to every query
     head before caching until 5.25, which caches the checkpoint's (measured: 5.24 holds H, 5.25 G)."""
-    import transformers
     from packaging.version import Version
 
-    broadcasts = family == "falcon" and Version(transformers.__version__) < Version("5.25")
+    from mha2gqa.core.families import installed_transformers
+
+    broadcasts = family == "falcon" and installed_transformers() < Version("5.25")
     return query_heads if broadcasts else kv_heads
 
 
