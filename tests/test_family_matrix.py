@@ -44,6 +44,7 @@ FEATURES: dict[str, tuple[int | None, dict]] = {
     "refit": (1, {"refit": True, "refit_steps": 4}),
     "refit-on-layer-outputs": (1, {"refit": True, "refit_steps": 4, "refit_target": "layer"}),
     "refit+distill": (1, {"refit": True, "refit_steps": 4, "distill": True, "distill_steps": 2}),
+    "self-text": (1, {"refit": True, "refit_steps": 4, "self_text": 0.25}),
 }
 
 
@@ -144,6 +145,7 @@ LEARNED_POSITIONS: dict[str, dict] = {
 #: the stages at their default windows: the merge (guarded), the refit (guarded) and the distillation
 DEFAULT_WINDOW_STAGES: dict[str, dict] = {
     "svd": {},
+    "self-text": {"refit": True, "refit_steps": 4, "self_text": 0.25},
     "refit": {"refit": True, "refit_steps": 4},
     "refit+distill": {"refit": True, "refit_steps": 4, "distill": True, "distill_steps": 2},
 }

@@ -76,6 +76,21 @@ def test_a_damaged_cache_is_refused_in_one_line_naming_the_file(model, tmp_path,
     assert "\n" not in message and str(path) in message and "remove" in message
 
 
+def test_a_rescaled_model_writes_the_same_text(model, tmp_path):
+    """The text follows the function, not how its weights are written: the same model rescaled
+    (exact powers of two, ``test_guard._rescaled``) writes the same bytes for the same seed."""
+    from conftest import load, save
+    from test_guard import _rescaled
+    from transformers import AutoTokenizer
+
+    m = load(model)
+    _rescaled(m)
+    other = save(m, tmp_path / "rescaled")
+    AutoTokenizer.from_pretrained(model).save_pretrained(other)
+    a, b = self_text(model, SMALL, tmp_path / "a"), self_text(str(other), SMALL, tmp_path / "b")
+    assert a.path.read_bytes() == b.path.read_bytes() and a.tokens >= SMALL.tokens
+
+
 def test_a_chat_template_gives_every_other_batch_a_user_turn_to_start_from(model, tmp_path):
     from transformers import AutoTokenizer
 

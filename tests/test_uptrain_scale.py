@@ -264,6 +264,30 @@ def test_training_waits_for_the_chunk_a_concurrent_teacher_pass_is_writing(tmp_p
     assert torch.equal(got["indices"], part["indices"][0])
 
 
+@pytest.mark.parametrize("budget", [None, 0, 1100])
+def test_a_teacher_pass_computes_a_window_it_reads_again_once(budget):
+    """Two epochs of 5 windows, 2 a step: each window's top-K form is computed once (within the
+    budget; with none, again each time it is read) and is what computing that step anew gives."""
+    from conftest import random_model, tiny_config
+
+    from mha2gqa.uptrain.teacher_cache import FIELDS, Seen, StepWindows, teacher_part
+
+    teacher = random_model(tiny_config("llama"), seed=1)
+    tokens = torch.randint(3, 96, (5, 9), generator=torch.Generator().manual_seed(0))
+    asked: list[int] = []
+    windows = StepWindows(lambda step: [], lambda ids: (asked.extend(ids), tokens[ids])[1])
+    seen = Seen() if budget is None else Seen(budget)
+    for ids in ([0, 1], [2, 3], [4, 0], [1, 2], [3, 4]):
+        got = seen.step(teacher, ids, windows, {"top_k": 8, "temperature": 2.0}, 2)
+        direct = teacher_part(teacher, tokens[ids], 8, 2.0, 2)
+        for k in FIELDS:
+            torch.testing.assert_close(got[k], direct[k], atol=1e-5, rtol=1e-5)
+    one = 8 * (8 * 4 + 8 * 4 + 4)  # a window: 8 positions of 8 values, 8 indices and a rest, 4 bytes each
+    kept = 5 if budget is None else min(5, budget // one)
+    assert seen.computed == len(asked) == 5 + 5 - kept and sorted(asked[:5]) == [0, 1, 2, 3, 4]
+    assert seen.bytes == kept * one <= (budget if budget is not None else seen.budget)
+
+
 def test_a_tampered_teacher_cache_manifest_is_refused(tmp_path):
     from mha2gqa.uptrain.teacher_cache import MANIFEST, TeacherCache
 

@@ -20,6 +20,7 @@ from mha2gqa.uptrain.sharding import fsdp_mesh, in_turns, load_optimizer, shard
 from mha2gqa.uptrain.teacher_cache import (
     CachedTeacher,
     PassShare,
+    StepWindows,
     TeacherCache,
     chunk_steps,
     fill,
@@ -163,11 +164,11 @@ def cached_teacher(up: Uptraining, s: UptrainSettings, acc, order: WindowOrder, 
             teacher = load_teacher(up, s, acc)
             rows = rank_rows(s, acc)
 
-            def batch_rows(step: int) -> torch.Tensor:
-                return up.store.windows(order.batch(step)[rows], up.seq_len)
-
+            windows = StepWindows(
+                lambda step: order.batch(step)[rows].tolist(), lambda ids: up.store.windows(ids, up.seq_len)
+            )
             share = PassShare(acc.process_index, acc.num_processes, up.micro)
-            fill(cache, teacher, missing, up.total, batch_rows, share, say, s.progress and acc.is_main_process)
+            fill(cache, teacher, missing, up.total, windows, share, say, s.progress and acc.is_main_process)
             del teacher
             gc.collect()
             trim()

@@ -46,6 +46,9 @@ _PART = re.compile(r"^chunk-(\d{6})-steps-(\d+)-part-(\d+)-of-(\d+)\.safetensors
 #: Training tokens per chunk (a chunk is at least one step).
 CHUNK_TOKENS = 1 << 16
 FIELDS = ("values", "indices", "rest")
+#: The most bytes of top-K forms a teacher pass keeps to give a window it reads again (past them, such
+#: a window is computed again): 8K + 4 bytes a token, so 256 MiB hold some 500 windows of 1,024 at K 64.
+REUSE_BYTES = 256 << 20
 
 
 def chunk_steps(batch_size: int, seq_len: int) -> int:
@@ -267,26 +270,59 @@ class PassShare:
     micro: int
 
 
+@dataclass(frozen=True)
+class StepWindows:
+    """The windows a teacher pass computes: ``ids(step)``, this process's window indices of 0-based
+    optimizer step ``step`` (in row order), and ``tokens(ids)``, their ``[n, T + 1]`` tokens."""
+
+    ids: Callable[[int], list[int]]
+    tokens: Callable[[list[int]], torch.Tensor]
+
+
+class Seen:
+    """The top-K forms a pass has computed, by window index, up to ``budget`` bytes: a run of more
+    than one epoch reads every window again, and a window's form does not depend on its step."""
+
+    def __init__(self, budget: int = REUSE_BYTES) -> None:
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+        self.budget, self.bytes, self.computed = budget, 0, 0
+
+    def step(self, teacher: torch.nn.Module, ids: list[int], windows: StepWindows, s: dict[str, Any], micro: int):
+        """``values``/``indices``/``rest`` ``[len(ids), T, ...]`` of windows ``ids``, each computed once
+        (:func:`teacher_part`, ``micro`` windows a forward) while it fits the budget."""
+        new = [i for i in dict.fromkeys(ids) if i not in self.kept]
+        fresh: dict[int, dict[str, torch.Tensor]] = {}
+        if new:
+            form = teacher_part(teacher, windows.tokens(new), s["top_k"], s["temperature"], micro)
+            fresh = {i: {k: form[k][n].clone() for k in FIELDS} for n, i in enumerate(new)}
+            self.computed += len(new)
+        for i, one in fresh.items():
+            size = sum(t.numel() * t.element_size() for t in one.values())
+            if self.bytes + size <= self.budget:
+                self.kept[i], self.bytes = one, self.bytes + size
+        return {k: torch.stack([(fresh[i] if i in fresh else self.kept[i])[k] for i in ids]) for k in FIELDS}
+
+
 def fill(
     cache: TeacherCache,
     teacher: torch.nn.Module,
     chunks: list[int],
     total: int,
-    batch_rows: Callable[[int], torch.Tensor],
+    windows: StepWindows,
     share: PassShare,
     log: Callable[[str], None],
     progress: bool = False,
 ) -> None:
     """Compute and publish this process's part of every chunk in ``chunks`` (their steps a run of
-    ``total`` steps reads), in order, with a bar over the steps (``progress``).
-    ``batch_rows(step)``: this process's ``[B/P, T + 1]`` windows of 0-based optimizer step ``step``."""
+    ``total`` steps reads), in order, with a bar over the steps (``progress``); a window the pass read
+    at an earlier step is taken from there (:class:`Seen`)."""
     from mha2gqa.core.progress import bar as progress_bar
     from mha2gqa.core.signals import check as check_signals
 
-    part, parts, micro = share.part, share.parts, share.micro
+    part, parts = share.part, share.parts
     s = cache.settings
     started = time.perf_counter()
-    tail, tokens = 0.0, 0
+    tail, tokens, seen, read = 0.0, 0, Seen(), 0
     count = sum(cache.steps_of(chunk, total) for chunk in chunks)
     bar = progress_bar(total=count, unit="step", desc="teacher pass", disable=not progress)
     for n, chunk in enumerate(chunks):
@@ -294,15 +330,18 @@ def fill(
         start = chunk * cache.chunk_steps
         done = []
         for step in range(start, start + cache.steps_of(chunk, total)):
-            done.append(teacher_part(teacher, batch_rows(step), s["top_k"], s["temperature"], micro))
+            ids = windows.ids(step)
+            done.append(seen.step(teacher, ids, windows, s, share.micro))
+            read += len(ids)
             bar.update(1)
         cache.write_part(chunk, part, parts, {k: torch.stack([d[k] for d in done]) for k in FIELDS})
         tail += sum(float(d["rest"].exp().sum()) for d in done)
         tokens += sum(d["rest"].numel() for d in done)
         if n == 0 or (n + 1) % 10 == 0 or n + 1 == len(chunks):
             log(
-                f"teacher pass: chunk {n + 1:,}/{len(chunks):,} ({time.perf_counter() - started:.1f} s; the "
-                f"teacher's mass outside its top {s['top_k']}: {tail / max(tokens, 1):.2%} on average)"
+                f"teacher pass: chunk {n + 1:,}/{len(chunks):,} ({time.perf_counter() - started:.1f} s, "
+                f"{seen.computed:,} of {read:,} windows computed; the teacher's mass outside its top "
+                f"{s['top_k']}: {tail / max(tokens, 1):.2%} on average)"
             )
     bar.close()
 
