@@ -15,8 +15,10 @@ training order, one file per teacher process::
 
 written beside its final name and renamed into place, with the sha256 of its tensor bytes in its
 metadata (checked when read: a damaged or tampered chunk is one line naming it). 8K + 4 bytes per
-training token. Chunks are filled in step order, so a teacher pass (``uptrain --teacher-only``) can
-run ahead of a training run that reads the same entry: the trainer waits for a chunk it needs.
+training token. A window the steps read again (a run of more than one epoch) is computed once
+(:class:`Seen`, within :data:`REUSE_BYTES`). Chunks are filled in step order, so a teacher pass
+(``uptrain --teacher-only``) can run ahead of a training run that reads the same entry: the trainer
+waits for a chunk it needs.
 """
 
 from __future__ import annotations
@@ -287,7 +289,9 @@ class Seen:
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
         self.budget, self.bytes, self.computed = budget, 0, 0
 
-    def step(self, teacher: torch.nn.Module, ids: list[int], windows: StepWindows, s: dict[str, Any], micro: int):
+    def step(
+        self, teacher: torch.nn.Module, ids: list[int], windows: StepWindows, s: dict[str, Any], micro: int
+    ) -> dict[str, torch.Tensor]:
         """``values``/``indices``/``rest`` ``[len(ids), T, ...]`` of windows ``ids``, each computed once
         (:func:`teacher_part`, ``micro`` windows a forward) while it fits the budget."""
         new = [i for i in dict.fromkeys(ids) if i not in self.kept]
