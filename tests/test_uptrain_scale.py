@@ -284,7 +284,7 @@ def test_a_teacher_pass_computes_a_window_it_reads_again_once(budget):
             torch.testing.assert_close(got[k], direct[k], atol=1e-5, rtol=1e-5)
     one = 8 * (8 * 4 + 8 * 4 + 4)  # a window: 8 positions of 8 values, 8 indices and a rest, 4 bytes each
     kept = 5 if budget is None else min(5, budget // one)
-    assert seen.computed == len(asked) == 5 + 5 - kept and sorted(asked[:5]) == [0, 1, 2, 3, 4]
+    assert seen.computed == len(asked) == 5 + 5 - kept and sorted(asked[:5]) == [0, 1, 2, 3, 4] and seen.read == 10
     assert seen.bytes == kept * one <= (budget if budget is not None else seen.budget)
 
 

@@ -287,7 +287,7 @@ class Seen:
 
     def __init__(self, budget: int = REUSE_BYTES) -> None:
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
-        self.budget, self.bytes, self.computed = budget, 0, 0
+        self.budget, self.bytes, self.computed, self.read = budget, 0, 0, 0
 
     def step(
         self, teacher: torch.nn.Module, ids: list[int], windows: StepWindows, s: dict[str, Any], micro: int
@@ -298,12 +298,13 @@ class Seen:
         fresh: dict[int, dict[str, torch.Tensor]] = {}
         if new:
             form = teacher_part(teacher, windows.tokens(new), s["top_k"], s["temperature"], micro)
-            fresh = {i: {k: form[k][n].clone() for k in FIELDS} for n, i in enumerate(new)}
+            fresh = {i: {k: form[k][n] for k in FIELDS} for n, i in enumerate(new)}
             self.computed += len(new)
+        self.read += len(ids)
         for i, one in fresh.items():
             size = sum(t.numel() * t.element_size() for t in one.values())
-            if self.bytes + size <= self.budget:
-                self.kept[i], self.bytes = one, self.bytes + size
+            if self.bytes + size <= self.budget:  # a copy: a view would hold its whole batch
+                self.kept[i], self.bytes = {k: t.clone() for k, t in one.items()}, self.bytes + size
         return {k: torch.stack([(fresh[i] if i in fresh else self.kept[i])[k] for i in ids]) for k in FIELDS}
 
 
@@ -326,7 +327,7 @@ def fill(
     part, parts = share.part, share.parts
     s = cache.settings
     started = time.perf_counter()
-    tail, tokens, seen, read = 0.0, 0, Seen(), 0
+    tail, tokens, seen = 0.0, 0, Seen()
     count = sum(cache.steps_of(chunk, total) for chunk in chunks)
     bar = progress_bar(total=count, unit="step", desc="teacher pass", disable=not progress)
     for n, chunk in enumerate(chunks):
@@ -334,9 +335,7 @@ def fill(
         start = chunk * cache.chunk_steps
         done = []
         for step in range(start, start + cache.steps_of(chunk, total)):
-            ids = windows.ids(step)
-            done.append(seen.step(teacher, ids, windows, s, share.micro))
-            read += len(ids)
+            done.append(seen.step(teacher, windows.ids(step), windows, s, share.micro))
             bar.update(1)
         cache.write_part(chunk, part, parts, {k: torch.stack([d[k] for d in done]) for k in FIELDS})
         tail += sum(float(d["rest"].exp().sum()) for d in done)
@@ -344,7 +343,7 @@ def fill(
         if n == 0 or (n + 1) % 10 == 0 or n + 1 == len(chunks):
             log(
                 f"teacher pass: chunk {n + 1:,}/{len(chunks):,} ({time.perf_counter() - started:.1f} s, "
-                f"{seen.computed:,} of {read:,} windows computed; the teacher's mass outside its top "
+                f"{seen.computed:,} of {seen.read:,} windows computed; the teacher's mass outside its top "
                 f"{s['top_k']}: {tail / max(tokens, 1):.2%} on average)"
             )
     bar.close()
