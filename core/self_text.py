@@ -7,7 +7,8 @@ token, else EOS: the first token is sampled from what the model writes first), a
 tokenizer has a chat template, every other batch starts where the template opens a user turn, so an
 instruct model writes both sides of a conversation; no batch writes more than its start's share of
 the budget, so a budget one batch could fill holds both kinds. Sampling is seeded, with a temperature and
-nucleus (top-p) cut, batched with the KV cache; a document ends at EOS or its token budget.
+nucleus (top-p) cut, batched with the KV cache, in bfloat16 where the device computes it natively; a
+document ends at EOS or its token budget.
 
 An entry is a folder ``<cache>/self-text/<key>`` (the key: a hash of the model's identity, the
 settings, the device and dtype and the library versions), written batch by batch:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 SCHEMA = "mha2gqa.self_text/1"
 #: The sampler's version, in the cache key: a change to how tokens are drawn writes new entries.
-SAMPLER = 6
+SAMPLER = 7
 MANIFEST = "mha2gqa_self_text.json"
 TEXT = "text.txt"
 #: a mix's text file (:func:`mix_file`)
@@ -109,23 +110,49 @@ def starts(tokenizer, chat: bool) -> list[list[int]]:
     return out
 
 
+#: tokens ranked first for each row (:func:`nucleus`); a row whose nucleus reaches past them is ranked again
+#: on all its candidates (SmolLM2 at 1.0, top-p 0.95: a median nucleus of some hundreds of its 49K tokens)
+RANK_FIRST = 1024
+
+
 def nucleus(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``logits`` ``[B, V]``: sampled at ``temperature`` from the smallest set of
-    tokens whose probability reaches ``top_p`` (the most likely token always in it). Only tokens of
-    probability at least ``(1 - top_p) / V`` are ranked: those below hold less than ``1 - top_p``
-    together, so none of them is in the set (the same set as ranking all; SmolLM2 at 1.0: a median of
-    4K of its 49K tokens, ranked 4x faster); at ``top_p`` 1 each token is drawn at its probability, unranked."""
+    tokens whose probability reaches ``top_p`` (the most likely token always in it), by the inverse of
+    the set's cumulative distribution at one uniform draw a row (from ``generator``). Each row ranks its
+    :data:`RANK_FIRST` most likely tokens, and only a row whose set reaches past them ranks its tokens
+    of probability at least ``(1 - top_p) / V``: those below hold less than ``1 - top_p`` together, so
+    none of them is in the set (the same set as ranking all); at ``top_p`` 1 each token is drawn at its
+    probability, unranked."""
     import torch
 
     probs = torch.softmax(logits.float() / temperature, -1)
+    u = torch.rand(probs.shape[0], generator=generator).to(probs.device)
     if top_p >= 1:  # the whole distribution: nothing to rank (nor a float sum near 1 to cut the tail)
-        return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)[:, 0]
-    floor = (1 - top_p) / probs.shape[-1]
-    k = max(1, int((probs >= floor).sum(-1).max()))
-    ranked, order = probs.topk(k, -1)
-    ranked = ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0)
-    picked = torch.multinomial(ranked.cpu(), 1, generator=generator).to(order.device)
-    return order.gather(-1, picked)[:, 0]
+        return _inverse(probs, u)
+    k = max(1, int((probs >= (1 - top_p) / probs.shape[-1]).sum(-1).max()))
+    ranked, order = probs.topk(min(k, RANK_FIRST), -1)
+    out = order.gather(-1, _inverse(_cut(ranked, top_p), u)[:, None])[:, 0]
+    short = (ranked.sum(-1) < top_p).nonzero()[:, 0]  # rows whose set reaches past the first ranks
+    if k > RANK_FIRST and short.numel():
+        ranked, order = probs[short].topk(k, -1)
+        out[short] = order.gather(-1, _inverse(_cut(ranked, top_p), u[short])[:, None])[:, 0]
+    return out
+
+
+def _cut(ranked: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``ranked`` ``[B, k]`` (probabilities, descending) less every token after the first that reach ``top_p``."""
+    return ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0)
+
+
+def _inverse(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The column of each row of ``weights`` ``[B, k]`` (non-negative) where its cumulative sum passes
+    ``u`` ``[B]`` (uniform in [0, 1)) times its total: a draw at each column's share of the row."""
+    import torch
+
+    cumulative = weights.cumsum(-1)
+    at = torch.searchsorted(cumulative, (u * cumulative[:, -1])[:, None], right=True)[:, 0]
+    last = (cumulative < cumulative[:, -1:]).sum(-1)  # the column that reaches the total (a rounded u: no further)
+    return torch.minimum(at, last)
 
 
 def write_batch(
@@ -257,6 +284,17 @@ class Entry:
             n += 1
 
 
+def writing_dtype(device: torch.device) -> torch.dtype:
+    """What the model writes in: bfloat16 where ``device`` computes it natively (a GPU, a CPU with
+    AVX512-BF16 or AMX: SmolLM2-135M writes 1.44x as many tokens a second on 2 such cores,
+    benchmarks/self_text_speed.py), else float32."""
+    import torch
+
+    from mha2gqa.core.models import computes_bf16
+
+    return torch.bfloat16 if computes_bf16(device) else torch.float32
+
+
 def _material(model: str, folder: Path, s: SelfTextSettings, device: torch.device, dtype: torch.dtype) -> dict:
     import torch
 
@@ -285,10 +323,10 @@ def self_text(model: str, s: SelfTextSettings, root: Path | None = None, log: Ca
     parts a stopped run recorded (under the entry's lock: runs sharing a cache write it once)."""
     from mha2gqa.core.cache import cache_root, entry_name, locked
     from mha2gqa.core.checkpoint import resolve_folder
-    from mha2gqa.core.models import resolve_device, resolve_dtype
+    from mha2gqa.core.models import resolve_device
 
     device = resolve_device(s.device)
-    dtype = resolve_dtype("auto", device)
+    dtype = writing_dtype(device)
     folder = resolve_folder(model, None, False)[0]
     material = _material(model, folder, s, device, dtype)
     root = Path(root) if root is not None else cache_root() / "self-text"
@@ -383,15 +421,29 @@ def _write(model: str, entry: Entry, key: str, s: SelfTextSettings, place, log, 
 
 
 # -- the mix ----------------------------------------------------------------------------------------
+#: the fewest characters of the user's text kept together in a mix (about a calibration window of
+#: English prose, 512 tokens): a window the stages read holds a stretch of the user's text as written,
+#: its references back within reach, beside the model's documents
+PIECE = 2048
+#: the fewest pieces of the user's text a mix holds (a short written text takes shorter pieces, so its
+#: share stays what was asked)
+PIECES = 8
+#: how a mix is made, in its cache key: another rule writes another entry
+MIXING = 2
+
+
 def mixed(written: str, user: str, share: float) -> tuple[str, float]:
-    """The written text's documents and pieces of the user's text ``user`` (whole lines, about a
-    written document's length each, whatever its layout: paragraphs or a line each) interleaved, one
+    """The written text's documents and pieces of the user's text ``user`` (whole lines, at least
+    :data:`PIECE` characters, or less where the written text would then meet fewer than :data:`PIECES`
+    of them, and a written document's length each, whatever its layout: paragraphs or
+    a line each) interleaved, one
     kind after the other as each falls behind its share of the characters (``share``: the written
     text's), until one kind runs out (the user's pieces then until the share is met): every stretch of
     the text holds both at that share, its end too (where the stage guard's held-out windows are cut).
     Returns the text and the written share it has."""
     ours = [d for d in written.split(SEPARATOR) if d.strip()]
-    theirs = _pieces(user, sum(map(len, ours)) // max(len(ours), 1))
+    held = sum(map(len, ours))
+    theirs = _pieces(user, max(held // max(len(ours), 1), min(PIECE, int(held * (1 - share) / share) // PIECES)))
     out, have, i, j = [], [0, 0], 0, 0
     while j < len(theirs) and (i < len(ours) or have[0] > share * sum(have)):
         if i < len(ours) and have[0] <= share * sum(have):
@@ -427,7 +479,9 @@ def mix_file(written: Written, user: str, share: float, root: Path | None = None
 
     user_sha = hashlib.sha256(user.encode("utf-8")).hexdigest()
     root = Path(root) if root is not None else cache_root() / "self-text"
-    key = "mix-" + entry_name({"schema": SCHEMA, "written": written.sha256, "user": user_sha, "share": share})
+    key = "mix-" + entry_name(
+        {"schema": SCHEMA, "mixing": MIXING, "written": written.sha256, "user": user_sha, "share": share}
+    )
     entry = Entry(root / key)
     with locked(root, key, f"self-text cache {root}"):
         if (entry.folder / MANIFEST).is_file():

@@ -126,6 +126,11 @@ class DistillSettings:
         :data:`LAYOUT`, how a run lays it over its processes."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in LAYOUT}
 
+    def reads(self, convert: ConvertSettings, positions: int | None) -> int:
+        """Tokens the distillation reads of the calibration text: its steps' windows (0: it is off)."""
+        window = calibration_window(convert.calibration_seq_len, positions)
+        return self.distill_steps * self.distill_batch * window if self.distill else 0
+
     def arithmetic(self, convert: ConvertSettings) -> str:
         """``--distill-precision`` as this machine runs it (``auto``: bf16 here, float32 there): the resume
         fingerprint holds it, so that no run continues another arithmetic's checkpoint."""

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mha2gqa.core.dims import max_positions
 from mha2gqa.core.ranks import Ranks, under_launcher
 from mha2gqa.pipeline.recipe import Recipe
 
@@ -114,7 +115,8 @@ def _convert_and_distill(p: Prepared):
     from mha2gqa.pipeline.distill import CONVERTED, DISTILLED, Held, distil, publish
 
     s, d, log = p.recipe.convert, p.recipe.distill, p.log
-    first = with_own_text(p.conversion, log, s)  # (once: the conversion and the distillation read it)
+    reads = d.reads(s, max_positions(p.conversion.ckpt.config))
+    first = with_own_text(p.conversion, log, s, reads)  # (once: the conversion and the distillation read it)
     dst = first.dst
     team = _processes(s.device)
     if not team.main:

@@ -149,6 +149,19 @@ def test_the_distillation_reads_the_mix_too(setup, tmp_path, cache):
     assert read["sha256"] == hashlib.sha256(the_mix(cache).read_bytes()).hexdigest()
 
 
+def test_the_model_writes_its_share_of_every_window_the_distillation_reads(setup, tmp_path, cache):
+    """The distillation reads 32 windows of 16 tokens, twice the calibration budget: the model's text is
+    its share of those, so the mix (which ends where that text does) holds a window for every read."""
+    src, text = setup
+    args = ["convert", src, str(tmp_path / "d"), "-g", "2", "--method", "svd", "--distill", "--distill-steps", "8",
+            "--distill-batch", "4", "--calibration", str(text), "--calibration-tokens", "256",
+            "--calibration-seq-len", str(WINDOW), "--self-text", "0.5", "--device", "cpu", "-q"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "d" / "mha2gqa_conversion.json").read_text())
+    assert record["conversion"]["calibration"]["own"]["tokens"] >= 0.5 * 8 * 4 * WINDOW > 0.5 * 256 * own_text.MARGIN
+
+
 def _stopped_after_layer_0(src, dst, monkeypatch, **kw) -> None:
     """A --self-text refit into ``dst`` stopped as a kill would, before layer 1's record."""
     import mha2gqa.convert.refit.layerwise as layerwise

@@ -132,7 +132,27 @@ def test_the_nucleus_keeps_the_smallest_set_that_holds_top_p():
     assert abs(hotter.eq(3).float().mean().item() - 0.05**0.5 / sum(p**0.5 for p in (0.5, 0.3, 0.15, 0.05))) < 0.02
 
 
-def test_the_mix_interleaves_at_its_share_and_ends_where_either_text_does():
+@pytest.mark.parametrize("first", [1024, 8])
+def test_the_nucleus_ranks_a_few_tokens_first_and_draws_what_ranking_all_would(first, monkeypatch):
+    """Rows peaked and flat (a nucleus of one token to thousands): the tokens drawn are those of the set
+    ranked over the whole vocabulary and the same uniform draws, whether a row's set lies within its
+    first ranks or reaches past them (``RANK_FIRST`` 8)."""
+    monkeypatch.setattr(st, "RANK_FIRST", first)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 5000, generator=g) * torch.linspace(0.05, 12, 64)[:, None]
+    for top_p in (0.5, 0.95):
+        drawn = nucleus(logits, 1.0, top_p, torch.Generator().manual_seed(1))
+        u = torch.rand(64, generator=torch.Generator().manual_seed(1))
+        probs, order = torch.softmax(logits, -1).sort(-1, descending=True)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)
+        cumulative = probs.cumsum(-1)
+        at = (cumulative <= (u * cumulative[:, -1])[:, None]).sum(-1)
+        assert torch.equal(drawn, order.gather(-1, at[:, None])[:, 0])
+        assert probs.gt(0).sum(-1).max() > 8 and probs.gt(0).sum(-1).min() == 1  # (both kinds of row)
+
+
+def test_the_mix_interleaves_at_its_share_and_ends_where_either_text_does(monkeypatch):
+    monkeypatch.setattr(st, "PIECE", 1)  # (pieces of a document's size; PIECE's own test below)
     ours = st.SEPARATOR.join(["a" * 10] * 6)
     text, share = mixed(ours, "\n".join(["b" * 10] * 3), 0.5)  # a line each: pieces of whole lines
     assert text.strip().split(st.SEPARATOR) == ["a" * 10, "b" * 10] * 3 and share == pytest.approx(0.5)
@@ -142,6 +162,19 @@ def test_the_mix_interleaves_at_its_share_and_ends_where_either_text_does():
     assert docs[-4:].count("a" * 10) >= 1  # the end holds both kinds too
     text, _ = mixed(st.SEPARATOR.join(["a" * 30] * 2), "\n".join(["b" * 10] * 9), 0.5)
     assert text.strip().split(st.SEPARATOR)[1] == "\n".join(["b" * 10] * 3)  # pieces of a document's size
+
+
+def test_the_users_text_comes_in_pieces_of_a_window_however_short_the_models_documents():
+    """Documents of 10 characters, lines of 100: each piece of the user's text holds at least PIECE
+    characters of it, in its own order, between the model's documents."""
+    ours = st.SEPARATOR.join(["a" * 10] * 2000)
+    user = "\n".join(f"{i:03d}" + "b" * 96 for i in range(200))
+    docs = mixed(ours, user, 0.25)[0].strip().split(st.SEPARATOR)
+    theirs = [d for d in docs if "b" in d]
+    assert all(len(d) >= st.PIECE for d in theirs[:-1]) and "\n".join(theirs) == user[: len("\n".join(theirs))]
+    assert docs.count("a" * 10) > len(theirs)  # (the model's documents between them)
+    short = mixed(st.SEPARATOR.join(["a" * 10] * 40), user, 0.25)  # too little written for pieces of PIECE
+    assert short[1] == pytest.approx(0.25, abs=0.05)
 
 
 def test_the_command_writes_its_output_with_a_record_and_refuses_bad_input(model, tmp_path, monkeypatch):

@@ -45,15 +45,16 @@ class OwnTextFiles:
 
 
 def own_text(
-    folder: Path, s: ConvertSettings, positions: int | None, log: Callable[[str], None] | None
+    folder: Path, s: ConvertSettings, positions: int | None, log: Callable[[str], None] | None, reads: int = 0
 ) -> OwnTextFiles:
     """The mix of ``s.calibration`` and the text the model in ``folder`` writes (``s.self_text`` of it),
-    and the guard's sample, written or found in the cache (``positions``: the model's, for the window)."""
+    and the guard's sample, written or found in the cache (``positions``: the model's, for the window;
+    ``reads``: the tokens a later stage reads of the mix, the distillation's)."""
     from mha2gqa.core.self_text import SelfTextSettings, mix_file, self_text
 
     assert s.self_text is not None and s.calibration
     seed = s.seed % 2**31
-    sampling = SelfTextSettings(tokens=_tokens(s), seed=seed, device=s.device).check()
+    sampling = SelfTextSettings(tokens=_tokens(s, reads), seed=seed, device=s.device).check()
     user = _before_guard(folder, s, positions)
     if not user.strip():
         raise SettingError(
@@ -79,9 +80,11 @@ def own_text(
     return OwnTextFiles(mix, sample, facts)
 
 
-def _tokens(s: ConvertSettings) -> int:
-    """Tokens the model writes: its share of the calibration budget, and a margin."""
-    return max(1, math.ceil(s.self_text * s.calibration_tokens * MARGIN))
+def _tokens(s: ConvertSettings, reads: int = 0) -> int:
+    """Tokens the model writes: its share of what the stages read (the calibration budget, or the
+    distillation's ``reads`` where they are more: the mix ends where the model's text does, so every
+    window a stage reads is a distinct one), and a margin."""
+    return max(1, math.ceil(s.self_text * max(s.calibration_tokens, reads) * MARGIN))
 
 
 def _before_guard(folder: Path, s: ConvertSettings, positions: int | None) -> str:
@@ -101,14 +104,15 @@ def _before_guard(folder: Path, s: ConvertSettings, positions: int | None) -> st
     return text[: max(0, len(text) - 2 * len(tail))]
 
 
-def with_own_text(c, log: Callable[[str], None] | None = None, s: ConvertSettings | None = None):
+def with_own_text(c, log: Callable[[str], None] | None = None, s: ConvertSettings | None = None, reads: int = 0):
     """The conversion ``c`` with its ``--self-text`` written (``c.own``), once; ``s``: the settings that
-    ask for it where the conversion's own do not read text (a recipe that only distils)."""
+    ask for it where the conversion's own do not read text (a recipe that only distils); ``reads``: the
+    tokens the distillation after it reads."""
     from mha2gqa.core.dims import max_positions
 
     s = s or c.settings
     if c.own is not None or s.self_text is None or not c.changes:
         return c
-    own = own_text(c.ckpt.folder, s, max_positions(c.ckpt.config), log)
+    own = own_text(c.ckpt.folder, s, max_positions(c.ckpt.config), log, reads)
     fingerprint = c.fingerprint and c.fingerprint | {FINGERPRINT_KEY: {"mix sha256": own.facts.mix_sha256}}
     return dataclasses.replace(c, own=own, fingerprint=fingerprint)
