@@ -130,18 +130,18 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float, generator: t
     if top_p >= 1:  # the whole distribution: nothing to rank (nor a float sum near 1 to cut the tail)
         return _inverse(probs, u)
     k = max(1, int((probs >= (1 - top_p) / probs.shape[-1]).sum(-1).max()))
-    ranked, order = probs.topk(min(k, RANK_FIRST), -1)
-    out = order.gather(-1, _inverse(_cut(ranked, top_p), u)[:, None])[:, 0]
-    short = (ranked.sum(-1) < top_p).nonzero()[:, 0]  # rows whose set reaches past the first ranks
-    if k > RANK_FIRST and short.numel():
-        ranked, order = probs[short].topk(k, -1)
-        out[short] = order.gather(-1, _inverse(_cut(ranked, top_p), u[short])[:, None])[:, 0]
+    out, short = _ranked_draw(probs, min(k, RANK_FIRST), top_p, u)
+    if k > RANK_FIRST and short.any():  # rows whose set reaches past the first ranks: all their candidates
+        out[short] = _ranked_draw(probs[short], k, top_p, u[short])[0]
     return out
 
 
-def _cut(ranked: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``ranked`` ``[B, k]`` (probabilities, descending) less every token after the first that reach ``top_p``."""
-    return ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0)
+def _ranked_draw(probs: torch.Tensor, k: int, top_p: float, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B] tokens, [B] whether a row's top ``k`` hold less than ``top_p``)``: each row of ``probs``
+    ``[B, V]`` ranked to its ``k`` most likely, cut after the first that reach ``top_p``, drawn at ``u``."""
+    ranked, order = probs.topk(k, -1)
+    cut = ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0)
+    return order.gather(-1, _inverse(cut, u)[:, None])[:, 0], ranked.sum(-1) < top_p
 
 
 def _inverse(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -433,17 +433,14 @@ MIXING = 2
 
 
 def mixed(written: str, user: str, share: float) -> tuple[str, float]:
-    """The written text's documents and pieces of the user's text ``user`` (whole lines, at least
-    :data:`PIECE` characters, or less where the written text would then meet fewer than :data:`PIECES`
-    of them, and a written document's length each, whatever its layout: paragraphs or
-    a line each) interleaved, one
-    kind after the other as each falls behind its share of the characters (``share``: the written
-    text's), until one kind runs out (the user's pieces then until the share is met): every stretch of
-    the text holds both at that share, its end too (where the stage guard's held-out windows are cut).
-    Returns the text and the written share it has."""
+    """The written text's documents and pieces of the user's text ``user`` (whole lines, of
+    :func:`_piece_size` each, whatever its layout: paragraphs or a line each) interleaved, one kind
+    after the other as each falls behind its share of the characters (``share``: the written text's),
+    until one kind runs out (the user's pieces then until the share is met): every stretch of the text
+    holds both at that share, its end too (where the stage guard's held-out windows are cut). Returns
+    the text and the written share it has."""
     ours = [d for d in written.split(SEPARATOR) if d.strip()]
-    held = sum(map(len, ours))
-    theirs = _pieces(user, max(held // max(len(ours), 1), min(PIECE, int(held * (1 - share) / share) // PIECES)))
+    theirs = _pieces(user, _piece_size(ours, share))
     out, have, i, j = [], [0, 0], 0, 0
     while j < len(theirs) and (i < len(ours) or have[0] > share * sum(have)):
         if i < len(ours) and have[0] <= share * sum(have):
@@ -453,6 +450,14 @@ def mixed(written: str, user: str, share: float) -> tuple[str, float]:
             out.append(theirs[j])
             have[1], j = have[1] + len(theirs[j]), j + 1
     return SEPARATOR.join(out) + "\n", have[0] / max(sum(have), 1)
+
+
+def _piece_size(ours: list[str], share: float) -> int:
+    """The fewest characters of a piece of the user's text beside the written documents ``ours``:
+    :data:`PIECE`, or less where the written text would then meet fewer than :data:`PIECES` of them at
+    ``share``, and never less than a written document's mean length."""
+    held = sum(map(len, ours))
+    return max(held // max(len(ours), 1), min(PIECE, int(held * (1 - share) / share) // PIECES))
 
 
 def _pieces(text: str, size: int) -> list[str]:
